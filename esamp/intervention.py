@@ -1,0 +1,132 @@
+"""The sampler intervention, as pure tensor functions shared by every engine.
+
+Per row: z̃ = z / T.  C = the tokens kept by the request's own top-k, top-p and min-p on z̃, the
+argmax always kept.  For c in C:
+
+    paper        z'_c = (1 + β)·z̃_c − β·d_c
+    unsharpened  z'_c = z̃_c − β·d_c
+
+and z'_c = −∞ outside C, where d = W_lm·ŷ are the Distiller logits (the LM head applied to the
+Distiller's prediction, no final norm, no temperature).  d is computed only for candidate tokens.
+With β = 0 both mixes return z̃ on C bit for bit, so sampling equals plain sampling.
+"""
+
+from __future__ import annotations
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+def scale_logits(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """z / T per row, in fp32. Rows with T == 0 (greedy) are left unscaled."""
+    t = temperature.to(device=logits.device, dtype=torch.float32).reshape(-1, 1)
+    t = torch.where(t > 0, t, torch.ones_like(t))
+    return logits.float() / t
+
+
+def candidate_mask(
+    scaled: torch.Tensor,  # [R, V] z / T
+    top_k: torch.Tensor,  # [R] int, 0 = off
+    top_p: torch.Tensor,  # [R] float, 1 = off
+    min_p: torch.Tensor,  # [R] float, 0 = off
+) -> torch.Tensor:
+    """Boolean [R, V]: tokens the request's own filters keep. The argmax is always kept.
+
+    top-k keeps the k largest; top-p keeps the smallest prefix of the sorted distribution whose
+    mass reaches p (the token that crosses p is kept); min-p keeps p_c >= min_p * p_max. A token
+    must pass all three. Ties at the top-k boundary keep every tied token.
+    """
+    R, V = scaled.shape
+    device = scaled.device
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    probs_sorted = sorted_logits.softmax(dim=-1)
+    rank = torch.arange(V, device=device).expand(R, V)
+
+    keep_sorted = torch.ones_like(sorted_logits, dtype=torch.bool)
+    k = top_k.to(device).reshape(-1, 1)
+    kth = sorted_logits.gather(1, (k.clamp(min=1, max=V) - 1))
+    keep_sorted &= (k <= 0) | (sorted_logits >= kth)
+
+    p = top_p.to(device=device, dtype=probs_sorted.dtype).reshape(-1, 1)
+    mass_before = probs_sorted.cumsum(dim=-1) - probs_sorted
+    keep_sorted &= (p >= 1.0) | (mass_before < p)
+
+    mp = min_p.to(device=device, dtype=probs_sorted.dtype).reshape(-1, 1)
+    keep_sorted &= probs_sorted >= mp * probs_sorted[:, :1]
+
+    keep_sorted[:, 0] = True  # the argmax survives every filter
+    keep_sorted &= torch.isfinite(sorted_logits)
+    keep_sorted[:, 0] = True
+    mask = torch.zeros_like(keep_sorted)
+    mask.scatter_(1, order, keep_sorted)
+    return mask
+
+
+def candidate_ids(mask: torch.Tensor, scaled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pad each row's candidates to the widest row: ids [R, K] and validity [R, K].
+
+    K = max |C| over the rows (one host read of a scalar; candidate sets are small under min-p).
+    """
+    width = int(mask.sum(dim=-1).max().item()) if mask.numel() else 0
+    width = max(width, 1)
+    masked = scaled.masked_fill(~mask, NEG_INF)
+    ids = masked.topk(width, dim=-1).indices
+    valid = mask.gather(1, ids)
+    return ids, valid
+
+
+def distiller_logits_at(
+    prediction: torch.Tensor,  # [R, H] Distiller output ŷ
+    lm_head: torch.Tensor,  # [V, H] LM head weight
+    ids: torch.Tensor,  # [R, K] token ids
+    bias: torch.Tensor | None = None,  # [V]
+) -> torch.Tensor:
+    """d at the given ids only: [R, K] = <ŷ_r, W[ids[r, k]]> (+ b), never a [R, V] product."""
+    rows = lm_head[ids]  # [R, K, H]
+    d = torch.einsum("rh,rkh->rk", prediction.to(rows.dtype), rows).float()
+    if bias is not None:
+        d = d + bias[ids].float()
+    return d
+
+
+def mix(scaled_at: torch.Tensor, distiller_at: torch.Tensor, beta: torch.Tensor, kind: str) -> torch.Tensor:
+    """The ESamp mix on candidate logits: [R, K] → [R, K]."""
+    b = beta.to(device=scaled_at.device, dtype=torch.float32).reshape(-1, 1)
+    if kind == "paper":
+        return (1.0 + b) * scaled_at - b * distiller_at
+    if kind == "unsharpened":
+        return scaled_at - b * distiller_at
+    raise ValueError(f"unknown mix {kind!r}; expected 'paper' or 'unsharpened'")
+
+
+def filtered_logits(scaled: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Plain sampling's logits: z / T on candidates, −∞ elsewhere."""
+    return scaled.masked_fill(~mask, NEG_INF)
+
+
+def steer(
+    scaled: torch.Tensor,  # [R, V] z / T
+    mask: torch.Tensor,  # [R, V] candidates
+    prediction: torch.Tensor,  # [R, H]
+    lm_head: torch.Tensor,  # [V, H]
+    beta: torch.Tensor,  # [R]
+    kind: str = "paper",
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """ESamp's logits [R, V]: the mix on each row's candidates, −∞ elsewhere."""
+    ids, valid = candidate_ids(mask, scaled)
+    z_at = scaled.gather(1, ids)
+    d_at = distiller_logits_at(prediction, lm_head, ids, bias)
+    mixed = mix(z_at, d_at, beta, kind).masked_fill(~valid, NEG_INF)
+    out = torch.full_like(scaled, NEG_INF)
+    # Scatter valid entries only: padded ids may repeat a real candidate's id.
+    out.scatter_(1, torch.where(valid, ids, ids[:, :1]), torch.where(valid, mixed, mixed[:, :1]))
+    return out
+
+
+def sample(logits: torch.Tensor, greedy: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Draw one token per row from softmax(logits); greedy rows take the argmax. Returns [R]."""
+    probs = logits.softmax(dim=-1)
+    drawn = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    return torch.where(greedy.to(logits.device), logits.argmax(dim=-1), drawn)

