@@ -1,0 +1,62 @@
+"""``esamp``: the command line. Each subcommand lives in its own module.
+
+A subcommand module exposes ``HELP`` (one line), ``configure(parser)`` and ``run(args) -> int``.
+Errors a user can act on (``EsampError``) print as ``error: ...`` plus a hint, exit status 2,
+never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from esamp.errors import EsampError
+
+SUBCOMMANDS = {
+    "generate": "esamp.generate",
+    "bench": "esamp.bench",
+    "eval": "esamp.eval.cli",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="esamp",
+        description="Exploratory Sampling: n samples that spread over different ideas.",
+    )
+    from esamp import __version__
+
+    parser.add_argument("--version", action="version", version=f"esamp {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, module_name in SUBCOMMANDS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name and module_name.startswith(exc.name):
+                continue  # subcommand not part of this build
+            raise
+        p = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        module.configure(p)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args._run(args) or 0)
+    except EsampError as exc:
+        print(f"error: {exc.user_text()}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
