@@ -49,6 +49,7 @@ class SamplingConfig(BaseModel):
     min_p: float = Field(0.1, ge=0.0, lt=1.0, description="0 = off")
     max_tokens: int = Field(128, ge=1, le=32_768)
     seed: int | None = Field(0, ge=0, description="None = nondeterministic")
+    ignore_eos: bool = Field(False, description="keep sampling past the stop token (benchmarks)")
 
 
 def _describe_constraint(field_info) -> str:

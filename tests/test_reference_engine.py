@@ -133,3 +133,22 @@ def test_empty_and_too_long_prompts_are_clear_errors(reference_engine):
         reference_engine.start("word " * (reference_engine.context + 10), SamplingConfig())
     assert "shorten" in info.value.hint
     assert reference_engine.bank.groups == {}
+
+
+def test_a_full_bank_refuses_a_new_group_and_loses_nothing(reference_engine):
+    from esamp.errors import BankFullError
+
+    engine = reference_engine
+    sampling = SamplingConfig(n=1, max_tokens=2)
+    groups = [engine.start(PROMPT, sampling) for _ in range(engine.bank.capacity)]
+    try:
+        with pytest.raises(BankFullError) as info:
+            engine.start(PROMPT, sampling)
+        assert info.value.hint and len(engine.groups) == engine.bank.capacity
+        # plain sampling needs no slot and still runs
+        plain = engine.start(PROMPT, sampling, EsampConfig(enabled=False))
+        assert plain in engine.groups
+    finally:
+        for g in list(engine.groups):
+            engine.abort(g)
+    assert engine.bank.free_slots == engine.bank.capacity and set(groups).isdisjoint(engine.groups)

@@ -169,7 +169,8 @@ class ReferenceEngine:
         gen.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
         self.groups[key] = _Group(
             key=key, sampling=sampling, esamp=esamp,
-            stream=GroupStream(key, sampling.n, self.tokenizer, self.normalizer, self.stop_ids, ids),
+            stream=GroupStream(key, sampling.n, self.tokenizer, self.normalizer,
+                               () if sampling.ignore_eos else self.stop_ids, ids),
             prompt_ids=ids, max_new=min(sampling.max_tokens, self.context - len(ids)),
             generator=gen, slot=slot,
         )

