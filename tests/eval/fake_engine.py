@@ -1,0 +1,71 @@
+"""A tiny deterministic engine with the real protocol, for fast runner tests.
+
+Each sample's reply is "The answer is X ." with X drawn from the group's seed, the sample index
+and whether ESamp is on, emitted one word per step. ``interrupt_at_step`` raises
+KeyboardInterrupt inside ``step`` to imitate Ctrl-C in the middle of a run.
+"""
+
+from __future__ import annotations
+
+import random
+
+from esamp.events import DoneEvent, ReadyEvent, TokenEvent
+
+
+class FakeEngine:
+    name = "fake"
+
+    def __init__(self, choices=("1", "2", "3"), interrupt_at_step: int | None = None) -> None:
+        self.choices = choices
+        self.interrupt_at_step = interrupt_at_step
+        self.steps = 0
+        self.groups: dict[str, dict] = {}
+        self.started: list[str] = []
+        self.closed = False
+
+    @property
+    def ready(self) -> ReadyEvent:
+        return ReadyEvent(engine="fake", model="fake-model", device="cpu")
+
+    def start(self, prompt, sampling, esamp=None, group=None, chat=True) -> str:
+        key = group or f"g{len(self.started)}"
+        assert key not in self.groups
+        steered = bool(esamp and esamp.enabled)
+        words = []
+        for sample in range(sampling.n):
+            rng = random.Random(f"{sampling.seed}-{steered}-{sample}")
+            filler = rng.choice(["Well,", "So", "Hmm,", "Then"])
+            words.append([filler, "the", "answer", "is", rng.choice(self.choices), "."])
+        self.groups[key] = {"words": words, "pos": [0] * sampling.n}
+        self.started.append(key)
+        return key
+
+    def step(self):
+        self.steps += 1
+        if self.interrupt_at_step is not None and self.steps >= self.interrupt_at_step:
+            raise KeyboardInterrupt
+        events = []
+        for key in list(self.groups):
+            g = self.groups[key]
+            for sample, words in enumerate(g["words"]):
+                pos = g["pos"][sample]
+                if pos < len(words):
+                    events.append(TokenEvent(group=key, sample=sample, index=pos, token_id=pos,
+                                             text=(" " if pos else "") + words[pos]))
+                    g["pos"][sample] += 1
+                    if g["pos"][sample] == len(words):
+                        events.append(DoneEvent(group=key, sample=sample, finish_reason="stop",
+                                                tokens=len(words)))
+            if all(p == len(w) for p, w in zip(g["pos"], g["words"])):
+                del self.groups[key]
+        return events
+
+    def abort(self, group):
+        self.groups.pop(group, None)
+        return []
+
+    def has_unfinished(self) -> bool:
+        return bool(self.groups)
+
+    def close(self) -> None:
+        self.closed = True
