@@ -1,0 +1,119 @@
+"""How many events per second the dashboard absorbs with 8 panes streaming, and at what CPU cost.
+
+Not a timed test: a measurement to read. The scripted engine (``tests/tui/fake_engine.py``) runs
+in the real worker process and emits 8 tokens + 1 step event per step; the app runs headless
+(``run_test``), so terminal output is not included — a real terminal costs more.
+
+Modes:
+- ``max``: the engine steps as fast as it can (8 × 4,000 tokens); the figure, timed from the first
+  batch to the last token on screen, is the UI's ceiling.
+- ``paced``: the engine sleeps between steps, to a target token rate (default 400 tok/s, i.e.
+  8 samples at 50 tok/s each, a 7B model on a good GPU); the figure is what the UI costs then.
+
+UI CPU is ``process_time`` of the app's own process (UI thread + reader thread), over wall time,
+in percent of one core; the worker process is not counted.
+
+    .venv/bin/python benchmarks/ui_bench.py [--seconds 8] [--rate 400] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]
+
+
+async def measure(seconds: float, delay: float, burst_tokens: int = 4000, size=(200, 50)) -> dict:
+    """Paced (delay > 0): steady state over ``seconds``. Max (delay 0): one burst of
+    ``burst_tokens`` per pane, timed from the first batch to the last token on screen."""
+    import esamp_tui.diversity
+    from esamp_tui.app import EsampApp
+    from esamp_tui.screens.main import MainScreen
+
+    # Vendi loads a sentence embedder in a UI thread when a run ends; that is not streaming cost.
+    esamp_tui.diversity.vendi_available = lambda: False
+    from tui.conftest import FixedMemory, fake_options
+
+    counts = {"events": 0, "tokens": 0, "batches": 0}
+    seen: dict[int, object] = {}  # the hook can see one message more than once; count each once
+
+    def hook(message) -> None:
+        if isinstance(message, MainScreen.EventBatch) and id(message) not in seen:
+            seen[id(message)] = message
+            counts["batches"] += 1
+            counts["events"] += len(message.events)
+            counts["tokens"] += sum(e.type == "token" for e in message.events)
+
+    paced = delay > 0
+    options = fake_options(n=8, max_tokens=30_000 if paced else burst_tokens,
+                           engine_options=dict(delay=delay))
+    app = EsampApp(options, memory_sampler=FixedMemory())
+    async with app.run_test(size=size, message_hook=hook) as pilot:
+        screen = app.main_screen
+        while not screen.engine_ready:
+            await pilot.pause(0.05)
+        await pilot.pause(1.0)  # charts drawn once, layout settled
+        screen.run_prompt("benchmark")
+        if paced:
+            while not counts["tokens"]:
+                await pilot.pause(0.05)
+            await pilot.pause(1.0)  # warm up: panes laid out and streaming
+        start = dict(counts)
+        wall0, cpu0 = time.perf_counter(), time.process_time()
+        if paced:
+            await pilot.pause(seconds)
+        else:
+            expected = 8 * burst_tokens - 2  # the scripted sample 1 stops two tokens early
+            while sum(p.token_count for p in screen.rows["r1-on"].panes) < expected:
+                await pilot.pause(0.02)
+        wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+        end = dict(counts)
+    return {
+        "mode": "paced" if paced else "max",
+        "step_delay_s": round(delay, 4),
+        "seconds": round(wall, 2),
+        "events_per_s": round((end["events"] - start["events"]) / wall, 1),
+        "tokens_per_s": round((end["tokens"] - start["tokens"]) / wall, 1),
+        "batches_per_s": round((end["batches"] - start["batches"]) / wall, 2),
+        "ui_cpu_percent_of_one_core": round(100 * cpu / wall, 1),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument("--rate", type=float, default=400.0, help="paced mode: tokens/s over 8 panes")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = parser.parse_args()
+    results = []
+    for delay in (0.0, 8 / args.rate):
+        result = asyncio.run(measure(args.seconds, delay))
+        results.append(result)
+        print(json.dumps(result))
+    meta = {"python": platform.python_version(), "cpus": os.cpu_count(), "machine": platform.machine(),
+            "command": " ".join([Path(sys.executable).name, *sys.argv]),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "load_average_1m": round(os.getloadavg()[0], 2),
+            "note": "headless run_test, scripted engine in the real worker process; machine shared"}
+    try:
+        import textual
+
+        meta["textual"] = textual.__version__
+    except Exception:
+        pass
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Widgets of the dashboard. None of them imports the app or a screen."""

@@ -1,0 +1,234 @@
+"""One sample's completion, each token coloured by its novelty, drawn through the Line API.
+
+Tokens arrive many times a second in n panes at once. Re-rendering a growing ``Static`` costs more
+with every token, so this pane keeps the text as wrapped lines of (text, heat bucket) runs, caches
+one ``Strip`` per line and, on an append, drops only the cache entries of the lines that changed
+(usually just the last one). A resize re-wraps from the token list; a theme change only empties
+the strip cache, since colours are looked up at render time.
+"""
+
+from __future__ import annotations
+
+from rich.cells import cell_len, chop_cells
+from rich.segment import Segment
+from rich.style import Style
+from textual.geometry import Size
+from textual.scroll_view import ScrollView
+from textual.strip import Strip
+
+from esamp_tui.theming import heat_ramp
+
+PLAIN = -1  # bucket of a token without novelty
+BUCKETS = 21  # novelty 0..1 is drawn in this many colours blended from the theme's five stops
+
+
+def bucket(novelty: float | None) -> int:
+    if novelty is None:
+        return PLAIN
+    return round(min(max(novelty, 0.0), 1.0) * (BUCKETS - 1))
+
+
+class SamplePane(ScrollView, can_focus=False):
+    DEFAULT_CSS = """
+    SamplePane {
+        border: round $panel-lighten-2;
+        border-title-color: $text-muted;
+        border-subtitle-color: $text-muted;
+        background: $surface;
+        scrollbar-size-vertical: 1;
+        scrollbar-gutter: stable;  /* a scrollbar appearing must not change the wrap width */
+        overflow-x: hidden;
+        min-width: 16;
+        min-height: 4;
+    }
+    SamplePane.-finished { border: round $panel-lighten-1; }
+    """
+
+    def __init__(self, sample: int, *, id: str | None = None, classes: str | None = None) -> None:
+        super().__init__(id=id, classes=classes)
+        self.sample = sample
+        self.tokens: list[tuple[str, int]] = []  # (text, bucket), everything received
+        self.novelty_sum = 0.0
+        self.novelty_count = 0
+        self.finish_reason: str | None = None
+        self._lines: list[list[tuple[str, int]]] = [[]]  # wrapped lines of (text, bucket) runs
+        self._last_width = 0  # cells used on the last line
+        self._wrap_width = 0
+        self._strips: dict[int, Strip] = {}
+        self._styles: dict[int, Style] | None = None
+        self._base: Style | None = None  # the pane's own style, under every token
+        self._update_header()
+
+    # -- data in ------------------------------------------------------------------------------
+
+    def append(self, pieces: list[tuple[str, float | None]]) -> None:
+        """Add tokens (text, novelty) in order; redraw only the lines they touched."""
+        if not pieces:
+            return
+        follow = self.is_vertical_scroll_end
+        first_dirty = len(self._lines) - 1
+        for text, novelty in pieces:
+            b = bucket(novelty)
+            self.tokens.append((text, b))
+            if novelty is not None:
+                self.novelty_sum += novelty
+                self.novelty_count += 1
+            self._place(text, b)
+        for y in range(first_dirty, len(self._lines)):
+            self._strips.pop(y, None)
+        self._set_extent(Size(self._wrap_width, len(self._lines)))
+        self._update_header()
+        if follow:
+            self.scroll_end(animate=False, immediate=True, x_axis=False)
+        self.refresh_lines(first_dirty, len(self._lines) - first_dirty)
+
+    def finish(self, reason: str) -> None:
+        self.finish_reason = reason
+        self.add_class("-finished")
+        self._update_header()
+
+    @property
+    def token_count(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def mean_novelty(self) -> float | None:
+        return self.novelty_sum / self.novelty_count if self.novelty_count else None
+
+    @property
+    def text(self) -> str:
+        return "".join(t for t, _ in self.tokens)
+
+    def _update_header(self) -> None:
+        self.border_title = f"sample {self.sample + 1}"
+        parts = [f"{self.token_count} tok"]
+        if self.mean_novelty is not None:
+            parts.append(f"nov {self.mean_novelty:.2f}")
+        if self.finish_reason:
+            parts.append(self.finish_reason)
+        self.border_subtitle = " · ".join(parts)
+
+    # -- wrapping -----------------------------------------------------------------------------
+
+    def _place(self, text: str, b: int) -> None:
+        """Append one token's text to the wrapped lines (word wrap, long words split)."""
+        width = max(self._wrap_width, 1)
+        for k, part in enumerate(text.split("\n")):
+            if k:
+                self._lines.append([])
+                self._last_width = 0
+            if not part:
+                continue
+            size = cell_len(part)
+            if self._last_width + size > width:
+                if self._last_width and size <= width:
+                    self._lines.append([])  # the word moves to a fresh line
+                    self._last_width = 0
+                    part = part.lstrip(" ") or part
+                    size = cell_len(part)
+                else:
+                    room = width - self._last_width
+                    head, *_ = chop_cells(part, room) if room > 0 else [""]
+                    if head:
+                        self._lines[-1].append((head, b))
+                    rest = part[len(head):]
+                    self._lines.append([])
+                    self._last_width = 0
+                    for chunk in chop_cells(rest, width):
+                        if self._last_width:
+                            self._lines.append([])
+                        self._lines[-1].append((chunk, b))
+                        self._last_width = cell_len(chunk)
+                    continue
+            self._lines[-1].append((part, b))
+            self._last_width += size
+
+    def _set_extent(self, size: Size) -> None:
+        """Grow the scrollable extent without a layout pass.
+
+        Assigning ``virtual_size`` asks for a layout of the whole screen; with 8 panes gaining lines
+        ~10 times a second that relayout (and the full repaint after it) was most of the UI's CPU.
+        The pane's own size does not change, only how far it scrolls, so the value is set without
+        its watcher and the scrollbars are updated directly. ``_scroll_update`` is Textual's own
+        helper for this (8.x); if a later Textual drops it, fall back to the plain assignment.
+        """
+        if size == self.virtual_size:
+            return
+        scroll_update = getattr(self, "_scroll_update", None)
+        if scroll_update is None or not self.is_mounted:
+            self.virtual_size = size
+            return
+        self.set_reactive(ScrollView.virtual_size, size)
+        scroll_update(size)
+
+    def _rewrap(self, width: int) -> None:
+        self._wrap_width = width
+        self._lines = [[]]
+        self._last_width = 0
+        for text, b in self.tokens:
+            self._place(text, b)
+        self._strips.clear()
+        self.virtual_size = Size(width, len(self._lines))
+
+    def on_resize(self) -> None:
+        width = self.scrollable_content_region.width
+        if width != self._wrap_width and width > 0:
+            follow = self.is_vertical_scroll_end
+            self._rewrap(width)
+            if follow:
+                self.scroll_end(animate=False, immediate=True, x_axis=False)
+            self.refresh()
+
+    def on_mount(self) -> None:
+        self.app.theme_changed_signal.subscribe(self, lambda _theme: self.restyle())
+
+    def restyle(self) -> None:
+        """Forget colours and strips; the next render reads the theme's heat variables again."""
+        self._styles = None
+        self._base = None
+        self._strips.clear()
+        self.refresh()
+
+    def notify_style_update(self) -> None:
+        super().notify_style_update()
+        self._base = None  # CSS changed (theme, class): the background may have too
+        self._strips.clear()
+
+    # -- drawing ------------------------------------------------------------------------------
+
+    def heat_styles(self) -> dict[int, Style]:
+        if self._styles is None:
+            variables = self.app.theme_variables
+            styles = {b: Style(color=colour.rich_color) for b, colour in enumerate(heat_ramp(variables, BUCKETS))}
+            styles[BUCKETS - 1] += Style(bold=True)
+            plain = variables.get("heat-plain")
+            try:
+                from textual.color import Color
+
+                styles[PLAIN] = Style(color=Color.parse(plain).rich_color) if plain and plain != "ansi_default" else Style()
+            except Exception:
+                styles[PLAIN] = Style()
+            self._styles = styles
+        return self._styles
+
+    def heat_colour(self, b: int) -> str | None:
+        """The colour a bucket is drawn in, as ``#rrggbb`` (tests compare it with the theme)."""
+        colour = self.heat_styles()[b].color
+        return colour.triplet.hex if colour is not None and colour.triplet is not None else None
+
+    def render_line(self, y: int) -> Strip:
+        scroll_x, scroll_y = self.scroll_offset
+        index = scroll_y + y
+        width = self.scrollable_content_region.width
+        if self._base is None:
+            self._base = self.rich_style
+        base = self._base
+        if index >= len(self._lines):
+            return Strip.blank(width, base)
+        strip = self._strips.get(index)
+        if strip is None:
+            styles = self.heat_styles()
+            segments = [Segment(text, base + styles[b]) for text, b in self._lines[index]]
+            strip = Strip(segments)
+            self._strips[index] = strip
+        return strip.crop_extend(scroll_x, scroll_x + width, base).apply_offsets(scroll_x, index)

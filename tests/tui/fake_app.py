@@ -1,0 +1,14 @@
+"""``esamp-tui`` on the scripted engine, for the terminal tests: ``python fake_app.py [prompt]``."""
+
+import sys
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[2])]
+
+if __name__ == "__main__":
+    from esamp_tui.__main__ import run_app
+    from tui.conftest import FixedMemory, fake_options
+
+    prompt = sys.argv[1] if len(sys.argv) > 1 else None
+    options = fake_options(prompt=prompt, max_tokens=30000, engine_options=dict(delay=0.05))
+    sys.exit(run_app(options, memory_sampler=FixedMemory()))

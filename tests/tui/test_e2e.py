@@ -1,0 +1,35 @@
+"""End to end: the dashboard on the real reference engine and the embedded model, a few tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+from esamp_tui.app import EsampApp
+from esamp_tui.options import Options
+
+from .conftest import FixedMemory, run_finished, wait_for
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.slow]
+
+
+async def test_reference_engine_streams_into_panes(tmp_path):
+    # One thread: on a shared 2-core machine two OpenMP threads against a busy neighbour crawl.
+    options = Options(engine="reference", n=2, max_tokens=6, prompt="Name a colour.", log_file="",
+                      engine_options=dict(threads=1))
+    app = EsampApp(options, memory_sampler=FixedMemory(), theme_dir=tmp_path)
+    async with app.run_test(size=(120, 36)) as pilot:
+        screen = app.main_screen
+        await wait_for(pilot, lambda: run_finished(screen) or screen.fatal_error, timeout=180,
+                       what="the embedded model to load and generate")
+        assert screen.fatal_error is None, screen.fatal_error
+        info = screen.status.info
+        assert (info.engine, info.device) == ("reference", "cpu") and "SmolLM2" in info.model
+        group = screen.record.groups["r1-on"]
+        row = screen.rows["r1-on"]
+        for sample, pane in zip(group.samples, row.panes):
+            assert sample.tokens and pane.token_count == len(sample.tokens)
+            assert pane.text == sample.text and pane.finish_reason in ("stop", "length")
+            # ESamp on: every token but a sample's last carries a novelty in [0, 1].
+            assert all(t.novelty is not None and 0 <= t.novelty <= 1 for t in sample.tokens[:-1])
+        assert any(p.loss is not None and p.port_hits > 0 for p in screen.record.metrics)
+        assert row.distinct_2 is not None

@@ -1,0 +1,69 @@
+"""``esamp`` imports without textual; the dashboard's command line fails cleanly on bad flags."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CHECK = (
+    "import sys\n"
+    "import esamp, esamp.config, esamp.events, esamp.errors, esamp.session, esamp.gpu, esamp.engines\n"
+    "import esamp.models, esamp.novelty\n"
+    "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('textual', 'textual_plotext', 'esamp_tui'))\n"
+    "assert not bad, bad\n"
+)
+
+
+def test_esamp_imports_without_textual():
+    result = subprocess.run([sys.executable, "-c", CHECK], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_esamp_works_when_textual_is_not_installed(tmp_path):
+    # A ``textual`` that fails to import stands in for an environment without it.
+    (tmp_path / "textual").mkdir()
+    (tmp_path / "textual" / "__init__.py").write_text("raise ImportError('textual is not installed')\n")
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}")
+    result = subprocess.run([sys.executable, "-c", CHECK], cwd=ROOT, capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["-n", "9"], "1 to 8 samples"),
+    (["-n", "0"], "1 to 8 samples"),
+    (["--beta", "-1"], "beta=-1.0"),
+    (["--max-tokens", "0"], "max_tokens=0"),
+    (["--theme", "nope"], "unknown theme 'nope'"),
+    (["--prompt", "  "], "--prompt is empty"),
+    (["--engine", "tpu"], "invalid choice"),
+    (["-n", "four"], "invalid int value"),
+    (["--threads", "0"], "--threads 0"),
+])
+def test_bad_flags_exit_2_with_a_message(args, needle):
+    result = subprocess.run([sys.executable, "-m", "esamp_tui", *args], cwd=ROOT, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 2
+    assert needle in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_help_lists_the_flags():
+    result = subprocess.run([sys.executable, "-m", "esamp_tui", "--help"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0
+    for flag in ("--model", "--engine", "-n", "--beta", "--prompt", "--theme", "--max-tokens", "--threads"):
+        assert flag in result.stdout
+
+
+def test_dashboard_process_does_not_import_the_engine_stack():
+    """torch and transformers load only in the worker; the UI process starts fast and small."""
+    code = ("import sys, esamp_tui.__main__ as m; m.build_parser(); import esamp_tui.app\n"
+            "heavy = sorted(x for x in ('torch', 'transformers', 'vllm') if x in sys.modules)\n"
+            "assert not heavy, heavy\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

@@ -1,0 +1,222 @@
+"""The worker process: commands in, events out, and no process left behind however it ends."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from esamp.errors import ConfigError
+from esamp.events import DoneEvent, ErrorEvent, ReadyEvent, TokenEvent
+from esamp.session import (Abort, RunPrompt, Session, SessionSpec, SetBeta, SetEsamp, SetSamples,
+                           group_key, parse_group_key)
+
+from .fake_engine import FACTORY
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def spec(**values) -> SessionSpec:
+    base = dict(engine_factory=FACTORY, sampling=dict(n=2, max_tokens=4), log_file="")
+    base.update(values)
+    return SessionSpec(**base)
+
+
+def collect(session: Session, until, timeout: float = 10.0) -> list:
+    """Read events until ``until(events)`` holds or the worker ends."""
+    events: list = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = session.read(0.05)
+        if got is None:
+            return events
+        events.extend(got)
+        if until(events):
+            return events
+    raise AssertionError(f"timed out; got {[e.type for e in events]}")
+
+
+def dones(n):
+    return lambda events: sum(isinstance(e, DoneEvent) for e in events) >= n
+
+
+def pid_gone(pid: int, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        try:  # a zombie counts as gone
+            with open(f"/proc/{pid}/stat") as fh:
+                if fh.read().split(") ")[-1].startswith("Z"):
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.fixture
+def session():
+    s = Session(spec()).start()
+    yield s
+    s.close()
+    assert not s.alive
+
+
+def test_group_keys_round_trip():
+    assert parse_group_key(group_key(7, True)) == (7, True)
+    assert parse_group_key(group_key(12, False)) == (12, False)
+    assert parse_group_key("g0-123") is None
+
+
+def test_ready_then_ordered_tokens_and_dones(session):
+    events = collect(session, lambda ev: any(isinstance(e, ReadyEvent) for e in ev))
+    assert isinstance(events[0], ReadyEvent) and events[0].engine == "fake"
+    session.send(RunPrompt(1, "hi"))
+    events = collect(session, dones(2))
+    for sample in (0, 1):
+        mine = [e for e in events if getattr(e, "sample", None) == sample and e.group == "r1-on"]
+        tokens = [e for e in mine if isinstance(e, TokenEvent)]
+        assert [t.index for t in tokens] == list(range(len(tokens)))  # no gap, no reorder
+        assert isinstance(mine[-1], DoneEvent) and mine[-1].tokens == len(tokens)
+
+
+def test_settings_commands_shape_the_next_run(session):
+    session.send(SetEsamp(False))
+    session.send(SetSamples(3))
+    session.send(RunPrompt(1, "plain"))
+    events = collect(session, dones(3))
+    tokens = [e for e in events if isinstance(e, TokenEvent)]
+    assert {t.group for t in tokens} == {"r1-off"}
+    assert {t.sample for t in tokens} == {0, 1, 2}
+    assert all(t.novelty is None for t in tokens)
+
+
+def test_bad_setting_is_an_error_event_not_a_crash(session):
+    session.send(SetBeta(99.0))
+    events = collect(session, lambda ev: any(isinstance(e, ErrorEvent) for e in ev))
+    error = next(e for e in events if isinstance(e, ErrorEvent))
+    assert "beta" in error.message and not error.fatal
+    session.send(RunPrompt(1, "still alive"))
+    assert collect(session, dones(2))
+
+
+def test_compare_runs_off_and_on_together(session):
+    session.send(RunPrompt(4, "both", compare=True))
+    events = collect(session, dones(4))
+    groups = {e.group for e in events if isinstance(e, TokenEvent)}
+    assert groups == {"r4-off", "r4-on"}
+
+
+def test_abort_and_a_new_run_replaces_the_old(session):
+    session.send(RunPrompt(1, "a", compare=False))
+    session.send(RunPrompt(2, "b"))  # aborts run 1 first
+    events = collect(session, lambda ev: sum(isinstance(e, DoneEvent) and e.group == "r2-on"
+                                             for e in ev) == 2)
+    run1 = [e for e in events if isinstance(e, DoneEvent) and e.group == "r1-on"]
+    assert len(run1) == 2
+    session.send(Abort())  # nothing running: harmless
+
+
+def test_model_not_found_is_a_fatal_error_then_exit():
+    s = Session(spec(model="missing")).start()
+    try:
+        events = collect(s, lambda ev: False, timeout=10)  # until the worker ends
+        assert len(events) == 1 and isinstance(events[0], ErrorEvent) and events[0].fatal
+        assert "looked in" in events[0].message and events[0].hint
+        assert s.exitcode == 3
+    finally:
+        s.close()
+
+
+def test_crash_mid_stream_keeps_what_was_sent():
+    s = Session(spec()).start()
+    try:
+        s.send(RunPrompt(1, "crash"))
+        events = collect(s, lambda ev: False, timeout=10)
+        tokens = [e for e in events if isinstance(e, TokenEvent)]
+        assert len(tokens) == 2 * 2  # two steps of two samples arrived before the death
+        assert s.exitcode == 9
+    finally:
+        s.close()
+
+
+def test_invalid_spec_fails_before_spawning():
+    with pytest.raises(ConfigError, match="n="):
+        Session(spec(sampling=dict(n=0)))
+
+
+def test_close_stops_a_busy_worker():
+    s = Session(spec(sampling=dict(n=2, max_tokens=30_000), engine_options=dict(delay=0.01))).start()
+    s.send(RunPrompt(1, "forever"))
+    collect(s, lambda ev: any(isinstance(e, TokenEvent) for e in ev))
+    pid = s.pid
+    t0 = time.monotonic()
+    s.close(timeout=2.0)
+    assert time.monotonic() - t0 < 4 and pid_gone(pid)
+
+
+PARENT = textwrap.dedent("""
+    import sys, time
+    sys.path[:0] = {paths!r}
+    from esamp.session import Session, SessionSpec, RunPrompt
+    from tui.fake_engine import FACTORY
+    if __name__ == "__main__":
+        s = Session(SessionSpec(engine_factory=FACTORY, log_file="",
+                                sampling=dict(n=2, max_tokens=30000),
+                                engine_options=dict(delay=0.01))).start()
+        s.send(RunPrompt(1, "forever"))
+        while not s.read(0.1):
+            pass
+        print(s.pid, flush=True)
+        time.sleep(60)
+""")
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGHUP, signal.SIGTERM])
+def test_worker_dies_with_its_parent(tmp_path, how):
+    """A killed dashboard (closed terminal, kill -9) leaves no worker behind."""
+    script = tmp_path / "parent.py"
+    script.write_text(PARENT.format(paths=[str(ROOT / "tests"), str(ROOT)]))
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        worker_pid = int(parent.stdout.readline())
+        parent.send_signal(how)
+        parent.wait(10)
+        assert pid_gone(worker_pid, timeout=5.0), f"worker {worker_pid} outlived its parent"
+    finally:
+        parent.kill()
+        parent.wait()
+
+
+FORGETFUL = textwrap.dedent("""
+    import sys
+    sys.path[:0] = {paths!r}
+    from esamp.session import Session, SessionSpec, RunPrompt
+    from tui.fake_engine import FACTORY
+    if __name__ == "__main__":
+        s = Session(SessionSpec(engine_factory=FACTORY, log_file="",
+                                sampling=dict(n=2, max_tokens=30000),
+                                engine_options=dict(delay=0.01))).start()
+        s.send(RunPrompt(1, "forever"))
+        while not s.read(0.1):
+            pass
+        print(s.pid, flush=True)
+        # exits without close(): the worker (not a daemon) must not keep us waiting
+""")
+
+
+def test_exit_without_close_neither_hangs_nor_leaves_the_worker(tmp_path):
+    script = tmp_path / "forgetful.py"
+    script.write_text(FORGETFUL.format(paths=[str(ROOT / "tests"), str(ROOT)]))
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    assert pid_gone(int(result.stdout.strip()), timeout=5.0)

@@ -1,0 +1,148 @@
+"""The dashboard in a real pseudo-terminal: q, ctrl+c and a closed terminal leave no process."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import pty
+import signal
+import struct
+import sys
+import termios
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+FAKE_APP = Path(__file__).with_name("fake_app.py")
+
+
+def children_of(pid: int) -> set[int]:
+    """Every live descendant of ``pid``."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    fields = fh.read().rsplit(")", 1)[1].split()
+                if fields[0] != "Z":
+                    parents[int(entry)] = int(fields[1])
+            except (FileNotFoundError, ProcessLookupError, IndexError):
+                pass
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def alive(pids: set[int]) -> set[int]:
+    out = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                if fh.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    out.add(pid)
+        except FileNotFoundError:
+            pass
+    return out
+
+
+class Terminal:
+    """The fake dashboard on a 120×40 pty, its output drained so it never blocks."""
+
+    def __init__(self, *args: str) -> None:
+        pid, fd = pty.fork()
+        if pid == 0:  # child: becomes the session leader with the pty as its terminal
+            os.environ["TERM"] = "xterm-256color"
+            os.execv(sys.executable, [sys.executable, str(FAKE_APP), *args])
+        self.pid, self.fd = pid, fd
+        fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+        self.output = bytearray()
+        self.reader = threading.Thread(target=self._drain, daemon=True)
+        self.reader.start()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                data = os.read(self.fd, 65536)
+            except OSError:
+                return
+            if not data:
+                return
+            self.output += data
+
+    def wait_for_worker(self, timeout: float = 30.0) -> set[int]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            kids = children_of(self.pid)
+            for kid in kids:
+                try:
+                    cmd = open(f"/proc/{kid}/cmdline", "rb").read()
+                except FileNotFoundError:
+                    continue
+                if b"spawn_main" in cmd:
+                    return kids
+            time.sleep(0.1)
+        raise AssertionError("the worker process did not start")
+
+    def output_text_bytes(self) -> bytes:
+        return bytes(self.output)
+
+    def send(self, keys: bytes) -> None:
+        os.write(self.fd, keys)
+
+    def exit_status(self, timeout: float = 15.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                return status
+            time.sleep(0.05)
+        return None
+
+    def kill(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
+
+
+def assert_all_gone(pids: set[int], timeout: float = 8.0) -> None:
+    deadline = time.monotonic() + timeout
+    while alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(pids), f"left behind: {alive(pids)}"
+
+
+@pytest.mark.parametrize("keys", [b"q", b"\x03", b"\x11"], ids=["q", "ctrl+c", "ctrl+q"])
+def test_quit_keys_leave_no_process(keys):
+    term = Terminal("stream forever")
+    try:
+        family = term.wait_for_worker()
+        time.sleep(1.0)  # let it stream a little
+        term.send(keys)
+        status = term.exit_status()
+        assert status is not None, "the dashboard did not quit"
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+        assert_all_gone(family)
+    finally:
+        term.kill()
+
+
+def test_closed_terminal_leaves_no_process():
+    term = Terminal("stream forever")
+    try:
+        family = term.wait_for_worker()
+        time.sleep(1.0)
+        os.close(term.fd)  # the terminal window goes away: SIGHUP to its session
+        term.exit_status()
+        assert_all_gone(family | {term.pid})
+    finally:
+        term.kill()
