@@ -1,0 +1,65 @@
+#!/bin/bash
+# The GPU work of issue 5 in as few device calls as possible. Run from the repository root on the
+# GPU machine (vLLM 0.20.0 staged as ../shared/gpu/README.md says). Everything it measures is
+# written under $OUT (or ./gpu-out when $OUT is unset), with the command, device and versions.
+#
+#   bash benchmarks/gpu_suite.sh stage          copy the .device/ chunks carried with this call
+#   bash benchmarks/gpu_suite.sh tests          stage + install, then: tests/vllm on the GPU
+#                                               (CUDA graphs on), the GGUF model generating with
+#                                               ESamp on, and the TUI's vLLM test if there is one
+#   bash benchmarks/gpu_suite.sh bench MODEL    stage + install, then esamp bench on MODEL
+#   bash benchmarks/gpu_suite.sh tests-and-bench   the tests (SMOKE=0), then bench on the 7B preset
+set -uo pipefail
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 ESAMP_CACHE_DIR=/tmp/esamp-cache
+export ESAMP_TEST_GGUF=/tmp/models/smollm2.Q4_1.gguf
+
+stage() { bash .device/stage.sh >/dev/null; }
+
+install() {
+  stage
+  bash .device/stage.sh install || return 1
+  [ -f /tmp/models/smollm2.Q4_1.gguf ] || bash .device/stage.sh gguf >/dev/null
+  export PYTHONPATH=/tmp/site:$PWD
+  if [ ! -f /tmp/esamp-installed ]; then
+    # The entry point (vllm.general_plugins) lets vLLM's spawned engine core find our model classes.
+    python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . && touch /tmp/esamp-installed
+  fi
+  python3 - <<'PY' > "$OUT/versions.json"
+import json, platform, torch, vllm, transformers
+print(json.dumps({"device": torch.cuda.get_device_name(0), "vllm": vllm.__version__, "torch": torch.__version__,
+                  "transformers": transformers.__version__, "python": platform.python_version()}))
+PY
+  cat "$OUT/versions.json"
+}
+
+case "${1:-}" in
+  stage) stage; ls /tmp/parts ;;
+  tests)
+    install || exit 1
+    python3 -c "from esamp.models import resolve; print(resolve('$ESAMP_TEST_GGUF').hf_dir())"
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 python3 -m pytest tests/vllm -q -rs -p no:cacheprovider \
+      --junitxml="$OUT/gpu-tests.xml" 2>&1 | tee "$OUT/gpu-tests.log" | grep -v "^INFO\|^(EngineCore\|^WARNING" | tail -40
+    [ "${SMOKE:-1}" = 1 ] && for v in "convert" "native" "native --plain"; do
+      name=gguf-smoke-${v// /}
+      python3 benchmarks/gguf_smoke.py --gguf $v --json "$OUT/${name//--/-}.json" 2>&1 \
+        | grep -v "^INFO\|^(EngineCore\|^WARNING\|^DEBUG\|^\[" | tail -4
+    done
+    if grep -rqs "vllm" tests/tui/*.py; then
+      python3 -m pytest tests/tui -q -k vllm -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/tui-vllm.log"
+    else
+      echo "no vLLM test in tests/tui: TUI headless run on the GPU skipped" | tee "$OUT/tui-vllm.log"
+    fi ;;
+  tests-and-bench)  # one call: the GPU tests, then esamp bench on the 7B preset
+    SMOKE=0 bash "$0" tests
+    bash "$0" bench qwen2.5-7b:dummy --trials 3 ;;
+  bench)
+    install || exit 1
+    model=${2:-qwen2.5-7b:dummy}
+    shift 2
+    python3 -m esamp.cli bench --model "$model" --json "$OUT/bench-${model//:/-}.json" "$@" 2>&1 \
+      | grep -v "^INFO\|^(EngineCore\|^WARNING\|^DEBUG" | tail -30 ;;
+  *) echo "usage: $0 stage|tests|bench MODEL [bench args]"; exit 2 ;;
+esac

