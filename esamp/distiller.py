@@ -9,14 +9,19 @@ term and the raw novelty.  One optimizer step per decode step minimises, for eve
 in the step, the mean of e over that slot's rows; slots never share parameters or optimizer state,
 and each slot counts its own optimizer steps, so a re-initialised slot starts exactly fresh.
 
-Parameters are stacked over slots ([S, H, r] ...) and kept in fp32.  A step's rows are laid out
-as a [U, W, H] block (U slots present in the step, W rows of the widest slot) so every slot's
-product is one batched matmul and no per-row copy of the parameters is made.
+Parameters are kept in fp32 in one [S, P] buffer (a slot's six tensors are views of its row),
+and so are the two Adam moments: a step gathers its slots with one ``index_select`` and updates
+them with a handful of whole-row ops, which matters where every kernel launch sits on the
+sampler's critical path (vLLM).  A step's rows are laid out as a [U, W, H] block (U slots present
+in the step, W rows of the widest slot) so every slot's product is one batched matmul and no
+per-row copy of the parameters is made.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -80,17 +85,21 @@ class DistillerBank:
         self.device = torch.device(device)
         self.seed = seed
         H, r, S = hidden, rank, slots
+        self._shapes = {"A": (H, r), "G": (H, r), "b": (r,), "B": (r, H), "ln_w": (H,), "ln_b": (H,)}
+        self._spans: dict[str, tuple[int, int]] = {}
+        offset = 0
+        for k in self.PARAMS:
+            size = math.prod(self._shapes[k])
+            self._spans[k] = (offset, offset + size)
+            offset += size
         kw = dict(device=self.device, dtype=torch.float32)
-        self.params: dict[str, torch.Tensor] = {
-            "A": torch.empty(S, H, r, **kw),
-            "G": torch.empty(S, H, r, **kw),
-            "b": torch.empty(S, r, **kw),
-            "B": torch.empty(S, r, H, **kw),
-            "ln_w": torch.empty(S, H, **kw),
-            "ln_b": torch.empty(S, H, **kw),
-        }
-        self.exp_avg = {k: torch.zeros_like(p) for k, p in self.params.items()}
-        self.exp_avg_sq = {k: torch.zeros_like(p) for k, p in self.params.items()}
+        self.flat = torch.empty(S, offset, **kw)  # [S, P] all parameters of every slot
+        self.flat_m = torch.zeros(S, offset, **kw)  # Adam first moment
+        self.flat_v = torch.zeros(S, offset, **kw)  # Adam second moment
+        # Named views, [S, ...] per parameter, for initialisation, tests and inspection.
+        self.params = {k: self._view(self.flat, k) for k in self.PARAMS}
+        self.exp_avg = {k: self._view(self.flat_m, k) for k in self.PARAMS}
+        self.exp_avg_sq = {k: self._view(self.flat_v, k) for k in self.PARAMS}
         self.steps = torch.zeros(S, device=self.device, dtype=torch.float32)
         self._groups: dict[str, int] = {}
         self._free: list[int] = list(range(S - 1, -1, -1))  # pop() hands out slot 0 first
@@ -150,16 +159,20 @@ class DistillerBank:
             self.params["b"][s].fill_(1.0)
             self.params["ln_w"][s].fill_(1.0)
             self.params["ln_b"][s].zero_()
-            for state in (self.exp_avg, self.exp_avg_sq):
-                for k in state:
-                    state[k][s].zero_()
+            self.flat_m[s].zero_()
+            self.flat_v[s].zero_()
             self.steps[s] = 0
 
     # -- compute -----------------------------------------------------------------------------
 
+    def _view(self, buffer: torch.Tensor, name: str) -> torch.Tensor:
+        a, b = self._spans[name]
+        return buffer[:, a:b].view(buffer.shape[0], *self._shapes[name])
+
     def _gather(self, layout: RowLayout) -> dict[str, torch.Tensor]:
-        """The parameters of the slots present in this step: [U, ...] copies."""
-        return {k: v.index_select(0, layout.active) for k, v in self.params.items()}
+        """The parameters of the slots present in this step: [U, ...] views of one copy."""
+        rows = self.flat.index_select(0, layout.active)
+        return {k: self._view(rows, k) for k in self.PARAMS}
 
     def _forward(self, x: torch.Tensor, layout: RowLayout, p: dict[str, torch.Tensor]) -> torch.Tensor:
         """ŷ for rows ``x`` [R, H] (fp32) through the gathered slot parameters ``p``."""
@@ -184,44 +197,47 @@ class DistillerBank:
         return (prediction.float() - target.float()).pow(2).mean(dim=-1)
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor, layout: RowLayout) -> torch.Tensor:
-        """One optimizer step on every slot in ``layout``; returns the per-slot loss [U] (before).
+        """One optimizer step on every slot in ``layout``; returns the per-slot loss [U] (before)."""
+        return self.predict_and_train(x, y, layout)[2]
 
-        The loss of a slot is the mean row error over its rows in this step. Slots are disjoint,
-        so summing their losses gives each slot exactly its own gradient.
+    def predict_and_train(self, x: torch.Tensor, y: torch.Tensor, layout: RowLayout):
+        """One pass for a step whose rows all train: (ŷ [R, H], e [R], per-slot loss [U]).
+
+        ŷ and e come from the parameters before this step's update, exactly what ``predict`` and
+        ``row_error`` give. The loss of a slot is the mean row error over its rows in this step;
+        slots are disjoint, so summing their losses gives each slot exactly its own gradient.
         """
         with torch.inference_mode(False), torch.enable_grad():
-            # Inference tensors cannot be saved for backward: clone the taps outside that mode.
+            # Tensors made under inference mode (vLLM's sampler, the reference engine's forward)
+            # cannot take part in autograd: clone the taps and the layout outside that mode.
             x = x.detach().float().clone()
             y = y.detach().float().clone()
-            p = {k: v.requires_grad_(True) for k, v in self._gather(layout).items()}
-            err = self.row_error(self._forward(x, layout, p), y)  # [R]
+            layout = RowLayout(*(t.clone() for t in (layout.active, layout.row_slot, layout.row_pos)),
+                               layout.width)
+            rows = self.flat.index_select(0, layout.active).requires_grad_(True)
+            p = {k: self._view(rows, k) for k in self.PARAMS}
+            prediction = self._forward(x, layout, p)
+            err = self.row_error(prediction, y)  # [R]
             U = layout.active.numel()
             per_slot = torch.zeros(U, device=err.device).index_add(0, layout.row_slot, err)
-            count = torch.zeros(U, device=err.device).index_add(
-                0, layout.row_slot, torch.ones_like(err)
-            )
+            count = torch.zeros(U, device=err.device).index_add(0, layout.row_slot, torch.ones_like(err))
             loss = per_slot / count
-            grads = torch.autograd.grad(loss.sum(), list(p.values()))
-        self._apply_update(layout.active, dict(zip(p, grads)))
-        return loss.detach()
+            (grad,) = torch.autograd.grad(loss.sum(), [rows])
+        self._apply_update(layout.active, grad)
+        return prediction.detach(), err.detach(), loss.detach()
 
     @torch.no_grad()
-    def _apply_update(self, active: torch.Tensor, grads: dict[str, torch.Tensor]) -> None:
-        """Per-slot SGD or Adam on the active slots; each slot has its own step count."""
+    def _apply_update(self, active: torch.Tensor, grad: torch.Tensor) -> None:
+        """Per-slot SGD or Adam on whole [U, P] rows; each slot has its own step count."""
         self.steps[active] += 1
-        t = self.steps[active]
-        for k, p in self.params.items():
-            g = grads[k]
-            if self.optimizer == "sgd":
-                p.index_add_(0, active, -self.lr * g)
-                continue
-            b1, b2 = ADAM_BETAS
-            m = self.exp_avg[k].index_select(0, active).mul_(b1).add_(g, alpha=1 - b1)
-            v = self.exp_avg_sq[k].index_select(0, active).mul_(b2).addcmul_(g, g, value=1 - b2)
-            self.exp_avg[k].index_copy_(0, active, m)
-            self.exp_avg_sq[k].index_copy_(0, active, v)
-            shape = (-1,) + (1,) * (g.dim() - 1)
-            bc1 = (1 - b1 ** t).reshape(shape)
-            bc2 = (1 - b2 ** t).reshape(shape)
-            update = (m / bc1) / ((v / bc2).sqrt() + ADAM_EPS)
-            p.index_add_(0, active, -self.lr * update)
+        if self.optimizer == "sgd":
+            self.flat.index_add_(0, active, -self.lr * grad)
+            return
+        b1, b2 = ADAM_BETAS
+        t = self.steps[active].reshape(-1, 1)
+        m = self.flat_m.index_select(0, active).mul_(b1).add_(grad, alpha=1 - b1)
+        v = self.flat_v.index_select(0, active).mul_(b2).addcmul_(grad, grad, value=1 - b2)
+        self.flat_m.index_copy_(0, active, m)
+        self.flat_v.index_copy_(0, active, v)
+        update = (m / (1 - b1 ** t)) / ((v / (1 - b2 ** t)).sqrt() + ADAM_EPS)
+        self.flat.index_add_(0, active, -self.lr * update)

@@ -1,7 +1,7 @@
 """The sampler intervention, as pure tensor functions shared by every engine.
 
-Per row: z̃ = z / T.  C = the tokens kept by the request's own top-k, top-p and min-p on z̃, the
-argmax always kept.  For c in C:
+Per row: z̃ = z / T.  C = the tokens kept by the request's own min-p, top-k and top-p on z̃ (in
+vLLM's sampler order), the argmax always kept.  For c in C:
 
     paper        z'_c = (1 + β)·z̃_c − β·d_c
     unsharpened  z'_c = z̃_c − β·d_c
@@ -32,37 +32,42 @@ def candidate_mask(
     min_p: torch.Tensor,  # [R] float, 0 = off
     width: int | None = None,
 ) -> torch.Tensor:
-    """Boolean [R, V]: tokens the request's own filters keep. The argmax is always kept.
+    """Boolean [R, V]: the tokens the request's own filters keep, in vLLM's sampler order.
 
-    top-k keeps the k largest; top-p keeps the smallest prefix of the sorted distribution whose
-    mass reaches p (the token that crosses p is kept); min-p keeps p_c >= min_p * p_max. A token
-    must pass all three.
+    1. min-p keeps p_c >= min_p · p_max;
+    2. top-k keeps the k largest of those;
+    3. top-p runs on what is left, renormalised: in ascending order a token is dropped while the
+       cumulative mass up to and including it is <= 1 − top_p.
+    The argmax always stays. Matching vLLM's order exactly is what makes β = 0 on the vLLM engine
+    sample what vLLM samples with ESamp off.
 
     Every filter keeps a prefix of the sorted distribution, so only the ``width`` largest tokens
-    need sorting: by default the widest row's bound from top-k and min-p (one host read of a
-    scalar), or ``width`` when the caller already knows a bound (e.g. V, to avoid the read).
+    are sorted: by default the widest row's bound from min-p and top-k (one host read of a
+    scalar), or ``width`` when the caller knows a bound (``V`` sorts everything, no host read).
     """
     R, V = scaled.shape
     device = scaled.device
-    probs = scaled.softmax(dim=-1)
-    p_max = probs.max(dim=-1, keepdim=True).values
-    mp = min_p.to(device=device, dtype=probs.dtype).reshape(-1, 1)
-    k = top_k.to(device).reshape(-1, 1)
+    z = scaled.float()
+    probs = z.softmax(dim=-1)
+    floor = probs.amax(dim=-1, keepdim=True) * min_p.to(device, torch.float32).reshape(-1, 1)
+    k = top_k.to(device, torch.long).reshape(-1, 1)
+    k = torch.where(k > 0, k, torch.full_like(k, V))
     if width is None:
-        bound = (probs >= mp * p_max).sum(dim=-1, keepdim=True)
-        bound = torch.where(k > 0, torch.minimum(bound, k), bound)
+        bound = torch.minimum((probs >= floor).sum(dim=-1, keepdim=True), k)
         width = int(bound.max().item()) if R else 1
     width = max(1, min(width, V))
-    top_probs, top_ids = probs.topk(width, dim=-1)  # [R, W], descending
+    top_z, top_ids = z.topk(width, dim=-1)  # [R, W], descending
+    top_probs = probs.gather(1, top_ids)
     rank = torch.arange(width, device=device).expand(R, width)
-    keep = (k <= 0) | (rank < k)
-    p = top_p.to(device=device, dtype=probs.dtype).reshape(-1, 1)
-    mass_before = top_probs.cumsum(dim=-1) - top_probs
-    keep &= (p >= 1.0) | (mass_before < p)
-    keep &= top_probs >= mp * p_max
-    keep[:, 0] = True  # the argmax survives every filter
+    kept = (top_probs >= floor) & (rank < k)  # min-p, then top-k among the survivors
+    # top-p over the survivors, renormalised, summed from the least likely up (as vLLM does)
+    survivors = top_z.masked_fill(~kept, NEG_INF).softmax(dim=-1)
+    from_bottom = survivors.flip(-1).cumsum(dim=-1).flip(-1)  # mass of this token and all below
+    p = top_p.to(device, torch.float32).reshape(-1, 1)
+    kept &= ~((from_bottom <= 1 - p) & (p < 1))
+    kept[:, 0] = True  # the argmax survives every filter
     mask = torch.zeros(R, V, dtype=torch.bool, device=device)
-    mask.scatter_(1, top_ids, keep)
+    mask.scatter_(1, top_ids, kept)
     return mask
 
 

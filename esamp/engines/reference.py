@@ -224,9 +224,15 @@ class ReferenceEngine:
 
         prediction = errors = None
         if steered:
+            # The prediction that steers is the Distiller's before this step's update; with
+            # training on, one pass gives both it and the update.
             layout = RowLayout.from_slots([g.slot] * x.shape[0], self.device)
-            prediction = self.bank.predict(x, layout)
-            errors = DistillerBank.row_error(prediction, y)
+            if g.esamp.train:
+                prediction, errors, loss = self.bank.predict_and_train(x, y, layout)
+                stats["losses"].append(float(loss.mean()))
+            else:
+                prediction = self.bank.predict(x, layout)
+                errors = DistillerBank.row_error(prediction, y)
             stats["port_hits"] += x.shape[0]
         if not first:  # this step's inputs were the tokens sampled last step
             events += g.stream.novelties(g.alive, errors.tolist() if errors is not None else None)
@@ -248,10 +254,6 @@ class ReferenceEngine:
         else:
             final = iv.filtered_logits(scaled, mask)
         tokens = iv.sample(final, torch.full((rows,), s.temperature == 0), g.generator)
-
-        if steered and g.esamp.train:
-            loss = self.bank.train_step(x, y, RowLayout.from_slots([g.slot] * x.shape[0], self.device))
-            stats["losses"].append(float(loss.mean()))
 
         if first:
             g.cache.batch_repeat_interleave(rows)

@@ -144,7 +144,6 @@ def test_taps_equal_reference_hooks_in_a_shrinking_mixed_batch(engine, reference
 def test_processor_logits_equal_core_function(engine):
     """The processor's steered logits are ``esamp.intervention.steer`` on the same inputs."""
     from esamp import intervention as iv
-    from esamp.engines.vllm.filters import sampler_candidate_mask
 
     p = processor()
     p.trace = []
@@ -159,7 +158,7 @@ def test_processor_logits_equal_core_function(engine):
         s = t["settings"]
         R = len(s)
         scaled = iv.scale_logits(t["logits"], torch.tensor([x["temperature"] for x in s]))
-        mask = sampler_candidate_mask(scaled, torch.tensor([x["top_k"] for x in s]),
+        mask = iv.candidate_mask(scaled, torch.tensor([x["top_k"] for x in s]),
                                  torch.tensor([x["top_p"] for x in s]), torch.tensor([x["min_p"] for x in s]))
         want = iv.steer(scaled, mask, t["prediction"], head, torch.full((R,), 0.8), "paper")
         got = t["steered"]

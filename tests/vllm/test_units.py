@@ -9,8 +9,6 @@ from esamp import intervention as iv
 from esamp.config import EsampConfig, SamplingConfig
 from esamp.distiller import DistillerBank, RowLayout
 from esamp.engines.vllm import settings as es
-from esamp.engines.vllm.bank import FlatDistillerBank
-from esamp.engines.vllm.filters import sampler_candidate_mask
 from esamp.errors import ConfigError
 
 
@@ -37,25 +35,31 @@ def test_layers_and_architectures_give_clear_errors():
         es.esamp_architecture("GPT2LMHeadModel")
 
 
-def test_sampler_mask_matches_core_for_single_filters():
+@pytest.mark.vllm
+def test_core_candidate_mask_equals_vllms_own_filters():
+    """Drift canary: the core candidate set is what vLLM's own min-p + top-k/top-p ops keep."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
     torch.manual_seed(0)
-    z = torch.randn(6, 500) * 3
-    R = z.shape[0]
-    one = lambda v, dt=torch.float32: torch.full((R,), v, dtype=dt)  # noqa: E731
-    for k, p, m in ((20, 1.0, 0.0), (0, 1.0, 0.1), (0, 1.0, 0.0)):
-        ours = sampler_candidate_mask(z, one(k, torch.long), one(p), one(m))
-        core = iv.candidate_mask(z, one(k, torch.long), one(p), one(m))
-        assert torch.equal(ours, core), (k, p, m)
-    ours = sampler_candidate_mask(z, one(0, torch.long), one(0.9), one(0.0))
-    core = iv.candidate_mask(z, one(0, torch.long), one(0.9), one(0.0))
-    assert (ours != core).sum() <= R  # top-p alone: at most the boundary token per row
-    assert ours.any(dim=-1).all() and ours.gather(1, z.argmax(-1, keepdim=True)).all()
+    for trial in range(40):
+        R, V = 6, 800
+        z = torch.randn(R, V) * (1 + 5 * torch.rand(1))
+        k = torch.randint(0, 40, (R,)) if trial % 2 else torch.zeros(R, dtype=torch.long)
+        p = 0.5 + 0.5 * torch.rand(R)
+        m = 0.2 * torch.rand(R) if trial % 3 else torch.zeros(R)
+        probs = z.softmax(-1)
+        filtered = z.masked_fill(probs < probs.amax(-1, keepdim=True) * m[:, None], float("-inf"))
+        kk = torch.where(k > 0, k, torch.full_like(k, V))
+        want = torch.isfinite(apply_top_k_top_p_pytorch(filtered.clone(), kk, p))
+        assert torch.equal(iv.candidate_mask(z, k, p, m), want), trial
+        assert torch.equal(iv.candidate_mask(z, k, p, m, width=V), want), trial
 
 
-def test_flat_bank_equals_core_bank():
+def test_predict_and_train_equals_predict_then_train():
+    """The processor's one-pass step gives what separate predict / row_error / train_step give."""
     for optimizer in ("adam", "sgd"):
         a = DistillerBank(16, rank=4, slots=3, optimizer=optimizer, seed=5)
-        b = FlatDistillerBank(16, rank=4, slots=3, optimizer=optimizer, seed=5)
+        b = DistillerBank(16, rank=4, slots=3, optimizer=optimizer, seed=5)
         for g in ("p", "q"):
             a.allocate(g), b.allocate(g)
         gen = torch.Generator().manual_seed(1)
@@ -64,9 +68,12 @@ def test_flat_bank_equals_core_bank():
             x, y = torch.randn(3, 16, generator=gen), torch.randn(3, 16, generator=gen)
             want_pred = a.predict(x, layout)
             want_loss = a.train_step(x, y, layout)
-            pred, err, loss = b.predict_and_train(x, y, layout)
-            assert torch.equal(pred, want_pred) and torch.equal(loss, want_loss)
-            assert torch.equal(err, DistillerBank.row_error(want_pred, y))
+            with torch.inference_mode():  # as inside vLLM's sampler
+                layout_inf = RowLayout.from_slots([1, 0, 1])
+                pred, err, loss = b.predict_and_train(x, y, layout_inf)
+            torch.testing.assert_close(pred, want_pred)
+            assert torch.equal(loss, want_loss)
+            torch.testing.assert_close(err, DistillerBank.row_error(want_pred, y))
         a.free("q"), b.free("q")
         for k in a.PARAMS:
             assert torch.equal(a.params[k], b.params[k])

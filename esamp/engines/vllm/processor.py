@@ -5,12 +5,13 @@ Per step, for every row whose request carries ESamp settings (``extra_args["esam
 1. take this step's tapped rows from the model (``state.STATE``; logits-row order),
 2. predict the target from the source with the group's Distiller slot; the row error e is the
    raw novelty of the token that was this row's input,
-3. steer: z̃ = z/T, C = the request's own top-k/top-p/min-p on z̃ exactly as vLLM's sampler
-   forms it (``filters``), z' = mix(z̃, d) on C, −∞ elsewhere (``esamp.intervention``); the
-   request handed vLLM neutral filters, so vLLM only draws from z',
+3. steer: z̃ = z/T, C = the request's own min-p/top-k/top-p on z̃ exactly as vLLM's sampler
+   forms it (``esamp.intervention.candidate_mask`` at full width: no host read), z' = mix(z̃, d)
+   on C, −∞ elsewhere (``esamp.intervention``); the request handed vLLM neutral filters, so
+   vLLM only draws from z',
 4. train one optimizer step per slot on the step's rows; the prediction used for steering is
-   the one from before the update, as in the reference engine (``FlatDistillerBank`` takes both
-   from one forward pass when every row trains).
+   the one from before the update, as in the reference engine
+   (``DistillerBank.predict_and_train`` takes both from one forward pass when every row trains).
 
 Rows are mapped fresh each step from ``BatchUpdate`` (removed → added → moved); state is keyed by
 group, never by row. A group's slot is allocated when its first request joins and freed when the client releases the
@@ -32,8 +33,6 @@ import torch
 
 from esamp import intervention as iv
 from esamp.distiller import DistillerBank, RowLayout
-from esamp.engines.vllm.bank import FlatDistillerBank
-from esamp.engines.vllm.filters import sampler_candidate_mask
 from esamp.engines.vllm.settings import KEY, parse_request_settings, vllm_filters
 from esamp.engines.vllm.state import STATE
 
@@ -110,7 +109,7 @@ class EsampLogitsProcessor(LogitsProcessor):
         if self.settings is not None:
             hidden = int(vllm_config.model_config.get_hidden_size())
             with torch.inference_mode(False):
-                self.bank = FlatDistillerBank(
+                self.bank = DistillerBank(
                     hidden, rank=self.settings["rank"], slots=self.settings["slots"],
                     lr=self.settings["lr"], optimizer=self.settings["optimizer"],
                     device=self.device, seed=self.settings["seed"],
@@ -217,7 +216,7 @@ class EsampLogitsProcessor(LogitsProcessor):
         self.step += 1
         rows = plan.settings
         scaled = iv.scale_logits(logits.index_select(0, plan.idx), plan.temperature)
-        mask = sampler_candidate_mask(scaled, plan.top_k, plan.top_p, plan.min_p)
+        mask = iv.candidate_mask(scaled, plan.top_k, plan.top_p, plan.min_p, width=scaled.shape[1])
         meta = [(s["group"], s["sample"], len(out)) for s, out in zip(rows, plan.outputs)]
         if taps is None or taps.source.shape[0] != R:
             # No taps for this step (should not happen): keep the request's own filters exact,
