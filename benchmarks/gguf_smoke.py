@@ -37,7 +37,7 @@ def main() -> int:
                      enforce_eager=True if args.gguf == "native" else None)
     load = time.perf_counter() - t0
     prompt = "What is the capital of France? Answer in one sentence."
-    out = {"command": " ".join([sys.executable, *sys.argv]), "model": args.model, "load_seconds": round(load, 1),
+    out = {"command": " ".join(["python3", *sys.argv]), "model": args.model, "load_seconds": round(load, 1),
            "device": torch.cuda.get_device_name(0), "vllm": vllm.__version__, "torch": torch.__version__,
            "python": platform.python_version(), "gguf": args.gguf, "plain": args.plain,
            "engine_info": eng.info(), "prompt": prompt, "runs": {}}

