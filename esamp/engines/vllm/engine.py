@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import gc
 import json
+import os
 import math
 import time
 from collections import defaultdict
@@ -83,6 +84,12 @@ class VllmEngine:
         **_ignored,
     ) -> None:
         t0 = time.perf_counter()
+        if not _cuda():
+            # vLLM on a CPU sizes its KV cache from the node's memory unless told otherwise (and
+            # then fails on a busy machine); 4 GiB serves the dashboard and tests. Thread pinning
+            # off: it measured best on small shared machines.
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         try:
             import vllm  # noqa: F401
             from vllm import LLM
