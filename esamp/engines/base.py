@@ -14,6 +14,7 @@ import time
 from typing import Iterable, Iterator, Protocol, Sequence
 
 from esamp.config import EsampConfig, SamplingConfig
+from esamp.errors import PromptError
 from esamp.events import DoneEvent, Event, ReadyEvent, TokenEvent
 from esamp.novelty import NoveltyNormalizer
 
@@ -46,6 +47,30 @@ class Engine(Protocol):
     def has_unfinished(self) -> bool: ...
 
     def close(self) -> None: ...
+
+
+def encode_prompt(tokenizer, prompt: str | Sequence[int], chat: bool, context: int) -> list[int]:
+    """Prompt → token ids: text through the chat template (when the model has one), or ids as
+    given. Empty prompts and prompts that fill the context are errors a user can act on."""
+    if not isinstance(prompt, str):
+        ids = [int(t) for t in prompt]
+    else:
+        if not prompt.strip():
+            raise PromptError("the prompt is empty", hint="type a question or an instruction")
+        if chat and getattr(tokenizer, "chat_template", None):
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        else:
+            ids = tokenizer(prompt)["input_ids"]
+    if not ids:
+        raise PromptError("the prompt is empty", hint="type a question or an instruction")
+    if len(ids) >= context:
+        raise PromptError(
+            f"the prompt is {len(ids)} tokens, longer than the model's context of {context}",
+            hint=f"shorten the prompt to under {context} tokens",
+        )
+    return ids
 
 
 def run(engine: Engine, prompt, sampling: SamplingConfig, esamp: EsampConfig | None = None, **kw) -> Iterator[Event]:

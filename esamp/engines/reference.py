@@ -19,8 +19,8 @@ import torch
 from esamp import intervention as iv
 from esamp.config import EsampConfig, SamplingConfig
 from esamp.distiller import DistillerBank, RowLayout
-from esamp.engines.base import GroupStream, RateMeter, new_group_key
-from esamp.errors import EngineError, PromptError
+from esamp.engines.base import GroupStream, RateMeter, encode_prompt, new_group_key
+from esamp.errors import EngineError
 from esamp.events import ErrorEvent, Event, ReadyEvent, StepEvent
 from esamp.models import resolve
 from esamp.novelty import NoveltyNormalizer
@@ -136,26 +136,7 @@ class ReferenceEngine:
     # -- admission ---------------------------------------------------------------------------
 
     def encode(self, prompt: str | Sequence[int], chat: bool = True) -> list[int]:
-        if not isinstance(prompt, str):
-            ids = [int(t) for t in prompt]
-        else:
-            if not prompt.strip():
-                raise PromptError("the prompt is empty", hint="type a question or an instruction")
-            if chat and self.tokenizer.chat_template:
-                text = self.tokenizer.apply_chat_template(
-                    [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-                )
-                ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            else:
-                ids = self.tokenizer(prompt)["input_ids"]
-        if not ids:
-            raise PromptError("the prompt is empty", hint="type a question or an instruction")
-        if len(ids) >= self.context:
-            raise PromptError(
-                f"the prompt is {len(ids)} tokens, longer than the model's context of {self.context}",
-                hint=f"shorten the prompt to under {self.context} tokens",
-            )
-        return ids
+        return encode_prompt(self.tokenizer, prompt, chat, self.context)
 
     def start(self, prompt: str | Sequence[int], sampling: SamplingConfig,
               esamp: EsampConfig | None = None, group: str | None = None, chat: bool = True) -> str:

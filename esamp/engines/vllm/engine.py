@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Sequence
 
 from esamp.config import EsampConfig, SamplingConfig
-from esamp.engines.base import GroupStream, RateMeter, new_group_key
+from esamp.engines.base import GroupStream, RateMeter, encode_prompt, new_group_key
 from esamp.engines.vllm import settings as es
 from esamp.errors import BankFullError, ConfigError, EngineError, PromptError
 from esamp.events import ErrorEvent, Event, ReadyEvent, StepEvent
@@ -187,30 +187,12 @@ class VllmEngine:
     # -- admission ---------------------------------------------------------------------------
 
     def encode(self, prompt: str | Sequence[int], chat: bool = True) -> list[int]:
-        if not isinstance(prompt, str):
-            ids = [int(t) for t in prompt]
-        elif self.tokenizer is None:
+        if isinstance(prompt, str) and self.tokenizer is None:
             raise PromptError(
                 f"{self.resolved.name} has random weights and no tokenizer: give the prompt as token ids",
                 hint="pass a list of token ids (e.g. esamp bench builds them), or use a real model",
             )
-        else:
-            if not prompt.strip():
-                raise PromptError("the prompt is empty", hint="type a question or an instruction")
-            if chat and getattr(self.tokenizer, "chat_template", None):
-                text = self.tokenizer.apply_chat_template(
-                    [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
-                ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            else:
-                ids = self.tokenizer(prompt)["input_ids"]
-        if not ids:
-            raise PromptError("the prompt is empty", hint="type a question or an instruction")
-        if len(ids) >= self.context:
-            raise PromptError(
-                f"the prompt is {len(ids)} tokens, longer than the engine's context of {self.context}",
-                hint=f"shorten the prompt to under {self.context} tokens",
-            )
-        return ids
+        return encode_prompt(self.tokenizer, prompt, chat, self.context)
 
     def start(self, prompt: str | Sequence[int], sampling: SamplingConfig,
               esamp: EsampConfig | None = None, group: str | None = None, chat: bool = True) -> str:
