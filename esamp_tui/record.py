@@ -64,8 +64,7 @@ class GroupRecord:
             return False
         self.samples[event.sample].finish_reason = event.finish_reason
         if self.finished:
-            self.distinct_2 = distinct_2([s.text for s in self.samples],
-                                         [[t.token_id for t in s.tokens] for s in self.samples])
+            self.distinct_2 = distinct_2([s.text for s in self.samples])
             return True
         return False
 

@@ -77,7 +77,7 @@ def steer_rows(scaled: torch.Tensor, mask: torch.Tensor, prediction: torch.Tenso
     if path == "auto":
         width = int(mask.sum(dim=-1).max()) if rows else 0
         if width * rows * lm_head.shape[1] * lm_head.element_size() <= GATHER_BYTES:
-            return iv.steer(scaled, mask, prediction, lm_head, beta, kind)
+            return iv.steer(scaled, mask, prediction, lm_head, beta, kind, width=width)
     d = (prediction.to(lm_head.dtype) @ lm_head[:vocab].t()).float()  # [R, V]
     return iv.mix(scaled, d, beta, kind).masked_fill(~mask, iv.NEG_INF)
 
