@@ -6,9 +6,14 @@
 #   bash benchmarks/gpu_suite.sh stage          copy the .device/ chunks carried with this call
 #   bash benchmarks/gpu_suite.sh tests          stage + install, then: tests/vllm on the GPU
 #                                               (CUDA graphs on), the GGUF model generating with
-#                                               ESamp on, and the TUI's vLLM test if there is one
+#                                               ESamp on, and the dashboard's vLLM test (headless)
+#   bash benchmarks/gpu_suite.sh micro          stage + install, then the per-step cost of each
+#                                               piece at the 7B and 0.5B presets' shapes
 #   bash benchmarks/gpu_suite.sh bench MODEL    stage + install, then esamp bench on MODEL
 #   bash benchmarks/gpu_suite.sh tests-and-bench   the tests (SMOKE=0), then bench on the 7B preset
+#
+# Wheels the image lacks for the dashboard test (textual, plotext, pytest-asyncio, ...) travel in
+# an ignored .whl/ folder named in the call's carry list; install puts them beside vLLM.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
@@ -21,7 +26,13 @@ stage() { bash .device/stage.sh >/dev/null; }
 install() {
   stage
   bash .device/stage.sh install || return 1
-  [ -f /tmp/models/smollm2.Q4_1.gguf ] || bash .device/stage.sh gguf >/dev/null
+  if [ -f /tmp/parts/smol.gguf.part00 ] && [ -f /tmp/parts/smol.gguf.part01 ] && [ ! -s /tmp/models/smollm2.Q4_1.gguf ]; then
+    bash .device/stage.sh gguf >/dev/null
+  fi
+  if [ -d .whl ] && [ ! -f /tmp/site/.whl-done ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+      && touch /tmp/site/.whl-done
+  fi
   export PYTHONPATH=/tmp/site:$PWD
   if [ ! -f /tmp/esamp-installed ]; then
     # The entry point (vllm.general_plugins) lets vLLM's spawned engine core find our model classes.
@@ -47,11 +58,16 @@ case "${1:-}" in
       python3 benchmarks/gguf_smoke.py --gguf $v --json "$OUT/${name//--/-}.json" 2>&1 \
         | grep -v "^INFO\|^(EngineCore\|^WARNING\|^DEBUG\|^\[" | tail -4
     done
-    if grep -rqs "vllm" tests/tui/*.py; then
-      python3 -m pytest tests/tui -q -k vllm -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/tui-vllm.log"
-    else
-      echo "no vLLM test in tests/tui: TUI headless run on the GPU skipped" | tee "$OUT/tui-vllm.log"
-    fi ;;
+    python3 -m pytest tests/tui/test_e2e.py -q -rs -k vllm -p no:cacheprovider \
+      --junitxml="$OUT/gpu-tui-tests.xml" 2>&1 | tail -15 | tee "$OUT/tui-vllm.log" ;;
+  micro)
+    install || exit 1
+    python3 benchmarks/processor_micro.py --hidden 3584 --vocab 152064 --rows 16 256 --group-size 1 8 \
+      --flat --json "$OUT/micro-7b-flat.json"
+    python3 benchmarks/processor_micro.py --hidden 3584 --vocab 152064 --rows 16 256 --group-size 1 8 \
+      --json "$OUT/micro-7b-peaked.json"
+    python3 benchmarks/processor_micro.py --hidden 896 --vocab 151936 --rows 16 256 --group-size 1 8 \
+      --flat --json "$OUT/micro-0.5b-flat.json" ;;
   tests-and-bench)  # one call: the GPU tests, then esamp bench on the 7B preset
     SMOKE=0 bash "$0" tests
     bash "$0" bench qwen2.5-7b:dummy --trials 3 ;;

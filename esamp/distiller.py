@@ -10,9 +10,10 @@ in the step, the mean of e over that slot's rows; slots never share parameters o
 and each slot counts its own optimizer steps, so a re-initialised slot starts exactly fresh.
 
 Parameters are kept in fp32 in one [S, P] buffer (a slot's six tensors are views of its row),
-and so are the two Adam moments: a step gathers its slots with one ``index_select`` and updates
-them with a handful of whole-row ops, which matters where every kernel launch sits on the
-sampler's critical path (vLLM).  A step's rows are laid out as a [U, W, H] block (U slots present
+and so are the two Adam moments.  A step reads its slots' rows in place when they are contiguous
+(one ``index_select`` otherwise) and updates them with one multi-tensor optimizer call on the
+rows themselves, so the optimizer reads and writes each parameter and moment once; that matters
+where the step runs inside vLLM's sampler.  A step's rows are laid out as a [U, W, H] block (U slots present
 in the step, W rows of the widest slot) so every slot's product is one batched matmul and no
 per-row copy of the parameters is made.
 """
@@ -42,6 +43,19 @@ class RowLayout:
     row_slot: torch.Tensor  # [R] index into ``active`` for each row
     row_pos: torch.Tensor  # [R] position of the row inside its slot's block
     width: int  # W: rows of the widest slot in this step
+    slots: tuple[int, ...] = ()  # ``active`` as host ints (no device read to find them)
+
+    @property
+    def span(self) -> tuple[int, int] | None:
+        """(first, end) when the active slots are consecutive ascending ids: read them in place."""
+        s = self.slots
+        if s and all(b == a + 1 for a, b in zip(s, s[1:])):
+            return s[0], s[-1] + 1
+        return None
+
+    def to(self, device: torch.device | str) -> "RowLayout":
+        return RowLayout(self.active.to(device), self.row_slot.to(device), self.row_pos.to(device),
+                         self.width, self.slots)
 
     @classmethod
     def from_slots(cls, slots: list[int], device: torch.device | str = "cpu") -> "RowLayout":
@@ -60,7 +74,7 @@ class RowLayout:
         def t(values):
             return torch.tensor(values, dtype=torch.long, device=device)
 
-        return cls(t(list(order)), t(row_slot), t(row_pos), max(counts, default=0))
+        return cls(t(list(order)), t(row_slot), t(row_pos), max(counts, default=0), tuple(order))
 
 
 class DistillerBank:
@@ -169,9 +183,16 @@ class DistillerBank:
         a, b = self._spans[name]
         return buffer[:, a:b].view(buffer.shape[0], *self._shapes[name])
 
+    def _rows(self, layout: RowLayout) -> torch.Tensor:
+        """[U, P]: the active slots' parameter rows, in place when the slots are consecutive."""
+        span = layout.span
+        if span is not None:
+            return self.flat[span[0]:span[1]]
+        return self.flat.index_select(0, layout.active)
+
     def _gather(self, layout: RowLayout) -> dict[str, torch.Tensor]:
-        """The parameters of the slots present in this step: [U, ...] views of one copy."""
-        rows = self.flat.index_select(0, layout.active)
+        """The parameters of the slots present in this step: [U, ...] views."""
+        rows = self._rows(layout)
         return {k: self._view(rows, k) for k in self.PARAMS}
 
     def _forward(self, x: torch.Tensor, layout: RowLayout, p: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -213,8 +234,9 @@ class DistillerBank:
             x = x.detach().float().clone()
             y = y.detach().float().clone()
             layout = RowLayout(*(t.clone() for t in (layout.active, layout.row_slot, layout.row_pos)),
-                               layout.width)
-            rows = self.flat.index_select(0, layout.active).requires_grad_(True)
+                               layout.width, layout.slots)
+            # detach(): a view of the live parameters (no copy) as the leaf to differentiate
+            rows = self._rows(layout).detach().requires_grad_(True)
             p = {k: self._view(rows, k) for k in self.PARAMS}
             prediction = self._forward(x, layout, p)
             err = self.row_error(prediction, y)  # [R]
@@ -223,12 +245,30 @@ class DistillerBank:
             count = torch.zeros(U, device=err.device).index_add(0, layout.row_slot, torch.ones_like(err))
             loss = per_slot / count
             (grad,) = torch.autograd.grad(loss.sum(), [rows])
-        self._apply_update(layout.active, grad)
+        self._apply_update(layout.active, grad, layout.slots)
         return prediction.detach(), err.detach(), loss.detach()
 
     @torch.no_grad()
-    def _apply_update(self, active: torch.Tensor, grad: torch.Tensor) -> None:
-        """Per-slot SGD or Adam on whole [U, P] rows; each slot has its own step count."""
+    def _apply_update(self, active: torch.Tensor, grad: torch.Tensor, slots: tuple[int, ...] = ()) -> None:
+        """Per-slot SGD or Adam on whole [P] rows; each slot has its own step count.
+
+        With the slot ids on the host, one multi-tensor call updates the rows of ``flat`` and of
+        the moments in place (``torch._fused_adam_``, the kernel behind ``Adam(fused=True)``,
+        given one step counter per slot). Without them, the same update in whole-row ops.
+        """
+        if slots:
+            params = [self.flat[s] for s in slots]
+            grads = list(grad.unbind(0))
+            steps = [self.steps[s] for s in slots]
+            torch._foreach_add_(steps, 1.0)
+            if self.optimizer == "sgd":
+                torch._foreach_add_(params, grads, alpha=-self.lr)
+                return
+            b1, b2 = ADAM_BETAS
+            torch._fused_adam_(params, grads, [self.flat_m[s] for s in slots],
+                               [self.flat_v[s] for s in slots], [], steps, lr=self.lr, beta1=b1,
+                               beta2=b2, weight_decay=0.0, eps=ADAM_EPS, amsgrad=False, maximize=False)
+            return
         self.steps[active] += 1
         if self.optimizer == "sgd":
             self.flat.index_add_(0, active, -self.lr * grad)

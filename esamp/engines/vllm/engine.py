@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Sequence
 
 from esamp.config import EsampConfig, SamplingConfig
+from esamp.engines import cuda_available
 from esamp.engines.base import GroupStream, RateMeter, encode_prompt, new_group_key
 from esamp.engines.vllm import settings as es
 from esamp.errors import BankFullError, ConfigError, EngineError, PromptError
@@ -36,15 +37,6 @@ from esamp.novelty import NoveltyNormalizer
 
 PROCESSOR = "esamp.engines.vllm.processor:EsampLogitsProcessor"
 EXTENSION = "esamp.engines.vllm.extension.EsampWorkerExtension"
-
-
-def _cuda() -> bool:
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except Exception:
-        return False
 
 
 @dataclass
@@ -84,7 +76,7 @@ class VllmEngine:
         **_ignored,
     ) -> None:
         t0 = time.perf_counter()
-        if not _cuda():
+        if not cuda_available():
             # vLLM on a CPU sizes its KV cache from the node's memory unless told otherwise (and
             # then fails on a busy machine); 4 GiB serves the dashboard and tests. Thread pinning
             # off: it measured best on small shared machines.
@@ -108,7 +100,7 @@ class VllmEngine:
             raise ConfigError(f"gguf must be 'convert' or 'native', not {gguf!r}",
                               hint="'convert' loads the cached bf16 HF directory; 'native' lets vLLM read the GGUF")
         self.resolved = resolve(model)
-        cuda = _cuda()
+        cuda = cuda_available()
         kind = self.resolved.kind
         kwargs: dict = dict(seed=seed, max_model_len=max_model_len, max_num_seqs=max_num_seqs)
         if cuda:

@@ -12,9 +12,12 @@ dtype, so the two agree to bf16 rounding.)
 torch.compile and CUDA graphs (a forward hook would not fire under graph replay). The runner
 then gathers ``hidden_states[logits_indices]`` (one row per scheduled request, in logits-row
 order) and calls ``compute_logits``, which runs eagerly: it splits the columns, normalises the
-two tapped rows, hands them to the logits processor through ``state.STATE`` and returns the
-ordinary logits. A call with plain H-wide rows (warm-up, or a model built without taps) passes
-straight through.
+two tapped rows and hands them to the logits processor (``state.STATE``), which runs the
+Distiller on the rows it steers this step and returns the predictions ŷ. The LM head then runs
+once on ``[h; ŷ]``: the first rows are the ordinary logits, the rest are the Distiller logits
+d = W·ŷ, which the processor takes for its mix. One GEMM reads the head's weights once for both,
+so d costs no extra pass over the [V, H] head (the decode-time LM head is bound by that read).
+A call with plain H-wide rows (warm-up, or a model built without taps) passes straight through.
 """
 
 from __future__ import annotations
@@ -64,10 +67,29 @@ class _TapMixin:
         aux = hidden_states[:, H:].reshape(rows, len(self.esamp_aux_layers), H)
         src, tgt = self.esamp_taps
         layers = self.model.layers
-        source = layers[src].input_layernorm(aux[:, self.esamp_aux_layers.index(src)].contiguous())
-        target = layers[tgt].input_layernorm(aux[:, self.esamp_aux_layers.index(tgt)].contiguous())
-        STATE.put_taps(_first(source), _first(target))
-        return super().compute_logits(hidden_states[:, :H].contiguous())
+        source = _first(layers[src].input_layernorm(aux[:, self.esamp_aux_layers.index(src)].contiguous()))
+        target = _first(layers[tgt].input_layernorm(aux[:, self.esamp_aux_layers.index(tgt)].contiguous()))
+        hidden = hidden_states[:, :H]
+        STATE.taps_put += 1
+        processor = STATE.processor
+        prediction = processor.distill(source, target) if processor is not None else None
+        if prediction is None:
+            return super().compute_logits(hidden.contiguous())
+        if self._esamp_plain_head():
+            both = super().compute_logits(torch.cat([hidden, prediction.to(hidden.dtype)]))
+            processor.take_distiller_logits(both[rows:])
+            return both[:rows]
+        # A head that post-processes its logits (soft cap, scale): d from the dense weight.
+        logits = super().compute_logits(hidden.contiguous())
+        head = self.esamp_lm_head()
+        processor.take_distiller_logits(prediction.to(head.dtype) @ head[: logits.shape[-1]].t())
+        return logits
+
+    def _esamp_plain_head(self) -> bool:
+        """True when ``compute_logits`` is exactly W·h (no soft cap, scale 1, hidden states in)."""
+        lp = getattr(self, "logits_processor", None)
+        return (lp is not None and getattr(lp, "soft_cap", None) is None
+                and float(getattr(lp, "scale", 1.0)) == 1.0 and not getattr(lp, "logits_as_input", False))
 
     # -- what the processor needs from the model ----------------------------------------------
 

@@ -2,19 +2,27 @@
 
 Per step, for every row whose request carries ESamp settings (``extra_args["esamp"]``, on):
 
-1. take this step's tapped rows from the model (``state.STATE``; logits-row order),
-2. predict the target from the source with the group's Distiller slot; the row error e is the
-   raw novelty of the token that was this row's input,
-3. steer: z̃ = z/T, C = the request's own min-p/top-k/top-p on z̃ exactly as vLLM's sampler
-   forms it (``esamp.intervention.candidate_mask`` at full width: no host read), z' = mix(z̃, d)
-   on C, −∞ elsewhere (``esamp.intervention``); the request handed vLLM neutral filters, so
-   vLLM only draws from z',
-4. train one optimizer step per slot on the step's rows; the prediction used for steering is
-   the one from before the update, as in the reference engine
-   (``DistillerBank.predict_and_train`` takes both from one forward pass when every row trains).
+1. ``distill`` (called by the model's ``compute_logits`` with this step's tapped rows, in
+   logits-row order): predict the target from the source with the group's Distiller slot; the
+   row error e is the raw novelty of the token that was this row's input; train one optimizer
+   step per slot on the step's rows (the prediction used for steering is the one from before the
+   update, as in the reference engine). The model then runs its LM head once on ``[h; ŷ]`` and
+   hands back the Distiller logits d = W·ŷ (``take_distiller_logits``).
+2. ``apply`` (vLLM's sampler): z̃ = z/T, then the request's own min-p, top-k and top-p on z̃ with
+   vLLM's own filter code (``apply_top_k_top_p``: the Triton kernel on a GPU, the sort elsewhere),
+   so C is exactly the set vLLM's sampler would keep; then z' = a·z̃ − b·d on C and −∞ elsewhere,
+   with (a, b) = (1+β, β) for the paper mix and (1, β) for the unsharpened one
+   (``esamp.intervention.mix``). The request handed vLLM neutral filters, so vLLM only draws
+   from z'.
 
-Rows are mapped fresh each step from ``BatchUpdate`` (removed → added → moved); state is keyed by
-group, never by row. A group's slot is allocated when its first request joins and freed when the client releases the
+Nothing here reads a device value on the host: row mappings are host lists turned into device
+tensors once per batch change, and every step is a fixed sequence of kernels. On a GPU the
+Distiller step (forward, backward and optimizer: some seventy small kernels, bound by their
+launches) is captured as a CUDA graph once a batch has stayed the same for ``GRAPH_AFTER``
+steps, and replayed from then on: a few microseconds of launch instead of milliseconds
+(``ESAMP_CUDA_GRAPHS=0`` turns this off). Rows are mapped
+fresh from ``BatchUpdate`` (removed → added → moved); state is keyed by group, never by row. A
+group's slot is allocated when its first request joins and freed when the client releases the
 group (``drain(release=...)``), so a preempted request that leaves the batch and comes back keeps
 its group's Distiller.
 
@@ -26,7 +34,9 @@ without blocking and read only once their copy has finished, so draining never s
 from __future__ import annotations
 
 import collections
+import logging
 import os
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -41,9 +51,17 @@ try:  # vLLM ≤ 0.30: the V1 interface (the MRv2 one of ≥ 0.31 would need a s
 except ImportError as exc:  # pragma: no cover - depends on the installed vLLM
     raise ImportError(f"this vLLM has no V1 logits-processor interface: {exc}") from exc
 
-# Candidate-only gathers read |C|·H LM-head entries per row; when that exceeds this many bytes
-# (flat distributions, e.g. random weights) one [R, V] product is cheaper and uses less memory.
-GATHER_BYTES = 256 * 2**20
+try:  # the top-k/top-p filter vLLM's sampler runs (a drift canary checks it against the core's)
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p as vllm_top_k_top_p
+except ImportError:  # pragma: no cover - depends on the installed vLLM
+    vllm_top_k_top_p = None
+
+
+log = logging.getLogger(__name__)
+
+# Eager Distiller steps on an unchanged batch before its step is captured as a CUDA graph: short
+# lived batches (prefill, groups joining or leaving) are not worth a capture.
+GRAPH_AFTER = 2
 
 
 @dataclass
@@ -55,46 +73,110 @@ class _Row:
 @dataclass
 class _StepRecord:
     step: int
-    meta: list[tuple[str, int, int]]  # (group, sample, generation index) per steered row
+    groups: list[str]  # per steered row (shared with the plan)
+    samples: list[int]
+    generated: list[int]  # generation index per row: tokens generated before this step
     errors: torch.Tensor  # [n] raw row error
     candidates: torch.Tensor  # [n] |C| per row
     loss_groups: list[str] = field(default_factory=list)
     losses: torch.Tensor | None = None  # [U] per-slot loss before the step's update
     event: object = None  # a CUDA event once the copies above are queued
-    stash_miss: bool = False
-
-
-def steer_rows(scaled: torch.Tensor, mask: torch.Tensor, prediction: torch.Tensor,
-               lm_head: torch.Tensor, beta: torch.Tensor, kind: str, path: str = "auto") -> torch.Tensor:
-    """``esamp.intervention.steer`` for one step's rows, choosing how to get d.
-
-    ``auto``: small candidate sets go through the core's candidate-only path unchanged; when the
-    widest row's candidates would need more than ``GATHER_BYTES`` of gathered LM-head rows, d
-    comes from one [R, V] product instead. ``full``: always the product, with no host read.
-    Both give the same z' on C up to matmul rounding.
-    """
-    rows, vocab = scaled.shape
-    if path == "auto":
-        width = int(mask.sum(dim=-1).max()) if rows else 0
-        if width * rows * lm_head.shape[1] * lm_head.element_size() <= GATHER_BYTES:
-            return iv.steer(scaled, mask, prediction, lm_head, beta, kind, width=width)
-    d = (prediction.to(lm_head.dtype) @ lm_head[:vocab].t()).float()  # [R, V]
-    return iv.mix(scaled, d, beta, kind).masked_fill(~mask, iv.NEG_INF)
 
 
 @dataclass
 class _Plan:
+    """One batch shape's row → request mapping, on the device; rebuilt when the batch changes."""
+
     settings: list[dict]
     outputs: list[list[int]]
-    idx: torch.Tensor
-    temperature: torch.Tensor
-    top_k: torch.Tensor
-    top_p: torch.Tensor
-    min_p: torch.Tensor
-    beta: torch.Tensor
+    groups: list[str]
+    samples: list[int]
+    idx: torch.Tensor | None  # logits rows steered, or None when that is every row in order
+    temperature: torch.Tensor  # [n, 1], 1 for greedy rows (vLLM's sampler takes their argmax)
+    min_p: torch.Tensor | None  # [n, 1]; None when no row uses min-p
+    top_k: list[int]  # 0 = off
+    top_p: torch.Tensor | None  # [n]; None when no row uses top-p
+    a: torch.Tensor  # [n, 1] weight of z̃ in the mix
+    neg_b: torch.Tensor  # [n, 1] −β
     layout: RowLayout
-    kinds: list[tuple[str, torch.Tensor]]
     train: tuple[torch.Tensor, RowLayout, list[str]] | None
+    all_train: bool
+    _k: tuple[int, torch.Tensor | None] | None = None
+
+    def k(self, vocab: int, make) -> torch.Tensor | None:
+        """top-k as vLLM's sampler passes it (vocab size for rows without top-k), or None."""
+        if self._k is None or self._k[0] != vocab:
+            self._k = (vocab, make([k if 0 < k < vocab else vocab for k in self.top_k], torch.long)
+                       if any(0 < k < vocab for k in self.top_k) else None)
+        return self._k[1]
+
+
+@dataclass
+class _Context:
+    """What ``distill`` computed for this step, for ``apply`` to use."""
+
+    plan: _Plan
+    rows: int
+    source: torch.Tensor
+    target: torch.Tensor
+    prediction: torch.Tensor
+    errors: torch.Tensor
+    losses: torch.Tensor | None
+    distiller_logits: torch.Tensor | None = None
+
+
+class _GraphedStep:
+    """One plan's Distiller step as a CUDA graph: static input rows in, static outputs back.
+
+    Captured on a side stream into a private memory pool; nothing runs during the capture, so
+    the bank's state is untouched until the first replay. The outputs are overwritten by the
+    next replay, which stream order puts after every use of them in this step.
+    """
+
+    def __init__(self, plan: "_Plan", fn, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.plan = plan
+        self.x, self.y = x.clone(), y.clone()
+        self.graph = torch.cuda.CUDAGraph()
+        main = torch.cuda.current_stream()
+        side = torch.cuda.Stream()
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            self.graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                self.out = fn(self.x, self.y)
+            finally:
+                self.graph.capture_end()
+        main.wait_stream(side)
+
+    def run(self, x: torch.Tensor, y: torch.Tensor):
+        self.x.copy_(x)
+        self.y.copy_(y)
+        self.graph.replay()
+        return self.out
+
+
+def filter_candidates(scaled: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+                      min_p: torch.Tensor | None) -> torch.Tensor:
+    """The request's own filters on z̃, in place (−∞ outside C), exactly as vLLM's sampler does.
+
+    min-p with the formula of vLLM's built-in min-p processor, then vLLM's own top-k/top-p
+    function. Without that function (a vLLM that moved it) the core's filter, which a canary
+    test holds equal to it.
+    """
+    if vllm_top_k_top_p is None:
+        R, V = scaled.shape
+        mask = iv.candidate_mask(
+            scaled, top_k if top_k is not None else torch.zeros(R, dtype=torch.long),
+            top_p if top_p is not None else torch.ones(R),
+            min_p.reshape(-1) if min_p is not None else torch.zeros(R), width=V)
+        return scaled.masked_fill_(~mask, iv.NEG_INF)
+    if min_p is not None:
+        probs = scaled.softmax(dim=-1)
+        floor = probs.amax(dim=-1, keepdim=True).mul_(min_p)
+        scaled.masked_fill_(probs < floor, iv.NEG_INF)
+    if top_k is not None or top_p is not None:
+        scaled = vllm_top_k_top_p(scaled, top_k, top_p)
+    return scaled
 
 
 class EsampLogitsProcessor(LogitsProcessor):
@@ -119,13 +201,15 @@ class EsampLogitsProcessor(LogitsProcessor):
         self.records: collections.deque[_StepRecord] = collections.deque()
         self.step = 0
         self.counters = collections.Counter()
+        self.host_seconds = 0.0  # time spent in distill + apply on the host (launching work)
         self.trace: list[dict] | None = None  # tests set a list to see every steered step
         self._cached_plan: _Plan | None = None
         self._cached_plan_rows = -1
-        # How d is formed: "auto" picks candidate-only gathers or one [R, V] product from the
-        # widest candidate set (a host read); "full" always takes the product and never waits
-        # for the GPU, which is what keeps the sampler asynchronous on CUDA.
-        self.head_path = os.environ.get("ESAMP_HEAD_PATH") or ("full" if self.device.type == "cuda" else "auto")
+        self._ctx: _Context | None = None
+        self.use_graphs = self.device.type == "cuda" and os.environ.get("ESAMP_CUDA_GRAPHS", "1") != "0"
+        self._graph: _GraphedStep | None = None
+        self._graph_plan: _Plan | None = None
+        self._graph_seen = 0
         STATE.set_processor(self)
 
     # -- the interface -----------------------------------------------------------------------
@@ -205,60 +289,110 @@ class EsampLogitsProcessor(LogitsProcessor):
             self.bank.free(group)
             self.counters["slots_freed"] += 1
 
+    def distill(self, source: torch.Tensor, target: torch.Tensor) -> torch.Tensor | None:
+        """This step's Distiller work on the tapped rows [R, H]; returns ŷ for the rows it steers.
+
+        Called by the model's ``compute_logits`` (after ``update_state``, before ``apply``).
+        None when no row of this step is steered.
+        """
+        self._ctx = None
+        if not self.rows or self.bank is None:
+            return None
+        t0 = time.perf_counter()
+        plan = self._plan(source.shape[0])
+        if plan is None:
+            return None
+        x = source if plan.idx is None else source.index_select(0, plan.idx)
+        y = target if plan.idx is None else target.index_select(0, plan.idx)
+        prediction, errors, losses = self._distiller(plan, x, y)
+        self._ctx = _Context(plan, source.shape[0], x, y, prediction, errors, losses)
+        self.host_seconds += time.perf_counter() - t0
+        return prediction
+
+    def _distiller_step(self, plan: _Plan, x: torch.Tensor, y: torch.Tensor):
+        """(ŷ, e, per-slot loss or None) for the plan's rows, training the slots that train."""
+        if plan.all_train:  # one forward pass gives the (pre-update) prediction and the step
+            return self.bank.predict_and_train(x, y, plan.layout)
+        prediction = self.bank.predict(x, plan.layout)
+        errors = DistillerBank.row_error(prediction, y)
+        losses = None
+        if plan.train is not None:
+            t, layout, _ = plan.train
+            losses = self.bank.train_step(x.index_select(0, t), y.index_select(0, t), layout)
+        return prediction, errors, losses
+
+    def _distiller(self, plan: _Plan, x: torch.Tensor, y: torch.Tensor):
+        """The Distiller step, eager or by replaying the plan's CUDA graph (see ``GRAPH_AFTER``)."""
+        graph = self._graph
+        if graph is not None and graph.plan is plan:
+            return graph.run(x, y)
+        if not self.use_graphs:
+            return self._distiller_step(plan, x, y)
+        if self._graph_plan is not plan:
+            self._graph_plan, self._graph_seen = plan, 0
+        self._graph_seen += 1
+        if self._graph_seen <= GRAPH_AFTER:
+            return self._distiller_step(plan, x, y)
+        self._graph = None  # the previous batch's graph and its memory go first
+        try:
+            with torch.inference_mode(False):
+                self._graph = _GraphedStep(plan, lambda gx, gy: self._distiller_step(plan, gx, gy), x, y)
+        except Exception as exc:  # never let an optimisation take the engine down
+            self.use_graphs = False
+            self.counters["graph_failures"] += 1
+            log.warning("ESamp: capturing the Distiller step as a CUDA graph failed (%s); "
+                        "continuing without graphs", exc)
+            return self._distiller_step(plan, x, y)
+        self.counters["graph_captures"] += 1
+        return self._graph.run(x, y)
+
+    def take_distiller_logits(self, d: torch.Tensor) -> None:
+        """d = W·ŷ [n, V] for this step's steered rows (plan order), from the model's LM head."""
+        if self._ctx is not None:
+            self._ctx.distiller_logits = d
+
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        R = logits.shape[0]
-        taps = STATE.take_taps()
+        ctx, self._ctx = self._ctx, None
         if not self.rows or self.bank is None:
             return logits
+        t0 = time.perf_counter()
+        R, V = logits.shape
         plan = self._plan(R)
         if plan is None:
             return logits
         self.step += 1
-        rows = plan.settings
-        scaled = iv.scale_logits(logits.index_select(0, plan.idx), plan.temperature)
-        mask = iv.candidate_mask(scaled, plan.top_k, plan.top_p, plan.min_p, width=scaled.shape[1])
-        meta = [(s["group"], s["sample"], len(out)) for s, out in zip(rows, plan.outputs)]
-        if taps is None or taps.source.shape[0] != R:
-            # No taps for this step (should not happen): keep the request's own filters exact,
-            # but do not steer or train, and say so in the counters.
-            logits.index_copy_(0, plan.idx, iv.filtered_logits(scaled, mask))
+        z = logits if plan.idx is None else logits.index_select(0, plan.idx)
+        raw = z.clone() if self.trace is not None else None
+        # z̃ = z / T and the request's own filters, in place (z is the sampler's fp32 copy or ours)
+        scaled = filter_candidates(z.div_(plan.temperature), plan.k(V, self._tensor), plan.top_p, plan.min_p)
+        candidates = (scaled > iv.NEG_INF).sum(dim=-1)
+        if ctx is None or ctx.plan is not plan or ctx.rows != R or ctx.distiller_logits is None:
+            # No taps for this step (should not happen): the request's own filters stay exact,
+            # but nothing is steered or trained; the counters say so.
+            if plan.idx is not None:
+                logits.index_copy_(0, plan.idx, scaled)
             self.counters["stash_miss"] += 1
+            self.host_seconds += time.perf_counter() - t0
             return logits
-
-        x = taps.source.index_select(0, plan.idx)
-        y = taps.target.index_select(0, plan.idx)
-        losses = None
-        if plan.train is not None and plan.train[0].numel() == len(rows):
-            # Every row trains: one forward pass gives the (pre-update) prediction and the step.
-            prediction, errors, losses = self.bank.predict_and_train(x, y, plan.layout)
-        else:
-            prediction = self.bank.predict(x, plan.layout)
-            errors = DistillerBank.row_error(prediction, y)
-        lm_head = STATE.model.esamp_lm_head()
-        if len(plan.kinds) == 1:
-            out = steer_rows(scaled, mask, prediction, lm_head, plan.beta, plan.kinds[0][0], self.head_path)
-        else:
-            out = torch.empty_like(scaled)
-            for kind, j in plan.kinds:
-                out.index_copy_(0, j, steer_rows(scaled.index_select(0, j), mask.index_select(0, j),
-                                                 prediction.index_select(0, j), lm_head,
-                                                 plan.beta.index_select(0, j), kind, self.head_path))
-        if self.trace is not None:
-            self.trace.append(dict(meta=meta, settings=rows, logits=logits.index_select(0, plan.idx).clone(),
-                                   source=x.clone(), target=y.clone(), prediction=prediction.clone(),
-                                   steered=out.clone(), head_path=self.head_path))
-        logits.index_copy_(0, plan.idx, out.to(logits.dtype))
-        self.counters["port_hits"] += len(rows)
-
-        record = _StepRecord(step=self.step, meta=meta, errors=errors,
-                             candidates=mask.sum(dim=-1).float())
+        # z' = a·z̃ − b·d on C; −∞ stays −∞ outside C (d is finite)
+        out = scaled.mul_(plan.a).addcmul_(plan.neg_b, ctx.distiller_logits)
+        if plan.idx is not None:
+            logits.index_copy_(0, plan.idx, out)
+        self.counters["port_hits"] += len(plan.settings)
+        record = _StepRecord(step=self.step, groups=plan.groups, samples=plan.samples,
+                             generated=[len(o) for o in plan.outputs], errors=ctx.errors,
+                             candidates=candidates)
         if plan.train is not None:
-            t, layout, groups = plan.train
-            if losses is None:
-                losses = self.bank.train_step(x.index_select(0, t), y.index_select(0, t), layout)
-            record.losses, record.loss_groups = losses, groups
+            record.losses, record.loss_groups = ctx.losses, plan.train[2]
             self.counters["train_steps"] += 1
+        if self.trace is not None:
+            self.trace.append(dict(
+                meta=list(zip(record.groups, record.samples, record.generated)), settings=plan.settings,
+                logits=raw, source=ctx.source.clone(), target=ctx.target.clone(),
+                prediction=ctx.prediction.clone(), distiller_logits=ctx.distiller_logits.clone(),
+                steered=out.clone()))
         self._queue(record)
+        self.host_seconds += time.perf_counter() - t0
         return logits
 
     def _plan(self, R: int) -> "_Plan | None":
@@ -269,29 +403,32 @@ class EsampLogitsProcessor(LogitsProcessor):
         """
         if self._cached_plan is not None and self._cached_plan_rows == R:
             return self._cached_plan
+        self._graph = None  # captured for a batch that is gone
         steered = sorted(((i, r) for i, r in self.rows.items() if i < R), key=lambda t: t[0])
         if not steered:
             self._cached_plan, self._cached_plan_rows = None, R
             return None
         rows = [r.settings for _, r in steered]
         slots = [self.bank.slot_of(s["group"]) for s in rows]
-        kinds = sorted({s["mix"] for s in rows})
         train = [j for j, s in enumerate(rows) if s["train"]]
+        order = [i for i, _ in steered]
         with torch.inference_mode(False):
             plan = _Plan(
                 settings=rows,
                 outputs=[r.output_ids for _, r in steered],
-                idx=self._tensor([i for i, _ in steered], torch.long),
-                temperature=self._tensor([s["temperature"] for s in rows]),
-                top_k=self._tensor([s["top_k"] for s in rows], torch.long),
-                top_p=self._tensor([s["top_p"] for s in rows]),
-                min_p=self._tensor([s["min_p"] for s in rows]),
-                beta=self._tensor([s["beta"] for s in rows]),
+                groups=[s["group"] for s in rows],
+                samples=[s["sample"] for s in rows],
+                idx=None if order == list(range(R)) else self._tensor(order, torch.long),
+                temperature=self._tensor([[s["temperature"] if s["temperature"] > 0 else 1.0] for s in rows]),
+                min_p=self._tensor([[s["min_p"]] for s in rows]) if any(s["min_p"] > 0 for s in rows) else None,
+                top_k=[s["top_k"] for s in rows],
+                top_p=self._tensor([s["top_p"] for s in rows]) if any(s["top_p"] < 1 for s in rows) else None,
+                a=self._tensor([[1.0 + s["beta"] if s["mix"] == "paper" else 1.0] for s in rows]),
+                neg_b=self._tensor([[-s["beta"]] for s in rows]),
                 layout=self._layout(slots),
-                kinds=[(k, self._tensor([j for j, s in enumerate(rows) if s["mix"] == k], torch.long))
-                       for k in kinds],
                 train=(self._tensor(train, torch.long), self._layout([slots[j] for j in train]),
                        list(dict.fromkeys(rows[j]["group"] for j in train))) if train else None,
+                all_train=len(train) == len(rows),
             )
         self._cached_plan, self._cached_plan_rows = plan, R
         return plan
@@ -317,16 +454,15 @@ class EsampLogitsProcessor(LogitsProcessor):
         steps = []
         while self.records and (self.records[0].event is None or self.records[0].event.query()):
             r = self.records.popleft()
-            errors, cands = r.errors.tolist(), r.candidates.tolist()
             steps.append({
                 "step": r.step,
-                "rows": [(g, s, k, e, c) for (g, s, k), e, c in zip(r.meta, errors, cands)],
+                "rows": list(zip(r.groups, r.samples, r.generated, r.errors.tolist(), r.candidates.tolist())),
                 "loss": dict(zip(r.loss_groups, r.losses.tolist())) if r.losses is not None else {},
             })
         return {
             "steps": steps,
             "pending": len(self.records),  # steps whose device copies are still running
-            "counters": dict(self.counters),
+            "counters": dict(self.counters, host_ms=round(1e3 * self.host_seconds, 1)),
             "free_slots": self.bank.free_slots if self.bank is not None else 0,
             "groups": sorted(self.bank.groups) if self.bank is not None else [],
         }
@@ -348,7 +484,7 @@ class EsampLogitsProcessor(LogitsProcessor):
             return host
         return RowLayout(self._tensor(host.active.tolist(), torch.long),
                          self._tensor(host.row_slot.tolist(), torch.long),
-                         self._tensor(host.row_pos.tolist(), torch.long), host.width)
+                         self._tensor(host.row_pos.tolist(), torch.long), host.width, host.slots)
 
 
 class _SamplingView:

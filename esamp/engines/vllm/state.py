@@ -1,30 +1,20 @@
 """Per-process meeting point of the model class, the logits processor and the worker extension.
 
 All three live in the process that runs the model (vLLM's engine core, or the caller's process
-with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``). The model hands over one step's tapped rows through
-``put_taps``; the processor takes them in the same step with ``take_taps``. Nothing here is a row
-index: the taps are in logits-row order for exactly one step and are consumed once.
+with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``). The model hands one step's tapped rows (in logits-row
+order) to the processor's ``distill`` and the Distiller logits to ``take_distiller_logits``; the
+processor's ``apply`` consumes both in the same step. Nothing here is a row index.
 """
 
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
-
-import torch
-
-
-@dataclass
-class Taps:
-    source: torch.Tensor  # [R, H] layers[src].input_layernorm of the residual stream entering src
-    target: torch.Tensor  # [R, H] layers[tgt].input_layernorm of the residual stream entering tgt
 
 
 class _ProcessState:
     def __init__(self) -> None:
         self._model = None
         self._processor = None
-        self._taps: Taps | None = None
         self.taps_put = 0  # compute_logits calls that delivered taps
 
     # the model --------------------------------------------------------------------------------
@@ -42,15 +32,6 @@ class _ProcessState:
     @property
     def processor(self):
         return self._processor() if self._processor is not None else None
-
-    # one step's taps --------------------------------------------------------------------------
-    def put_taps(self, source: torch.Tensor, target: torch.Tensor) -> None:
-        self._taps = Taps(source, target)
-        self.taps_put += 1
-
-    def take_taps(self) -> Taps | None:
-        taps, self._taps = self._taps, None
-        return taps
 
 
 STATE = _ProcessState()
