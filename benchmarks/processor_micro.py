@@ -7,7 +7,9 @@ over ``--iters`` runs (after warm-up) of one step's worth of work on one stream:
 - ``filter_core``: the core's candidate filter at full width (the sort-based path);
 - ``filter_vllm``: min-p plus vLLM's own top-k/top-p function (what the processor runs now);
 - ``mix``: z' = a·z̃ − b·d in place;
-- ``distiller``: one predict-and-train step of the bank (U groups of R/U rows);
+- ``distiller``: one predict-and-train step of the bank (U groups of R/U rows), eager, and
+  ``distiller_graph`` the same step replayed as a CUDA graph (what the processor does on a
+  steady batch);
 - ``sampler_tail``: what vLLM's sampler does after the processor (softmax, exponential draw).
 
     python benchmarks/processor_micro.py --hidden 3584 --vocab 152064 --rows 16 256 --json out.json
@@ -52,7 +54,7 @@ def main() -> int:
 
     from esamp import intervention as iv
     from esamp.distiller import DistillerBank, RowLayout
-    from esamp.engines.vllm.processor import filter_candidates
+    from esamp.engines.vllm.processor import _GraphedStep, filter_candidates
 
     dev = torch.device("cuda")
     H, V = args.hidden, args.vocab
@@ -98,6 +100,11 @@ def main() -> int:
         def distiller():
             return bank.predict_and_train(x, y, layout)
 
+        graphed = _GraphedStep(None, lambda gx, gy: bank.predict_and_train(gx, gy, layout), x, y)
+
+        def distiller_graph():
+            return graphed.run(x, y)
+
         def sampler_tail():
             probs = filtered.softmax(dim=-1)
             q = torch.empty_like(probs).exponential_()
@@ -110,7 +117,8 @@ def main() -> int:
                    candidates_mean=float(torch.isfinite(filtered).sum(-1).float().mean()))
         for name, fn in [("head", head_plain), ("head_fused", head_fused), ("filter_core", filter_core),
                          ("filter_vllm", filter_vllm), ("clone", clone_only), ("mix", mix),
-                         ("distiller", distiller), ("sampler_tail", sampler_tail)]:
+                         ("distiller", distiller), ("distiller_graph", distiller_graph),
+                         ("sampler_tail", sampler_tail)]:
             row[name + "_ms"] = timed(fn, args.iters)
         row["mix_ms"] = round(row["mix_ms"] - row["clone_ms"], 4)
         row["filter_vllm_ms"] = round(row["filter_vllm_ms"] - row["clone_ms"], 4)
