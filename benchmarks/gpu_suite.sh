@@ -76,6 +76,7 @@ case "${1:-}" in
     model=${2:-qwen2.5-7b:dummy}
     shift 2
     python3 -m esamp.cli bench --model "$model" --json "$OUT/bench-${model//:/-}.json" "$@" 2>&1 \
-      | grep -v "^INFO\|^(EngineCore\|^WARNING\|^DEBUG" | tail -30 ;;
+      | tee "$OUT/bench-${model//:/-}.log" | grep -v "^INFO\|^(EngineCore\|^WARNING\|^DEBUG" | tail -30
+    grep -h "Error\|Traceback" "$OUT/bench-${model//:/-}.log" | head -5 ;;
   *) echo "usage: $0 stage|tests|bench MODEL [bench args]"; exit 2 ;;
 esac
