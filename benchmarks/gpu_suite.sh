@@ -63,11 +63,17 @@ case "${1:-}" in
   micro)
     install || exit 1
     python3 benchmarks/processor_micro.py --hidden 3584 --vocab 152064 --rows 16 256 --group-size 1 8 \
-      --flat --json "$OUT/micro-7b-flat.json"
+      --flat --profile --json "$OUT/micro-7b-flat.json" | tee "$OUT/micro-7b-profile.txt"
     python3 benchmarks/processor_micro.py --hidden 3584 --vocab 152064 --rows 16 256 --group-size 1 8 \
       --json "$OUT/micro-7b-peaked.json"
     python3 benchmarks/processor_micro.py --hidden 896 --vocab 151936 --rows 16 256 --group-size 1 8 \
       --flat --json "$OUT/micro-0.5b-flat.json" ;;
+  profile)  # where the host's time goes in one trial, each side in its own process
+    install || exit 1
+    for side in baseline esamp; do
+      python3 benchmarks/profile_host.py --side $side --model "${2:-qwen2.5-0.5b:dummy}" \
+        --workload "${3:-32xn8x256}" --top 25 --out "$OUT" 2>&1 | grep -v "^INFO\|^WARNING\|^DEBUG\|^(EngineCore" | head -45
+    done ;;
   tests-and-bench)  # one call: the GPU tests, then esamp bench on the 7B preset
     SMOKE=0 bash "$0" tests
     bash "$0" bench qwen2.5-7b:dummy --trials 3 ;;

@@ -6,7 +6,7 @@ over ``--iters`` runs (after warm-up) of one step's worth of work on one stream:
 - ``head``: the LM head on R rows, and on [h; ŷ] (2R rows: what the fused Distiller logits cost);
 - ``filter_core``: the core's candidate filter at full width (the sort-based path);
 - ``filter_vllm``: min-p plus vLLM's own top-k/top-p function (what the processor runs now);
-- ``mix``: z' = a·z̃ − b·d in place;
+- ``mix``: z' = a·z̃ − b·d in place, with |C| per row (the fused kernel the processor runs);
 - ``distiller``: one predict-and-train step of the bank (U groups of R/U rows), eager, and
   ``distiller_graph`` the same step replayed as a CUDA graph (what the processor does on a
   steady batch);
@@ -50,10 +50,13 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--flat", action="store_true", help="near-uniform logits (random weights): |C| ≈ top-p · V")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", action="store_true",
+                    help="also print the CUDA kernels of one eager Distiller step (torch.profiler)")
     args = ap.parse_args()
 
     from esamp import intervention as iv
     from esamp.distiller import DistillerBank, RowLayout
+    from esamp.engines.vllm.kernels import mix_and_count
     from esamp.engines.vllm.processor import _GraphedStep, filter_candidates
 
     dev = torch.device("cuda")
@@ -95,7 +98,7 @@ def main() -> int:
         filtered = filter_vllm()
 
         def mix():
-            return filtered.clone().mul_(a).addcmul_(nb, d)
+            return mix_and_count(filtered.clone(), d, a, nb)
 
         def distiller():
             return bank.predict_and_train(x, y, layout)
@@ -112,6 +115,16 @@ def main() -> int:
 
         def clone_only():
             return filtered.clone()
+
+        if args.profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    distiller()
+                torch.cuda.synchronize()
+            print(f"-- Distiller step kernels, R={R}, U={U} (5 steps) --")
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18), flush=True)
 
         row = dict(rows=R, groups=U, hidden=H, vocab=V,
                    candidates_mean=float(torch.isfinite(filtered).sum(-1).float().mean()))

@@ -235,40 +235,48 @@ class DistillerBank:
             y = y.detach().float().clone()
             layout = RowLayout(*(t.clone() for t in (layout.active, layout.row_slot, layout.row_pos)),
                                layout.width, layout.slots)
-            # detach(): a view of the live parameters (no copy) as the leaf to differentiate
-            rows = self._rows(layout).detach().requires_grad_(True)
-            p = {k: self._view(rows, k) for k in self.PARAMS}
+            # Each parameter's [U, ...] view of the live rows (no copy) is a leaf: autograd writes
+            # its gradient straight into a [U, ...] tensor, with no [U, P] gradient to assemble.
+            rows = self._rows(layout).detach()
+            p = {k: self._view(rows, k).requires_grad_(True) for k in self.PARAMS}
             prediction = self._forward(x, layout, p)
             err = self.row_error(prediction, y)  # [R]
             U = layout.active.numel()
             per_slot = torch.zeros(U, device=err.device).index_add(0, layout.row_slot, err)
             count = torch.zeros(U, device=err.device).index_add(0, layout.row_slot, torch.ones_like(err))
             loss = per_slot / count
-            (grad,) = torch.autograd.grad(loss.sum(), [rows])
-        self._apply_update(layout.active, grad, layout.slots)
+            grads = torch.autograd.grad(loss.sum(), [p[k] for k in self.PARAMS])
+        self._apply_update(layout.active, dict(zip(self.PARAMS, grads)), layout.slots)
         return prediction.detach(), err.detach(), loss.detach()
 
     @torch.no_grad()
-    def _apply_update(self, active: torch.Tensor, grad: torch.Tensor, slots: tuple[int, ...] = ()) -> None:
-        """Per-slot SGD or Adam on whole [P] rows; each slot has its own step count.
+    def _apply_update(self, active: torch.Tensor, grads: dict[str, torch.Tensor],
+                      slots: tuple[int, ...] = ()) -> None:
+        """Per-slot SGD or Adam; each slot has its own step count. ``grads``: name → [U, ...].
 
-        With the slot ids on the host, one multi-tensor call updates the rows of ``flat`` and of
-        the moments in place (``torch._fused_adam_``, the kernel behind ``Adam(fused=True)``,
-        given one step counter per slot). Without them, the same update in whole-row ops.
+        With the slot ids on the host, one multi-tensor call updates each slot's parameter views
+        of ``flat`` and of the moments in place (``torch._fused_adam_``, the kernel behind
+        ``Adam(fused=True)``, given each slot's step counter). Without them, the same update in
+        whole-row ops.
         """
         if slots:
-            params = [self.flat[s] for s in slots]
-            grads = list(grad.unbind(0))
-            steps = [self.steps[s] for s in slots]
-            torch._foreach_add_(steps, 1.0)
+            U = len(slots)
+            views = [(self._view(self.flat, k), self._view(self.flat_m, k), self._view(self.flat_v, k))
+                     for k in self.PARAMS]
+            params = [pv[s] for pv, _, _ in views for s in slots]
+            g = [grads[k][u] for k in self.PARAMS for u in range(U)]
+            step_of = [self.steps[s] for s in slots]
+            torch._foreach_add_(step_of, 1.0)
             if self.optimizer == "sgd":
-                torch._foreach_add_(params, grads, alpha=-self.lr)
+                torch._foreach_add_(params, g, alpha=-self.lr)
                 return
             b1, b2 = ADAM_BETAS
-            torch._fused_adam_(params, grads, [self.flat_m[s] for s in slots],
-                               [self.flat_v[s] for s in slots], [], steps, lr=self.lr, beta1=b1,
-                               beta2=b2, weight_decay=0.0, eps=ADAM_EPS, amsgrad=False, maximize=False)
+            torch._fused_adam_(params, g, [mv[s] for _, mv, _ in views for s in slots],
+                               [vv[s] for _, _, vv in views for s in slots], [],
+                               step_of * len(self.PARAMS), lr=self.lr, beta1=b1, beta2=b2,
+                               weight_decay=0.0, eps=ADAM_EPS, amsgrad=False, maximize=False)
             return
+        grad = torch.cat([grads[k].reshape(grads[k].shape[0], -1) for k in self.PARAMS], dim=1)  # [U, P]
         self.steps[active] += 1
         if self.optimizer == "sgd":
             self.flat.index_add_(0, active, -self.lr * grad)

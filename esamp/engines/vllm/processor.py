@@ -43,6 +43,7 @@ import torch
 
 from esamp import intervention as iv
 from esamp.distiller import DistillerBank, RowLayout
+from esamp.engines.vllm.kernels import mix_and_count
 from esamp.engines.vllm.settings import KEY, parse_request_settings, vllm_filters
 from esamp.engines.vllm.state import STATE
 
@@ -51,10 +52,11 @@ try:  # vLLM ≤ 0.30: the V1 interface (the MRv2 one of ≥ 0.31 would need a s
 except ImportError as exc:  # pragma: no cover - depends on the installed vLLM
     raise ImportError(f"this vLLM has no V1 logits-processor interface: {exc}") from exc
 
-try:  # the top-k/top-p filter vLLM's sampler runs (a drift canary checks it against the core's)
+try:  # the top-k/top-p filters vLLM's sampler runs (a drift canary checks them against the core's)
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p as vllm_top_k_top_p
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch as vllm_top_k_top_p_cpu
 except ImportError:  # pragma: no cover - depends on the installed vLLM
-    vllm_top_k_top_p = None
+    vllm_top_k_top_p = vllm_top_k_top_p_cpu = None
 
 
 log = logging.getLogger(__name__)
@@ -122,6 +124,8 @@ class _Context:
     prediction: torch.Tensor
     errors: torch.Tensor
     losses: torch.Tensor | None
+    replayed: bool = False  # the Distiller step was a CUDA-graph replay
+    host_seconds: float = 0.0  # host time spent in ``distill``
     distiller_logits: torch.Tensor | None = None
 
 
@@ -159,9 +163,10 @@ def filter_candidates(scaled: torch.Tensor, top_k: torch.Tensor | None, top_p: t
                       min_p: torch.Tensor | None) -> torch.Tensor:
     """The request's own filters on z̃, in place (−∞ outside C), exactly as vLLM's sampler does.
 
-    min-p with the formula of vLLM's built-in min-p processor, then vLLM's own top-k/top-p
-    function. Without that function (a vLLM that moved it) the core's filter, which a canary
-    test holds equal to it.
+    min-p with the formula of vLLM's built-in min-p processor, then the top-k/top-p function
+    vLLM's sampler calls on this device (on a GPU the Triton kernel from 8 rows up, the sort below
+    that; on a CPU the sort). Without those functions (a vLLM that moved them) the core's filter,
+    which a canary test holds equal to them.
     """
     if vllm_top_k_top_p is None:
         R, V = scaled.shape
@@ -175,7 +180,10 @@ def filter_candidates(scaled: torch.Tensor, top_k: torch.Tensor | None, top_p: t
         floor = probs.amax(dim=-1, keepdim=True).mul_(min_p)
         scaled.masked_fill_(probs < floor, iv.NEG_INF)
     if top_k is not None or top_p is not None:
-        scaled = vllm_top_k_top_p(scaled, top_k, top_p)
+        if scaled.is_cuda:
+            scaled = vllm_top_k_top_p(scaled, top_k, top_p)
+        else:
+            scaled = vllm_top_k_top_p_cpu(scaled, top_k, top_p, allow_cpu_sync=True)
     return scaled
 
 
@@ -202,6 +210,7 @@ class EsampLogitsProcessor(LogitsProcessor):
         self.step = 0
         self.counters = collections.Counter()
         self.host_seconds = 0.0  # time spent in distill + apply on the host (launching work)
+        self.replay_seconds = 0.0  # the same, over steps whose Distiller step was a graph replay
         self.trace: list[dict] | None = None  # tests set a list to see every steered step
         self._cached_plan: _Plan | None = None
         self._cached_plan_rows = -1
@@ -304,9 +313,11 @@ class EsampLogitsProcessor(LogitsProcessor):
             return None
         x = source if plan.idx is None else source.index_select(0, plan.idx)
         y = target if plan.idx is None else target.index_select(0, plan.idx)
+        replay = self._graph is not None and self._graph.plan is plan
         prediction, errors, losses = self._distiller(plan, x, y)
-        self._ctx = _Context(plan, source.shape[0], x, y, prediction, errors, losses)
-        self.host_seconds += time.perf_counter() - t0
+        self._ctx = _Context(plan, source.shape[0], x, y, prediction, errors, losses, replayed=replay)
+        self._ctx.host_seconds = time.perf_counter() - t0
+        self.host_seconds += self._ctx.host_seconds
         return prediction
 
     def _distiller_step(self, plan: _Plan, x: torch.Tensor, y: torch.Tensor):
@@ -365,7 +376,6 @@ class EsampLogitsProcessor(LogitsProcessor):
         raw = z.clone() if self.trace is not None else None
         # z̃ = z / T and the request's own filters, in place (z is the sampler's fp32 copy or ours)
         scaled = filter_candidates(z.div_(plan.temperature), plan.k(V, self._tensor), plan.top_p, plan.min_p)
-        candidates = (scaled > iv.NEG_INF).sum(dim=-1)
         if ctx is None or ctx.plan is not plan or ctx.rows != R or ctx.distiller_logits is None:
             # No taps for this step (should not happen): the request's own filters stay exact,
             # but nothing is steered or trained; the counters say so.
@@ -374,8 +384,8 @@ class EsampLogitsProcessor(LogitsProcessor):
             self.counters["stash_miss"] += 1
             self.host_seconds += time.perf_counter() - t0
             return logits
-        # z' = a·z̃ − b·d on C; −∞ stays −∞ outside C (d is finite)
-        out = scaled.mul_(plan.a).addcmul_(plan.neg_b, ctx.distiller_logits)
+        # z' = a·z̃ − b·d on C; −∞ stays −∞ outside C (d is finite); |C| per row on the way
+        out, candidates = mix_and_count(scaled, ctx.distiller_logits, plan.a, plan.neg_b)
         if plan.idx is not None:
             logits.index_copy_(0, plan.idx, out)
         self.counters["port_hits"] += len(plan.settings)
@@ -392,7 +402,11 @@ class EsampLogitsProcessor(LogitsProcessor):
                 prediction=ctx.prediction.clone(), distiller_logits=ctx.distiller_logits.clone(),
                 steered=out.clone()))
         self._queue(record)
-        self.host_seconds += time.perf_counter() - t0
+        spent = time.perf_counter() - t0
+        self.host_seconds += spent
+        if ctx.replayed:  # a steady step: what ESamp costs the host per step once warmed up
+            self.replay_seconds += spent + ctx.host_seconds
+            self.counters["replay_steps"] += 1
         return logits
 
     def _plan(self, R: int) -> "_Plan | None":
@@ -462,7 +476,8 @@ class EsampLogitsProcessor(LogitsProcessor):
         return {
             "steps": steps,
             "pending": len(self.records),  # steps whose device copies are still running
-            "counters": dict(self.counters, host_ms=round(1e3 * self.host_seconds, 1)),
+            "counters": dict(self.counters, host_ms=round(1e3 * self.host_seconds, 1),
+                             replay_host_ms=round(1e3 * self.replay_seconds, 1)),
             "free_slots": self.bank.free_slots if self.bank is not None else 0,
             "groups": sorted(self.bank.groups) if self.bank is not None else [],
         }
