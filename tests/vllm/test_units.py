@@ -178,6 +178,43 @@ def test_graphed_distiller_step_equals_eager_steps():
     assert torch.equal(banks[1].steps, banks[0].steps)
 
 
+@pytest.mark.cuda
+def test_overlapped_distiller_step_equals_eager_steps():
+    """Prediction on the sampler's stream, training replayed on a side stream: the same
+    predictions, errors, losses and parameters as the eager one-pass step, step after step."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from esamp.engines.vllm.processor import _OverlappedStep
+
+    dev = torch.device("cuda")
+    banks = [DistillerBank(64, rank=8, slots=4, device=dev, seed=2) for _ in range(2)]
+    for bank in banks:
+        for g in ("a", "b", "c"):
+            bank.allocate(g)
+    layout = RowLayout.from_slots([0, 1, 1, 2]).to(dev)  # consecutive slots: read in place
+    gen = torch.Generator(device=dev).manual_seed(0)
+    zeros = torch.zeros(4, 64, device=dev)
+
+    def predict(x, y):
+        pred = banks[1].predict(x, layout)
+        return pred, DistillerBank.row_error(pred, y)
+
+    step = _OverlappedStep(None, predict, lambda x, y: banks[1].train_step(x, y, layout), zeros, zeros,
+                           torch.cuda.Stream())
+    for _ in range(6):
+        x = torch.randn(4, 64, device=dev, generator=gen)
+        y = torch.randn(4, 64, device=dev, generator=gen)
+        want = banks[0].predict_and_train(x, y, layout)
+        pred, err, (losses, copied) = step.run(x, y)
+        torch.testing.assert_close(pred, want[0])
+        torch.testing.assert_close(err, want[1])
+        copied.synchronize()
+        torch.testing.assert_close(losses, want[2].cpu())
+    step.wait_for_training()
+    torch.testing.assert_close(banks[1].flat, banks[0].flat)
+    assert torch.equal(banks[1].steps, banks[0].steps)
+
+
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_fused_mix_and_count_equals_the_torch_ops(device):
     """The fused mix (Triton on a GPU) equals a·z̃ + c·d with −∞ kept, counts |C|, and β = 0
