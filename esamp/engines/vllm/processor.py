@@ -18,11 +18,9 @@ Per step, for every row whose request carries ESamp settings (``extra_args["esam
 Nothing here reads a device value on the host: row mappings are host lists turned into device
 tensors once per batch change, and every step is a fixed sequence of kernels. On a GPU the
 Distiller step (forward, backward and optimizer: some seventy small kernels, bound by their
-launches) is captured as CUDA graphs once a batch has stayed the same for ``GRAPH_AFTER``
-steps and replayed from then on: the prediction on the sampler's stream, the training on a
-side stream where it overlaps the model's next forward pass (``_OverlappedStep``). The next
-prediction waits for it, so the results are those of the eager step (a GPU test holds them
-equal); ``ESAMP_CUDA_GRAPHS=0`` turns graphs off. Rows are mapped
+launches) is captured as a CUDA graph once a batch has stayed the same for ``GRAPH_AFTER``
+steps, and replayed from then on: a few microseconds of launch instead of milliseconds
+(``ESAMP_CUDA_GRAPHS=0`` turns this off). Rows are mapped
 fresh from ``BatchUpdate`` (removed → added → moved); state is keyed by group, never by row. A
 group's slot is allocated when its first request joins and freed when the client releases the
 group (``drain(release=...)``), so a preempted request that leaves the batch and comes back keeps
@@ -45,7 +43,6 @@ import torch
 
 from esamp import intervention as iv
 from esamp.distiller import DistillerBank, RowLayout
-from esamp.engines.vllm.kernels import mix_and_count
 from esamp.engines.vllm.settings import KEY, parse_request_settings, vllm_filters
 from esamp.engines.vllm.state import STATE
 
@@ -85,7 +82,6 @@ class _StepRecord:
     loss_groups: list[str] = field(default_factory=list)
     losses: torch.Tensor | None = None  # [U] per-slot loss before the step's update
     event: object = None  # a CUDA event once the copies above are queued
-    loss_event: object = None  # the losses' own copy event when they come from the side stream
 
 
 @dataclass
@@ -133,21 +129,19 @@ class _Context:
 
 
 class _GraphedStep:
-    """A function of static input tensors captured as a CUDA graph: copy inputs in, replay.
+    """One plan's Distiller step as a CUDA graph: static input rows in, static outputs back.
 
     Captured on a side stream into a private memory pool; nothing runs during the capture, so
     the bank's state is untouched until the first replay. The outputs are overwritten by the
-    next replay. ``x`` and ``y`` are copied into new static buffers unless ``static`` says they
-    already are (a second graph reading the first one's inputs).
+    next replay, which stream order puts after every use of them in this step.
     """
 
-    def __init__(self, plan: "_Plan", fn, x: torch.Tensor, y: torch.Tensor, static: bool = False,
-                 stream: "torch.cuda.Stream | None" = None) -> None:
+    def __init__(self, plan: "_Plan", fn, x: torch.Tensor, y: torch.Tensor) -> None:
         self.plan = plan
-        self.x, self.y = (x, y) if static else (x.clone(), y.clone())
+        self.x, self.y = x.clone(), y.clone()
         self.graph = torch.cuda.CUDAGraph()
         main = torch.cuda.current_stream()
-        side = stream or torch.cuda.Stream()
+        side = torch.cuda.Stream()
         side.wait_stream(main)
         with torch.cuda.stream(side):
             self.graph.capture_begin(capture_error_mode="thread_local")
@@ -162,49 +156,6 @@ class _GraphedStep:
         self.y.copy_(y)
         self.graph.replay()
         return self.out
-
-
-class _OverlappedStep:
-    """A steady batch's Distiller step as two CUDA graphs, the training one off the critical path.
-
-    ``predict`` (ŷ and e from the current parameters) replays on the sampler's stream: the LM
-    head needs ŷ in this step. ``train`` (forward, backward and the optimizer step on the same
-    rows) replays on a side stream, where it overlaps the rest of this step and the next step's
-    model forward; the next step's ``predict`` waits for it. So every prediction still sees the
-    parameters after all earlier steps' updates, as in the reference engine, and the step's
-    loss is copied to the host from the side stream once it exists.
-    """
-
-    def __init__(self, plan: "_Plan", predict, train, x: torch.Tensor, y: torch.Tensor,
-                 side: "torch.cuda.Stream") -> None:
-        self.plan = plan
-        self.side = side
-        self.predict = _GraphedStep(plan, predict, x, y, stream=side)
-        self.train = _GraphedStep(plan, train, self.predict.x, self.predict.y, static=True,
-                                  stream=side) if train is not None else None
-        self.trained = torch.cuda.Event()
-
-    def wait_for_training(self) -> None:
-        """Order the current stream after the last training replay (parameters and inputs)."""
-        torch.cuda.current_stream().wait_event(self.trained)
-
-    def done(self) -> bool:
-        return self.trained.query()
-
-    def run(self, x: torch.Tensor, y: torch.Tensor):
-        main = torch.cuda.current_stream()
-        main.wait_event(self.trained)  # last step's update is in, and its inputs are read
-        prediction, errors = self.predict.run(x, y)
-        if self.train is None:
-            return prediction, errors, None
-        self.side.wait_stream(main)  # train after this step's prediction read the parameters
-        with torch.cuda.stream(self.side):
-            self.train.graph.replay()
-            self.trained.record()
-            losses = self.train.out.to("cpu", non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record()
-        return prediction, errors, (losses, copied)
 
 
 def filter_candidates(scaled: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
@@ -264,9 +215,7 @@ class EsampLogitsProcessor(LogitsProcessor):
         self._cached_plan_rows = -1
         self._ctx: _Context | None = None
         self.use_graphs = self.device.type == "cuda" and os.environ.get("ESAMP_CUDA_GRAPHS", "1") != "0"
-        self._graph: _OverlappedStep | None = None
-        self._retired: list[_OverlappedStep] = []
-        self._side = None
+        self._graph: _GraphedStep | None = None
         self._graph_plan: _Plan | None = None
         self._graph_seen = 0
         STATE.set_processor(self)
@@ -345,7 +294,6 @@ class EsampLogitsProcessor(LogitsProcessor):
             self._drop(index)
             self._cached_plan = None
         if self.bank is not None and group in self.bank.groups:
-            self._settle()  # no training replay may still be writing the slot we reset
             self.bank.free(group)
             self.counters["slots_freed"] += 1
 
@@ -383,32 +331,11 @@ class EsampLogitsProcessor(LogitsProcessor):
             losses = self.bank.train_step(x.index_select(0, t), y.index_select(0, t), layout)
         return prediction, errors, losses
 
-    def _predict_step(self, plan: _Plan, x: torch.Tensor, y: torch.Tensor):
-        prediction = self.bank.predict(x, plan.layout)
-        return prediction, DistillerBank.row_error(prediction, y)
-
-    def _train_step(self, plan: _Plan, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        t, layout, _ = plan.train
-        if plan.all_train:
-            return self.bank.train_step(x, y, layout)
-        return self.bank.train_step(x.index_select(0, t), y.index_select(0, t), layout)
-
-    def _settle(self) -> None:
-        """Order the current stream after any training still running on the side stream, and
-        let go of retired graphs whose last replay has finished."""
-        if self._graph is not None:
-            self._graph.wait_for_training()
-        self._retired = [g for g in self._retired if not g.done()]
-
     def _distiller(self, plan: _Plan, x: torch.Tensor, y: torch.Tensor):
-        """The Distiller step, eager or by replaying the plan's CUDA graphs (see ``GRAPH_AFTER``)."""
+        """The Distiller step, eager or by replaying the plan's CUDA graph (see ``GRAPH_AFTER``)."""
         graph = self._graph
         if graph is not None and graph.plan is plan:
             return graph.run(x, y)
-        self._settle()
-        if graph is not None:  # built for an earlier batch: keep it alive until its replay ends
-            self._retired.append(graph)
-            self._graph = None
         if not self.use_graphs:
             return self._distiller_step(plan, x, y)
         if self._graph_plan is not plan:
@@ -416,14 +343,10 @@ class EsampLogitsProcessor(LogitsProcessor):
         self._graph_seen += 1
         if self._graph_seen <= GRAPH_AFTER:
             return self._distiller_step(plan, x, y)
+        self._graph = None  # the previous batch's graph and its memory go first
         try:
-            if self._side is None:
-                self._side = torch.cuda.Stream()
             with torch.inference_mode(False):
-                self._graph = _OverlappedStep(
-                    plan, lambda gx, gy: self._predict_step(plan, gx, gy),
-                    (lambda gx, gy: self._train_step(plan, gx, gy)) if plan.train is not None else None,
-                    x, y, self._side)
+                self._graph = _GraphedStep(plan, lambda gx, gy: self._distiller_step(plan, gx, gy), x, y)
         except Exception as exc:  # never let an optimisation take the engine down
             self.use_graphs = False
             self.counters["graph_failures"] += 1
@@ -460,8 +383,9 @@ class EsampLogitsProcessor(LogitsProcessor):
             self.counters["stash_miss"] += 1
             self.host_seconds += time.perf_counter() - t0
             return logits
-        # z' = a·z̃ − b·d on C; −∞ stays −∞ outside C (d is finite); |C| per row on the way
-        out, candidates = mix_and_count(scaled, ctx.distiller_logits, plan.a, plan.neg_b)
+        # z' = a·z̃ − b·d on C; −∞ stays −∞ outside C (d is finite)
+        candidates = (scaled > iv.NEG_INF).sum(dim=-1)
+        out = scaled.mul_(plan.a).addcmul_(plan.neg_b, ctx.distiller_logits)
         if plan.idx is not None:
             logits.index_copy_(0, plan.idx, out)
         self.counters["port_hits"] += len(plan.settings)
@@ -493,6 +417,7 @@ class EsampLogitsProcessor(LogitsProcessor):
         """
         if self._cached_plan is not None and self._cached_plan_rows == R:
             return self._cached_plan
+        self._graph = None  # captured for a batch that is gone
         steered = sorted(((i, r) for i, r in self.rows.items() if i < R), key=lambda t: t[0])
         if not steered:
             self._cached_plan, self._cached_plan_rows = None, R
@@ -529,9 +454,7 @@ class EsampLogitsProcessor(LogitsProcessor):
         nb = self.device.type == "cuda"
         record.errors = record.errors.to("cpu", non_blocking=nb)
         record.candidates = record.candidates.to("cpu", non_blocking=nb)
-        if isinstance(record.losses, tuple):  # copied from the side stream after training
-            record.losses, record.loss_event = record.losses
-        elif record.losses is not None:
+        if record.losses is not None:
             record.losses = record.losses.to("cpu", non_blocking=nb)
         if nb:
             record.event = torch.cuda.Event()
@@ -543,8 +466,7 @@ class EsampLogitsProcessor(LogitsProcessor):
         for group in release:
             self.release(group)
         steps = []
-        while self.records and (self.records[0].event is None or self.records[0].event.query()) and (
-                self.records[0].loss_event is None or self.records[0].loss_event.query()):
+        while self.records and (self.records[0].event is None or self.records[0].event.query()):
             r = self.records.popleft()
             steps.append({
                 "step": r.step,
