@@ -37,28 +37,28 @@ def main() -> int:
     P, n, L = parse_workload(args.workload)
     sampling_kw = dict(temperature=0.8, top_p=0.95, min_p=0.1, top_k=0, seed=0)
     esamp = EsampConfig()
-    for side in (args.side,):
-        engine = VllmEngine(model=args.model, esamp=esamp, plain=side == "baseline", ignore_eos=True,
-                            max_model_len=2048, gpu_memory_utilization=0.42, max_num_seqs=max(16, P * n))
-        vocab = int(json.loads((engine.resolved.hf_dir() / "config.json").read_text())["vocab_size"])
-        prompts = _prompts(P, 32, vocab, seed=1)
-        es = None if side == "baseline" else esamp
-        run_trial(engine, prompts, n, min(L, 16), sampling_kw, es)
-        profile = cProfile.Profile()
-        profile.enable()
-        result = run_trial(engine, prompts, n, L, sampling_kw, es)
-        profile.disable()
-        text = io.StringIO()
-        stats = pstats.Stats(profile, stream=text)
-        stats.sort_stats("tottime").print_stats(args.top)
-        stats.sort_stats("cumulative").print_stats(args.top)
-        counters = engine.drain().get("counters", {})
-        header = f"== {side} {args.workload} on {args.model}: {result['tok_s']} tok/s; counters {counters}\n"
-        with open(os.path.join(args.out, f"profile-{side}.txt"), "w") as f:
-            f.write(header + text.getvalue())
-        print(header + "\n".join(text.getvalue().splitlines()[:args.top + 12]), flush=True)
-        engine.close()
-        del engine
+    side = args.side
+    engine = VllmEngine(model=args.model, esamp=esamp, plain=side == "baseline", ignore_eos=True,
+                        max_model_len=2048, gpu_memory_utilization=0.42, max_num_seqs=max(16, P * n))
+    vocab = int(json.loads((engine.resolved.hf_dir() / "config.json").read_text())["vocab_size"])
+    prompts = _prompts(P, 32, vocab, seed=1)
+    es = None if side == "baseline" else esamp
+    run_trial(engine, prompts, n, min(L, 16), sampling_kw, es)
+    profile = cProfile.Profile()
+    profile.enable()
+    result = run_trial(engine, prompts, n, L, sampling_kw, es)
+    profile.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profile, stream=text)
+    stats.sort_stats("tottime").print_stats(args.top)
+    stats.sort_stats("cumulative").print_stats(args.top)
+    counters = engine.drain().get("counters", {})
+    header = f"== {side} {args.workload} on {args.model}: {result['tok_s']} tok/s; counters {counters}\n"
+    with open(os.path.join(args.out, f"profile-{side}.txt"), "w") as f:
+        f.write(header + text.getvalue())
+    print(header + "\n".join(text.getvalue().splitlines()[:args.top + 12]), flush=True)
+    engine.close()
+    del engine
     return 0
 
 

