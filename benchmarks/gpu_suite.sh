@@ -10,6 +10,8 @@
 #   bash benchmarks/gpu_suite.sh micro          stage + install, then the per-step cost of each
 #                                               piece at the 7B and 0.5B presets' shapes
 #   bash benchmarks/gpu_suite.sh bench MODEL    stage + install, then esamp bench on MODEL
+#   bash benchmarks/gpu_suite.sh steps MODEL W...  stage + install, then each side's device time per steady
+#                                               step, kernel by kernel, and what ESamp adds (W: workloads)
 #   bash benchmarks/gpu_suite.sh tests-and-bench   the tests (SMOKE=0), then bench on the 7B preset
 #
 # Wheels the image lacks for the dashboard test (textual, plotext, pytest-asyncio, ...) travel in
@@ -73,6 +75,18 @@ case "${1:-}" in
     for side in baseline esamp; do
       python3 benchmarks/profile_host.py --side $side --model "${2:-qwen2.5-0.5b:dummy}" \
         --workload "${3:-32xn8x256}" --top 25 --out "$OUT" 2>&1 | grep -v "^INFO\|^WARNING\|^DEBUG\|^(EngineCore" | head -45
+    done ;;
+  steps)  # device time per steady step, kernel by kernel, both sides: bash gpu_suite.sh steps MODEL WORKLOAD...
+    install || exit 1
+    model=${2:-qwen2.5-7b:dummy}
+    shift 2
+    for w in "${@:-32xn8x256}"; do
+      for side in baseline esamp; do
+        python3 benchmarks/profile_steps.py --side $side --model "$model" --workload "$w" --top 25 \
+          --out "$OUT/steps-${model//:/-}" 2>&1 | grep -v "^INFO\|^WARNING\|^DEBUG\|^(EngineCore\|^\[\|^W1" | head -30
+      done
+      python3 benchmarks/profile_steps.py --top 30 --compare "$OUT/steps-${model//:/-}/steps-baseline-$w.json" \
+        "$OUT/steps-${model//:/-}/steps-esamp-$w.json" | tee "$OUT/steps-${model//:/-}/compare-$w.txt"
     done ;;
   tests-and-bench)  # one call: the GPU tests, then esamp bench on the 7B preset
     SMOKE=0 bash "$0" tests

@@ -1,0 +1,178 @@
+"""What a steady engine step costs on the device, kernel by kernel, for one side of ``esamp bench``.
+
+Builds the baseline or the ESamp engine as ``esamp bench`` does, with vLLM's engine core in this
+process so that the PyTorch profiler sees its device work. Runs one warm-up trial, then a full
+trial of the workload; ``--steps`` engine steps from the middle of the decode phase are traced
+(device activity only, so the host is not slowed down by the tracer). Writes a JSON summary:
+
+- ``step_ms``: wall time of every engine step of the timed trial (host clock);
+- ``window``: the traced steps' span on the device, the time some kernel ran (``busy_us``), and
+  so the device's idle share, which tells a host-bound engine from a device-bound one;
+- ``kernels``: per kernel name, launches and total device time over the traced steps.
+
+``--compare BASE.json ESAMP.json`` prints what ESamp adds per step, kernel by kernel (the
+difference of the two summaries). One side per process: vLLM's engine core is not built twice in
+one process. CUDA only; it measures, it asserts nothing.
+
+    python benchmarks/profile_steps.py --side esamp --model qwen2.5-7b:dummy --workload 32xn8x256
+    python benchmarks/profile_steps.py --compare out/steps-baseline.json out/steps-esamp.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def _busy(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals."""
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if e <= end:
+            continue
+        total += e - max(s, end)
+        end = e
+    return total
+
+
+def summarize_trace(trace: dict, steps: int) -> dict:
+    """Device time per kernel and the window's busy share, from a Chrome trace of the profiler."""
+    device = [e for e in trace.get("traceEvents", [])
+              if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not device:
+        return dict(window=None, kernels={})
+    spans = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in device]
+    start, end = min(s for s, _ in spans), max(e for _, e in spans)
+    kernels: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
+    for e in device:
+        k = kernels[e["name"][:160]]
+        k[0] += 1
+        k[1] += float(e.get("dur", 0))
+    busy = _busy(spans)
+    return dict(
+        window=dict(steps=steps, span_us=round(end - start, 1), busy_us=round(busy, 1),
+                    idle_share=round(1 - busy / max(end - start, 1e-9), 4),
+                    busy_us_per_step=round(busy / steps, 1), span_us_per_step=round((end - start) / steps, 1)),
+        kernels={k: [int(v[0]), round(v[1], 1)] for k, v in sorted(kernels.items(), key=lambda kv: -kv[1][1])},
+    )
+
+
+def compare(base_path: str, esamp_path: str, top: int) -> int:
+    base, esamp = (json.loads(open(p).read()) for p in (base_path, esamp_path))
+    for side in (base, esamp):
+        w = side["window"] or {}
+        print(f"{side['side']:>8}: step median {side['step_ms_median']:.3f} ms (steady), "
+              f"device busy {w.get('busy_us_per_step', 0) / 1e3:.3f} ms/step, "
+              f"idle {100 * w.get('idle_share', 0):.1f}% of the traced window")
+    nb, ne = base["window"]["steps"], esamp["window"]["steps"]
+    names = set(base["kernels"]) | set(esamp["kernels"])
+    rows = []
+    for name in names:
+        cb, tb = base["kernels"].get(name, [0, 0.0])
+        ce, te = esamp["kernels"].get(name, [0, 0.0])
+        rows.append((te / ne - tb / nb, ce / ne - cb / nb, name))
+    rows.sort(key=lambda r: -abs(r[0]))
+    print(f"\nper step, ESamp minus baseline: {sum(r[0] for r in rows) / 1e3:+.3f} ms of kernel time, "
+          f"{sum(r[1] for r in rows):+.1f} launches")
+    print(f"{'Δ us/step':>10} {'Δ launches':>10}  kernel")
+    for dt, dc, name in rows[:top]:
+        print(f"{dt:>10.1f} {dc:>10.1f}  {name[:110]}")
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="qwen2.5-7b:dummy")
+    ap.add_argument("--workload", default="32xn8x256")
+    ap.add_argument("--side", choices=("baseline", "esamp"), default="esamp")
+    ap.add_argument("--steps", type=int, default=8, help="engine steps to trace")
+    ap.add_argument("--skip", type=int, default=0,
+                    help="engine steps of the timed trial before tracing (default: a third of its tokens)")
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--compare", nargs=2, metavar=("BASE", "ESAMP"))
+    args = ap.parse_args()
+    if args.compare:
+        return compare(*args.compare, args.top)
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from esamp.bench import _prompts, parse_workload, run_trial
+    from esamp.config import EsampConfig
+    from esamp.engines.vllm.engine import VllmEngine
+
+    P, n, L = parse_workload(args.workload)
+    sampling_kw = dict(temperature=0.8, top_p=0.95, min_p=0.1, top_k=0, seed=0)
+    esamp = EsampConfig()
+    es = None if args.side == "baseline" else esamp
+    engine = VllmEngine(model=args.model, esamp=esamp, plain=es is None, ignore_eos=True,
+                        max_model_len=2048, gpu_memory_utilization=0.42, max_num_seqs=max(16, P * n))
+    vocab = int(json.loads((engine.resolved.hf_dir() / "config.json").read_text())["vocab_size"])
+    prompts = _prompts(P, 32, vocab, seed=P * 1000 + n * 10 + L)
+    run_trial(engine, prompts, n, min(L, 16), sampling_kw, es)
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    skip = args.skip or max(2, L // 3)
+    inner = engine.engine.step
+    walls: list[float] = []
+    state = dict(prof=None)
+
+    def traced_step():
+        i = len(walls)
+        if i == skip:
+            if cuda:
+                torch.cuda.synchronize()
+            state["prof"] = profile(activities=activities)
+            state["prof"].__enter__()
+        t0 = time.perf_counter()
+        out = inner()
+        walls.append(time.perf_counter() - t0)
+        if i == skip + args.steps - 1 and state["prof"] is not None:
+            if cuda:
+                torch.cuda.synchronize()
+            state["prof"].__exit__(None, None, None)
+        return out
+
+    engine.engine.step = traced_step
+    result = run_trial(engine, prompts, n, L, sampling_kw, es)
+    engine.engine.step = inner
+    prof = state["prof"]
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"steps-{args.side}-{args.workload}")
+    summary = dict(side=args.side, model=args.model, workload=args.workload, tok_s=result["tok_s"],
+                   step_ms=[round(1e3 * w, 3) for w in walls],
+                   step_ms_median=round(1e3 * statistics.median(walls[skip:skip + 4 * args.steps] or walls), 3),
+                   counters=engine.drain().get("counters", {}), window=None, kernels={})
+    if prof is not None:
+        trace_path = stem + ".trace.json"
+        prof.export_chrome_trace(trace_path)
+        with open(trace_path) as f:
+            trace = json.load(f)
+        summary.update(summarize_trace(trace, args.steps))
+        with open(trace_path, "rb") as f, gzip.open(trace_path + ".gz", "wb") as g:
+            g.write(f.read())
+        os.remove(trace_path)
+    with open(stem + ".json", "w") as f:
+        json.dump(summary, f, indent=1)
+    w = summary["window"] or {}
+    print(f"== {args.side} {args.workload} on {args.model}: {result['tok_s']} tok/s, steady step "
+          f"{summary['step_ms_median']} ms, device busy {w.get('busy_us_per_step')} us/step, "
+          f"idle {w.get('idle_share')}; counters {summary['counters']}", flush=True)
+    for name, (count, us) in list(summary["kernels"].items())[:args.top]:
+        print(f"{us / args.steps:>9.1f} us/step {count / args.steps:>6.1f}x  {name[:100]}")
+    engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
