@@ -6,7 +6,7 @@ over ``--iters`` runs (after warm-up) of one step's worth of work on one stream:
 - ``head``: the LM head on R rows, and on [h; ŷ] (2R rows: what the fused Distiller logits cost);
 - ``filter_core``: the core's candidate filter at full width (the sort-based path);
 - ``filter_vllm``: min-p plus vLLM's own top-k/top-p function (what the processor runs now);
-- ``mix``: z' = a·z̃ − b·d in place, with |C| per row (what the processor runs);
+- ``mix``: z' = a·z̃ − b·d in place, with |C| per row (the fused kernel the processor runs);
 - ``distiller``: one predict-and-train step of the bank (U groups of R/U rows), eager, and
   ``distiller_graph`` the same step replayed as a CUDA graph (what the processor does on a
   steady batch);
@@ -56,6 +56,7 @@ def main() -> int:
 
     from esamp import intervention as iv
     from esamp.distiller import DistillerBank, RowLayout
+    from esamp.engines.vllm.kernels import mix_and_count
     from esamp.engines.vllm.processor import _GraphedStep, filter_candidates
 
     dev = torch.device("cuda")
@@ -97,8 +98,7 @@ def main() -> int:
         filtered = filter_vllm()
 
         def mix():
-            out = filtered.clone()
-            return (out > float("-inf")).sum(dim=-1), out.mul_(a).addcmul_(nb, d)
+            return mix_and_count(filtered.clone(), d, a, nb)
 
         def distiller():
             return bank.predict_and_train(x, y, layout)

@@ -10,6 +10,14 @@ request to the last token. Workloads are ``PxL`` (P prompts × L tokens, n=1) or
 Output: a table on stdout and a JSON file with per-trial tok/s, the ESamp/baseline ratio (median
 of the per-pair ratios, with min and max), the Distiller's loss count and first/last loss, port
 hits, mean candidate count, peak GPU memory of each engine, device, versions and the exact command.
+
+``--floor`` adds a third side, alternated with the other two: the ESamp engine (tap model class
+and logits processor installed) running every request with ESamp off. Its ratio to the baseline
+is what the seams cost by themselves, before any Distiller or steering work.
+
+Sampling draws without per-request seeds unless ``--seed`` is given: with a seed, vLLM's sampler
+draws each row with its own generator (one kernel launch per row and step), which slows both
+sides alike and makes the engine bound by its host.
 """
 
 from __future__ import annotations
@@ -48,14 +56,18 @@ def configure(parser) -> None:
     parser.add_argument("--trials", type=int, default=3, help="timed trials per side and workload")
     parser.add_argument("--prompt-len", type=int, default=32, help="prompt length in tokens")
     parser.add_argument("--eager", action="store_true", help="both sides without CUDA graphs")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.42,
-                        help="share of GPU memory for EACH of the two engines")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None,
+                        help="share of GPU memory for EACH engine (default: 0.42, or 0.28 with --floor)")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--beta", type=float, default=0.8)
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--top-p", type=float, default=0.95)
     parser.add_argument("--min-p", type=float, default=0.1)
     parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None,
+                        help="per-request sampling seeds (seed + sample); default: none, as in serving")
+    parser.add_argument("--floor", action="store_true",
+                        help="also time the ESamp engine with ESamp off on every request (the seams' own cost)")
     parser.add_argument("--json", dest="json_path", default=None,
                         help="where to write the JSON result (default: benchmarks/results/bench-MODEL-DATE.json)")
 
@@ -136,18 +148,28 @@ def run(args) -> int:
     if args.trials < 1:
         raise ConfigError("--trials must be at least 1", hint="use --trials 3")
     esamp = EsampConfig(beta=args.beta)
+    off = esamp.model_copy(update={"enabled": False})
     max_seqs = max(p * n for p, n, _ in workloads)
+    share = args.gpu_memory_utilization or (0.28 if args.floor else 0.42)
     common = dict(model=args.model, max_model_len=args.max_model_len,
-                  gpu_memory_utilization=args.gpu_memory_utilization, ignore_eos=True,
+                  gpu_memory_utilization=share, ignore_eos=True,
                   max_num_seqs=max(max_seqs, 16), enforce_eager=True if args.eager else None)
+    loads = {}
     t0 = time.perf_counter()
     base = VllmEngine(plain=True, **common)
-    base_load = time.perf_counter() - t0
-    t1 = time.perf_counter()
+    loads["baseline"] = round(time.perf_counter() - t0, 1)
+    t0 = time.perf_counter()
     steer = VllmEngine(esamp=esamp, **common)
-    steer_load = time.perf_counter() - t1
+    loads["esamp"] = round(time.perf_counter() - t0, 1)
+    sides = [("baseline", base, None), ("esamp", steer, esamp)]
+    floor = None
+    if args.floor:
+        t0 = time.perf_counter()
+        floor = VllmEngine(esamp=esamp, **common)
+        loads["floor"] = round(time.perf_counter() - t0, 1)
+        sides.insert(1, ("floor", floor, off))
     sampling_kw = dict(temperature=args.temperature, top_p=args.top_p, min_p=args.min_p,
-                       top_k=args.top_k, seed=0)
+                       top_k=args.top_k, seed=args.seed)
     vocab = 32000
     try:
         vocab = int(json.loads((base.resolved.hf_dir() / "config.json").read_text())["vocab_size"])
@@ -158,11 +180,11 @@ def run(args) -> int:
         name = f"{P}x{L}" if n == 1 else f"{P}xn{n}x{L}"
         prompts = _prompts(P, args.prompt_len, vocab, seed=P * 1000 + n * 10 + L)
         # warm-up: one short pass per side at the workload's batch shape
-        for eng, es in ((base, None), (steer, esamp)):
+        for _, eng, es in sides:
             run_trial(eng, prompts, n, min(L, 16), sampling_kw, es)
         trials = []
         for t in range(args.trials):
-            order = [("baseline", base, None), ("esamp", steer, esamp)]
+            order = list(sides)
             if t % 2:
                 order.reverse()
             for side, eng, es in order:
@@ -175,6 +197,13 @@ def run(args) -> int:
         e = [r["tok_s"] for r in trials if r["side"] == "esamp"]
         ratios = [ei / bi for ei, bi in zip(e, b)]
         es_trials = [r for r in trials if r["side"] == "esamp"]
+        extra = {}
+        if floor is not None:
+            f = [r["tok_s"] for r in trials if r["side"] == "floor"]
+            floor_ratios = [fi / bi for fi, bi in zip(f, b)]
+            extra = dict(floor_tok_s_median=statistics.median(f),
+                         floor_ratio_median=round(statistics.median(floor_ratios), 4),
+                         floor_ratio_min=round(min(floor_ratios), 4), floor_ratio_max=round(max(floor_ratios), 4))
         results.append(dict(
             workload=name, prompts=P, n=n, tokens=L, trials=trials,
             baseline_tok_s_median=statistics.median(b), esamp_tok_s_median=statistics.median(e),
@@ -185,18 +214,19 @@ def run(args) -> int:
             loss_first=[r["loss_first"] for r in es_trials], loss_last=[r["loss_last"] for r in es_trials],
             port_hits=[r["port_hits"] for r in es_trials],
             candidates_mean=[r["candidates_mean"] for r in es_trials],
+            **extra,
         ))
     report = dict(
         command=" ".join(["esamp", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else " ".join(sys.argv),
         device=_device(), versions=_versions(), model=args.model,
         cuda_graphs=not args.eager, sampling=sampling_kw, esamp=esamp.model_dump(),
-        prompt_len=args.prompt_len, load_seconds=dict(baseline=round(base_load, 1), esamp=round(steer_load, 1)),
-        peak_memory_bytes=dict(baseline=_peak_memory(base), esamp=_peak_memory(steer)),
+        prompt_len=args.prompt_len, load_seconds=loads,
+        peak_memory_bytes={side: _peak_memory(eng) for side, eng, _ in sides},
         esamp_counters=steer.drain().get("counters", {}),
         workloads=results, time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     )
-    base.close()
-    steer.close()
+    for _, eng, _ in sides:
+        eng.close()
     print()
     print(f"{'workload':>12} {'baseline tok/s':>15} {'esamp tok/s':>12} {'ratio':>7} {'(min..max)':>14} "
           f"{'losses':>7} {'port hits':>10} {'cands':>8}")
@@ -204,6 +234,9 @@ def run(args) -> int:
         print(f"{r['workload']:>12} {r['baseline_tok_s_median']:>15.1f} {r['esamp_tok_s_median']:>12.1f} "
               f"{r['ratio_median']:>7.3f} {r['ratio_min']:>6.3f}..{r['ratio_max']:<6.3f} "
               f"{r['loss_count'][-1]:>7} {r['port_hits'][-1]:>10} {r['candidates_mean'][-1]:>8.1f}")
+        if "floor_ratio_median" in r:
+            print(f"{'':>12} floor (ESamp engine, ESamp off): {r['floor_tok_s_median']:.1f} tok/s, ratio "
+                  f"{r['floor_ratio_median']:.3f} {r['floor_ratio_min']:.3f}..{r['floor_ratio_max']:.3f}")
     print(f"device: {report['device']}; vllm {report['versions']['vllm']}, torch {report['versions']['torch']}")
     path = Path(args.json_path) if args.json_path else (
         Path("benchmarks/results") / f"bench-{args.model.replace(':', '-').replace('/', '_')}-{time.strftime('%Y%m%d-%H%M%S')}.json")

@@ -287,7 +287,8 @@ def test_cuda_graphs_are_on_and_taps_reach_every_step(engine):
 @pytest.mark.cuda
 @pytest.mark.skipif(not cuda(), reason="needs a CUDA GPU")
 def test_graphed_distiller_gives_what_the_eager_one_gives(engine):
-    """Once a batch is steady its Distiller step is a CUDA-graph replay, with the same results."""
+    """Once a batch is steady its Distiller step is a CUDA-graph replay, with the same results;
+    a later run of the same shape (same slots, same rows) replays the kept graph, no new capture."""
     p = processor()
     s = sampling(n=4, max_tokens=24, seed=11)
 
@@ -306,6 +307,33 @@ def test_graphed_distiller_gives_what_the_eager_one_gives(engine):
         p.use_graphs = True
     assert graphed[1] == pytest.approx(eager[1], rel=1e-4)
     assert graphed[0] == eager[0]
+    captures = p.counters["graph_captures"]
+    again = run()
+    assert p.counters["graph_captures"] == captures
+    assert again[0] == graphed[0] and again[1] == pytest.approx(graphed[1], rel=1e-4)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not cuda(), reason="needs a CUDA GPU")
+def test_a_failed_graph_capture_falls_back_to_eager_steps(engine, monkeypatch):
+    """A capture that raises costs the optimisation, never the run: counted, then eager steps."""
+    from esamp.engines.vllm import processor as module
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("capture refused by the test")
+
+    p = processor()
+    p._graphs.clear()
+    failures = p.counters.get("graph_failures", 0)
+    monkeypatch.setattr(module, "_GraphedStep", refuse)
+    try:
+        keys, events = collect(engine, {0: [dict(prompt=PROMPT_A, sampling=sampling(n=2, max_tokens=16))]})
+        assert not p.use_graphs
+    finally:
+        p.use_graphs = True
+    assert p.counters["graph_failures"] == failures + 1
+    assert all(tokens_of(events, keys[0], i) for i in range(2))
+    assert sum(e.type == "done" for e in events) == 2
 
 
 def test_drift_canary_runner_model_class_and_taps_in_use(engine):

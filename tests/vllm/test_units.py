@@ -177,3 +177,27 @@ def test_graphed_distiller_step_equals_eager_steps():
     torch.testing.assert_close(banks[1].flat, banks[0].flat)
     assert torch.equal(banks[1].steps, banks[0].steps)
 
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_fused_mix_and_count_equals_the_torch_ops(device):
+    """The fused mix (Triton on a GPU) equals a·z̃ + c·d with −∞ kept, counts |C|, and β = 0
+    returns z̃ bit for bit."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from esamp.engines.vllm.kernels import mix_and_count, mix_and_count_torch
+
+    gen = torch.Generator().manual_seed(5)
+    R, V = 6, 10_000
+    z = torch.randn(R, V, generator=gen)
+    z[torch.rand(R, V, generator=gen) < 0.7] = float("-inf")
+    d = torch.randn(R, V, generator=gen).to(torch.bfloat16)
+    beta = torch.tensor([0.0, 0.8, 0.8, 2.0, 0.0, 0.3]).reshape(-1, 1)
+    a = torch.where(torch.arange(R).reshape(-1, 1) % 2 == 0, 1 + beta, torch.ones_like(beta))
+    want, want_count = mix_and_count_torch(z.clone(), d, a, -beta)
+    got, count = mix_and_count(z.clone().to(device), d.to(device), a.to(device), -beta.to(device))
+    got = got.cpu()
+    assert torch.equal(count.cpu().long(), want_count) and torch.equal(torch.isfinite(got), torch.isfinite(z))
+    fin = torch.isfinite(z)
+    torch.testing.assert_close(got[fin], want[fin], rtol=1e-6, atol=1e-5)
+    for r in (0, 4):  # β = 0
+        assert torch.equal(got[r], z[r])

@@ -43,6 +43,7 @@ import torch
 
 from esamp import intervention as iv
 from esamp.distiller import DistillerBank, RowLayout
+from esamp.engines.vllm.kernels import mix_and_count
 from esamp.engines.vllm.settings import KEY, parse_request_settings, vllm_filters
 from esamp.engines.vllm.state import STATE
 
@@ -63,6 +64,9 @@ log = logging.getLogger(__name__)
 # Eager Distiller steps on an unchanged batch before its step is captured as a CUDA graph: short
 # lived batches (prefill, groups joining or leaving) are not worth a capture.
 GRAPH_AFTER = 2
+# Captured steps kept for batch shapes that come back (the same slots and rows, e.g. the next run
+# of a benchmark or a steady serving mix); the least recently used goes first.
+GRAPH_CACHE = 4
 
 
 @dataclass
@@ -102,6 +106,7 @@ class _Plan:
     layout: RowLayout
     train: tuple[torch.Tensor, RowLayout, list[str]] | None
     all_train: bool
+    key: tuple  # (slot per row, rows that train): equal keys run the same Distiller step
     _k: tuple[int, torch.Tensor | None] | None = None
 
     def k(self, vocab: int, make) -> torch.Tensor | None:
@@ -137,7 +142,7 @@ class _GraphedStep:
     """
 
     def __init__(self, plan: "_Plan", fn, x: torch.Tensor, y: torch.Tensor) -> None:
-        self.plan = plan
+        self.plan = plan  # keeps the layout tensors the graph reads alive
         self.x, self.y = x.clone(), y.clone()
         self.graph = torch.cuda.CUDAGraph()
         main = torch.cuda.current_stream()
@@ -215,7 +220,7 @@ class EsampLogitsProcessor(LogitsProcessor):
         self._cached_plan_rows = -1
         self._ctx: _Context | None = None
         self.use_graphs = self.device.type == "cuda" and os.environ.get("ESAMP_CUDA_GRAPHS", "1") != "0"
-        self._graph: _GraphedStep | None = None
+        self._graphs: collections.OrderedDict[tuple, _GraphedStep] = collections.OrderedDict()
         self._graph_plan: _Plan | None = None
         self._graph_seen = 0
         STATE.set_processor(self)
@@ -312,7 +317,7 @@ class EsampLogitsProcessor(LogitsProcessor):
             return None
         x = source if plan.idx is None else source.index_select(0, plan.idx)
         y = target if plan.idx is None else target.index_select(0, plan.idx)
-        replay = self._graph is not None and self._graph.plan is plan
+        replay = self.use_graphs and plan.key in self._graphs
         prediction, errors, losses = self._distiller(plan, x, y)
         self._ctx = _Context(plan, source.shape[0], x, y, prediction, errors, losses, replayed=replay)
         self._ctx.host_seconds = time.perf_counter() - t0
@@ -333,28 +338,32 @@ class EsampLogitsProcessor(LogitsProcessor):
 
     def _distiller(self, plan: _Plan, x: torch.Tensor, y: torch.Tensor):
         """The Distiller step, eager or by replaying the plan's CUDA graph (see ``GRAPH_AFTER``)."""
-        graph = self._graph
-        if graph is not None and graph.plan is plan:
-            return graph.run(x, y)
         if not self.use_graphs:
             return self._distiller_step(plan, x, y)
+        graph = self._graphs.get(plan.key)
+        if graph is not None:  # captured for this plan or an earlier one of the same shape
+            self._graphs.move_to_end(plan.key)
+            return graph.run(x, y)
         if self._graph_plan is not plan:
             self._graph_plan, self._graph_seen = plan, 0
         self._graph_seen += 1
         if self._graph_seen <= GRAPH_AFTER:
             return self._distiller_step(plan, x, y)
-        self._graph = None  # the previous batch's graph and its memory go first
+        while len(self._graphs) >= GRAPH_CACHE:  # the least recently used graph and its memory go
+            self._graphs.popitem(last=False)
         try:
             with torch.inference_mode(False):
-                self._graph = _GraphedStep(plan, lambda gx, gy: self._distiller_step(plan, gx, gy), x, y)
+                graph = _GraphedStep(plan, lambda gx, gy: self._distiller_step(plan, gx, gy), x, y)
         except Exception as exc:  # never let an optimisation take the engine down
             self.use_graphs = False
+            self._graphs.clear()
             self.counters["graph_failures"] += 1
             log.warning("ESamp: capturing the Distiller step as a CUDA graph failed (%s); "
                         "continuing without graphs", exc)
             return self._distiller_step(plan, x, y)
+        self._graphs[plan.key] = graph
         self.counters["graph_captures"] += 1
-        return self._graph.run(x, y)
+        return graph.run(x, y)
 
     def take_distiller_logits(self, d: torch.Tensor) -> None:
         """d = W·ŷ [n, V] for this step's steered rows (plan order), from the model's LM head."""
@@ -383,9 +392,8 @@ class EsampLogitsProcessor(LogitsProcessor):
             self.counters["stash_miss"] += 1
             self.host_seconds += time.perf_counter() - t0
             return logits
-        # z' = a·z̃ − b·d on C; −∞ stays −∞ outside C (d is finite)
-        candidates = (scaled > iv.NEG_INF).sum(dim=-1)
-        out = scaled.mul_(plan.a).addcmul_(plan.neg_b, ctx.distiller_logits)
+        # z' = a·z̃ − b·d on C; −∞ stays −∞ outside C (d is finite); |C| per row on the way
+        out, candidates = mix_and_count(scaled, ctx.distiller_logits, plan.a, plan.neg_b)
         if plan.idx is not None:
             logits.index_copy_(0, plan.idx, out)
         self.counters["port_hits"] += len(plan.settings)
@@ -417,7 +425,6 @@ class EsampLogitsProcessor(LogitsProcessor):
         """
         if self._cached_plan is not None and self._cached_plan_rows == R:
             return self._cached_plan
-        self._graph = None  # captured for a batch that is gone
         steered = sorted(((i, r) for i, r in self.rows.items() if i < R), key=lambda t: t[0])
         if not steered:
             self._cached_plan, self._cached_plan_rows = None, R
@@ -443,6 +450,7 @@ class EsampLogitsProcessor(LogitsProcessor):
                 train=(self._tensor(train, torch.long), self._layout([slots[j] for j in train]),
                        list(dict.fromkeys(rows[j]["group"] for j in train))) if train else None,
                 all_train=len(train) == len(rows),
+                key=(tuple(slots), tuple(train)),
             )
         self._cached_plan, self._cached_plan_rows = plan, R
         return plan
@@ -450,12 +458,17 @@ class EsampLogitsProcessor(LogitsProcessor):
     # -- results -----------------------------------------------------------------------------
 
     def _queue(self, record: _StepRecord) -> None:
-        """Start the device→host copies of a record without waiting for them."""
+        """Start the record's device→host copy without waiting for it: one copy of the errors,
+        candidate counts (exact in fp32: a vocabulary is far below 2²⁴) and losses, packed."""
         nb = self.device.type == "cuda"
-        record.errors = record.errors.to("cpu", non_blocking=nb)
-        record.candidates = record.candidates.to("cpu", non_blocking=nb)
+        n = record.errors.shape[0]
+        parts = [record.errors.float(), record.candidates.float()]
         if record.losses is not None:
-            record.losses = record.losses.to("cpu", non_blocking=nb)
+            parts.append(record.losses.float())
+        packed = torch.cat(parts).to("cpu", non_blocking=nb)
+        record.errors, record.candidates = packed[:n], packed[n:2 * n]
+        if record.losses is not None:
+            record.losses = packed[2 * n:]
         if nb:
             record.event = torch.cuda.Event()
             record.event.record()
@@ -470,7 +483,8 @@ class EsampLogitsProcessor(LogitsProcessor):
             r = self.records.popleft()
             steps.append({
                 "step": r.step,
-                "rows": list(zip(r.groups, r.samples, r.generated, r.errors.tolist(), r.candidates.tolist())),
+                "rows": list(zip(r.groups, r.samples, r.generated, r.errors.tolist(),
+                                 map(int, r.candidates.tolist()))),
                 "loss": dict(zip(r.loss_groups, r.losses.tolist())) if r.losses is not None else {},
             })
         return {
