@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import heapq
 import math
 
 import torch
@@ -112,7 +113,9 @@ class DistillerBank:
         self.exp_avg_sq = {k: self._view(self.flat_v, k) for k in self.PARAMS}
         self.steps = torch.zeros(S, device=self.device, dtype=torch.float32)
         self._groups: dict[str, int] = {}
-        self._free: list[int] = list(range(S - 1, -1, -1))  # pop() hands out slot 0 first
+        # A min-heap: the lowest free slot goes first, so groups that start together hold
+        # consecutive slots, which the step reads in place (``RowLayout.span``) instead of gathering.
+        self._free: list[int] = list(range(S))
         self._init_gen = torch.Generator(device="cpu")
         self.reset_slots(torch.arange(S))
 
@@ -136,7 +139,7 @@ class DistillerBank:
                 f"all {self.capacity} Distiller slots are held by running prompt groups",
                 hint="wait for a group to finish, abort one, or start with more slots (--slots)",
             )
-        slot = self._free.pop()
+        slot = heapq.heappop(self._free)
         self._groups[group] = slot
         return slot
 
@@ -146,7 +149,7 @@ class DistillerBank:
         if slot is None:
             return
         self.reset_slots(torch.tensor([slot]))
-        self._free.append(slot)
+        heapq.heappush(self._free, slot)
 
     def slot_of(self, group: str) -> int:
         return self._groups[group]
@@ -224,6 +227,16 @@ class DistillerBank:
         ``row_error`` give. The loss of a slot is the mean row error over its rows in this step;
         slots are disjoint, so summing their losses gives each slot exactly its own gradient.
         """
+        prediction, err, loss, grads = self.predict_and_grads(x, y, layout)
+        self.apply_update(layout.slots, grads)
+        return prediction, err, loss
+
+    def predict_and_grads(self, x: torch.Tensor, y: torch.Tensor, layout: RowLayout):
+        """``predict_and_train`` without the update: (ŷ, e, loss, gradients name → [U, ...]).
+
+        ``apply_update(layout.slots, grads)`` completes the step; until it runs, the parameters
+        are those the prediction used.
+        """
         with torch.inference_mode(False), torch.enable_grad():
             # Tensors made under inference mode (vLLM's sampler, the reference engine's forward)
             # cannot take part in autograd: clone the taps and the layout outside that mode.
@@ -242,11 +255,10 @@ class DistillerBank:
             count = torch.zeros(U, device=err.device).index_add(0, layout.row_slot, torch.ones_like(err))
             loss = per_slot / count
             grads = torch.autograd.grad(loss.sum(), [p[k] for k in self.PARAMS])
-        self._apply_update(layout.slots, dict(zip(self.PARAMS, grads)))
-        return prediction.detach(), err.detach(), loss.detach()
+        return prediction.detach(), err.detach(), loss.detach(), dict(zip(self.PARAMS, grads))
 
     @torch.no_grad()
-    def _apply_update(self, slots: tuple[int, ...], grads: dict[str, torch.Tensor]) -> None:
+    def apply_update(self, slots: tuple[int, ...], grads: dict[str, torch.Tensor]) -> None:
         """Per-slot SGD or Adam on the ``slots``' parameter views, in place; ``grads``: name → [U, ...].
 
         One multi-tensor call (``torch._fused_adam_``, the kernel behind ``Adam(fused=True)``)

@@ -123,3 +123,13 @@ def test_update_matches_torch_optimizers_per_slot(optimizer):
             bank.train_step(x, y, layout)
             for s in ref:
                 torch.testing.assert_close(bank.flat[s], ref[s].detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_the_lowest_free_slot_goes_first_so_groups_started_together_are_consecutive():
+    bank = _bank(slots=4)
+    assert [bank.allocate(g) for g in "abc"] == [0, 1, 2]
+    bank.free("b")
+    bank.free("a")
+    assert [bank.allocate(g) for g in "de"] == [0, 1]
+    assert RowLayout.from_slots([0, 0, 1, 2]).span == (0, 3)
+    assert RowLayout.from_slots([1, 0]).span is None
