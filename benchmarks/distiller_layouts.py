@@ -4,7 +4,8 @@ The bank's step is a handful of batched GEMMs over [U slots, W rows, H] blocks w
 weight gradients are GEMMs with an inner dimension of only W rows, and cuBLAS picks its kernel
 from the operands' shapes and orientation, so the same arithmetic can cost several times more in
 one layout than in another. Each variant is captured as a CUDA graph and replayed, so the figures
-are device time without launch overhead.
+are device time without launch overhead. (A transposed variant's weight gradient comes back
+strided; the bank would have to copy it before its fused optimizer, which this does not time.)
 
     python benchmarks/distiller_layouts.py --hidden 3584 --rank 64 --shape 16x1 32x8
 """
@@ -89,14 +90,15 @@ def main() -> int:
     ap.add_argument("--json")
     args = ap.parse_args()
     dev = torch.device("cuda")
-    names = ["flat (bank today)", "A,G [H,r]", "A,G stored [r,H] (T)", "AG [H,2r]", "AG stored [2r,H] (T)"]
+    names = ["flat, A,G apart (the bank before)", "A,G [H,r]", "A,G stored [r,H] (T)", "AG [H,2r] (the bank's layout)",
+             "AG stored [2r,H] (T)"]
     rows = []
     for shape in args.shape:
         U, W = (int(v) for v in shape.split("x"))
         for name in names:
             ms = time_graph(variant(name, U, W, args.hidden, args.rank, dev), args.iters)
             rows.append(dict(slots=U, rows_per_slot=W, layout=name, fwd_bwd_ms=round(ms, 4)))
-            print(f"U={U:>3} W={W:>2}  {name:<24} {ms:.4f} ms", flush=True)
+            print(f"U={U:>3} W={W:>2}  {name:<34} {ms:.4f} ms", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(0), torch=torch.__version__,

@@ -9,13 +9,19 @@ term and the raw novelty.  One optimizer step per decode step minimises, for eve
 in the step, the mean of e over that slot's rows; slots never share parameters or optimizer state,
 and each slot counts its own optimizer steps, so a re-initialised slot starts exactly fresh.
 
-Parameters are kept in fp32 in one [S, P] buffer (a slot's six tensors are views of its row),
-and so are the two Adam moments.  A step reads its slots' rows in place when they are contiguous
-(one ``index_select`` otherwise) and updates them with one multi-tensor optimizer call on the
-rows themselves, so the optimizer reads and writes each parameter and moment once; that matters
-where the step runs inside vLLM's sampler.  A step's rows are laid out as a [U, W, H] block (U slots present
-in the step, W rows of the widest slot) so every slot's product is one batched matmul and no
-per-row copy of the parameters is made.
+Parameters are kept in fp32 in one [S, P] buffer (a slot's tensors are views of its row), and
+so are the two Adam moments.  A and G are stored side by side, as one [H, 2r] block
+``AG`` = [A | G]: one matmul gives both x·A and x·G, and one weight-gradient matmul (whose inner
+dimension is only the few rows of a slot) serves both; at 32 slots × 8 rows on an H100 the
+forward and backward take 0.29 ms instead of 0.46 ms with A and G apart.
+``params["A"]`` and ``params["G"]`` stay available as [S, H, r] views.
+
+A step reads its slots' rows in place when they are contiguous (one ``index_select`` otherwise)
+and updates them with one multi-tensor optimizer call on the rows themselves, so the optimizer
+reads and writes each parameter and moment once; that matters where the step runs inside vLLM's
+sampler.  A step's rows are laid out as a [U, W, H] block (U slots present in the step, W rows
+of the widest slot) so every slot's product is one batched matmul and no per-row copy of the
+parameters is made.
 """
 
 from __future__ import annotations
@@ -77,7 +83,7 @@ class RowLayout:
 class DistillerBank:
     """``slots`` Distillers of rank ``rank`` over hidden size ``hidden``, keyed by group."""
 
-    PARAMS = ("A", "G", "b", "B", "ln_w", "ln_b")
+    PARAMS = ("AG", "b", "B", "ln_w", "ln_b")  # the trained tensors, in buffer order
 
     def __init__(
         self,
@@ -96,7 +102,7 @@ class DistillerBank:
         self.device = torch.device(device)
         self.seed = seed
         H, r, S = hidden, rank, slots
-        self._shapes = {"A": (H, r), "G": (H, r), "b": (r,), "B": (r, H), "ln_w": (H,), "ln_b": (H,)}
+        self._shapes = {"AG": (H, 2 * r), "b": (r,), "B": (r, H), "ln_w": (H,), "ln_b": (H,)}
         self._spans: dict[str, tuple[int, int]] = {}
         offset = 0
         for k in self.PARAMS:
@@ -108,9 +114,9 @@ class DistillerBank:
         self.flat_m = torch.zeros(S, offset, **kw)  # Adam first moment
         self.flat_v = torch.zeros(S, offset, **kw)  # Adam second moment
         # Named views, [S, ...] per parameter, for initialisation, tests and inspection.
-        self.params = {k: self._view(self.flat, k) for k in self.PARAMS}
-        self.exp_avg = {k: self._view(self.flat_m, k) for k in self.PARAMS}
-        self.exp_avg_sq = {k: self._view(self.flat_v, k) for k in self.PARAMS}
+        self.params = self._named(self.flat)
+        self.exp_avg = self._named(self.flat_m)
+        self.exp_avg_sq = self._named(self.flat_v)
         self.steps = torch.zeros(S, device=self.device, dtype=torch.float32)
         self._groups: dict[str, int] = {}
         # A min-heap: the lowest free slot goes first, so groups that start together hold
@@ -182,6 +188,14 @@ class DistillerBank:
         a, b = self._spans[name]
         return buffer[:, a:b].view(buffer.shape[0], *self._shapes[name])
 
+    def _named(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The trained tensors' views of ``buffer``, plus A and G as [S, H, r] views of AG."""
+        views = {k: self._view(buffer, k) for k in self.PARAMS}
+        r = self.rank
+        views["A"] = views["AG"][..., :r]
+        views["G"] = views["AG"][..., r:]
+        return views
+
     def _rows(self, layout: RowLayout) -> torch.Tensor:
         """[U, P]: the active slots' parameter rows, in place when the slots are consecutive."""
         span = layout.span
@@ -196,12 +210,12 @@ class DistillerBank:
 
     def _forward(self, x: torch.Tensor, layout: RowLayout, p: dict[str, torch.Tensor]) -> torch.Tensor:
         """ŷ for rows ``x`` [R, H] (fp32) through the gathered slot parameters ``p``."""
-        U, W, H = layout.active.numel(), layout.width, self.hidden
+        U, W, H, r = layout.active.numel(), layout.width, self.hidden, self.rank
         block = x.new_zeros(U, W, H)
         block[layout.row_slot, layout.row_pos] = x
-        up = torch.bmm(block, p["A"])  # [U, W, r]
-        gate = F.silu(torch.bmm(block, p["G"]) + p["b"].unsqueeze(1))
-        out = block + torch.bmm(up * gate, p["B"])  # [U, W, H]
+        both = torch.bmm(block, p["AG"])  # [U, W, 2r]: x·A | x·G
+        gate = F.silu(both[..., r:] + p["b"].unsqueeze(1))
+        out = block + torch.bmm(both[..., :r] * gate, p["B"])  # [U, W, H]
         out = F.layer_norm(out, (H,), eps=LN_EPS)
         out = out * p["ln_w"].unsqueeze(1) + p["ln_b"].unsqueeze(1)
         return out[layout.row_slot, layout.row_pos]  # [R, H]
@@ -227,16 +241,6 @@ class DistillerBank:
         ``row_error`` give. The loss of a slot is the mean row error over its rows in this step;
         slots are disjoint, so summing their losses gives each slot exactly its own gradient.
         """
-        prediction, err, loss, grads = self.predict_and_grads(x, y, layout)
-        self.apply_update(layout.slots, grads)
-        return prediction, err, loss
-
-    def predict_and_grads(self, x: torch.Tensor, y: torch.Tensor, layout: RowLayout):
-        """``predict_and_train`` without the update: (ŷ, e, loss, gradients name → [U, ...]).
-
-        ``apply_update(layout.slots, grads)`` completes the step; until it runs, the parameters
-        are those the prediction used.
-        """
         with torch.inference_mode(False), torch.enable_grad():
             # Tensors made under inference mode (vLLM's sampler, the reference engine's forward)
             # cannot take part in autograd: clone the taps and the layout outside that mode.
@@ -255,10 +259,11 @@ class DistillerBank:
             count = torch.zeros(U, device=err.device).index_add(0, layout.row_slot, torch.ones_like(err))
             loss = per_slot / count
             grads = torch.autograd.grad(loss.sum(), [p[k] for k in self.PARAMS])
-        return prediction.detach(), err.detach(), loss.detach(), dict(zip(self.PARAMS, grads))
+        self._apply_update(layout.slots, dict(zip(self.PARAMS, grads)))
+        return prediction.detach(), err.detach(), loss.detach()
 
     @torch.no_grad()
-    def apply_update(self, slots: tuple[int, ...], grads: dict[str, torch.Tensor]) -> None:
+    def _apply_update(self, slots: tuple[int, ...], grads: dict[str, torch.Tensor]) -> None:
         """Per-slot SGD or Adam on the ``slots``' parameter views, in place; ``grads``: name → [U, ...].
 
         One multi-tensor call (``torch._fused_adam_``, the kernel behind ``Adam(fused=True)``)
@@ -266,7 +271,8 @@ class DistillerBank:
         counter, so the optimizer reads and writes each value once.
         """
         params = [self.params[k][s] for k in self.PARAMS for s in slots]
-        g = [grads[k][u] for k in self.PARAMS for u in range(len(slots))]
+        # (the fused kernels walk each tensor's memory in order: a strided gradient would be misread)
+        g = [grads[k][u].contiguous() for k in self.PARAMS for u in range(len(slots))]
         step_of = [self.steps[s] for s in slots]
         torch._foreach_add_(step_of, 1.0)
         if self.optimizer == "sgd":

@@ -67,9 +67,6 @@ GRAPH_AFTER = 2
 # Captured steps kept for batch shapes that come back (the same slots and rows, e.g. the next run
 # of a benchmark or a steady serving mix); the least recently used goes first.
 GRAPH_CACHE = 4
-# The optimizer step of a graphed Distiller step runs on a side stream, overlapping the rest of
-# the engine step; the next use of the bank waits for it (ESAMP_OVERLAP_UPDATE=0: in line).
-OVERLAP_UPDATE = os.environ.get("ESAMP_OVERLAP_UPDATE", "1") != "0"
 
 
 @dataclass
@@ -142,19 +139,12 @@ class _GraphedStep:
     Captured on a side stream into a private memory pool; nothing runs during the capture, so
     the bank's state is untouched until the first replay. The outputs are overwritten by the
     next replay, which stream order puts after every use of them in this step.
-
-    With ``update`` the optimizer step is a second graph over the first one's gradients (the last
-    item ``fn`` returns). ``run(..., stream=s)`` replays it on stream ``s``, where it overlaps the
-    rest of the engine step (LM head, sampler, the next forward), and leaves ``pending``: the
-    event the next use of the bank must wait for. Without a stream it replays in line.
     """
 
-    def __init__(self, plan: "_Plan", fn, x: torch.Tensor, y: torch.Tensor, update=None) -> None:
+    def __init__(self, plan: "_Plan", fn, x: torch.Tensor, y: torch.Tensor) -> None:
         self.plan = plan  # keeps the layout tensors the graph reads alive
         self.x, self.y = x.clone(), y.clone()
         self.graph = torch.cuda.CUDAGraph()
-        self.update: torch.cuda.CUDAGraph | None = None
-        self.pending: torch.cuda.Event | None = None
         main = torch.cuda.current_stream()
         side = torch.cuda.Stream()
         side.wait_stream(main)
@@ -164,31 +154,12 @@ class _GraphedStep:
                 self.out = fn(self.x, self.y)
             finally:
                 self.graph.capture_end()
-            if update is not None and self.out[-1] is not None:
-                self.update = torch.cuda.CUDAGraph()
-                self.update.capture_begin(capture_error_mode="thread_local")
-                try:
-                    update(self.out[-1])
-                finally:
-                    self.update.capture_end()
         main.wait_stream(side)
-        self._ready, self._done = torch.cuda.Event(), torch.cuda.Event()
 
-    def run(self, x: torch.Tensor, y: torch.Tensor, stream: torch.cuda.Stream | None = None):
+    def run(self, x: torch.Tensor, y: torch.Tensor):
         self.x.copy_(x)
         self.y.copy_(y)
         self.graph.replay()
-        self.pending = None
-        if self.update is not None:
-            if stream is None:
-                self.update.replay()
-            else:
-                self._ready.record()
-                stream.wait_event(self._ready)
-                with torch.cuda.stream(stream):
-                    self.update.replay()
-                self._done.record(stream)
-                self.pending = self._done
         return self.out
 
 
@@ -252,8 +223,6 @@ class EsampLogitsProcessor(LogitsProcessor):
         self._graphs: collections.OrderedDict[tuple, _GraphedStep] = collections.OrderedDict()
         self._graph_plan: _Plan | None = None
         self._graph_seen = 0
-        self._side: torch.cuda.Stream | None = None  # where graphed optimizer steps run
-        self._pending: torch.cuda.Event | None = None  # the last of them, until joined
         STATE.set_processor(self)
 
     # -- the interface -----------------------------------------------------------------------
@@ -330,15 +299,8 @@ class EsampLogitsProcessor(LogitsProcessor):
             self._drop(index)
             self._cached_plan = None
         if self.bank is not None and group in self.bank.groups:
-            self._join()  # the slot's last optimizer step lands before it is re-initialised
             self.bank.free(group)
             self.counters["slots_freed"] += 1
-
-    def _join(self) -> None:
-        """Order the current stream after the last side-stream optimizer step (no host wait)."""
-        if self._pending is not None:
-            torch.cuda.current_stream().wait_event(self._pending)
-            self._pending = None
 
     def distill(self, source: torch.Tensor, target: torch.Tensor) -> torch.Tensor | None:
         """This step's Distiller work on the tapped rows [R, H]; returns ŷ for the rows it steers.
@@ -347,7 +309,6 @@ class EsampLogitsProcessor(LogitsProcessor):
         None when no row of this step is steered.
         """
         self._ctx = None
-        self._join()
         if not self.rows or self.bank is None:
             return None
         t0 = time.perf_counter()
@@ -364,65 +325,45 @@ class EsampLogitsProcessor(LogitsProcessor):
         return prediction
 
     def _distiller_step(self, plan: _Plan, x: torch.Tensor, y: torch.Tensor):
-        """(ŷ, e, per-slot loss or None, gradients or None) for the plan's rows, before the update.
-
-        ŷ and e come from the parameters before this step's optimizer step (``_update``).
-        """
-        if plan.all_train:  # one forward pass gives the prediction and the gradients
-            return self.bank.predict_and_grads(x, y, plan.layout)
+        """(ŷ, e, per-slot loss or None) for the plan's rows, training the slots that train."""
+        if plan.all_train:  # one forward pass gives the (pre-update) prediction and the step
+            return self.bank.predict_and_train(x, y, plan.layout)
         prediction = self.bank.predict(x, plan.layout)
         errors = DistillerBank.row_error(prediction, y)
-        losses = grads = None
+        losses = None
         if plan.train is not None:
             t, layout, _ = plan.train
-            _, _, losses, grads = self.bank.predict_and_grads(x.index_select(0, t), y.index_select(0, t), layout)
-        return prediction, errors, losses, grads
-
-    def _update(self, plan: _Plan, grads: dict) -> None:
-        self.bank.apply_update(plan.layout.slots if plan.all_train else plan.train[1].slots, grads)
-
-    def _eager_step(self, plan: _Plan, x: torch.Tensor, y: torch.Tensor):
-        prediction, errors, losses, grads = self._distiller_step(plan, x, y)
-        if grads is not None:
-            self._update(plan, grads)
+            losses = self.bank.train_step(x.index_select(0, t), y.index_select(0, t), layout)
         return prediction, errors, losses
 
     def _distiller(self, plan: _Plan, x: torch.Tensor, y: torch.Tensor):
         """The Distiller step, eager or by replaying the plan's CUDA graph (see ``GRAPH_AFTER``)."""
         if not self.use_graphs:
-            return self._eager_step(plan, x, y)
+            return self._distiller_step(plan, x, y)
         graph = self._graphs.get(plan.key)
         if graph is not None:  # captured for this plan or an earlier one of the same shape
             self._graphs.move_to_end(plan.key)
-            return self._replay(graph, x, y)
+            return graph.run(x, y)
         if self._graph_plan is not plan:
             self._graph_plan, self._graph_seen = plan, 0
         self._graph_seen += 1
         if self._graph_seen <= GRAPH_AFTER:
-            return self._eager_step(plan, x, y)
+            return self._distiller_step(plan, x, y)
         while len(self._graphs) >= GRAPH_CACHE:  # the least recently used graph and its memory go
             self._graphs.popitem(last=False)
         try:
             with torch.inference_mode(False):
-                graph = _GraphedStep(plan, lambda gx, gy: self._distiller_step(plan, gx, gy), x, y,
-                                     update=lambda grads: self._update(plan, grads))
+                graph = _GraphedStep(plan, lambda gx, gy: self._distiller_step(plan, gx, gy), x, y)
         except Exception as exc:  # never let an optimisation take the engine down
             self.use_graphs = False
             self._graphs.clear()
             self.counters["graph_failures"] += 1
             log.warning("ESamp: capturing the Distiller step as a CUDA graph failed (%s); "
                         "continuing without graphs", exc)
-            return self._eager_step(plan, x, y)
+            return self._distiller_step(plan, x, y)
         self._graphs[plan.key] = graph
         self.counters["graph_captures"] += 1
-        return self._replay(graph, x, y)
-
-    def _replay(self, graph: _GraphedStep, x: torch.Tensor, y: torch.Tensor):
-        if OVERLAP_UPDATE and self._side is None:
-            self._side = torch.cuda.Stream(device=self.device)
-        prediction, errors, losses, _ = graph.run(x, y, self._side if OVERLAP_UPDATE else None)
-        self._pending = graph.pending
-        return prediction, errors, losses
+        return graph.run(x, y)
 
     def take_distiller_logits(self, d: torch.Tensor) -> None:
         """d = W·ŷ [n, V] for this step's steered rows (plan order), from the model's LM head."""
@@ -535,7 +476,6 @@ class EsampLogitsProcessor(LogitsProcessor):
 
     def drain(self, release: list[str] | tuple[str, ...] = ()) -> dict:
         """Finished step records and counters, and release the client's finished groups."""
-        self._join()
         for group in release:
             self.release(group)
         steps = []
