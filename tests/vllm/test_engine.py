@@ -305,12 +305,22 @@ def test_graphed_distiller_gives_what_the_eager_one_gives(engine):
         eager = run()
     finally:
         p.use_graphs = True
-    assert graphed[1] == pytest.approx(eager[1], rel=1e-4)
     assert graphed[0] == eager[0]
+    same_losses(graphed[1], eager[1])
     captures = p.counters["graph_captures"]
     again = run()
     assert p.counters["graph_captures"] == captures
-    assert again[0] == graphed[0] and again[1] == pytest.approx(graphed[1], rel=1e-4)
+    assert again[0] == graphed[0]
+    same_losses(again[1], graphed[1])
+
+
+def same_losses(a: list[float], b: list[float]) -> None:
+    """Equal loss curves. The client logs a step's loss when its record comes back, and the
+    records of a group's last step or two can still be on their way when the group ends, so the
+    two curves may differ in length by those; the steps both have must agree."""
+    n = min(len(a), len(b))
+    assert n >= 8 and abs(len(a) - len(b)) <= 2, (len(a), len(b))
+    assert a[:n] == pytest.approx(b[:n], rel=1e-4)
 
 
 @pytest.mark.cuda
