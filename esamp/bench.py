@@ -55,7 +55,7 @@ def configure(parser) -> None:
                         help="comma-separated workloads (default: %(default)s)")
     parser.add_argument("--trials", type=int, default=3, help="timed trials per side and workload")
     parser.add_argument("--prompt-len", type=int, default=32, help="prompt length in tokens")
-    parser.add_argument("--eager", action="store_true", help="both sides without CUDA graphs")
+    parser.add_argument("--eager", action="store_true", help="every side without CUDA graphs")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None,
                         help="share of GPU memory for EACH engine (default: 0.42, or 0.28 with --floor)")
     parser.add_argument("--max-model-len", type=int, default=2048)
@@ -147,6 +147,11 @@ def run(args) -> int:
     workloads = [parse_workload(w) for w in args.workloads.split(",") if w.strip()]
     if args.trials < 1:
         raise ConfigError("--trials must be at least 1", hint="use --trials 3")
+    if args.seed is not None and args.seed < 0:
+        raise ConfigError(f"--seed must be 0 or more, not {args.seed}", hint="leave it out for unseeded sampling")
+    if args.gpu_memory_utilization is not None and not 0 < args.gpu_memory_utilization < 1:
+        raise ConfigError(f"--gpu-memory-utilization is a share of the GPU per engine, not {args.gpu_memory_utilization}",
+                          hint="use e.g. 0.42 (two engines) or 0.28 (three, with --floor)")
     esamp = EsampConfig(beta=args.beta)
     off = esamp.model_copy(update={"enabled": False})
     max_seqs = max(p * n for p, n, _ in workloads)

@@ -186,7 +186,9 @@ def test_worker_dies_with_its_parent(tmp_path, how):
     """A killed dashboard (closed terminal, kill -9) leaves no worker behind."""
     script = tmp_path / "parent.py"
     script.write_text(PARENT.format(paths=[str(ROOT / "tests"), str(ROOT)]))
-    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    # SIGHUP at its default, as a terminal starts the dashboard, even when the tests run under nohup
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                              preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
     try:
         worker_pid = int(parent.stdout.readline())
         parent.send_signal(how)

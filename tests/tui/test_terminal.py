@@ -56,6 +56,8 @@ class Terminal:
         pid, fd = pty.fork()
         if pid == 0:  # child: becomes the session leader with the pty as its terminal
             os.environ["TERM"] = "xterm-256color"
+            # as a terminal starts it: SIGHUP at its default even when the tests run under nohup
+            signal.signal(signal.SIGHUP, signal.SIG_DFL)
             os.execv(sys.executable, [sys.executable, str(FAKE_APP), *args])
         self.pid, self.fd = pid, fd
         fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))

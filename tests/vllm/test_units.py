@@ -130,6 +130,16 @@ def test_bench_workload_parsing():
         parse_workload("16by64")
 
 
+@pytest.mark.parametrize("args", [["--trials", "0"], ["--seed", "-1"], ["--gpu-memory-utilization", "1.5"],
+                                  ["--workloads", "16by64"]])
+def test_bench_refuses_bad_options_before_loading_anything(args, capsys):
+    from esamp.cli import main
+
+    assert main(["bench", "--model", "no-such-model", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "no-such-model" not in err  # refused before the model is looked up
+
+
 @pytest.mark.cuda
 def test_cuda_check_leaves_the_process_able_to_fork_cuda_users():
     """vLLM forks its engine core: our CUDA check must not initialise CUDA in the parent."""

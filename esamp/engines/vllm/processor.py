@@ -20,7 +20,9 @@ tensors once per batch change, and every step is a fixed sequence of kernels. On
 Distiller step (forward, backward and optimizer: some seventy small kernels, bound by their
 launches) is captured as a CUDA graph once a batch has stayed the same for ``GRAPH_AFTER``
 steps, and replayed from then on: a few microseconds of launch instead of milliseconds
-(``ESAMP_CUDA_GRAPHS=0`` turns this off). Rows are mapped
+(``ESAMP_CUDA_GRAPHS=0`` turns this off). Graphs are kept per batch shape (slot of every row,
+rows that train; ``GRAPH_CACHE`` of them), so a shape that comes back replays at once. The mix
+and the candidate count are one fused pass (``kernels.mix_and_count``). Rows are mapped
 fresh from ``BatchUpdate`` (removed → added → moved); state is keyed by group, never by row. A
 group's slot is allocated when its first request joins and freed when the client releases the
 group (``drain(release=...)``), so a preempted request that leaves the batch and comes back keeps
