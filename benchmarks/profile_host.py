@@ -35,7 +35,7 @@ def main() -> int:
     from esamp.engines.vllm.engine import VllmEngine
 
     P, n, L = parse_workload(args.workload)
-    sampling_kw = dict(temperature=0.8, top_p=0.95, min_p=0.1, top_k=0, seed=0)
+    sampling_kw = dict(temperature=0.8, top_p=0.95, min_p=0.1, top_k=0, seed=None)  # as esamp bench
     esamp = EsampConfig()
     side = args.side
     engine = VllmEngine(model=args.model, esamp=esamp, plain=side == "baseline", ignore_eos=True,

@@ -98,6 +98,8 @@ def main() -> int:
                     help="engine steps of the timed trial before tracing (default: a third of its tokens)")
     ap.add_argument("--out", default=".")
     ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--seed", type=int, default=None,
+                    help="per-request sampling seeds, as esamp bench --seed (the committed profiles used 0)")
     ap.add_argument("--compare", nargs=2, metavar=("BASE", "ESAMP"))
     args = ap.parse_args()
     if args.compare:
@@ -111,7 +113,7 @@ def main() -> int:
     from esamp.engines.vllm.engine import VllmEngine
 
     P, n, L = parse_workload(args.workload)
-    sampling_kw = dict(temperature=0.8, top_p=0.95, min_p=0.1, top_k=0, seed=0)
+    sampling_kw = dict(temperature=0.8, top_p=0.95, min_p=0.1, top_k=0, seed=args.seed)
     esamp = EsampConfig()
     es = None if args.side == "baseline" else esamp
     engine = VllmEngine(model=args.model, esamp=esamp, plain=es is None, ignore_eos=True,
