@@ -27,7 +27,7 @@ def main() -> int:
     import torch
     import vllm
 
-    from esamp.config import EsampConfig, SamplingConfig
+    from esamp.core.config import EsampConfig, SamplingConfig
     from esamp.engines.base import run
     from esamp.engines.vllm.engine import VllmEngine
 

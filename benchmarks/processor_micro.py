@@ -54,9 +54,9 @@ def main() -> int:
                     help="also print the CUDA kernels of one eager Distiller step (torch.profiler)")
     args = ap.parse_args()
 
-    from esamp import intervention as iv
-    from esamp.distiller import DistillerBank, RowLayout
-    from esamp.engines.vllm.kernels import mix_and_count
+    from esamp.core import intervention as iv
+    from esamp.core.distiller import DistillerBank, RowLayout
+    from esamp.core.backends.triton_mix import mix_and_count
     from esamp.engines.vllm.processor import _GraphedStep, filter_candidates
 
     dev = torch.device("cuda")

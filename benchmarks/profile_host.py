@@ -31,7 +31,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from esamp.bench import _prompts, parse_workload, run_trial
-    from esamp.config import EsampConfig
+    from esamp.core.config import EsampConfig
     from esamp.engines.vllm.engine import VllmEngine
 
     P, n, L = parse_workload(args.workload)

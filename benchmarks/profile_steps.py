@@ -109,7 +109,7 @@ def main() -> int:
     from torch.profiler import ProfilerActivity, profile
 
     from esamp.bench import _prompts, parse_workload, run_trial
-    from esamp.config import EsampConfig
+    from esamp.core.config import EsampConfig
     from esamp.engines.vllm.engine import VllmEngine
 
     P, n, L = parse_workload(args.workload)

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from esamp.config import EsampConfig, SamplingConfig
+from esamp.core.config import EsampConfig, SamplingConfig
 from esamp.engines.base import run
 from esamp.engines.reference import ReferenceEngine
 

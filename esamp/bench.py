@@ -103,7 +103,7 @@ def _prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 def run_trial(engine, prompts, n: int, tokens: int, sampling_kw: dict, esamp) -> dict:
     """Run every prompt as a group of n samples to ``tokens`` tokens; time and count."""
-    from esamp.config import SamplingConfig
+    from esamp.core.config import SamplingConfig
 
     sampling = SamplingConfig(n=n, max_tokens=tokens, **sampling_kw)
     c0 = time.process_time()
@@ -141,7 +141,7 @@ def _peak_memory(engine) -> float | None:
 
 
 def run(args) -> int:
-    from esamp.config import EsampConfig
+    from esamp.core.config import EsampConfig
     from esamp.engines.vllm.engine import VllmEngine
 
     workloads = [parse_workload(w) for w in args.workloads.split(",") if w.strip()]

@@ -7,7 +7,7 @@ import os
 import sys
 import time
 
-from esamp.config import EsampConfig, SamplingConfig, make_config
+from esamp.core.config import EsampConfig, SamplingConfig, make_config
 from esamp import engines
 from esamp.engines import ENGINE_NAMES
 from esamp.engines.base import run as run_group

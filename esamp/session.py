@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
-from esamp.config import EsampConfig, SamplingConfig, make_config, update_config
+from esamp.core.config import EsampConfig, SamplingConfig, make_config, update_config
 from esamp.errors import EsampError
 from esamp.events import ErrorEvent, Event
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from esamp.config import EsampConfig, SamplingConfig, make_config
+from esamp.core.config import EsampConfig, SamplingConfig, make_config
 from esamp.errors import ConfigError
 from esamp.session import SessionSpec, default_log_file
 

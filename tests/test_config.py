@@ -1,6 +1,6 @@
 import pytest
 
-from esamp.config import EsampConfig, SamplingConfig, make_config, update_config
+from esamp.core.config import EsampConfig, SamplingConfig, make_config, update_config
 from esamp.errors import ConfigError
 
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from esamp.distiller import DistillerBank, RowLayout
+from esamp.core.distiller import DistillerBank, RowLayout
 from esamp.errors import BankFullError
 
 H = 32

@@ -1,6 +1,6 @@
 import torch
 
-from esamp import intervention as iv
+from esamp.core import intervention as iv
 
 
 def _rows(R, value, dtype=torch.float32):

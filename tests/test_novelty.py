@@ -1,4 +1,4 @@
-from esamp.novelty import NoveltyNormalizer
+from esamp.core.novelty import NoveltyNormalizer
 
 
 def test_first_step_is_neutral_then_in_unit_interval():

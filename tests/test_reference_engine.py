@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from esamp.config import EsampConfig, SamplingConfig
+from esamp.core.config import EsampConfig, SamplingConfig
 from esamp.engines.base import run
 from esamp.errors import PromptError
 from esamp.events import DoneEvent, StepEvent, TokenEvent

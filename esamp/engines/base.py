@@ -13,10 +13,10 @@ import itertools
 import time
 from typing import Iterable, Iterator, Protocol, Sequence
 
-from esamp.config import EsampConfig, SamplingConfig
+from esamp.core.config import EsampConfig, SamplingConfig
 from esamp.errors import PromptError
 from esamp.events import DoneEvent, Event, ReadyEvent, TokenEvent
-from esamp.novelty import NoveltyNormalizer
+from esamp.core.novelty import NoveltyNormalizer
 
 _group_counter = itertools.count()
 
@@ -49,14 +49,34 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
+_INVISIBLE = dict.fromkeys(map(ord, "\u200b\u200c\u200d\u2060\ufeff\u00ad"), None)
+
+
+def check_prompt_text(prompt: str) -> str:
+    """The prompt if it is text a model can read; a ``PromptError`` a user can act on otherwise.
+
+    A prompt typed in a terminal with a non-UTF-8 locale, or passed with ``$(printf '\\xff')``,
+    reaches Python with surrogate escapes (``\\udcff``) that no tokenizer accepts. A prompt of
+    only whitespace, NUL, control or zero-width characters is empty to the model.
+    """
+    for i, ch in enumerate(prompt):
+        if "\ud800" <= ch <= "\udfff":
+            raw = f" (byte 0x{ord(ch) - 0xDC00:02x})" if "\udc80" <= ch <= "\udcff" else ""
+            raise PromptError(f"the prompt is not valid UTF-8 text: character {i + 1}{raw} cannot be read",
+                              hint="retype the prompt, or convert it to UTF-8 (iconv -t UTF-8)")
+    visible = "".join(ch for ch in prompt.translate(_INVISIBLE) if ch.isprintable() and not ch.isspace())
+    if not visible:
+        raise PromptError("the prompt is empty", hint="type a question or an instruction")
+    return prompt
+
+
 def encode_prompt(tokenizer, prompt: str | Sequence[int], chat: bool, context: int) -> list[int]:
     """Prompt → token ids: text through the chat template (when the model has one), or ids as
     given. Empty prompts and prompts that fill the context are errors a user can act on."""
     if not isinstance(prompt, str):
         ids = [int(t) for t in prompt]
     else:
-        if not prompt.strip():
-            raise PromptError("the prompt is empty", hint="type a question or an instruction")
+        check_prompt_text(prompt)
         if chat and getattr(tokenizer, "chat_template", None):
             text = tokenizer.apply_chat_template(
                 [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)

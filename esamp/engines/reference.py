@@ -16,14 +16,14 @@ from typing import Sequence
 
 import torch
 
-from esamp import intervention as iv
-from esamp.config import EsampConfig, SamplingConfig
-from esamp.distiller import DistillerBank, RowLayout
+from esamp.core import intervention as iv
+from esamp.core.config import EsampConfig, SamplingConfig
+from esamp.core.distiller import DistillerBank, RowLayout
 from esamp.engines.base import GroupStream, RateMeter, encode_prompt, new_group_key
 from esamp.errors import EngineError
 from esamp.events import ErrorEvent, Event, ReadyEvent, StepEvent
 from esamp.models import resolve
-from esamp.novelty import NoveltyNormalizer
+from esamp.core.novelty import NoveltyNormalizer
 
 
 @dataclass

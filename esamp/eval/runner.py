@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
-from esamp.config import EsampConfig, SamplingConfig, make_config
+from esamp.core.config import EsampConfig, SamplingConfig, make_config
 from esamp.errors import EngineError, EsampError
 from esamp.eval.tasks import Problem
 

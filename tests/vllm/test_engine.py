@@ -22,7 +22,7 @@ PROMPT_B = "Write one sentence about the sea."
 def engine():
     require_vllm()
     resolved = require_model()
-    from esamp.config import EsampConfig
+    from esamp.core.config import EsampConfig
     from esamp.engines.vllm.engine import VllmEngine
 
     eng = VllmEngine(model=str(resolved.hf_dir()), esamp=EsampConfig(slots=8), max_model_len=1024,
@@ -90,7 +90,7 @@ def tokens_of(events, group, sample):
 
 
 def sampling(**kw):
-    from esamp.config import SamplingConfig
+    from esamp.core.config import SamplingConfig
 
     return SamplingConfig(**{"n": 1, "max_tokens": 8, "seed": 1, **kw})
 
@@ -144,7 +144,7 @@ def test_taps_equal_reference_hooks_in_a_shrinking_mixed_batch(engine, reference
 def test_processor_logits_equal_core_function(engine):
     """The processor's steered logits are ``esamp.intervention.steer`` on the same inputs, and the
     Distiller logits the model's fused LM-head pass hands over are W·ŷ."""
-    from esamp import intervention as iv
+    from esamp.core import intervention as iv
 
     p = processor()
     p.trace = []

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from esamp import intervention as iv
-from esamp.config import EsampConfig, SamplingConfig
-from esamp.distiller import DistillerBank, RowLayout
+from esamp.core import intervention as iv
+from esamp.core.config import EsampConfig, SamplingConfig
+from esamp.core.distiller import DistillerBank, RowLayout
 from esamp.engines.vllm import settings as es
 from esamp.errors import ConfigError
 
@@ -194,7 +194,7 @@ def test_fused_mix_and_count_equals_the_torch_ops(device):
     returns z̃ bit for bit."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from esamp.engines.vllm.kernels import mix_and_count, mix_and_count_torch
+    from esamp.core.backends.triton_mix import mix_and_count, mix_and_count_torch
 
     gen = torch.Generator().manual_seed(5)
     R, V = 6, 10_000

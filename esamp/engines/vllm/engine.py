@@ -26,14 +26,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from esamp.config import EsampConfig, SamplingConfig
+from esamp.core.config import EsampConfig, SamplingConfig
 from esamp.engines import cuda_available
 from esamp.engines.base import GroupStream, RateMeter, encode_prompt, new_group_key
 from esamp.engines.vllm import settings as es
 from esamp.errors import BankFullError, ConfigError, EngineError, PromptError
 from esamp.events import ErrorEvent, Event, ReadyEvent, StepEvent
 from esamp.models import resolve
-from esamp.novelty import NoveltyNormalizer
+from esamp.core.novelty import NoveltyNormalizer
 
 PROCESSOR = "esamp.engines.vllm.processor:EsampLogitsProcessor"
 EXTENSION = "esamp.engines.vllm.extension.EsampWorkerExtension"

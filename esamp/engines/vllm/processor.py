@@ -43,9 +43,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from esamp import intervention as iv
-from esamp.distiller import DistillerBank, RowLayout
-from esamp.engines.vllm.kernels import mix_and_count
+from esamp.core import intervention as iv
+from esamp.core.distiller import DistillerBank, RowLayout
+from esamp.core.backends.triton_mix import mix_and_count
 from esamp.engines.vllm.settings import KEY, parse_request_settings, vllm_filters
 from esamp.engines.vllm.state import STATE
 

@@ -14,7 +14,7 @@ Two channels, both public:
 
 from __future__ import annotations
 
-from esamp.config import EsampConfig, SamplingConfig
+from esamp.core.config import EsampConfig, SamplingConfig
 from esamp.errors import ConfigError
 
 KEY = "esamp"

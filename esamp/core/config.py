@@ -1,0 +1,216 @@
+"""Every ESamp setting once: its default, its range, what it means and how a user spells it.
+
+- ``Filters``: the request's own sampling filters (temperature, top-k, top-p, min-p).
+- ``SamplingConfig(Filters)``: a prompt group's sampling: n, max_tokens, seed, ignore_eos.
+- ``Steering``: how ESamp steers one prompt group: on/off, β, mix, training.
+- ``EsampConfig(Steering)``: the engine-wide Distiller bank and taps, and the default steering.
+
+Every client builds them the same way and gets the same errors: command-line flags
+(``add_flags`` / ``from_flags``), the dashboard, eval and bench settings, and the vLLM
+per-request payload (``esamp.core.payload``) all go through one ``model_validate`` per model, and
+``settings_error`` names the setting as the user wrote it (``--max-tokens``, ``esamp_beta``), what
+was given and what is allowed.
+
+The defaults are the settings of the published Pass@k matrix: T 0.8, top-p 0.95, min-p 0.1,
+β 0.8 (README, "The algorithm, as implemented").
+"""
+
+from __future__ import annotations
+
+import argparse
+import typing
+from typing import Any, Iterable, Literal, Mapping
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from esamp.core import mixes
+from esamp.core.mixes import MixName
+from esamp.errors import ConfigError
+
+Optimizer = Literal["adam", "sgd"]
+TrainRows = Literal["all", "group"]
+
+
+def _flag(flag: str | None = None, **extra) -> dict:
+    """Field metadata: the command-line spelling (default ``--field-name``), e.g. ``-n`` or a
+    negated boolean (``negate=True``: the flag turns the setting off)."""
+    return {"flag": flag, **extra} if flag else dict(extra)
+
+
+class _Settings(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class Filters(_Settings):
+    """The request's own filters. ESamp keeps them: its candidates are exactly what they keep."""
+
+    temperature: float = Field(0.8, ge=0.0, le=5.0, description="sampling temperature, 0 = greedy")
+    top_p: float = Field(0.95, gt=0.0, le=1.0, description="nucleus: keep the most likely tokens up to this mass")
+    top_k: int = Field(0, ge=0, le=100_000, description="keep the k most likely tokens, 0 = off")
+    min_p: float = Field(0.1, ge=0.0, lt=1.0, description="keep tokens at least this share of the most likely, 0 = off")
+
+    def filters(self) -> "Filters":
+        return Filters(**{k: getattr(self, k) for k in Filters.model_fields})
+
+
+class SamplingConfig(Filters):
+    """How a prompt group samples: n samples, each up to ``max_tokens``, with the filters above."""
+
+    n: int = Field(4, ge=1, le=64, description="samples of the prompt, decoded as one group",
+                   json_schema_extra=_flag("-n"))
+    max_tokens: int = Field(128, ge=1, le=32_768, description="tokens per sample")
+    seed: int | None = Field(0, ge=0, description="sampling seed: same seed, same tokens")
+    ignore_eos: bool = Field(False, description="keep sampling past the stop token (benchmarks)")
+
+
+class Steering(_Settings):
+    """How ESamp steers one prompt group. Engines take one per group (``engine.start``)."""
+
+    enabled: bool = Field(True, description="steer with ESamp (off: plain sampling, no Distiller)",
+                          json_schema_extra=_flag("--no-esamp", negate=True))
+    beta: float = Field(0.8, ge=0.0, le=10.0, description="ESamp strength; 0 samples exactly like ESamp off")
+    mix: MixName = Field("paper", description="how the Distiller logits d enter: " + mixes.describe())
+    train: bool = Field(True, description="train the Distiller while decoding (off: it keeps its initial weights)",
+                        json_schema_extra=_flag("--no-train", negate=True))
+    train_rows: TrainRows = Field(
+        "all", description="rows that train the Distiller each step: all of a group's samples, or one row per group")
+
+    def steering(self) -> "Steering":
+        """The per-group part of this object, as a plain ``Steering``."""
+        return Steering(**{k: getattr(self, k) for k in Steering.model_fields})
+
+
+class EsampConfig(Steering):
+    """The engine-wide ESamp settings: the Distiller bank, its taps, and the default steering."""
+
+    rank: int = Field(64, ge=1, le=1024, description="rank of the Distiller's low-rank residual")
+    lr: float = Field(1e-3, gt=0.0, le=1.0, description="Distiller learning rate")
+    optimizer: Optimizer = Field("adam", description="Distiller optimizer")
+    source_layer: int = Field(0, description="decoder layer whose input norm is the source tap")
+    target_layer: int = Field(-1, description="decoder layer whose input norm is the target tap (-1 = last)")
+    slots: int = Field(64, ge=1, le=4096, description="Distiller slots: prompt groups steered at once")
+    seed: int = Field(0, ge=0, description="seed of the Distiller's initial weights",
+                      json_schema_extra=_flag("--distiller-seed"))
+
+    def engine_settings(self) -> dict[str, Any]:
+        """The fields fixed when an engine starts (everything but the steering)."""
+        return {k: getattr(self, k) for k in ENGINE_FIELDS}
+
+
+ENGINE_FIELDS = tuple(k for k in EsampConfig.model_fields if k not in Steering.model_fields)
+
+
+# -- errors ----------------------------------------------------------------------------------
+
+
+def _constraint(info) -> str:
+    parts = []
+    for meta in info.metadata:
+        for attr, word in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
+            value = getattr(meta, attr, None)
+            if value is not None:
+                parts.append(f"{word} {value}")
+    choices = _choices(info.annotation)
+    if choices:
+        parts.append("one of " + ", ".join(map(str, choices)))
+    return " and ".join(parts)
+
+
+def _choices(annotation) -> tuple | None:
+    if typing.get_origin(annotation) is Literal:
+        return typing.get_args(annotation)
+    return None
+
+
+def settings_error(exc: ValidationError, model: type[BaseModel],
+                   names: Mapping[str, str] | None = None) -> ConfigError:
+    """One line per bad setting: its name as the user wrote it, the value, what is allowed."""
+    names = names or {}
+    lines = []
+    for err in exc.errors():
+        field = str(err["loc"][0]) if err["loc"] else ""
+        info = model.model_fields.get(field)
+        label = names.get(field, ".".join(str(p) for p in err["loc"]) or model.__name__)
+        allowed = _constraint(info) if info is not None else ""
+        if err["type"] == "extra_forbidden":
+            known = ", ".join(names.get(k, k) for k in model.model_fields)
+            lines.append(f"{label}: unknown setting (known: {known})")
+            continue
+        rng = f" (allowed: {allowed})" if allowed else ""
+        lines.append(f"{label}={err.get('input')!r}: {err['msg'].lower()}{rng}")
+    return ConfigError("invalid setting: " + "; ".join(lines),
+                       hint="change the value to one inside the allowed range")
+
+
+def make_config(model: type[BaseModel], names: Mapping[str, str] | None = None, **values):
+    """Build a settings model; a bad value raises ``ConfigError`` naming it (as in ``names``)."""
+    try:
+        return model.model_validate(values)
+    except ValidationError as exc:
+        raise settings_error(exc, model, names) from None
+
+
+def update_config(cfg: BaseModel, names: Mapping[str, str] | None = None, **values):
+    """A validated copy of ``cfg`` with ``values`` set."""
+    return make_config(type(cfg), names, **{**cfg.model_dump(), **values})
+
+
+# -- command-line flags ----------------------------------------------------------------------
+
+
+def flag_of(model: type[BaseModel], field: str) -> str:
+    """How ``field`` is spelled on the command line: ``--max-tokens``, ``-n``, ``--no-esamp``."""
+    extra = model.model_fields[field].json_schema_extra or {}
+    return extra.get("flag") or "--" + field.replace("_", "-")
+
+
+def _help(model: type[BaseModel], field: str) -> str:
+    info = model.model_fields[field]
+    text = info.description or field
+    rng = _constraint(info)
+    if info.annotation is bool:
+        return text
+    default = info.default
+    return f"{text} ({rng + ', ' if rng and not _choices(info.annotation) else ''}default {default})"
+
+
+def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, model: type[BaseModel],
+              fields: Iterable[str], defaults: Mapping[str, Any] | None = None) -> None:
+    """Add one flag per field of ``model``, typed and described from the field itself.
+
+    Flags default to None ("not given"), so ``from_flags`` applies only what the user typed and
+    every default stays the model's own (or ``defaults``, for a command with other defaults).
+    """
+    for field in fields:
+        info = model.model_fields[field]
+        flag = flag_of(model, field)
+        dest = field
+        extra = info.json_schema_extra or {}
+        if info.annotation is bool:
+            action = "store_false" if extra.get("negate") else "store_true"
+            parser.add_argument(flag, dest=dest, action=action, default=None, help=_help(model, field))
+            continue
+        choices = _choices(info.annotation)
+        kind = type(choices[0]) if choices else _scalar(info.annotation)
+        help_text = _help(model, field)
+        if defaults and field in defaults:
+            help_text = help_text.rsplit("(default", 1)[0] + f"(default {defaults[field]})"
+        parser.add_argument(flag, dest=dest, type=kind, choices=choices, default=None,
+                            metavar=None if choices else field.split("_")[-1].upper(), help=help_text)
+
+
+def _scalar(annotation):
+    for kind in (int, float, str):
+        if annotation is kind or kind in typing.get_args(annotation):
+            return kind
+    return str
+
+
+def from_flags(args: argparse.Namespace, model: type[BaseModel], fields: Iterable[str],
+               defaults: Mapping[str, Any] | None = None, **fixed):
+    """The model from the flags the user gave (``add_flags``), over ``defaults``; errors name flags."""
+    fields = list(fields)
+    values = dict(defaults or {})
+    values.update({f: getattr(args, f) for f in fields if getattr(args, f, None) is not None})
+    values.update(fixed)
+    return make_config(model, {f: flag_of(model, f) for f in model.model_fields}, **values)
