@@ -42,7 +42,8 @@ def test_beta_zero_is_the_identity_on_candidates_and_minus_inf_elsewhere():
     R, V, H = 4, 300, 16
     scaled = torch.randn(R, V) * 2
     mask = iv.candidate_mask(scaled, _rows(R, 0, torch.long), _rows(R, 0.9), _rows(R, 0.05))
-    out = iv.steer(scaled, mask, torch.randn(R, H), torch.randn(V, H), _rows(R, 0.0))
+    a, b = iv.mix_coefficients([("paper", 0.0)] * R)
+    out = iv.steer(scaled, mask, torch.randn(R, H), torch.randn(V, H), a, b)
     assert torch.equal(out[mask], scaled[mask])
     assert torch.isneginf(out[~mask]).all()
     assert torch.equal(out, iv.filtered_logits(scaled, mask))
@@ -57,9 +58,8 @@ def test_mix_formulas_on_candidates():
     mask[:, :5] = True
     mask[0, 7] = True
     d = pred @ W.T
-    beta = _rows(R, 0.8)
-    paper = iv.steer(scaled, mask, pred, W, beta, "paper")
-    flat = iv.steer(scaled, mask, pred, W, beta, "unsharpened")
+    paper = iv.steer(scaled, mask, pred, W, *iv.mix_coefficients([("paper", 0.8)] * R))
+    flat = iv.steer(scaled, mask, pred, W, *iv.mix_coefficients([("unsharpened", 0.8)] * R))
     torch.testing.assert_close(paper[mask], ((1.8 * scaled) - 0.8 * d)[mask])
     torch.testing.assert_close(flat[mask], (scaled - 0.8 * d)[mask])
     assert torch.isneginf(paper[~mask]).all() and torch.isneginf(flat[~mask]).all()

@@ -116,6 +116,15 @@ def _constraint(info) -> str:
     return " and ".join(parts)
 
 
+def bound(model: type[BaseModel], field: str, which: str):
+    """A field's limit (``which``: "ge", "gt", "le" or "lt"), or None: ranges are read, not restated."""
+    for meta in model.model_fields[field].metadata:
+        value = getattr(meta, which, None)
+        if value is not None:
+            return value
+    return None
+
+
 def _choices(annotation) -> tuple | None:
     if typing.get_origin(annotation) is Literal:
         return typing.get_args(annotation)

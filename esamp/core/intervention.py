@@ -1,19 +1,22 @@
-"""The sampler intervention, as pure tensor functions shared by every engine.
+"""The sampler intervention, as pure tensor functions: the reference every engine is held to.
 
 Per row: z̃ = z / T.  C = the tokens kept by the request's own min-p, top-k and top-p on z̃ (in
-vLLM's sampler order), the argmax always kept.  For c in C:
+vLLM's sampler order), the argmax always kept.  For c in C
 
-    paper        z'_c = (1 + β)·z̃_c − β·d_c
-    unsharpened  z'_c = z̃_c − β·d_c
+    z'_c = a·z̃_c − b·d_c        (a, b) from the row's mix and β (``esamp.core.mixes``)
 
 and z'_c = −∞ outside C, where d = W_lm·ŷ are the Distiller logits (the LM head applied to the
-Distiller's prediction, no final norm, no temperature).  d is computed only for candidate tokens.
-With β = 0 both mixes return z̃ on C bit for bit, so sampling equals plain sampling.
+Distiller's prediction, no final norm, no temperature). With β = 0, (a, b) = (1, 0) and z' is z̃
+on C bit for bit, so sampling equals plain sampling.
 """
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
+
+from esamp.core import mixes
 
 NEG_INF = float("-inf")
 
@@ -34,7 +37,7 @@ def candidate_mask(
 ) -> torch.Tensor:
     """Boolean [R, V]: the tokens the request's own filters keep, in vLLM's sampler order.
 
-    1. min-p keeps p_c >= min_p · p_max;
+    1. min-p keeps p_c >= min_p · p_max (as z_c >= max z + log min_p);
     2. top-k keeps the k largest of those;
     3. top-p runs on what is left, renormalised: in ascending order a token is dropped while the
        cumulative mass up to and including it is <= 1 − top_p.
@@ -48,18 +51,17 @@ def candidate_mask(
     R, V = scaled.shape
     device = scaled.device
     z = scaled.float()
-    probs = z.softmax(dim=-1)
-    floor = probs.amax(dim=-1, keepdim=True) * min_p.to(device, torch.float32).reshape(-1, 1)
+    # min-p in logit space: p_c >= min_p · p_max  ⇔  z_c >= max z + log(min_p), no softmax
+    floor = z.amax(dim=-1, keepdim=True) + min_p.to(device, torch.float32).reshape(-1, 1).log()
     k = top_k.to(device, torch.long).reshape(-1, 1)
     k = torch.where(k > 0, k, torch.full_like(k, V))
     if width is None:
-        bound = torch.minimum((probs >= floor).sum(dim=-1, keepdim=True), k)
+        bound = torch.minimum((z >= floor).sum(dim=-1, keepdim=True), k)
         width = int(bound.max().item()) if R else 1
     width = max(1, min(width, V))
     top_z, top_ids = z.topk(width, dim=-1)  # [R, W], descending
-    top_probs = probs.gather(1, top_ids)
     rank = torch.arange(width, device=device).expand(R, width)
-    kept = (top_probs >= floor) & (rank < k)  # min-p, then top-k among the survivors
+    kept = (top_z >= floor) & (rank < k)  # min-p, then top-k among the survivors
     # top-p over the survivors, renormalised, summed from the least likely up (as vLLM does)
     survivors = top_z.masked_fill(~kept, NEG_INF).softmax(dim=-1)
     from_bottom = survivors.flip(-1).cumsum(dim=-1).flip(-1)  # mass of this token and all below
@@ -101,14 +103,16 @@ def distiller_logits_at(
     return d
 
 
-def mix(scaled_at: torch.Tensor, distiller_at: torch.Tensor, beta: torch.Tensor, kind: str) -> torch.Tensor:
-    """The ESamp mix on candidate logits: [R, K] → [R, K]."""
-    b = beta.to(device=scaled_at.device, dtype=torch.float32).reshape(-1, 1)
-    if kind == "paper":
-        return (1.0 + b) * scaled_at - b * distiller_at
-    if kind == "unsharpened":
-        return scaled_at - b * distiller_at
-    raise ValueError(f"unknown mix {kind!r}; expected 'paper' or 'unsharpened'")
+def mix_coefficients(rows: Sequence[tuple[str, float]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a, b) as [R, 1] fp32 tensors for rows given as (mix name, β)."""
+    ab = [mixes.coefficients(kind, beta) for kind, beta in rows]
+    t = torch.tensor(ab, dtype=torch.float32).reshape(-1, 2)
+    return t[:, :1].contiguous(), t[:, 1:].contiguous()
+
+
+def mix(scaled_at: torch.Tensor, distiller_at: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """z' = a·z̃ − b·d, elementwise; ``a``, ``b`` broadcast per row ([R, 1])."""
+    return a * scaled_at - b * distiller_at
 
 
 def filtered_logits(scaled: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -121,19 +125,18 @@ def steer(
     mask: torch.Tensor,  # [R, V] candidates
     prediction: torch.Tensor,  # [R, H]
     lm_head: torch.Tensor,  # [V, H]
-    beta: torch.Tensor,  # [R]
-    kind: str = "paper",
+    a: torch.Tensor,  # [R, 1] mix coefficients (``mix_coefficients``)
+    b: torch.Tensor,  # [R, 1]
     bias: torch.Tensor | None = None,
     width: int | None = None,
 ) -> torch.Tensor:
-    """ESamp's logits [R, V]: the mix on each row's candidates, −∞ elsewhere.
-
-    ``width``: the widest row's candidate count, when the caller already knows it.
+    """ESamp's logits [R, V]: the mix on each row's candidates, −∞ elsewhere, with d computed
+    only at the candidates (``width``: the widest row's candidate count, when known).
     """
     ids, valid = candidate_ids(mask, scaled, width)
     z_at = scaled.gather(1, ids)
     d_at = distiller_logits_at(prediction, lm_head, ids, bias)
-    mixed = mix(z_at, d_at, beta, kind).masked_fill(~valid, NEG_INF)
+    mixed = mix(z_at, d_at, a.to(z_at.device), b.to(z_at.device)).masked_fill(~valid, NEG_INF)
     out = torch.full_like(scaled, NEG_INF)
     # Scatter valid entries only: padded ids may repeat a real candidate's id.
     out.scatter_(1, torch.where(valid, ids, ids[:, :1]), torch.where(valid, mixed, mixed[:, :1]))

@@ -10,6 +10,8 @@ both. What a user may send:
 ``esamp_mix``                 a mix name (``Steering.mix``)
 ``esamp_train``               ``"on"`` / ``"off"``
 ``esamp_train_rows``          ``"all"`` / ``"group"``
+``esamp_records``             ``"on"``: a server keeps this request's per-token novelty
+                              records for a reader (``esamp.serving``)
 ============================  ======================================================
 
 and what the engine adds (``prepare`` in the vLLM adapter, or the library engine):
@@ -30,6 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from pydantic import BaseModel
+
 from esamp.core.config import Filters, Steering, make_config
 from esamp.errors import ConfigError
 
@@ -38,9 +42,9 @@ PREFIX = "esamp"
 # Steering field → payload key ("enabled" is the bare prefix: {"esamp": "off"}).
 STEERING_KEYS = {name: PREFIX if name == "enabled" else f"{PREFIX}_{name}" for name in Steering.model_fields}
 FILTER_KEYS = {name: f"{PREFIX}_{name}" for name in Filters.model_fields}
-ROUTE_KEYS = {name: f"{PREFIX}_{name}" for name in ("group", "sample", "seed", "n")}
+ROUTE_KEYS = {name: f"{PREFIX}_{name}" for name in ("group", "sample", "seed", "n", "records")}
 KNOWN = frozenset({*STEERING_KEYS.values(), *FILTER_KEYS.values(), *ROUTE_KEYS.values()})
-USER_KEYS = tuple(STEERING_KEYS.values())
+USER_KEYS = (*STEERING_KEYS.values(), ROUTE_KEYS["records"])
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,7 @@ class Payload:
     sample: int | None = None
     seed: int | None = None
     n: int | None = None
+    records: bool | None = None
 
     def steering_over(self, defaults: Steering) -> Steering:
         """The request's steering, with what it left out taken from ``defaults``."""
@@ -64,7 +69,8 @@ class Payload:
 
 
 def encode(steering: Steering | None = None, *, group: str | None = None, sample: int | None = None,
-           filters: Filters | None = None, seed: int | None = None, n: int | None = None) -> dict[str, Any]:
+           filters: Filters | None = None, seed: int | None = None, n: int | None = None,
+           records: bool | None = None) -> dict[str, Any]:
     """The flat payload for ``extra_args`` / ``vllm_xargs``; booleans as "on"/"off"."""
     out: dict[str, Any] = {}
     if steering is not None:
@@ -76,6 +82,8 @@ def encode(steering: Steering | None = None, *, group: str | None = None, sample
     for name, value in (("group", group), ("sample", sample), ("seed", seed), ("n", n)):
         if value is not None:
             out[ROUTE_KEYS[name]] = value
+    if records is not None:
+        out[ROUTE_KEYS["records"]] = "on" if records else "off"
     return out
 
 
@@ -113,6 +121,13 @@ def decode(extra: Mapping[str, Any] | None) -> Payload | None:
             if route[name] < 0:
                 raise ConfigError(f"{ROUTE_KEYS[name]}={value!r}: must be 0 or more",
                                   hint="leave it out; the engine sets it")
+    records = route["records"]
+    if records is not None:
+        records = make_config(_Switch, {"on": ROUTE_KEYS["records"]}, on=records).on
     group = route["group"]
     return Payload(steering=steering, filters=filters, group=None if group is None else str(group),
-                   sample=route["sample"], seed=route["seed"], n=route["n"])
+                   sample=route["sample"], seed=route["seed"], n=route["n"], records=records)
+
+
+class _Switch(BaseModel):
+    on: bool

@@ -1,22 +1,27 @@
-"""What every engine shares: the protocol, per-sample streaming bookkeeping, rate metering.
+"""What every engine shares: the group lifecycle, streaming bookkeeping, guards, step stats.
 
 An engine runs prompt groups. ``start`` admits a group of n samples, each ``step`` advances every
 running group by one token and returns the events of that step, ``abort`` ends a group early.
-Engines emit events only through ``GroupStream``, so the token/novelty/done rules are the same
-everywhere (see ``esamp.events``).
+``EngineBase`` owns what is the same everywhere (settings per group, prompt encoding, the group
+table, abort and close, stop tokens, layer checks, the step event); an engine supplies how it
+admits, decodes, cancels and releases a group. Engines emit events only through ``GroupStream``,
+so the token/novelty/done rules are the same everywhere (see ``esamp.events``).
 """
 
 from __future__ import annotations
 
 import collections
 import itertools
+import json
 import time
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterable, Iterator, Protocol, Sequence
 
-from esamp.core.config import EsampConfig, SamplingConfig
-from esamp.errors import PromptError
-from esamp.events import DoneEvent, Event, ReadyEvent, TokenEvent
+from esamp.core.config import ENGINE_FIELDS, EsampConfig, SamplingConfig, Steering
 from esamp.core.novelty import NoveltyNormalizer
+from esamp.errors import ConfigError, EngineError, PromptError
+from esamp.events import DoneEvent, ErrorEvent, Event, ReadyEvent, StepEvent, TokenEvent
 
 _group_counter = itertools.count()
 
@@ -35,7 +40,7 @@ class Engine(Protocol):
         self,
         prompt: str | Sequence[int],
         sampling: SamplingConfig,
-        esamp: EsampConfig | None = None,
+        steering: Steering | None = None,
         group: str | None = None,
         chat: bool = True,
     ) -> str: ...
@@ -93,9 +98,9 @@ def encode_prompt(tokenizer, prompt: str | Sequence[int], chat: bool, context: i
     return ids
 
 
-def run(engine: Engine, prompt, sampling: SamplingConfig, esamp: EsampConfig | None = None, **kw) -> Iterator[Event]:
+def run(engine: Engine, prompt, sampling: SamplingConfig, steering: Steering | None = None, **kw) -> Iterator[Event]:
     """Start one group and yield its events until every sample is done."""
-    group = engine.start(prompt, sampling, esamp, **kw)
+    group = engine.start(prompt, sampling, steering, **kw)
     try:
         while engine.has_unfinished():
             yield from engine.step()
@@ -210,3 +215,191 @@ class RateMeter:
         span = now - self._marks[0][0]
         produced = sum(t for _, t in itertools.islice(self._marks, 1, None))
         return produced / span if span > 0 else 0.0
+
+
+# -- the skeleton every engine fills in --------------------------------------------------------
+
+
+def resolve_layer(index: int, num_layers: int, what: str) -> int:
+    """A tap layer index (negative counts from the end) as 0..L-1, or a ``ConfigError``."""
+    if not -num_layers <= index < num_layers:
+        raise ConfigError(
+            f"{what} layer {index} is out of range for a {num_layers}-layer model",
+            hint=f"choose a layer between {-num_layers} and {num_layers - 1}",
+        )
+    return index % num_layers
+
+
+def stop_token_ids(model_dir: Path | None, tokenizer) -> set[int]:
+    """The model's stop tokens: ``generation_config.json``'s eos ids, else the tokenizer's eos."""
+    ids: set = set()
+    gen = Path(model_dir) / "generation_config.json" if model_dir is not None else None
+    if gen is not None and gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos])
+    if not ids and tokenizer is not None:
+        ids.add(tokenizer.eos_token_id)
+    return {int(i) for i in ids if i is not None}
+
+
+@dataclass
+class Group:
+    """A running prompt group, as every engine tracks it (engines subclass it for their state)."""
+
+    key: str
+    sampling: SamplingConfig
+    steering: Steering
+    stream: GroupStream
+    prompt_ids: list[int]
+    max_new: int  # tokens each sample may generate (the request's budget within the context)
+
+    @property
+    def steered(self) -> bool:
+        return self.steering.enabled
+
+
+@dataclass
+class StepStats:
+    """What one engine step did, summed over its groups; becomes the step's ``StepEvent``."""
+
+    tokens: int = 0  # tokens sampled
+    rows: int = 0  # rows decoded
+    port_hits: int = 0  # tapped rows delivered to the Distiller
+    losses: list[float] = field(default_factory=list)  # per group that trained
+    candidates: list[float] = field(default_factory=list)  # mean |C| per steered group
+
+    def event(self, step: int, rate: "RateMeter") -> StepEvent:
+        return StepEvent(
+            step=step, rows=self.rows, tokens_per_s=round(rate.add(self.tokens), 3),
+            loss=sum(self.losses) / len(self.losses) if self.losses else None,
+            port_hits=self.port_hits,
+            candidates=sum(self.candidates) / len(self.candidates) if self.candidates else 0.0,
+            esamp=self.port_hits > 0,
+        )
+
+
+class EngineBase:
+    """The group lifecycle every engine shares. Subclasses set, in their ``__init__``:
+    ``tokenizer`` (None for token-id-only models), ``context``, ``stop_ids``, ``hidden``,
+    ``num_layers``, ``model_name``, ``device_name``; and implement ``_admit``, ``step``,
+    ``_cancel``, ``_release`` and ``_shutdown``."""
+
+    name = ""
+
+    def __init__(self, esamp: EsampConfig | None) -> None:
+        self._t0 = time.perf_counter()
+        self.esamp = esamp or EsampConfig()
+        self.groups: dict[str, Group] = {}
+        self.normalizer = NoveltyNormalizer()
+        self.rate = RateMeter()
+        self.step_count = 0
+        self.tokenizer = None
+        self.stop_ids: set[int] = set()
+        self._ready: ReadyEvent | None = None
+
+    def _loaded(self) -> None:
+        """Call at the end of ``__init__``: the model is loaded and the engine takes work."""
+        self._ready = ReadyEvent(
+            engine=self.name, model=self.model_name, device=self.device_name, hidden_size=self.hidden,
+            num_layers=self.num_layers, context=self.context,
+            load_seconds=round(time.perf_counter() - self._t0, 3))
+
+    @property
+    def ready(self) -> ReadyEvent:
+        return self._ready
+
+    # -- admission ---------------------------------------------------------------------------
+
+    def steering_of(self, steering: Steering | None) -> Steering:
+        """A group's steering: the engine's default, a ``Steering``, or an ``EsampConfig`` whose
+        engine-wide fields (taps, rank, slots, ...) must be this engine's."""
+        if steering is None:
+            return self.esamp.steering()
+        if isinstance(steering, EsampConfig):
+            for name in ENGINE_FIELDS:
+                mine, theirs = getattr(self.esamp, name), getattr(steering, name)
+                if mine != theirs:
+                    raise ConfigError(
+                        f"{name} is fixed when the engine starts ({mine!r}); this group asked for {theirs!r}",
+                        hint="change only the steering (on/off, beta, mix, training) per group, "
+                             "or start an engine with the other setting")
+        return steering.steering()
+
+    def encode(self, prompt: str | Sequence[int], chat: bool = True) -> list[int]:
+        if isinstance(prompt, str) and self.tokenizer is None:
+            raise PromptError(
+                f"{self.model_name} has no tokenizer (random weights): give the prompt as token ids",
+                hint="pass a list of token ids (esamp bench builds them), or use a real model")
+        return encode_prompt(self.tokenizer, prompt, chat, self.context)
+
+    def start(self, prompt: str | Sequence[int], sampling: SamplingConfig,
+              steering: Steering | None = None, group: str | None = None, chat: bool = True) -> str:
+        """Admit a group of ``sampling.n`` samples of ``prompt``; returns its key."""
+        steering = self.steering_of(steering)
+        ids = self.encode(prompt, chat)
+        key = group or new_group_key()
+        if key in self.groups:
+            raise EngineError(f"group {key!r} is already running", hint="use a new group key")
+        stream = GroupStream(key, sampling.n, self.tokenizer, self.normalizer,
+                             () if sampling.ignore_eos else self.stop_ids, ids)
+        g = self._admit(Group(key=key, sampling=sampling, steering=steering, stream=stream, prompt_ids=ids,
+                              max_new=min(sampling.max_tokens, self.context - len(ids))))
+        self.groups[key] = g
+        return key
+
+    def _admit(self, group: Group) -> Group:
+        """Take the group on (a Distiller slot, requests, ...); may return a subclass instance.
+        Raise ``BankFullError`` when no slot is free."""
+        raise NotImplementedError
+
+    # -- the end of a group ------------------------------------------------------------------
+
+    def abort(self, group: str) -> list[Event]:
+        g = self.groups.pop(group, None)
+        if g is None:
+            return []
+        self._cancel(g)
+        self._release(g)
+        return g.stream.finish_all("abort")
+
+    def _finished(self, g: Group) -> None:
+        """Every sample of ``g`` is done: forget it and give its Distiller slot back."""
+        self.groups.pop(g.key, None)
+        self._release(g)
+        self.normalizer.forget(g.key)
+
+    def _failed(self, g: Group, exc: BaseException) -> list[Event]:
+        """One group failed: end it with an error event; the other groups keep running."""
+        return [ErrorEvent(message=f"generation failed: {exc}", group=g.key,
+                           hint="the other groups keep running; try again")] + self.abort(g.key)
+
+    def _cancel(self, g: Group) -> None:
+        """Stop decoding ``g``'s unfinished samples (nothing to do where the engine owns the loop)."""
+
+    def _release(self, g: Group) -> None:
+        """Give ``g``'s Distiller slot back."""
+        raise NotImplementedError
+
+    def has_unfinished(self) -> bool:
+        return bool(self.groups)
+
+    def close(self) -> None:
+        for key in list(self.groups):
+            self.abort(key)
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        """Free the engine's resources (hooks, processes)."""
+
+    # -- steps -------------------------------------------------------------------------------
+
+    def step(self) -> list[Event]:
+        raise NotImplementedError
+
+    def _step_event(self, stats: StepStats) -> list[Event]:
+        """The step's ``StepEvent`` (none when the step decoded nothing)."""
+        if not (stats.rows or stats.port_hits):
+            return []
+        event = stats.event(self.step_count, self.rate)
+        self.step_count += 1
+        return [event]

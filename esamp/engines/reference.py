@@ -4,42 +4,35 @@ It runs the embedded default on a CPU and is the oracle the vLLM engine is teste
 A prompt group is one batch: the prompt is prefilled once, its KV cache repeated for the n
 samples, and every step feeds each running sample's last token.  When a sample finishes its row
 is dropped from the batch and the cache; rows are renumbered from ``alive`` every step, so no
-row index outlives the step that made it.
+row index outlives the step that made it. Each step runs ``esamp.core.steerer.Steerer`` with the
+reference backends: the core's candidate filter, and d computed only at the candidates.
 """
 
 from __future__ import annotations
 
-import os
-import time
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
 from esamp.core import intervention as iv
-from esamp.core.config import EsampConfig, SamplingConfig
-from esamp.core.distiller import DistillerBank, RowLayout
-from esamp.engines.base import GroupStream, RateMeter, encode_prompt, new_group_key
+from esamp.core.config import EsampConfig
+from esamp.core.distiller import DistillerBank
+from esamp.core.steerer import SteeredRow, Steerer, StepPlan
+from esamp.engines.base import EngineBase, Group, StepStats, resolve_layer, stop_token_ids
 from esamp.errors import EngineError
-from esamp.events import ErrorEvent, Event, ReadyEvent, StepEvent
+from esamp.events import Event
 from esamp.models import resolve
-from esamp.core.novelty import NoveltyNormalizer
 
 
 @dataclass
-class _Group:
-    key: str
-    sampling: SamplingConfig
-    esamp: EsampConfig
-    stream: GroupStream
-    prompt_ids: list[int]
-    max_new: int
-    generator: torch.Generator
+class _RefGroup(Group):
+    generator: torch.Generator = field(default_factory=torch.Generator)
     alive: list[int] = field(default_factory=list)  # sample index of each batch row, in row order
     last: torch.Tensor | None = None  # [rows] last sampled token per row
     cache: object | None = None
     slot: int | None = None
     steps: int = 0
+    plan: StepPlan | None = None  # for the current row count
 
 
 class _Taps:
@@ -47,7 +40,6 @@ class _Taps:
 
     def __init__(self, source: torch.nn.Module, target: torch.nn.Module) -> None:
         self.rows: dict[str, torch.Tensor] = {}
-        self.calls = 0
         self._handles = [
             source.register_forward_hook(self._hook("source")),
             target.register_forward_hook(self._hook("target")),
@@ -57,7 +49,6 @@ class _Taps:
         def hook(_module, _inputs, output):
             out = output[0] if isinstance(output, tuple) else output
             self.rows[name] = out[:, -1, :].detach()
-            self.calls += 1
 
         return hook
 
@@ -66,27 +57,27 @@ class _Taps:
             return self.rows.pop("source"), self.rows.pop("target")
         except KeyError:
             raise EngineError("a tapped module did not run in the forward pass",
-                              hint="check --source-layer/--target-layer") from None
+                              hint="check the source and target layers") from None
 
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
 
 
-class ReferenceEngine:
+class ReferenceEngine(EngineBase):
     name = "reference"
 
-    def __init__(self, model: str | None = None, esamp: EsampConfig | None = None,
-                 device: str = "cpu", dtype: torch.dtype = torch.float32,
-                 threads: int | None = None) -> None:
+    def __init__(self, model: str | None = None, esamp: EsampConfig | None = None, *,
+                 device: str = "cpu", dtype: torch.dtype = torch.float32, threads: int | None = None) -> None:
+        super().__init__(esamp)
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
+        from esamp.threads import apply_threads
+
         hf_logging.disable_progress_bar()
-        t0 = time.perf_counter()
-        self.esamp = esamp or EsampConfig()
         if device == "cpu":
-            torch.set_num_threads(threads or os.cpu_count() or 1)
+            apply_threads(threads)
         self.resolved = resolve(model)
         if self.resolved.kind == "dummy":
             raise EngineError(
@@ -97,142 +88,88 @@ class ReferenceEngine:
         self.device = torch.device(device)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(self.device).eval()
-        cfg = self.model.config
         layers = self.model.model.layers
         self.num_layers = len(layers)
-        src, dst = self._layer_index(self.esamp.source_layer), self._layer_index(self.esamp.target_layer)
+        src = resolve_layer(self.esamp.source_layer, self.num_layers, "source")
+        dst = resolve_layer(self.esamp.target_layer, self.num_layers, "target")
         self.taps = _Taps(layers[src].input_layernorm, layers[dst].input_layernorm)
         self.lm_head = self.model.get_output_embeddings().weight.detach()
+        cfg = self.model.config
         self.hidden = cfg.hidden_size
         self.context = int(getattr(cfg, "max_position_embeddings", 2048))
-        self.bank = DistillerBank(
+        self.steerer = Steerer(DistillerBank(
             self.hidden, rank=self.esamp.rank, slots=self.esamp.slots, lr=self.esamp.lr,
-            optimizer=self.esamp.optimizer, device=self.device, seed=self.esamp.seed,
-        )
-        gen_cfg = getattr(self.model, "generation_config", None)
-        eos = getattr(gen_cfg, "eos_token_id", None) or self.tokenizer.eos_token_id
-        self.stop_ids = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
-        self.normalizer = NoveltyNormalizer()
-        self.groups: dict[str, _Group] = {}
-        self.rate = RateMeter()
-        self.step_count = 0
-        self._ready = ReadyEvent(
-            engine=self.name, model=self.resolved.name, device=str(self.device),
-            hidden_size=self.hidden, num_layers=self.num_layers, context=self.context,
-            load_seconds=round(time.perf_counter() - t0, 3),
-        )
-
-    def _layer_index(self, index: int) -> int:
-        L = self.num_layers
-        if not -L <= index < L:
-            raise EngineError(f"layer {index} is out of range for a {L}-layer model",
-                              hint=f"choose a layer between {-L} and {L - 1}")
-        return index % L
+            optimizer=self.esamp.optimizer, device=self.device, seed=self.esamp.seed))
+        self.stop_ids = stop_token_ids(path, self.tokenizer)
+        self.model_name, self.device_name = self.resolved.name, str(self.device)
+        self._loaded()
 
     @property
-    def ready(self) -> ReadyEvent:
-        return self._ready
+    def bank(self) -> DistillerBank:
+        return self.steerer.bank
 
-    # -- admission ---------------------------------------------------------------------------
+    def _admit(self, group: Group) -> _RefGroup:
+        slot = self.bank.allocate(group.key) if group.steered else None  # BankFullError when full
+        g = _RefGroup(**vars(group), slot=slot)
+        s = g.sampling
+        g.generator.manual_seed(s.seed if s.seed is not None else torch.seed())
+        return g
 
-    def encode(self, prompt: str | Sequence[int], chat: bool = True) -> list[int]:
-        return encode_prompt(self.tokenizer, prompt, chat, self.context)
-
-    def start(self, prompt: str | Sequence[int], sampling: SamplingConfig,
-              esamp: EsampConfig | None = None, group: str | None = None, chat: bool = True) -> str:
-        esamp = esamp or self.esamp
-        ids = self.encode(prompt, chat)
-        key = group or new_group_key()
-        if key in self.groups:
-            raise EngineError(f"group {key!r} is already running", hint="use a new group key")
-        slot = self.bank.allocate(key) if esamp.enabled else None
-        gen = torch.Generator(device="cpu")
-        gen.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
-        self.groups[key] = _Group(
-            key=key, sampling=sampling, esamp=esamp,
-            stream=GroupStream(key, sampling.n, self.tokenizer, self.normalizer,
-                               () if sampling.ignore_eos else self.stop_ids, ids),
-            prompt_ids=ids, max_new=min(sampling.max_tokens, self.context - len(ids)),
-            generator=gen, slot=slot,
-        )
-        return key
-
-    def abort(self, group: str) -> list[Event]:
-        g = self.groups.pop(group, None)
-        if g is None:
-            return []
-        self._release(g)
-        return g.stream.finish_all("abort")
-
-    def has_unfinished(self) -> bool:
-        return bool(self.groups)
-
-    def close(self) -> None:
-        for key in list(self.groups):
-            self.abort(key)
-        self.taps.remove()
-
-    def _release(self, g: _Group) -> None:
+    def _release(self, g: _RefGroup) -> None:
         if g.slot is not None:
             self.bank.free(g.key)
             g.slot = None
 
+    def _shutdown(self) -> None:
+        self.taps.remove()
+
     # -- decoding ----------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def _forward(self, g: _Group) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _forward(self, g: _RefGroup) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         from transformers import DynamicCache
 
         if g.cache is None:  # prefill once, then one row per sample
             g.cache = DynamicCache()
             ids = torch.tensor([g.prompt_ids], device=self.device)
-            out = self.model(input_ids=ids, past_key_values=g.cache, use_cache=True)
             g.alive = list(range(g.sampling.n))
-            logits = out.logits[:, -1, :]
-            x, y = self.taps.take()
-            return logits, x, y
-        ids = g.last.reshape(-1, 1)
+        else:
+            ids = g.last.reshape(-1, 1)
         out = self.model(input_ids=ids, past_key_values=g.cache, use_cache=True)
         x, y = self.taps.take()
         return out.logits[:, -1, :], x, y
 
-    def _step_group(self, g: _Group, stats: dict) -> list[Event]:
+    def _plan(self, g: _RefGroup, rows: int) -> StepPlan:
+        if g.plan is None or g.plan.rows != rows:
+            g.plan = StepPlan.build([SteeredRow(g.slot, g.steering, g.sampling)] * rows, self.device)
+        return g.plan
+
+    def _step_group(self, g: _RefGroup, stats: StepStats) -> list[Event]:
         events: list[Event] = []
         first = g.steps == 0
         logits, x, y = self._forward(g)  # rows: 1 on the prefill step, else len(g.alive)
-        s = g.sampling
-        steered = g.esamp.enabled
-
-        prediction = errors = None
-        if steered:
-            # The prediction that steers is the Distiller's before this step's update; with
-            # training on, one pass gives both it and the update.
-            layout = RowLayout.from_slots([g.slot] * x.shape[0], self.device)
-            if g.esamp.train:
-                prediction, errors, loss = self.bank.predict_and_train(x, y, layout)
-                stats["losses"].append(float(loss.mean()))
-            else:
-                prediction = self.bank.predict(x, layout)
-                errors = DistillerBank.row_error(prediction, y)
-            stats["port_hits"] += x.shape[0]
-        if not first:  # this step's inputs were the tokens sampled last step
-            events += g.stream.novelties(g.alive, errors.tolist() if errors is not None else None)
-
         rows = len(g.alive)
-        if first:  # the prompt's last position serves every sample's first token
-            logits = logits.expand(rows, -1)
-            if prediction is not None:
-                prediction = prediction.expand(rows, -1)
-        temperature = torch.full((rows,), s.temperature)
-        scaled = iv.scale_logits(logits, temperature)
-        mask = iv.candidate_mask(scaled, torch.full((rows,), s.top_k), torch.full((rows,), s.top_p),
-                                 torch.full((rows,), s.min_p))
-        if steered:
-            final = iv.steer(scaled, mask, prediction, self.lm_head, torch.full((rows,), g.esamp.beta),
-                             g.esamp.mix)
-            stats["candidates"].append(float(mask.sum(dim=-1).float().mean()))
-            stats["steered"] = True
+        s = g.sampling
+        if g.steered:
+            # The prediction that steers is the Distiller's before this step's update.
+            prediction, errors, loss = self.steerer.distill(self._plan(g, x.shape[0]), x, y)
+            if loss is not None:
+                stats.losses.append(float(loss.mean()))
+            stats.port_hits += x.shape[0]
+            if not first:  # this step's inputs were the tokens sampled last step
+                events += g.stream.novelties(g.alive, errors.tolist())
+            plan = self._plan(g, rows)
+            # the prompt's last position serves every sample's first token
+            scaled = self.steerer.filter(plan, logits.float().expand(rows, -1).clone())
+            final, counts = self.steerer.mix_at_candidates(plan, scaled, prediction.expand(rows, -1),
+                                                           self.lm_head)
+            stats.candidates.append(float(counts.float().mean()))
         else:
+            if not first:
+                events += g.stream.novelties(g.alive, None)
+            scaled = iv.scale_logits(logits, torch.full((rows,), s.temperature)).expand(rows, -1)
+            mask = iv.candidate_mask(scaled, torch.full((rows,), s.top_k), torch.full((rows,), s.top_p),
+                                     torch.full((rows,), s.min_p))
             final = iv.filtered_logits(scaled, mask)
         tokens = iv.sample(final, torch.full((rows,), s.temperature == 0), g.generator)
 
@@ -241,7 +178,7 @@ class ReferenceEngine:
         g.steps += 1
         keep: list[int] = []
         for row, (sample, token) in enumerate(zip(g.alive, tokens.tolist())):
-            stats["tokens"] += 1
+            stats.tokens += 1
             if g.stream.sampled(sample, token):
                 events += g.stream.finish(sample, "stop")
             elif g.stream.count[sample] >= g.max_new:
@@ -252,36 +189,20 @@ class ReferenceEngine:
             g.cache.batch_select_indices(torch.tensor(keep, device=self.device))
         g.alive = [g.alive[r] for r in keep]
         g.last = tokens[keep]
-        stats["rows"] += rows
+        stats.rows += rows
         return events
 
     def step(self) -> list[Event]:
         """Advance every running group by one token."""
         events: list[Event] = []
-        stats = dict(tokens=0, rows=0, port_hits=0, candidates=[], losses=[], steered=False)
+        stats = StepStats()
         for key in list(self.groups):
             g = self.groups[key]
             try:
                 events += self._step_group(g, stats)
             except Exception as exc:  # one failing group must not take the others down
-                self.groups.pop(key, None)
-                self._release(g)
-                events.append(ErrorEvent(message=f"generation failed: {exc}", group=key,
-                                         hint="the other groups keep running; try again"))
-                events += g.stream.finish_all("error")
+                events += self._failed(g, exc)
                 continue
             if g.stream.done:
-                self.groups.pop(key, None)
-                self._release(g)
-                self.normalizer.forget(key)
-        if stats["rows"]:
-            events.append(StepEvent(
-                step=self.step_count, rows=stats["rows"],
-                tokens_per_s=round(self.rate.add(stats["tokens"]), 3),
-                loss=sum(stats["losses"]) / len(stats["losses"]) if stats["losses"] else None,
-                port_hits=stats["port_hits"],
-                candidates=sum(stats["candidates"]) / len(stats["candidates"]) if stats["candidates"] else 0.0,
-                esamp=stats["steered"],
-            ))
-            self.step_count += 1
-        return events
+                self._finished(g)
+        return events + self._step_event(stats)

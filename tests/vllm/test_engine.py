@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _tracing import TRACER
 from _vllm_helpers import cuda, require_model, require_vllm
 
 pytestmark = [pytest.mark.vllm]
@@ -27,7 +28,8 @@ def engine():
 
     eng = VllmEngine(model=str(resolved.hf_dir()), esamp=EsampConfig(slots=8), max_model_len=1024,
                      gpu_memory_utilization=0.3,
-                     llm_kwargs={"enable_prefix_caching": False})  # same numerics for repeated prompts
+                     llm_kwargs={"enable_prefix_caching": False,  # same numerics for repeated prompts
+                                 "logits_processors": [TRACER]})
     yield eng
     eng.close()
 
@@ -67,7 +69,25 @@ def processor():
 
     p = STATE.processor
     assert p is not None, "the ESamp logits processor is not in this process"
+    assert type(p).__name__ == "TracingProcessor"
     return p
+
+
+class traced:
+    """``with traced() as trace:`` — the steered steps the processor saw inside the block."""
+
+    def __enter__(self) -> list[dict]:
+        self.p = processor()
+        self.p.traces = []
+        return self.p.traces
+
+    def __exit__(self, *exc) -> None:
+        self.p.traces = []  # the block's list stays with the caller
+
+
+def losses_of(trace: list[dict], group: str) -> list[float]:
+    """The group's Distiller loss on every engine step it trained, in order."""
+    return [t["losses"][group] for t in trace if group in t["losses"]]
 
 
 def collect(engine, starts, max_steps=400):
@@ -95,8 +115,10 @@ def sampling(**kw):
     return SamplingConfig(**{"n": 1, "max_tokens": 8, "seed": 1, **kw})
 
 
-def esamp_cfg(engine, **kw):
-    return engine.esamp.model_copy(update=kw)
+def steer(**kw):
+    from esamp.core.config import Steering
+
+    return Steering(**kw)
 
 
 def test_taps_equal_reference_hooks_in_a_shrinking_mixed_batch(engine, reference):
@@ -106,19 +128,14 @@ def test_taps_equal_reference_hooks_in_a_shrinking_mixed_batch(engine, reference
     B's prefill with A's decode rows, and later steps run after A left the batch.
     """
     _ref, ref_rows = reference
-    p = processor()
-    p.trace = []
-    try:
+    with traced() as trace:
         greedy = dict(temperature=0.0)
         keys, events = collect(engine, {
             0: [dict(prompt=PROMPT_A, sampling=sampling(n=2, max_tokens=3, **greedy),
-                     esamp=esamp_cfg(engine, beta=0.0))],
+                     steering=steer(beta=0.0))],
             1: [dict(prompt=PROMPT_B, sampling=sampling(n=1, max_tokens=7, **greedy),
-                     esamp=esamp_cfg(engine, beta=0.0))],
+                     steering=steer(beta=0.0))],
         })
-        trace = p.trace
-    finally:
-        p.trace = None
     prompts = {keys[0]: engine.encode(PROMPT_A), keys[1]: engine.encode(PROMPT_B)}
     mixed = [t for t in trace if {m[0] for m in t["meta"]} == set(keys)
              and {m[2] == 0 for m in t["meta"]} == {True, False}]
@@ -141,45 +158,44 @@ def test_taps_equal_reference_hooks_in_a_shrinking_mixed_batch(engine, reference
     assert worst["target"] < 0.05, worst
 
 
-def test_processor_logits_equal_core_function(engine):
-    """The processor's steered logits are ``esamp.intervention.steer`` on the same inputs, and the
-    Distiller logits the model's fused LM-head pass hands over are W·ŷ."""
+@pytest.mark.parametrize("mix", ["paper", "unsharpened"])
+def test_processor_logits_equal_core_function(engine, mix):
+    """End to end on vLLM, for each mix: the processor's steered logits are the core's
+    ``intervention.steer`` on the same inputs, and the Distiller logits the model's fused LM-head
+    pass hands over are W·ŷ."""
     from esamp.core import intervention as iv
+    from esamp.engines.vllm.state import STATE
 
-    p = processor()
-    p.trace = []
-    try:
-        collect(engine, {0: [dict(prompt=PROMPT_A, sampling=sampling(n=2, max_tokens=4),
-                                  esamp=esamp_cfg(engine, beta=0.8))]})
-        trace = p.trace
-    finally:
-        p.trace = None
-    head = __import__("esamp.engines.vllm.state", fromlist=["STATE"]).STATE.model.esamp_lm_head()
+    with traced() as trace:
+        collect(engine, {0: [dict(prompt=PROMPT_A, sampling=sampling(n=2, max_tokens=4, top_k=40),
+                                  steering=steer(beta=0.8, mix=mix))]})
+    assert trace
+    head = STATE.model.esamp_lm_head()
     for t in trace:
-        s = t["settings"]
-        R = len(s)
-        scaled = iv.scale_logits(t["logits"], torch.tensor([x["temperature"] for x in s]))
-        mask = iv.candidate_mask(scaled, torch.tensor([x["top_k"] for x in s]),
-                                 torch.tensor([x["top_p"] for x in s]), torch.tensor([x["min_p"] for x in s]))
-        want = iv.steer(scaled, mask, t["prediction"], head, torch.full((R,), 0.8), "paper")
+        f = t["filters"]
+        scaled = iv.scale_logits(t["logits"], torch.tensor([x.temperature for x in f]))
+        mask = iv.candidate_mask(scaled, torch.tensor([x.top_k for x in f]), torch.tensor([x.top_p for x in f]),
+                                 torch.tensor([x.min_p for x in f]))
+        a, b = iv.mix_coefficients([(s.mix, s.beta) for s in t["steering"]])
+        want = iv.steer(scaled, mask, t["prediction"], head, a, b)
         got = t["steered"]
         assert torch.equal(torch.isfinite(got), torch.isfinite(want))
         fin = torch.isfinite(want)
         # d comes from the bf16 head GEMM over [h; ŷ] rather than gathered rows: bf16 rounding
-        assert torch.allclose(got[fin], want[fin], atol=0.1, rtol=1e-2)
+        assert torch.allclose(got[fin], want[fin].to(got.device), atol=0.1, rtol=1e-2)
         d = (t["prediction"].to(head.dtype) @ head[: scaled.shape[1]].t()).float()
-        assert torch.allclose(t["distiller_logits"].float(), d, atol=0.05, rtol=1e-2)
+        assert torch.allclose(t["distiller_logits"], d, atol=0.05, rtol=1e-2)
         # β = 0.8 really moves the logits (the test would be empty otherwise)
-        assert not torch.allclose(got[fin], scaled[fin])
+        assert not torch.allclose(got[fin], scaled[fin].to(got.device))
 
 
 def test_beta_zero_equals_esamp_off(engine):
     """β=0 and no training gives the same tokens as plain vLLM sampling with the same seed."""
     s = sampling(n=3, max_tokens=12, seed=7)  # T 0.8, top-p 0.95, min-p 0.1: all three filters
     k_on, ev_on = collect(engine, {0: [dict(prompt=PROMPT_B, sampling=s,
-                                            esamp=esamp_cfg(engine, beta=0.0, train=False))]})
+                                            steering=steer(beta=0.0, train=False))]})
     k_off, ev_off = collect(engine, {0: [dict(prompt=PROMPT_B, sampling=s,
-                                              esamp=esamp_cfg(engine, enabled=False))]})
+                                              steering=steer(enabled=False))]})
     for sample in range(3):
         assert tokens_of(ev_on, k_on[0], sample) == tokens_of(ev_off, k_off[0], sample)
     assert all(e.novelty is None for e in ev_off if e.type == "token")
@@ -217,9 +233,9 @@ def test_sequential_runs_share_no_state_and_slots_return(engine):
     s = sampling(n=2, max_tokens=10, seed=3)
 
     def run_once(prompt):
-        keys, events = collect(engine, {0: [dict(prompt=prompt, sampling=s)]})
-        losses = [loss for _, g, loss in engine.loss_log if g == keys[0]]
-        return [tokens_of(events, keys[0], i) for i in range(2)], losses
+        with traced() as trace:
+            keys, events = collect(engine, {0: [dict(prompt=prompt, sampling=s)]})
+        return [tokens_of(events, keys[0], i) for i in range(2)], losses_of(trace, keys[0])
 
     first = run_once(PROMPT_B)
     run_once(PROMPT_A)
@@ -235,14 +251,11 @@ def test_sequential_runs_share_no_state_and_slots_return(engine):
 def test_loss_falls_and_port_hits_count_steered_rows(engine):
     p = processor()
     before = dict(p.counters)
-    p.trace = []
-    try:
+    with traced() as trace:
         keys, events = collect(engine, {0: [dict(prompt=PROMPT_B, sampling=sampling(n=4, max_tokens=48, seed=5))]})
-        rows = sum(len(t["meta"]) for t in p.trace)
-    finally:
-        p.trace = None
+    rows = sum(len(t["meta"]) for t in trace)
     steps = [e for e in events if e.type == "step"]
-    losses = [loss for _, g, loss in engine.loss_log if g == keys[0]]  # one per engine step
+    losses = losses_of(trace, keys[0])  # one per engine step
     assert len(losses) >= 20 and any(e.loss is not None for e in steps)
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5
     assert sum(e.port_hits for e in steps) == rows == p.counters["port_hits"] - before.get("port_hits", 0)
@@ -266,7 +279,7 @@ def test_bad_input_is_a_clear_error(engine):
     with pytest.raises(PromptError):
         engine.start("   ", sampling())
     with pytest.raises(ConfigError) as err:
-        engine.start(PROMPT_A, sampling(), esamp_cfg(engine, rank=8))
+        engine.start(PROMPT_A, sampling(), engine.esamp.model_copy(update={"rank": 8}))
     assert err.value.hint
     assert not engine.has_unfinished()
 
@@ -293,23 +306,24 @@ def test_graphed_distiller_gives_what_the_eager_one_gives(engine):
     s = sampling(n=4, max_tokens=24, seed=11)
 
     def run():
-        keys, events = collect(engine, {0: [dict(prompt=PROMPT_A, sampling=s)]})
-        losses = [loss for _, g, loss in engine.loss_log if g == keys[0]]
-        return [tokens_of(events, keys[0], i) for i in range(4)], losses
+        with traced() as trace:
+            keys, events = collect(engine, {0: [dict(prompt=PROMPT_A, sampling=s)]})
+        return [tokens_of(events, keys[0], i) for i in range(4)], losses_of(trace, keys[0])
 
-    before = p.counters.get("graph_captures", 0)
+    graphs = p.steerer.graphs
+    before = graphs.captures
     graphed = run()
-    assert p.counters.get("graph_captures", 0) > before and not p.counters.get("graph_failures")
-    p.use_graphs = False
+    assert graphs.captures > before and not graphs.failures and graphs.replays
+    graphs.enabled = False
     try:
         eager = run()
     finally:
-        p.use_graphs = True
+        graphs.enabled = True
     assert graphed[0] == eager[0]
     same_losses(graphed[1], eager[1])
-    captures = p.counters["graph_captures"]
+    captures = graphs.captures
     again = run()
-    assert p.counters["graph_captures"] == captures
+    assert graphs.captures == captures
     assert again[0] == graphed[0]
     same_losses(again[1], graphed[1])
 
@@ -327,21 +341,21 @@ def same_losses(a: list[float], b: list[float]) -> None:
 @pytest.mark.skipif(not cuda(), reason="needs a CUDA GPU")
 def test_a_failed_graph_capture_falls_back_to_eager_steps(engine, monkeypatch):
     """A capture that raises costs the optimisation, never the run: counted, then eager steps."""
-    from esamp.engines.vllm import processor as module
+    from esamp.core.backends import graphs as module
 
     def refuse(*args, **kwargs):
         raise RuntimeError("capture refused by the test")
 
-    p = processor()
-    p._graphs.clear()
-    failures = p.counters.get("graph_failures", 0)
-    monkeypatch.setattr(module, "_GraphedStep", refuse)
+    graphs = processor().steerer.graphs
+    graphs.graphs.clear()
+    failures = graphs.failures
+    monkeypatch.setattr(module, "_Graph", refuse)
     try:
         keys, events = collect(engine, {0: [dict(prompt=PROMPT_A, sampling=sampling(n=2, max_tokens=16))]})
-        assert not p.use_graphs
+        assert not graphs.enabled
     finally:
-        p.use_graphs = True
-    assert p.counters["graph_failures"] == failures + 1
+        graphs.enabled = True
+    assert graphs.failures == failures + 1
     assert all(tokens_of(events, keys[0], i) for i in range(2))
     assert sum(e.type == "done" for e in events) == 2
 

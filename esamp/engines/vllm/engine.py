@@ -1,9 +1,11 @@
 """``VllmEngine``: the engine protocol on vLLM, streaming through ``add_request`` + ``step()``.
 
-A group of n samples is n requests (n=1 each) that share one group key in
-``extra_args["esamp"]``; vLLM's own n>1 fan-out would hide that key from the processor. Each
-``step()`` advances vLLM by one engine step (delta outputs: the new token of every running
-request), then drains the ESamp processor's step records through ``collective_rpc``.
+A group of n samples is n requests (n=1 each) that carry one group key and their sample index
+in ``extra_args`` (the flat payload of ``esamp.core.payload``), so the engine knows which sample
+each record belongs to; a served request with n > 1 is grouped by the processor instead (see
+``settings.prepare``). Each ``step()`` advances vLLM by one engine step (delta outputs: the new
+token of every running request), then drains the ESamp processor's step records through
+``collective_rpc``.
 
 Events follow the reference engine exactly (``GroupStream``): a token is released one engine
 step after it was sampled, with the Distiller error of the step where it was the input. The
@@ -15,45 +17,39 @@ device copy is still running), its tokens wait; nothing is guessed.
 
 from __future__ import annotations
 
-import collections
 import gc
 import json
-import os
 import math
+import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
-from esamp.core.config import EsampConfig, SamplingConfig
+from esamp.core.config import EsampConfig
+from esamp.core.distiller import bank_full
 from esamp.engines import cuda_available
-from esamp.engines.base import GroupStream, RateMeter, encode_prompt, new_group_key
+from esamp.engines.base import EngineBase, Group, StepStats, stop_token_ids
 from esamp.engines.vllm import settings as es
-from esamp.errors import BankFullError, ConfigError, EngineError, PromptError
-from esamp.events import ErrorEvent, Event, ReadyEvent, StepEvent
+from esamp.errors import ConfigError, EngineError
+from esamp.events import Event
 from esamp.models import resolve
-from esamp.core.novelty import NoveltyNormalizer
 
-PROCESSOR = "esamp.engines.vllm.processor:EsampLogitsProcessor"
 EXTENSION = "esamp.engines.vllm.extension.EsampWorkerExtension"
+GGUF_MODES = ("convert", "native")
 
 
 @dataclass
-class _Group:
-    key: str
-    n: int
-    esamp_on: bool
-    stream: GroupStream
-    request_ids: list[str]
-    arrived: list[list[int]]  # sample → token ids received from vLLM
-    fed: list[int]  # sample → tokens handed to GroupStream
+class _VllmGroup(Group):
+    request_ids: list[str] = field(default_factory=list)
+    arrived: list[list[int]] = field(default_factory=list)  # sample → token ids received from vLLM
+    fed: list[int] = field(default_factory=list)  # sample → tokens handed to GroupStream
     final: dict[int, str] = field(default_factory=dict)  # sample → vLLM finish reason
     records: dict[int, list[tuple[int, int, float]]] = field(default_factory=lambda: defaultdict(list))
     latest: dict[tuple[int, int], int] = field(default_factory=dict)  # (sample, gen idx) → step
 
 
-class VllmEngine:
+class VllmEngine(EngineBase):
     name = "vllm"
 
     def __init__(
@@ -73,17 +69,19 @@ class VllmEngine:
         drain_interval: float = 0.025,
         gguf: str = "convert",
         llm_kwargs: dict | None = None,
-        **_ignored,
     ) -> None:
-        t0 = time.perf_counter()
-        if not cuda_available():
+        """``plain``: vLLM without ESamp (its own model class, no additional config), the
+        baseline of ``esamp bench``. ``gguf``: "convert" loads the cached bf16 HF directory of a
+        GGUF model, "native" lets vLLM read the GGUF itself."""
+        super().__init__(esamp)
+        cuda = cuda_available()
+        if not cuda:
             # vLLM on a CPU sizes its KV cache from the node's memory unless told otherwise (and
             # then fails on a busy machine); 4 GiB serves the dashboard and tests. Thread pinning
             # off: it measured best on small shared machines.
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         try:
-            import vllm  # noqa: F401
             from vllm import LLM
         except ImportError as exc:
             raise EngineError(f"vLLM is not installed: {exc}",
@@ -91,22 +89,19 @@ class VllmEngine:
         from esamp.engines.vllm import plugin
 
         plugin.register()  # in-process; the entry point does the same in spawned processes
-        self.esamp = esamp or EsampConfig()
         self.plain = plain
         self.ignore_eos = ignore_eos
         self.drain_interval = drain_interval
         self._last_drain = 0.0
-        if gguf not in ("convert", "native"):
-            raise ConfigError(f"gguf must be 'convert' or 'native', not {gguf!r}",
+        if gguf not in GGUF_MODES:
+            raise ConfigError(f"gguf must be one of {', '.join(GGUF_MODES)}, not {gguf!r}",
                               hint="'convert' loads the cached bf16 HF directory; 'native' lets vLLM read the GGUF")
         self.resolved = resolve(model)
-        cuda = cuda_available()
         kind = self.resolved.kind
         kwargs: dict = dict(seed=seed, max_model_len=max_model_len, max_num_seqs=max_num_seqs)
         if cuda:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         kwargs["enforce_eager"] = (not cuda) if enforce_eager is None else enforce_eager
-        config_dir: Path
         if kind == "dummy":
             config_dir = self.resolved.path
             kwargs.update(model=str(config_dir), load_format="dummy", skip_tokenizer_init=True,
@@ -129,11 +124,10 @@ class VllmEngine:
         kwargs["worker_extension_cls"] = EXTENSION
         if not plain:
             base = (config.get("architectures") or ["LlamaForCausalLM"])[0]
-            kwargs.update(
-                hf_overrides={"architectures": [es.esamp_architecture(base)]},
-                logits_processors=[PROCESSOR],
-                additional_config={es.KEY: es.engine_settings(self.esamp, self.num_layers)},
-            )
+            kwargs.update(hf_overrides={"architectures": [es.esamp_architecture(base)]},
+                          additional_config={es.KEY: es.engine_settings(self.esamp, self.num_layers)})
+            if not es.processor_installed():  # a source checkout: name the processor instead
+                kwargs["logits_processors"] = [es.PROCESSOR]
         kwargs.update(llm_kwargs or {})
         try:
             self.llm = LLM(**kwargs)
@@ -142,118 +136,60 @@ class VllmEngine:
                               hint="check the model path, --dtype and free GPU memory") from exc
         self.engine = self.llm.llm_engine
         self.tokenizer = None if kind == "dummy" else self.llm.get_tokenizer()
-        self.stop_ids = self._stop_ids(config_dir)
-        self.normalizer = NoveltyNormalizer()
-        self.groups: dict[str, _Group] = {}
+        self.stop_ids = set() if kind == "dummy" else stop_token_ids(config_dir, self.tokenizer)
         self.by_request: dict[str, tuple[str, int]] = {}
         self.release: list[str] = []
-        self.rate = RateMeter()
-        self.step_count = 0
         self.counters: dict = {}
-        # (engine step, group, Distiller loss) of recent steps: the loss curve per engine step,
-        # independent of how steps were batched into StepEvents.
-        self.loss_log: collections.deque[tuple[int, str, float]] = collections.deque(maxlen=100_000)
         self.free_slots = self.esamp.slots
-        self._ready = ReadyEvent(
-            engine=self.name, model=self.resolved.name, device="cuda" if cuda else "cpu",
-            hidden_size=self.hidden, num_layers=self.num_layers, context=self.context,
-            load_seconds=round(time.perf_counter() - t0, 3),
-        )
-
-    def _stop_ids(self, config_dir: Path) -> set[int]:
-        if self.resolved.kind == "dummy" or self.tokenizer is None:
-            return set()
-        ids: set = set()
-        gen = Path(config_dir) / "generation_config.json"
-        if gen.is_file():
-            eos = json.loads(gen.read_text()).get("eos_token_id")
-            ids.update(eos if isinstance(eos, list) else [eos])
-        if not ids:
-            ids.add(self.tokenizer.eos_token_id)
-        return {int(i) for i in ids if i is not None}
-
-    @property
-    def ready(self) -> ReadyEvent:
-        return self._ready
+        self.model_name, self.device_name = self.resolved.name, "cuda" if cuda else "cpu"
+        self._loaded()
 
     # -- admission ---------------------------------------------------------------------------
 
-    def encode(self, prompt: str | Sequence[int], chat: bool = True) -> list[int]:
-        if isinstance(prompt, str) and self.tokenizer is None:
-            raise PromptError(
-                f"{self.resolved.name} has random weights and no tokenizer: give the prompt as token ids",
-                hint="pass a list of token ids (e.g. esamp bench builds them), or use a real model",
-            )
-        return encode_prompt(self.tokenizer, prompt, chat, self.context)
-
-    def start(self, prompt: str | Sequence[int], sampling: SamplingConfig,
-              esamp: EsampConfig | None = None, group: str | None = None, chat: bool = True) -> str:
+    def _admit(self, group: Group) -> _VllmGroup:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        esamp = esamp or self.esamp
-        on = bool(esamp.enabled) and not self.plain
-        ids = self.encode(prompt, chat)
-        key = group or new_group_key()
-        if key in self.groups:
-            raise EngineError(f"group {key!r} is already running", hint="use a new group key")
-        if on:
-            for name in ("rank", "lr", "optimizer", "slots", "seed", "source_layer", "target_layer"):
-                if getattr(esamp, name) != getattr(self.esamp, name):
-                    raise ConfigError(
-                        f"{name} is fixed when the vLLM engine starts ({getattr(self.esamp, name)!r}); "
-                        f"this group asked for {getattr(esamp, name)!r}",
-                        hint="change only enabled/beta/mix/train per group, or restart the engine",
-                    )
-            running = sum(1 for g in self.groups.values() if g.esamp_on)
-            if running >= self.esamp.slots:
-                raise BankFullError(
-                    f"all {self.esamp.slots} Distiller slots are held by running prompt groups",
-                    hint="wait for a group to finish, abort one, or start with more slots (--slots)",
-                )
-        max_new = min(sampling.max_tokens, self.context - len(ids))
-        g = _Group(key=key, n=sampling.n, esamp_on=on,
-                   stream=GroupStream(key, sampling.n, self.tokenizer, self.normalizer, self.stop_ids, ids),
-                   request_ids=[], arrived=[[] for _ in range(sampling.n)], fed=[0] * sampling.n)
-        filters = es.vllm_filters(on, sampling)
-        for sample in range(sampling.n):
-            extra = {es.KEY: es.request_settings(key, sample, esamp, sampling)} if on else None
+        steered = group.steered and not self.plain
+        if steered and sum(1 for g in self.groups.values() if g.steered) >= self.esamp.slots:
+            raise bank_full(self.esamp.slots)
+        g = _VllmGroup(**{**vars(group), "steering": group.steering.model_copy(update={"enabled": steered})})
+        s = g.sampling
+        g.arrived = [[] for _ in range(s.n)]
+        g.fed = [0] * s.n
+        for sample in range(s.n):
+            # The request's own filters go on the params; the processor's validate_params moves
+            # them into the payload and hands vLLM neutral ones (as for a served request).
             params = SamplingParams(
-                n=1, max_tokens=max_new, seed=None if sampling.seed is None else sampling.seed + sample,
+                n=1, max_tokens=g.max_new, seed=None if s.seed is None else s.seed + sample,
+                temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
                 stop_token_ids=sorted(self.stop_ids), ignore_eos=self.ignore_eos,
-                output_kind=RequestOutputKind.DELTA, detokenize=False, extra_args=extra, **filters,
-            )
-            rid = f"{key}/{sample}"
-            internal = self.engine.add_request(rid, {"prompt_token_ids": ids}, params)
+                output_kind=RequestOutputKind.DELTA, detokenize=False,
+                extra_args=es.request_payload(g.key, sample, g.steering, s) if steered else None)
+            rid = f"{g.key}/{sample}"
+            internal = self.engine.add_request(rid, {"prompt_token_ids": g.prompt_ids}, params)
             for name in {rid, internal if isinstance(internal, str) else rid}:
-                self.by_request[name] = (key, sample)
+                self.by_request[name] = (g.key, sample)
             g.request_ids.append(internal if isinstance(internal, str) else rid)
-        self.groups[key] = g
-        return key
+        return g
 
-    def _forget_requests(self, g: _Group) -> None:
+    def _forget_requests(self, g: _VllmGroup) -> None:
         for sample, internal in enumerate(g.request_ids):
             self.by_request.pop(internal, None)
             self.by_request.pop(f"{g.key}/{sample}", None)
 
-    def abort(self, group: str) -> list[Event]:
-        g = self.groups.pop(group, None)
-        if g is None:
-            return []
+    def _cancel(self, g: _VllmGroup) -> None:
         self._forget_requests(g)
         unfinished = [rid for s, rid in enumerate(g.request_ids) if s not in g.final]
         if unfinished:
             self.engine.abort_request(unfinished)
-        if g.esamp_on:
-            self.release.append(group)
-        return g.stream.finish_all("abort")
 
-    def has_unfinished(self) -> bool:
-        return bool(self.groups)
+    def _release(self, g: _VllmGroup) -> None:
+        self._forget_requests(g)
+        if g.steered:
+            self.release.append(g.key)
 
-    def close(self) -> None:
-        for key in list(self.groups):
-            self.abort(key)
+    def _shutdown(self) -> None:
         if getattr(self, "llm", None) is not None:
             try:
                 self.drain()
@@ -294,8 +230,8 @@ class VllmEngine:
                     g.final[sample] = _reason(c.finish_reason)
             if out.finished and sample not in g.final:
                 g.final[sample] = "stop"
-        stats = dict(port_hits=0, losses=[], candidates=[])
-        steering = any(g.esamp_on for g in self.groups.values())
+        stats = StepStats(tokens=tokens, rows=tokens)
+        steering = any(g.steered for g in self.groups.values())
         now = time.perf_counter()
         # One round trip to the engine process per drain: batch a few engine steps per drain
         # while vLLM is busy (tokens wait at most ``drain_interval`` for their novelty).
@@ -317,55 +253,37 @@ class VllmEngine:
             try:
                 events += self._advance(g, all_back)
             except Exception as exc:  # one failing group must not take the others down
-                events.append(ErrorEvent(message=f"generation failed: {exc}", group=key,
-                                         hint="the other groups keep running; try again"))
-                events += self.abort(key)
+                events += self._failed(g, exc)
                 continue
             if g.stream.done:
-                self.groups.pop(key, None)
-                self._forget_requests(g)
-                if g.esamp_on:
-                    self.release.append(key)
-                self.normalizer.forget(key)
-        if tokens or stats["port_hits"]:
-            events.append(StepEvent(
-                step=self.step_count, rows=tokens,
-                tokens_per_s=round(self.rate.add(tokens), 3),
-                loss=sum(stats["losses"]) / len(stats["losses"]) if stats["losses"] else None,
-                port_hits=stats["port_hits"],
-                candidates=sum(stats["candidates"]) / len(stats["candidates"]) if stats["candidates"] else 0.0,
-                esamp=stats["port_hits"] > 0,
-            ))
-            self.step_count += 1
-        return events
+                self._finished(g)
+        return events + self._step_event(stats)
 
-    def _file(self, rec: dict, stats: dict) -> None:
+    def _file(self, rec: dict, stats: StepStats) -> None:
         """Sort one engine step's record into its groups."""
         per_group: dict[str, list[float]] = defaultdict(list)
         for group, sample, gen_idx, error, cands in rec["rows"]:
             g = self.groups.get(group)
-            if g is None or not g.esamp_on:
+            if g is None or not g.steered:
                 continue
             g.records[rec["step"]].append((sample, gen_idx, error))
             g.latest[(sample, gen_idx)] = rec["step"]  # a later prefill chunk supersedes
             per_group[group].append(cands)
-            stats["port_hits"] += 1
+            stats.port_hits += 1
         for cands in per_group.values():
-            stats["candidates"].append(sum(cands) / len(cands))
-        stats["losses"].extend(v for v in rec["loss"].values() if math.isfinite(v))
-        for group, value in rec["loss"].items():
-            self.loss_log.append((rec["step"], group, value))
+            stats.candidates.append(sum(cands) / len(cands))
+        stats.losses.extend(v for v in rec["loss"].values() if math.isfinite(v))
 
-    def _advance(self, g: _Group, all_back: bool) -> list[Event]:
+    def _advance(self, g: _VllmGroup, all_back: bool) -> list[Event]:
         events: list[Event] = []
-        if not g.esamp_on:
+        if not g.steered:
             # One engine step per call: every new token is this step's (delta outputs).
             unit = [(s, g.fed[s], g.arrived[s][g.fed[s]], None)
-                    for s in range(g.n) if g.fed[s] < len(g.arrived[s])]
+                    for s in range(g.sampling.n) if g.fed[s] < len(g.arrived[s])]
             while unit:
                 events += self._feed(g, unit, steered=False)
                 unit = [(s, g.fed[s], g.arrived[s][g.fed[s]], None)
-                        for s in range(g.n) if g.fed[s] < len(g.arrived[s])]
+                        for s in range(g.sampling.n) if g.fed[s] < len(g.arrived[s])]
             return events + self._finish_ready(g)
         for step in sorted(g.records):
             rows = [(s, k, e) for s, k, e in g.records[step] if g.latest.get((s, k)) == step]
@@ -384,7 +302,7 @@ class VllmEngine:
                 events += self._feed(g, unit, steered=True)
         # Samples that ended with tokens no record will ever cover (a row the processor could not
         # steer: counted in its counters). Only once every engine step has reported back.
-        for s in range(g.n):
+        for s in range(g.sampling.n):
             if not all_back or s not in g.final:
                 continue
             if not any(s == r[0] for rows in g.records.values() for r in rows):
@@ -392,7 +310,7 @@ class VllmEngine:
                     events += self._feed(g, [(s, g.fed[s], g.arrived[s][g.fed[s]], None)], steered=True)
         return events + self._finish_ready(g)
 
-    def _feed(self, g: _Group, unit: list[tuple[int, int, int, float | None]], steered: bool) -> list[Event]:
+    def _feed(self, g: _VllmGroup, unit: list[tuple[int, int, int, float | None]], steered: bool) -> list[Event]:
         """One engine step of a group: release the inputs' novelty, then take the new tokens."""
         events: list[Event] = []
         inputs = [(s, e) for s, k, _, e in unit if k >= 1]
@@ -412,7 +330,7 @@ class VllmEngine:
                 events += g.stream.finish(s, g.final[s])
         return events
 
-    def _finish_ready(self, g: _Group) -> list[Event]:
+    def _finish_ready(self, g: _VllmGroup) -> list[Event]:
         events: list[Event] = []
         for s, reason in g.final.items():
             if s not in g.stream.finished and g.fed[s] >= len(g.arrived[s]):

@@ -1,23 +1,23 @@
 """``EsampWorkerExtension``: methods vLLM adds to its worker, called with ``collective_rpc``.
 
 They run in the process that holds the model and the logits processor (the engine core), between
-engine steps, and return plain lists, dicts and numbers.
+engine steps, and return plain lists, dicts and numbers. Under data parallelism every rank has
+its own engine core, and ``collective_rpc`` answers for one rank only: a server reads each rank
+through its own side channel instead (``esamp.serving``).
 """
 
 from __future__ import annotations
 
 from esamp.engines.vllm.state import STATE
 
-EXTENSION = "esamp.engines.vllm.extension.EsampWorkerExtension"
-
 
 class EsampWorkerExtension:
-    def esamp_drain(self, release: list[str] | tuple[str, ...] = ()) -> dict:
-        """Finished step records and counters of the ESamp processor; frees released groups."""
+    def esamp_drain(self, release: list[str] | tuple[str, ...] = (), groups: list[str] | None = None) -> dict:
+        """Finished step records (of ``groups``, or all) and counters; frees released groups."""
         processor = STATE.processor
         if processor is None:
-            return {"steps": [], "counters": {}, "free_slots": 0, "groups": [], "active": False}
-        out = processor.drain(tuple(release))
+            return {"steps": [], "pending": 0, "counters": {}, "free_slots": 0, "groups": [], "active": False}
+        out = processor.drain(tuple(release), set(groups) if groups is not None else None)
         out["active"] = processor.bank is not None
         return out
 

@@ -11,9 +11,10 @@ dtype, so the two agree to bf16 rounding.)
 ``forward`` returns ``cat([h, aux_0, aux_1], -1)``: tensors only, so the taps survive
 torch.compile and CUDA graphs (a forward hook would not fire under graph replay). The runner
 then gathers ``hidden_states[logits_indices]`` (one row per scheduled request, in logits-row
-order) and calls ``compute_logits``, which runs eagerly: it splits the columns, normalises the
-two tapped rows and hands them to the logits processor (``state.STATE``), which runs the
-Distiller on the rows it steers this step and returns the predictions ŷ. The LM head then runs
+order) and calls ``compute_logits``, which runs eagerly. It first asks the logits processor
+(``state.STATE``) which rows it steers this step; when none, it runs vLLM's own head on the
+first H columns (a view) and does nothing else. Otherwise it normalises the steered rows' two
+taps and hands them to the processor, which runs the Distiller and returns ŷ. The LM head then runs
 once on ``[h; ŷ]``: the first rows are the ordinary logits, the rest are the Distiller logits
 d = W·ŷ, which the processor takes for its mix. One GEMM reads the head's weights once for both,
 so d costs no extra pass over the [V, H] head (the decode-time LM head is bound by that read).
@@ -24,13 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from esamp.engines.vllm.settings import KEY
+from esamp.engines.vllm.settings import engine_config
 from esamp.engines.vllm.state import STATE
-
-
-def _esamp_settings(vllm_config) -> dict | None:
-    extra = getattr(vllm_config, "additional_config", None) or {}
-    return extra.get(KEY) if isinstance(extra, dict) else None
 
 
 class _TapMixin:
@@ -39,10 +35,10 @@ class _TapMixin:
     def __init__(self, *, vllm_config, prefix: str = "", **kwargs) -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
         self.esamp_hidden = int(self.config.hidden_size)
-        settings = _esamp_settings(vllm_config)
+        settings = engine_config(vllm_config)
         self.esamp_taps: tuple[int, int] | None = None
         if settings is not None:
-            src, tgt = int(settings["source_layer"]), int(settings["target_layer"])
+            src, tgt = settings.source_layer, settings.target_layer
             L = int(self.config.num_hidden_layers)
             if not (0 <= src < L and 0 <= tgt < L):
                 raise ValueError(f"ESamp tap layers ({src}, {tgt}) out of range for {L} layers")
@@ -64,23 +60,29 @@ class _TapMixin:
         if self.esamp_taps is None or hidden_states.shape[-1] == H:
             return super().compute_logits(hidden_states)
         rows = hidden_states.shape[0]
-        aux = hidden_states[:, H:].reshape(rows, len(self.esamp_aux_layers), H)
+        hidden = hidden_states[:, :H]  # a view: the LM head reads it in place on a GPU
+        if not hidden.is_cuda:
+            hidden = hidden.contiguous()  # vLLM's CPU GEMMs want contiguous rows
+        processor = STATE.processor
+        plan = processor.plan(rows) if processor is not None else None
+        if plan is None or plan.steered is None:
+            # Nothing to steer this step: not a kernel or a copy more than plain vLLM.
+            return super().compute_logits(hidden)
+        tapped = hidden_states if plan.idx is None else hidden_states.index_select(0, plan.idx)
+        aux = tapped[:, H:].reshape(tapped.shape[0], len(self.esamp_aux_layers), H)
         src, tgt = self.esamp_taps
         layers = self.model.layers
         source = _first(layers[src].input_layernorm(aux[:, self.esamp_aux_layers.index(src)].contiguous()))
         target = _first(layers[tgt].input_layernorm(aux[:, self.esamp_aux_layers.index(tgt)].contiguous()))
-        hidden = hidden_states[:, :H]
         STATE.taps_put += 1
-        processor = STATE.processor
-        prediction = processor.distill(source, target) if processor is not None else None
-        if prediction is None:
-            return super().compute_logits(hidden.contiguous())
+        prediction = processor.distill(plan, source, target)
         if self._esamp_plain_head():
+            # One GEMM over [h; ŷ]: the head's weights are read once for the logits and d = W·ŷ.
             both = super().compute_logits(torch.cat([hidden, prediction.to(hidden.dtype)]))
             processor.take_distiller_logits(both[rows:])
             return both[:rows]
         # A head that post-processes its logits (soft cap, scale): d from the dense weight.
-        logits = super().compute_logits(hidden.contiguous())
+        logits = super().compute_logits(hidden)
         head = self.esamp_lm_head()
         processor.take_distiller_logits(prediction.to(head.dtype) @ head[: logits.shape[-1]].t())
         return logits

@@ -1,29 +1,61 @@
-"""How ESamp settings travel through vLLM. Pure Python: no vLLM import.
+"""How ESamp settings travel through vLLM. No vLLM import at module level.
 
 Two channels, both public:
 
-- Engine-wide settings (tap layers, Distiller rank/lr/optimizer/slots/seed) go in
-  ``additional_config={"esamp": {...}}``. vLLM hashes that dict into its compile-cache key, so a
-  change of tap layers never reuses a graph traced for other layers.
-- Per-request settings go in ``SamplingParams.extra_args={"esamp": {...}}``: the group key and
-  sample index (state is keyed by these, never by row), on/off, beta, mix, train, and the
-  request's real temperature / top-k / top-p / min-p. An ESamp request hands vLLM *neutral*
-  filters (T=1, top-k off, top-p 1, min-p 0, or T=0 for greedy) so that the processor owns the
-  candidate filter and the mix is exact post-filter (DESIGN §3).
+- Engine-wide settings (taps, the Distiller bank, default steering) are ``EsampConfig`` in
+  ``additional_config={"esamp": {...}}`` (``--additional-config`` for ``vllm serve``). vLLM hashes
+  that dict into its compile-cache key, so a change of tap layers never reuses a graph traced for
+  other layers.
+- Per-request settings are the flat payload of ``esamp.core.payload`` in
+  ``SamplingParams.extra_args`` (``vllm_xargs`` in an OpenAI request).
+
+``prepare`` runs in vLLM's frontend (the logits processor's ``validate_params``) on every request,
+before vLLM fans a request with n > 1 out into n child requests. For a request ESamp steers it
+gives the request its group (so the n children share one Distiller slot), records n and the
+base seed (child i of a seeded request has seed + i, which names its sample), moves the request's
+real filters into the payload and hands vLLM neutral ones: the processor applies the real
+filters itself before the mix, and vLLM, which samples after the processor, must not filter
+again (the mix is post-filter exact). A request the engine cannot serve (penalties, bad values)
+is refused with a ``ValueError`` that vLLM answers as a 400.
+
+Which requests ``prepare`` steers: those carrying ESamp keys (not ``esamp=off``), and, in a
+server started by ``esamp serve`` (``SERVE_ENV`` set), every other request too, with the server's
+defaults.
 """
 
 from __future__ import annotations
 
-from esamp.core.config import EsampConfig, SamplingConfig
-from esamp.errors import ConfigError
+import json
+import os
+import uuid
+from typing import Any
 
-KEY = "esamp"
+from esamp.core import payload as pl
+from esamp.core.config import EsampConfig, Filters, SamplingConfig, bound, make_config
+from esamp.engines.base import resolve_layer
+from esamp.errors import ConfigError, EsampError
+
+KEY = "esamp"  # additional_config["esamp"]: EsampConfig
+SERVER_KEY = "esamp_server"  # additional_config["esamp_server"]: what ``esamp serve`` adds
+SERVE_ENV = "ESAMP_SERVE"  # set by ``esamp serve``: ordinary requests are steered too
 
 # base architecture → the ESamp subclass registered for it
 ARCHITECTURES = {
     "LlamaForCausalLM": "EsampLlamaForCausalLM",
     "Qwen2ForCausalLM": "EsampQwen2ForCausalLM",
 }
+
+
+PROCESSOR = "esamp.engines.vllm.processor:EsampLogitsProcessor"
+
+
+def processor_installed() -> bool:
+    """True when esamp's ``vllm.logits_processors`` entry point is installed (``pip install``):
+    vLLM then loads the processor in every engine by itself, and does not wait for each step's
+    sampled tokens as it does for processors passed by name."""
+    from importlib.metadata import entry_points
+
+    return any(ep.value == PROCESSOR for ep in entry_points(group="vllm.logits_processors"))
 
 
 def esamp_architecture(base: str) -> str:
@@ -36,82 +68,74 @@ def esamp_architecture(base: str) -> str:
         ) from None
 
 
-def resolve_layer(index: int, num_layers: int, what: str) -> int:
-    """A tap layer index (negative counts from the end) as 0..L-1, or a ConfigError."""
-    if not -num_layers <= index < num_layers:
-        raise ConfigError(
-            f"{what} layer {index} is out of range for a {num_layers}-layer model",
-            hint=f"choose a layer between {-num_layers} and {num_layers - 1}",
-        )
-    return index % num_layers
-
-
-def engine_settings(esamp: EsampConfig, num_layers: int) -> dict:
-    """The ``additional_config["esamp"]`` dict: taps resolved to 0..L-1 and the bank settings."""
-    return {
-        "source_layer": resolve_layer(esamp.source_layer, num_layers, "source"),
-        "target_layer": resolve_layer(esamp.target_layer, num_layers, "target"),
-        "rank": esamp.rank,
-        "lr": esamp.lr,
-        "optimizer": esamp.optimizer,
-        "slots": esamp.slots,
-        "seed": esamp.seed,
-    }
-
-
-def request_settings(group: str, sample: int, esamp: EsampConfig, sampling: SamplingConfig) -> dict:
-    """The ``extra_args["esamp"]`` dict of one sample of a group."""
-    return {
-        "group": group,
-        "sample": sample,
-        "on": bool(esamp.enabled),
-        "beta": float(esamp.beta),
-        "mix": esamp.mix,
-        "train": bool(esamp.train),
-        "temperature": float(sampling.temperature),
-        "top_k": int(sampling.top_k),
-        "top_p": float(sampling.top_p),
-        "min_p": float(sampling.min_p),
-    }
-
-
-def vllm_filters(esamp_on: bool, sampling: SamplingConfig) -> dict:
-    """The filters vLLM itself applies: the real ones when ESamp is off, neutral ones when on."""
-    if not esamp_on:
-        return dict(temperature=sampling.temperature, top_p=sampling.top_p,
-                    top_k=sampling.top_k, min_p=sampling.min_p)
-    # The processor already divided by T and masked outside C; vLLM must only draw.
-    greedy = sampling.temperature == 0
-    return dict(temperature=0.0 if greedy else 1.0, top_p=1.0, top_k=0, min_p=0.0)
-
-
-def parse_request_settings(extra: dict | None) -> dict | None:
-    """Validate ``extra_args["esamp"]``; None when the request carries no ESamp settings."""
-    if not extra or KEY not in extra:
-        return None
-    s = extra[KEY]
-    if not isinstance(s, dict):
-        raise ValueError("extra_args['esamp'] must be a dict")
-    missing = [k for k in ("group", "sample") if k not in s]
-    if missing:
-        raise ValueError(f"extra_args['esamp'] lacks {', '.join(missing)}")
-    if s.get("mix", "paper") not in ("paper", "unsharpened"):
-        raise ValueError(f"extra_args['esamp']['mix'] must be 'paper' or 'unsharpened', not {s['mix']!r}")
-    beta = float(s.get("beta", 0.8))
-    if not 0.0 <= beta <= 10.0:
-        raise ValueError(f"extra_args['esamp']['beta'] must be in [0, 10], not {beta}")
-    out = {
-        "group": str(s["group"]),
-        "sample": int(s["sample"]),
-        "on": bool(s.get("on", True)),
-        "beta": beta,
-        "mix": s.get("mix", "paper"),
-        "train": bool(s.get("train", True)),
-        "temperature": float(s.get("temperature", 1.0)),
-        "top_k": int(s.get("top_k", 0)),
-        "top_p": float(s.get("top_p", 1.0)),
-        "min_p": float(s.get("min_p", 0.0)),
-    }
-    if out["temperature"] < 0 or not 0 < out["top_p"] <= 1 or not 0 <= out["min_p"] < 1 or out["top_k"] < 0:
-        raise ValueError(f"extra_args['esamp'] has an invalid filter: {out}")
+def engine_settings(esamp: EsampConfig, num_layers: int) -> dict[str, Any]:
+    """The ``additional_config["esamp"]`` dict: the whole config, taps resolved to 0..L-1."""
+    out = esamp.model_dump()
+    out["source_layer"] = resolve_layer(esamp.source_layer, num_layers, "source")
+    out["target_layer"] = resolve_layer(esamp.target_layer, num_layers, "target")
     return out
+
+
+def engine_config(vllm_config) -> EsampConfig | None:
+    """This engine's ESamp settings, or None when the engine runs without ESamp."""
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    raw = extra.get(KEY) if isinstance(extra, dict) else None
+    if raw is None:
+        return None
+    if isinstance(raw, str):  # --additional-config '{"esamp": "{...}"}'
+        raw = json.loads(raw)
+    return make_config(EsampConfig, **raw)
+
+
+def neutral_filters(temperature: float) -> dict[str, Any]:
+    """What vLLM itself applies to a steered row: nothing but greedy-or-not."""
+    return dict(temperature=0.0 if temperature == 0 else 1.0, top_p=1.0, top_k=0, min_p=0.0)
+
+
+def request_payload(group: str, sample: int, steering, sampling: SamplingConfig) -> dict[str, Any]:
+    """The library engine's ``extra_args`` for one sample of a group (filters still on the params:
+    ``prepare`` moves them, as for a served request)."""
+    return pl.encode(steering, group=group, sample=sample, n=sampling.n)
+
+
+def _filters_of(params) -> Filters:
+    top_k = int(params.top_k or 0)
+    return make_config(Filters, temperature=float(params.temperature), top_p=float(params.top_p),
+                       top_k=top_k if top_k > 0 else 0, min_p=float(params.min_p or 0.0))
+
+
+def prepare(params) -> None:
+    """Make ``params`` (a vLLM ``SamplingParams``) an ESamp request, or leave it alone. See the
+    module docstring. Idempotent: a prepared request passes through unchanged."""
+    extra = params.extra_args or {}
+    try:
+        payload = pl.decode(extra)
+    except EsampError as exc:
+        raise ValueError(f"{exc.message} ({exc.hint})") from None
+    if payload is None and not os.environ.get(SERVE_ENV):
+        return
+    if payload is not None and payload.enabled is False:
+        return
+    if payload is not None and payload.filters is not None:
+        return  # prepared already (vLLM may validate a request more than once)
+    if (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
+            or params.frequency_penalty != 0.0):
+        raise ValueError("ESamp cannot steer a request with repetition, presence or frequency "
+                         "penalties (they would act after steering): drop them, or send "
+                         "vllm_xargs {\"esamp\": \"off\"} for plain sampling")
+    n = int(getattr(params, "n", 1) or 1)
+    most = bound(SamplingConfig, "n", "le")
+    if n > most:
+        raise ValueError(f"n={n}: an ESamp group holds at most {most} samples; send fewer, "
+                         "or split them over several requests")
+    try:
+        filters = _filters_of(params)
+    except EsampError as exc:
+        raise ValueError(f"{exc.message} ({exc.hint})") from None
+    moved = pl.encode(filters=filters, n=n,
+                      group=payload.group if payload and payload.group else uuid.uuid4().hex,
+                      seed=params.seed if params.seed is not None and not (payload and payload.sample is not None)
+                      else None)
+    params.extra_args = {**extra, **moved}
+    for name, value in neutral_filters(filters.temperature).items():
+        setattr(params, name, value)

@@ -1,0 +1,121 @@
+"""CUDA graphs of a steering step: capture once a batch shape is steady, replay from then on.
+
+Speed machinery: a Distiller step is some seventy small kernels, bound by their launches on the
+host; replaying it as one graph costs a few microseconds of host time instead of milliseconds.
+The reference (eager) path is the same function called directly; a GPU test holds a replayed
+step equal to eager steps.
+
+``GraphCache.run(key, fn, *inputs)`` calls ``fn(*inputs)`` eagerly until the same ``key`` (a batch
+shape: the slot of every row, which rows train) has been seen ``after`` times in a row, then
+captures it and replays it for every later call with that key. Graphs are kept per key (``size``
+of them, least recently used first out), so a shape that comes back replays at once.
+
+Every capture and every eager step before it runs on one side stream kept for captures. A capture
+needs the libraries it calls to be initialised on its stream beforehand (cuBLAS fails with
+CUBLAS_STATUS_NOT_INITIALIZED when a graph's first matmul meets a cold stream), which is what
+the eager steps on that stream do, as PyTorch's capture recipe prescribes. A capture that fails
+anyway turns graphs off for the rest of the run (``failures`` counts it); eager steps go on.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from typing import Callable, Hashable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+GRAPH_AFTER = 2  # eager steps of an unchanged shape before capturing (short-lived shapes are not worth one)
+GRAPH_CACHE = 4  # captured shapes kept
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _tensors(v)
+
+
+class _Graph:
+    """One captured call: static inputs in, static outputs back (overwritten by the next replay)."""
+
+    def __init__(self, fn: Callable, inputs: tuple[torch.Tensor, ...], stream: torch.cuda.Stream,
+                 keep: object) -> None:
+        self.keep = keep  # whatever the captured kernels read besides the inputs (layout tensors)
+        self.inputs = tuple(t.clone() for t in inputs)
+        self.graph = torch.cuda.CUDAGraph()
+        main = torch.cuda.current_stream()
+        stream.wait_stream(main)
+        with torch.cuda.stream(stream):
+            self.graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                self.outputs = fn(*self.inputs)
+            finally:
+                self.graph.capture_end()
+        main.wait_stream(stream)
+
+    def replay(self, inputs: tuple[torch.Tensor, ...]):
+        for static, value in zip(self.inputs, inputs):
+            static.copy_(value)
+        self.graph.replay()
+        return self.outputs
+
+
+class GraphCache:
+    def __init__(self, enabled: bool = True, after: int = GRAPH_AFTER, size: int = GRAPH_CACHE) -> None:
+        self.enabled = enabled
+        self.after, self.size = after, size
+        self.graphs: collections.OrderedDict[Hashable, _Graph] = collections.OrderedDict()
+        self.captures = self.failures = self.replays = 0
+        self._seen_key: Hashable = None
+        self._seen = 0
+        self._stream: torch.cuda.Stream | None = None
+
+    def run(self, key: Hashable, fn: Callable, *inputs: torch.Tensor, keep: object = None):
+        """``fn(*inputs)``, eagerly or by replaying the graph captured for ``key``."""
+        if not self.enabled:
+            return fn(*inputs)
+        graph = self.graphs.get(key)
+        if graph is not None:
+            self.graphs.move_to_end(key)
+            self.replays += 1
+            return graph.replay(inputs)
+        if key != self._seen_key:
+            self._seen_key, self._seen = key, 0
+        self._seen += 1
+        if self._seen <= self.after:
+            return self._on_stream(fn, inputs)
+        while len(self.graphs) >= self.size:
+            self.graphs.popitem(last=False)  # the least recently used graph and its memory go
+        try:
+            with torch.inference_mode(False):
+                graph = _Graph(fn, inputs, self.stream, keep)
+        except Exception as exc:  # an optimisation must never take the engine down
+            self.enabled = False
+            self.graphs.clear()
+            self.failures += 1
+            log.warning("ESamp: capturing a step as a CUDA graph failed (%s); continuing without graphs", exc)
+            return fn(*inputs)
+        self.graphs[key] = graph
+        self.captures += 1
+        return graph.replay(inputs)
+
+    @property
+    def stream(self) -> torch.cuda.Stream:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        return self._stream
+
+    def _on_stream(self, fn: Callable, inputs: tuple):
+        """An eager call on the capture stream (warming it), ordered with the current stream."""
+        main = torch.cuda.current_stream()
+        self.stream.wait_stream(main)
+        with torch.cuda.stream(self.stream):
+            out = fn(*inputs)
+        main.wait_stream(self.stream)
+        for t in _tensors(out):
+            t.record_stream(main)  # allocated on the side stream, read on the main one
+        return out

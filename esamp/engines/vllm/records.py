@@ -1,0 +1,116 @@
+"""Step records: what the processor reports per steered step, read back without waiting on the GPU.
+
+A record says, for every steered row of one engine step, which (group, sample, generation index)
+it was and its Distiller error (the novelty of the token that was the row's input) and candidate
+count, plus each training group's loss. The device values leave in one packed non-blocking copy
+per step; a record is handed out only once its copy has finished (a CUDA event), so reading
+never stalls the GPU. Python tuples are built when records are read, not on the step path.
+
+Records are kept until a reader takes them: the library engine drains every record; a server
+keeps them only for groups that asked (``esamp_records``) and drops what nobody read some time
+after its group ended (``RETAIN_SECONDS``), counting what it dropped. Readers may take the
+records of some groups only: taking one group's leaves every other group's in place.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+RETAIN_SECONDS = 300.0
+
+
+@dataclass
+class _Step:
+    step: int
+    groups: list[str]  # per row
+    samples: list[int]
+    generated: list[int]  # tokens each row's request had generated before this step
+    loss_groups: list[str]
+    keep: set[str] | None  # groups whose rows are kept (None: all)
+    packed: torch.Tensor  # host: errors [n] | candidates [n] | losses [len(loss_groups)]
+    event: object  # CUDA event of the copy, or None (already on the host)
+    time: float
+
+
+class RecordStore:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._in_flight: collections.deque[_Step] = collections.deque()
+        self._ready: list[dict] = []  # step records, oldest first
+        self._lock = threading.Lock()  # a server's side channel reads from another thread
+        self.dropped = 0
+
+    def push(self, step: int, groups: list[str], samples: list[int], generated: list[int],
+             errors: torch.Tensor, candidates: torch.Tensor, losses: torch.Tensor | None,
+             loss_groups: list[str], keep: set[str] | None = None) -> None:
+        """Queue one step's record (of the ``keep`` groups' rows, or all); its device values start
+        copying to the host now."""
+        parts = [errors.float(), candidates.float()]  # counts are exact in fp32 (a vocabulary < 2²⁴)
+        if losses is not None:
+            parts.append(losses.float())
+        cuda = self.device.type == "cuda"
+        packed = torch.cat(parts).to("cpu", non_blocking=cuda)
+        event = None
+        if cuda:
+            event = torch.cuda.Event()
+            event.record()
+        with self._lock:
+            self._in_flight.append(_Step(step, groups, samples, generated,
+                                         loss_groups if losses is not None else [], keep, packed, event,
+                                         time.monotonic()))
+
+    def _collect(self) -> None:
+        """Turn records whose copies have finished into plain step records (under the lock)."""
+        while self._in_flight and (self._in_flight[0].event is None or self._in_flight[0].event.query()):
+            s = self._in_flight.popleft()
+            n = len(s.groups)
+            values = s.packed.tolist()
+            rows = list(zip(s.groups, s.samples, s.generated, values[:n], map(int, values[n:2 * n])))
+            loss = dict(zip(s.loss_groups, values[2 * n:]))
+            if s.keep is not None:
+                rows = [r for r in rows if r[0] in s.keep]
+                loss = {g: v for g, v in loss.items() if g in s.keep}
+            self._ready.append({"step": s.step, "time": s.time, "rows": rows, "loss": loss})
+
+    def take(self, groups: set[str] | None = None) -> tuple[list[dict], int]:
+        """(finished step records, how many are still copying). With ``groups``, only their rows
+        and losses are taken; everything else stays for its own reader."""
+        with self._lock:
+            self._collect()
+            pending = len(self._in_flight)
+            if groups is None:
+                out, self._ready = self._ready, []
+                return out, pending
+            out, keep = [], []
+            for rec in self._ready:
+                mine = [r for r in rec["rows"] if r[0] in groups]
+                loss = {g: v for g, v in rec["loss"].items() if g in groups}
+                if mine or loss:
+                    out.append({**rec, "rows": mine, "loss": loss})
+                rest = [r for r in rec["rows"] if r[0] not in groups]
+                rest_loss = {g: v for g, v in rec["loss"].items() if g not in groups}
+                if rest or rest_loss:
+                    keep.append({**rec, "rows": rest, "loss": rest_loss})
+            self._ready = keep
+            return out, pending
+
+    def expire(self, live: set[str], now: float | None = None) -> None:
+        """Drop records of groups no longer ``live`` that nobody read for ``RETAIN_SECONDS``."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            if not self._ready or now - self._ready[0]["time"] < RETAIN_SECONDS:
+                return
+            keep = []
+            for rec in self._ready:
+                old = now - rec["time"] >= RETAIN_SECONDS
+                rows = [r for r in rec["rows"] if not old or r[0] in live]
+                self.dropped += len(rec["rows"]) - len(rows)
+                loss = {g: v for g, v in rec["loss"].items() if not old or g in live}
+                if rows or loss:
+                    keep.append({**rec, "rows": rows, "loss": loss})
+            self._ready = keep

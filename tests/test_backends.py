@@ -1,0 +1,129 @@
+"""Each speed backend of the core equals the plain PyTorch reference it replaces."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from esamp.core import intervention as iv
+from esamp.core.distiller import DistillerBank, RowLayout, Training
+
+CUDA = torch.cuda.is_available()
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_flat_fused_update_matches_torch_optimizers_per_slot(optimizer):
+    """Each slot steps exactly like its own torch optimizer, whether its rows are read in place
+    (consecutive slots) or gathered (scattered slots)."""
+    H, r = 12, 3
+    for slots in ([0, 1], [2, 0], [1]):
+        bank = DistillerBank(H, rank=r, slots=3, optimizer=optimizer, lr=1e-2, seed=4)
+        store = bank.store
+        ref = {s: store.flat[s].clone().requires_grad_(True) for s in set(slots)}
+        opt = {s: (torch.optim.Adam([ref[s]], lr=1e-2) if optimizer == "adam"
+                   else torch.optim.SGD([ref[s]], lr=1e-2)) for s in ref}
+        gen = torch.Generator().manual_seed(2)
+        for _ in range(3):
+            rows = [s for s in slots for _ in range(2)]
+            x, y = torch.randn(len(rows), H, generator=gen), torch.randn(len(rows), H, generator=gen)
+            for s in ref:
+                p = {k: store.view(ref[s].unsqueeze(0), k) for k in bank.PARAMS}
+                own = [i for i, t in enumerate(rows) if t == s]
+                loss = iv_free_error(bank, x[own], y[own], p).mean()
+                opt[s].zero_grad()
+                loss.backward()
+                opt[s].step()
+            bank.train_step(x, y, RowLayout.from_slots(rows))
+            for s in ref:
+                torch.testing.assert_close(store.flat[s], ref[s].detach(), rtol=1e-5, atol=1e-6)
+
+
+def iv_free_error(bank, x, y, p):
+    from esamp.core.distiller import row_error
+
+    return row_error(bank._forward(x, RowLayout.from_slots([0] * len(x)), p), y)
+
+
+def test_one_pass_step_equals_predict_then_train():
+    """The one-pass step gives what separate predict / row_error / train_step give, also inside
+    inference mode (as in vLLM's sampler)."""
+    for optimizer in ("adam", "sgd"):
+        a = DistillerBank(16, rank=4, slots=3, optimizer=optimizer, seed=5)
+        b = DistillerBank(16, rank=4, slots=3, optimizer=optimizer, seed=5)
+        for g in ("p", "q"):
+            a.allocate(g), b.allocate(g)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(4):
+            layout = RowLayout.from_slots([1, 0, 1])
+            x, y = torch.randn(3, 16, generator=gen), torch.randn(3, 16, generator=gen)
+            want_pred = a.predict(x, layout)
+            want_loss = a.train_step(x, y, layout)
+            with torch.inference_mode():
+                pred, err, loss = b.step(x, y, RowLayout.from_slots([1, 0, 1]),
+                                         Training.of([1, 0, 1], [True] * 3))
+            torch.testing.assert_close(pred, want_pred)
+            assert torch.equal(loss, want_loss)
+            torch.testing.assert_close(err, DistillerBank.row_error(want_pred, y))
+        for k in a.PARAMS:
+            assert torch.equal(a.params[k], b.params[k])
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("mix", ["paper", "unsharpened"])
+def test_fused_mix_equals_the_reference_mix(device, mix):
+    """The fused mix-and-count (Triton on a GPU, PyTorch elsewhere) equals the core's ``mix``
+    with −∞ kept, counts |C|, and with β = 0 returns z̃ bit for bit."""
+    if device == "cuda" and not CUDA:
+        pytest.skip("needs a CUDA GPU")
+    from esamp.core.backends.triton_mix import mix_and_count
+
+    gen = torch.Generator().manual_seed(5)
+    R, V = 6, 10_000
+    z = torch.randn(R, V, generator=gen)
+    z[torch.rand(R, V, generator=gen) < 0.7] = float("-inf")
+    d = torch.randn(R, V, generator=gen).to(torch.bfloat16)
+    betas = [0.0, 0.8, 0.8, 2.0, 0.0, 0.3]
+    a, b = iv.mix_coefficients([(mix, beta) for beta in betas])
+    fin = torch.isfinite(z)
+    want = torch.where(fin, iv.mix(z, d.float(), a, b), z)
+    got, count = mix_and_count(z.clone().to(device), d.to(device), a.to(device), b.to(device))
+    got = got.cpu()
+    assert torch.equal(count.cpu().long(), fin.sum(-1)) and torch.equal(torch.isfinite(got), fin)
+    torch.testing.assert_close(got[fin], want[fin], rtol=1e-6, atol=1e-5)
+    for r in (0, 4):  # β = 0
+        assert torch.equal(got[r], z[r])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_graphed_step_equals_eager_steps_even_as_the_first_cuda_work():
+    """A CUDA-graph replay of the Distiller step does what the eager step does, step after step,
+    and capturing works on a cold stream: run alone in a fresh process, this is the first CUDA
+    work that process does (cuBLAS initialised by nothing else)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from esamp.core.backends.graphs import GraphCache\n"
+        "from esamp.core.distiller import DistillerBank, RowLayout, Training\n"
+        "dev = torch.device('cuda')\n"
+        "banks = [DistillerBank(64, rank=8, slots=4, device=dev, seed=2) for _ in range(2)]\n"
+        "for bank in banks:\n"
+        "    [bank.allocate(g) for g in 'abc']\n"
+        "slots = [0, 0, 2, 1, 2]\n"
+        "layouts = [RowLayout.from_slots(slots).to(lambda t: t.to(dev)) for _ in banks]\n"
+        "train = Training.of(slots, [True] * 5)\n"
+        "cache = GraphCache(after=1)\n"
+        "gen = torch.Generator(device=dev).manual_seed(0)\n"
+        "for i in range(6):\n"
+        "    x = torch.randn(5, 64, device=dev, generator=gen); y = torch.randn(5, 64, device=dev, generator=gen)\n"
+        "    want = banks[0].step(x, y, layouts[0], train)\n"
+        "    got = cache.run('k', lambda gx, gy: banks[1].step(gx, gy, layouts[1], train), x, y)\n"
+        "    for w, g in zip(want, got):\n"
+        "        torch.testing.assert_close(g, w)\n"
+        "torch.testing.assert_close(banks[1].store.flat, banks[0].store.flat)\n"
+        "assert cache.captures == 1 and cache.replays == 5 and not cache.failures, vars(cache)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
