@@ -92,7 +92,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen2.5-7b:dummy")
     ap.add_argument("--workload", default="32xn8x256")
-    ap.add_argument("--side", choices=("baseline", "esamp"), default="esamp")
+    ap.add_argument("--side", choices=("baseline", "floor", "esamp"), default="esamp",
+                    help="floor: the ESamp engine with ESamp off on every request")
     ap.add_argument("--steps", type=int, default=8, help="engine steps to trace")
     ap.add_argument("--skip", type=int, default=0,
                     help="engine steps of the timed trial before tracing (default: a third of its tokens)")
@@ -115,8 +116,8 @@ def main() -> int:
     P, n, L = parse_workload(args.workload)
     sampling_kw = dict(temperature=0.8, top_p=0.95, min_p=0.1, top_k=0, seed=args.seed)
     esamp = EsampConfig()
-    es = None if args.side == "baseline" else esamp
-    engine = VllmEngine(model=args.model, esamp=esamp, plain=es is None, ignore_eos=True,
+    es = esamp.steering().model_copy(update={"enabled": args.side == "esamp"})
+    engine = VllmEngine(model=args.model, esamp=esamp, plain=args.side == "baseline", ignore_eos=True,
                         max_model_len=2048, gpu_memory_utilization=0.42, max_num_seqs=max(16, P * n))
     vocab = int(json.loads((engine.resolved.hf_dir() / "config.json").read_text())["vocab_size"])
     prompts = _prompts(P, 32, vocab, seed=P * 1000 + n * 10 + L)

@@ -1,19 +1,35 @@
 """``esamp bench``: ESamp's throughput against plain vLLM, in one invocation.
 
-Two engines stay loaded side by side: the baseline is plain vLLM (the model's own class, no
-logits processor, CUDA graphs as configured), the other is the ESamp engine. Trials alternate
+Two engines stay loaded side by side: the baseline is plain vLLM (the model's own class, no ESamp
+settings, CUDA graphs as configured), the other is the ESamp engine. Trials alternate
 (base, esamp, esamp, base, ...) on identical token-id prompts and sampling settings, every
 sample runs to exactly its token budget (``ignore_eos``), and each trial is timed from the first
-request to the last token. Workloads are ``PxL`` (P prompts × L tokens, n=1) or ``PxnNxL``
-(P prompts × n=N samples × L tokens).
-
-Output: a table on stdout and a JSON file with per-trial tok/s, the ESamp/baseline ratio (median
-of the per-pair ratios, with min and max), the Distiller's loss count and first/last loss, port
-hits, mean candidate count, peak GPU memory of each engine, device, versions and the exact command.
+request to the last token. Workloads are ``PxL`` (P prompts × L tokens, n=1), ``PxnNxL``
+(P prompts × n=N samples × L tokens), or a preset's name (``fair``: the published runtime's
+workload and settings, 8 prompts × n=16 × 256 tokens, top-p 1.0, min-p 0.05, β 0.1).
 
 ``--floor`` adds a third side, alternated with the other two: the ESamp engine (tap model class
 and logits processor installed) running every request with ESamp off. Its ratio to the baseline
 is what the seams cost by themselves, before any Distiller or steering work.
+
+``--logits`` chooses what the dummy model's next-token distributions look like:
+
+- ``flat``: vLLM's dummy weights as they are. Near-uniform logits keep about 138,000 candidates
+  per row under min-p 0.1 and top-p 0.95: ESamp's worst case (d and the mix over almost the
+  whole vocabulary).
+- ``realistic``: the LM head's rows are rescaled (through the worker extension, on every side
+  alike) so that the model's distributions have the candidate count and entropy of a real
+  model's: token v's row is multiplied by s·(r_v + 1)^−α, r_v a seeded random rank, with (α, s)
+  chosen so that simulated rows (z_v = s·(r_v+1)^−α·σ_v·g, σ_v the spread of W_v·h for the
+  model's final-norm weights, g ~ N(0, 1)) match the embedded SmolLM2-135M-Instruct's mean |C|
+  and entropy under the default filters (``REAL_MODEL``, measured by
+  ``benchmarks/logit_profile.py``). The candidate count the ESamp side then measures is
+  printed beside it; all sides share the model, so it is every side's.
+
+Output: a table on stdout and a JSON file with per-trial tok/s, the ESamp/baseline ratio (median
+of the per-pair ratios, with min and max), the Distiller's loss count and first/last loss, port
+hits, mean candidate count, the processor's host time per steady step, peak GPU memory of each
+engine, the calibration, device, versions and the exact command.
 
 Sampling draws without per-request seeds unless ``--seed`` is given: with a seed, vLLM's sampler
 draws each row with its own generator (one kernel launch per row and step), which slows both
@@ -23,6 +39,7 @@ sides alike and makes the engine bound by its host.
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import random
@@ -32,11 +49,22 @@ import sys
 import time
 from pathlib import Path
 
+from esamp.core.config import EsampConfig, Filters, Steering, add_flags, from_flags
 from esamp.errors import ConfigError
 
 HELP = "measure ESamp's throughput against plain vLLM (alternating trials, JSON result)"
 
-WORKLOADS = ("16x64", "32xn8x256")
+# Filter and steering settings per preset; "default" is the settings models' own defaults.
+PRESETS: dict[str, dict] = {
+    "default": dict(workloads=("16x64", "32xn8x256"), sampling=Filters().model_dump(),
+                    steering=Steering().model_dump(include={"beta"})),
+    "fair": dict(workloads=("8xn16x256",), sampling=Filters(top_p=1.0, min_p=0.05).model_dump(),
+                 steering=dict(beta=0.1)),
+}
+LOGITS = ("flat", "realistic")
+# The embedded SmolLM2-135M-Instruct's next-token distributions, per preset's filters: the target
+# of --logits realistic (benchmarks/results/logit-profile-cpu.json, benchmarks/logit_profile.py).
+REAL_MODEL = {"default": dict(candidates=2.96, entropy=1.26), "fair": dict(candidates=4.51, entropy=1.26)}
 
 
 def parse_workload(spec: str) -> tuple[int, int, int]:
@@ -44,26 +72,49 @@ def parse_workload(spec: str) -> tuple[int, int, int]:
     m = re.fullmatch(r"(\d+)x(?:n(\d+)x)?(\d+)", spec.strip())
     if not m or int(m.group(1)) < 1 or int(m.group(3)) < 1 or (m.group(2) and int(m.group(2)) < 1):
         raise ConfigError(f"bad workload {spec!r}",
-                          hint="write PROMPTSxTOKENS (16x64) or PROMPTSxnSAMPLESxTOKENS (32xn8x256)")
+                          hint="write PROMPTSxTOKENS (16x64), PROMPTSxnSAMPLESxTOKENS (32xn8x256) or a "
+                               "preset name (" + ", ".join(p for p in PRESETS if p != "default") + ")")
     return int(m.group(1)), int(m.group(2) or 1), int(m.group(3))
+
+
+def parse_workloads(text: str) -> list[tuple[str, tuple[int, int, int]]]:
+    """``16x64,fair`` → [("default", (16, 1, 64)), ("fair", (8, 16, 256))]."""
+    out = []
+    for spec in (s.strip() for s in text.split(",") if s.strip()):
+        if spec in PRESETS and spec != "default":
+            out += [(spec, parse_workload(w)) for w in PRESETS[spec]["workloads"]]
+        else:
+            out.append(("default", parse_workload(spec)))
+    if not out:
+        raise ConfigError("no workload given", hint="e.g. --workloads 16x64,32xn8x256,fair")
+    return out
+
+
+def workload_name(preset: str, shape: tuple[int, int, int]) -> str:
+    P, n, L = shape
+    name = f"{P}x{L}" if n == 1 else f"{P}xn{n}x{L}"
+    return name if preset == "default" else f"{name} ({preset})"
 
 
 def configure(parser) -> None:
     parser.add_argument("--model", default="qwen2.5-7b:dummy",
                         help="model spec (default: qwen2.5-7b:dummy, random weights)")
-    parser.add_argument("--workloads", default=",".join(WORKLOADS),
-                        help="comma-separated workloads (default: %(default)s)")
+    parser.add_argument("--workloads", default=",".join(PRESETS["default"]["workloads"]),
+                        help="comma-separated workloads: PxL, PxnNxL or a preset (fair) (default: %(default)s)")
+    parser.add_argument("--preset", choices=[p for p in PRESETS if p != "default"], default=None,
+                        help="run only a preset's workload with its settings (fair: 8xn16x256, top-p 1.0, "
+                             "min-p 0.05, beta 0.1)")
+    parser.add_argument("--logits", default="flat",
+                        help="comma-separated: flat (dummy weights as they are: the worst case) and/or "
+                             "realistic (the head rescaled to a real model's candidate count and entropy)")
     parser.add_argument("--trials", type=int, default=3, help="timed trials per side and workload")
     parser.add_argument("--prompt-len", type=int, default=32, help="prompt length in tokens")
     parser.add_argument("--eager", action="store_true", help="every side without CUDA graphs")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None,
                         help="share of GPU memory for EACH engine (default: 0.42, or 0.28 with --floor)")
     parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--beta", type=float, default=0.8)
-    parser.add_argument("--temperature", type=float, default=0.8)
-    parser.add_argument("--top-p", type=float, default=0.95)
-    parser.add_argument("--min-p", type=float, default=0.1)
-    parser.add_argument("--top-k", type=int, default=0)
+    add_flags(parser, Filters, ["temperature", "top_p", "min_p", "top_k"])
+    add_flags(parser, EsampConfig, ["beta", "mix", "train_rows", "optimizer", "lr", "rank"])
     parser.add_argument("--seed", type=int, default=None,
                         help="per-request sampling seeds (seed + sample); default: none, as in serving")
     parser.add_argument("--floor", action="store_true",
@@ -96,12 +147,22 @@ def _device() -> str:
     return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
 
 
+def _commit() -> str | None:
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=10).stdout.strip() or None
+    except Exception:
+        return None
+
+
 def _prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(100, vocab - 100) for _ in range(length)] for _ in range(count)]
 
 
-def run_trial(engine, prompts, n: int, tokens: int, sampling_kw: dict, esamp) -> dict:
+def run_trial(engine, prompts, n: int, tokens: int, sampling_kw: dict, steering) -> dict:
     """Run every prompt as a group of n samples to ``tokens`` tokens; time and count."""
     from esamp.core.config import SamplingConfig
 
@@ -109,7 +170,7 @@ def run_trial(engine, prompts, n: int, tokens: int, sampling_kw: dict, esamp) ->
     c0 = time.process_time()
     t0 = time.perf_counter()
     for p in prompts:
-        engine.start(p, sampling, esamp)
+        engine.start(p, sampling, steering)
     produced, losses, port_hits, cands = 0, [], 0, []
     while engine.has_unfinished():
         for ev in engine.step():
@@ -123,8 +184,7 @@ def run_trial(engine, prompts, n: int, tokens: int, sampling_kw: dict, esamp) ->
                     cands.append(ev.candidates)
     seconds = time.perf_counter() - t0
     client = time.process_time() - c0
-    if hasattr(engine, "drain"):
-        engine.drain()  # release the groups' slots before the next trial
+    engine.drain()  # release the groups' slots before the next trial
     # client_cpu_share near 1: this process (event bookkeeping), not the engine, set the pace
     return dict(tokens=produced, seconds=round(seconds, 4), tok_s=round(produced / seconds, 2),
                 client_cpu_share=round(client / seconds, 3),
@@ -140,11 +200,65 @@ def _peak_memory(engine) -> float | None:
         return None
 
 
+# -- realistic logits ----------------------------------------------------------------------------
+
+
+def _simulate(sigma, factors, filters: dict, rows: int, gen):
+    """Mean |C| and entropy of rows z_v = factors_v·σ_v·g_v under ``filters`` (torch, any device)."""
+    import torch
+
+    from esamp.core import intervention as iv
+
+    scale = (factors * sigma).unsqueeze(0)
+    z = torch.randn(rows, sigma.numel(), generator=gen, device=sigma.device) * scale / filters["temperature"]
+    R = rows
+    mask = iv.candidate_mask(z, torch.full((R,), filters["top_k"]), torch.full((R,), filters["top_p"]),
+                             torch.full((R,), filters["min_p"]))
+    logp = z.log_softmax(-1)
+    return float(mask.sum(-1).float().mean()), float(-(logp.exp() * logp).sum(-1).mean())
+
+
+def calibrate_head(sigma: list[float], target: dict, filters: dict, seed: int = 0) -> dict:
+    """(α, s) for the realistic profile (module docstring), matching ``target`` |C| and entropy."""
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    sig = torch.tensor(sigma, dtype=torch.float32, device=device)
+    V = sig.numel()
+    rank = torch.randperm(V, generator=torch.Generator().manual_seed(seed)).to(device).float()
+    best = None
+    for alpha in (0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5):
+        profile = (rank + 1).pow(-alpha)
+        lo, hi = math.log(1e-3), math.log(1e6)
+        for _ in range(28):  # |C| falls as s grows: bisect log s
+            mid = (lo + hi) / 2
+            cands, _ = _simulate(sig, profile * math.exp(mid), filters, 16,
+                                 torch.Generator(device=device).manual_seed(seed))
+            lo, hi = (mid, hi) if cands > target["candidates"] else (lo, mid)
+        s = math.exp((lo + hi) / 2)
+        cands, ent = _simulate(sig, profile * s, filters, 64, torch.Generator(device=device).manual_seed(seed + 1))
+        miss = abs(ent - target["entropy"]) + abs(cands - target["candidates"])
+        if best is None or miss < best["miss"]:
+            best = dict(alpha=alpha, scale=s, candidates=round(cands, 3), entropy=round(ent, 3), miss=miss)
+    profile = (rank + 1).pow(-best["alpha"]) * best["scale"]
+    best["factors"] = profile.cpu().tolist()
+    return best
+
+
+def _scale_heads(sides, factors: list[float] | None) -> None:
+    for _, eng, _ in sides:
+        eng.engine.collective_rpc("esamp_scale_head", args=(factors,))
+
+
 def run(args) -> int:
-    from esamp.core.config import EsampConfig
     from esamp.engines.vllm.engine import VllmEngine
 
-    workloads = [parse_workload(w) for w in args.workloads.split(",") if w.strip()]
+    workloads = parse_workloads(args.preset if args.preset else args.workloads)
+    logits = [m.strip() for m in args.logits.split(",") if m.strip()]
+    bad = [m for m in logits if m not in LOGITS]
+    if bad or not logits:
+        raise ConfigError(f"--logits {args.logits}: unknown mode {', '.join(bad) or '(none)'}",
+                          hint="use --logits flat, --logits realistic or --logits flat,realistic")
     if args.trials < 1:
         raise ConfigError("--trials must be at least 1", hint="use --trials 3")
     if args.seed is not None and args.seed < 0:
@@ -152,9 +266,11 @@ def run(args) -> int:
     if args.gpu_memory_utilization is not None and not 0 < args.gpu_memory_utilization < 1:
         raise ConfigError(f"--gpu-memory-utilization is a share of the GPU per engine, not {args.gpu_memory_utilization}",
                           hint="use e.g. 0.42 (two engines) or 0.28 (three, with --floor)")
-    esamp = EsampConfig(beta=args.beta)
-    off = esamp.model_copy(update={"enabled": False})
-    max_seqs = max(p * n for p, n, _ in workloads)
+    esamp = from_flags(args, EsampConfig, ["beta", "mix", "train_rows", "optimizer", "lr", "rank"])
+    given_filters = {f: getattr(args, f) for f in ("temperature", "top_p", "min_p", "top_k")
+                     if getattr(args, f, None) is not None}
+    given_beta = getattr(args, "beta", None)
+    max_seqs = max(p * n for _, (p, n, _) in workloads)
     share = args.gpu_memory_utilization or (0.28 if args.floor else 0.42)
     common = dict(model=args.model, max_model_len=args.max_model_len,
                   gpu_memory_utilization=share, ignore_eos=True,
@@ -166,86 +282,115 @@ def run(args) -> int:
     t0 = time.perf_counter()
     steer = VllmEngine(esamp=esamp, **common)
     loads["esamp"] = round(time.perf_counter() - t0, 1)
-    sides = [("baseline", base, None), ("esamp", steer, esamp)]
-    floor = None
+    sides = [("baseline", base, False), ("esamp", steer, True)]
     if args.floor:
         t0 = time.perf_counter()
         floor = VllmEngine(esamp=esamp, **common)
         loads["floor"] = round(time.perf_counter() - t0, 1)
-        sides.insert(1, ("floor", floor, off))
-    sampling_kw = dict(temperature=args.temperature, top_p=args.top_p, min_p=args.min_p,
-                       top_k=args.top_k, seed=args.seed)
+        sides.insert(1, ("floor", floor, False))
     vocab = 32000
     try:
         vocab = int(json.loads((base.resolved.hf_dir() / "config.json").read_text())["vocab_size"])
     except Exception:
         pass
-    results = []
-    for P, n, L in workloads:
-        name = f"{P}x{L}" if n == 1 else f"{P}xn{n}x{L}"
-        prompts = _prompts(P, args.prompt_len, vocab, seed=P * 1000 + n * 10 + L)
-        # warm-up: one short pass per side at the workload's batch shape
-        for _, eng, es in sides:
-            run_trial(eng, prompts, n, min(L, 16), sampling_kw, es)
-        trials = []
-        for t in range(args.trials):
-            order = list(sides)
-            if t % 2:
-                order.reverse()
-            for side, eng, es in order:
-                r = run_trial(eng, prompts, n, L, sampling_kw, es)
-                r.update(side=side, trial=t)
-                trials.append(r)
-                print(f"  {name:>10} trial {t} {side:>8}: {r['tok_s']:>10.1f} tok/s  "
-                      f"(client cpu {r['client_cpu_share']:.0%})", flush=True)
-        b = [r["tok_s"] for r in trials if r["side"] == "baseline"]
-        e = [r["tok_s"] for r in trials if r["side"] == "esamp"]
-        ratios = [ei / bi for ei, bi in zip(e, b)]
-        es_trials = [r for r in trials if r["side"] == "esamp"]
-        extra = {}
-        if floor is not None:
-            f = [r["tok_s"] for r in trials if r["side"] == "floor"]
-            floor_ratios = [fi / bi for fi, bi in zip(f, b)]
-            extra = dict(floor_tok_s_median=statistics.median(f),
-                         floor_ratio_median=round(statistics.median(floor_ratios), 4),
-                         floor_ratio_min=round(min(floor_ratios), 4), floor_ratio_max=round(max(floor_ratios), 4))
-        results.append(dict(
-            workload=name, prompts=P, n=n, tokens=L, trials=trials,
-            baseline_tok_s_median=statistics.median(b), esamp_tok_s_median=statistics.median(e),
-            ratio_median=round(statistics.median(ratios), 4), ratio_min=round(min(ratios), 4),
-            ratio_max=round(max(ratios), 4),
-            ratio_of_medians=round(statistics.median(e) / statistics.median(b), 4),
-            loss_count=[r["loss_count"] for r in es_trials],
-            loss_first=[r["loss_first"] for r in es_trials], loss_last=[r["loss_last"] for r in es_trials],
-            port_hits=[r["port_hits"] for r in es_trials],
-            candidates_mean=[r["candidates_mean"] for r in es_trials],
-            **extra,
-        ))
+    results, calibration = [], {}
+    for mode in logits:
+        if mode == "realistic":
+            sigma = base.engine.collective_rpc("esamp_head_sigma")[0]
+            preset = PRESETS["default"]
+            filt = {**preset["sampling"], **given_filters}
+            cal = calibrate_head(sigma, REAL_MODEL["default"], filt)
+            _scale_heads(sides, cal.pop("factors"))
+            calibration = dict(cal, target=REAL_MODEL, filters=filt)
+            print(f"realistic logits: head rows × s·(rank+1)^−α with α={cal['alpha']}, s={cal['scale']:.4g}: "
+                  f"simulated mean |C| {cal['candidates']}, entropy {cal['entropy']} nats "
+                  f"(embedded model: {REAL_MODEL['default']})", flush=True)
+        for preset_name, (P, n, L) in workloads:
+            preset = PRESETS[preset_name]
+            sampling_kw = dict({**preset["sampling"], **given_filters}, seed=args.seed)
+            beta = given_beta if given_beta is not None else preset["steering"]["beta"]
+            steering = esamp.steering().model_copy(update={"beta": beta})
+            off = steering.model_copy(update={"enabled": False})
+            name = workload_name(preset_name, (P, n, L))
+            prompts = _prompts(P, args.prompt_len, vocab, seed=P * 1000 + n * 10 + L)
+            trial_sides = [(side, eng, steering if on else off) for side, eng, on in sides]
+            for _, eng, st in trial_sides:  # warm-up: one short pass per side at the workload's shape
+                run_trial(eng, prompts, n, min(L, 16), sampling_kw, st)
+            trials = []
+            for t in range(args.trials):
+                order = list(trial_sides)
+                if t % 2:
+                    order.reverse()
+                for side, eng, st in order:
+                    r = run_trial(eng, prompts, n, L, sampling_kw, st)
+                    r.update(side=side, trial=t)
+                    trials.append(r)
+                    print(f"  {mode:>9} {name:>18} trial {t} {side:>8}: {r['tok_s']:>10.1f} tok/s  "
+                          f"(client cpu {r['client_cpu_share']:.0%})", flush=True)
+            results.append(_summary(mode, preset_name, name, (P, n, L), sampling_kw, beta, trials))
+        if mode == "realistic":
+            _scale_heads(sides, None)  # back to the dummy weights for the next mode
+    counters = steer.drain().get("counters", {})
     report = dict(
         command=" ".join(["esamp", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else " ".join(sys.argv),
-        device=_device(), versions=_versions(), model=args.model,
-        cuda_graphs=not args.eager, sampling=sampling_kw, esamp=esamp.model_dump(),
-        prompt_len=args.prompt_len, load_seconds=loads,
+        commit=_commit(), device=_device(), versions=_versions(), model=args.model,
+        cuda_graphs=not args.eager, esamp=esamp.model_dump(), seed=args.seed,
+        prompt_len=args.prompt_len, load_seconds=loads, calibration=calibration,
         peak_memory_bytes={side: _peak_memory(eng) for side, eng, _ in sides},
-        esamp_counters=steer.drain().get("counters", {}),
+        esamp_counters=counters,
+        host_ms_per_steady_step=round(counters["replay_host_ms"] / counters["replay_steps"], 4)
+        if counters.get("replay_steps") else None,
         workloads=results, time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     )
     for _, eng, _ in sides:
         eng.close()
-    print()
-    print(f"{'workload':>12} {'baseline tok/s':>15} {'esamp tok/s':>12} {'ratio':>7} {'(min..max)':>14} "
-          f"{'losses':>7} {'port hits':>10} {'cands':>8}")
-    for r in results:
-        print(f"{r['workload']:>12} {r['baseline_tok_s_median']:>15.1f} {r['esamp_tok_s_median']:>12.1f} "
-              f"{r['ratio_median']:>7.3f} {r['ratio_min']:>6.3f}..{r['ratio_max']:<6.3f} "
-              f"{r['loss_count'][-1]:>7} {r['port_hits'][-1]:>10} {r['candidates_mean'][-1]:>8.1f}")
-        if "floor_ratio_median" in r:
-            print(f"{'':>12} floor (ESamp engine, ESamp off): {r['floor_tok_s_median']:.1f} tok/s, ratio "
-                  f"{r['floor_ratio_median']:.3f} {r['floor_ratio_min']:.3f}..{r['floor_ratio_max']:.3f}")
-    print(f"device: {report['device']}; vllm {report['versions']['vllm']}, torch {report['versions']['torch']}")
+    _print_table(report)
     path = Path(args.json_path) if args.json_path else (
         Path("benchmarks/results") / f"bench-{args.model.replace(':', '-').replace('/', '_')}-{time.strftime('%Y%m%d-%H%M%S')}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2))
     print(f"wrote {path}")
     return 0
+
+
+def _summary(mode, preset, name, shape, sampling_kw, beta, trials) -> dict:
+    P, n, L = shape
+    by = {side: [r["tok_s"] for r in trials if r["side"] == side] for side in ("baseline", "esamp", "floor")}
+    ratios = [e / b for e, b in zip(by["esamp"], by["baseline"])]
+    es_trials = [r for r in trials if r["side"] == "esamp"]
+    extra = {}
+    if by["floor"]:
+        floor_ratios = [f / b for f, b in zip(by["floor"], by["baseline"])]
+        extra = dict(floor_tok_s_median=statistics.median(by["floor"]),
+                     floor_ratio_median=round(statistics.median(floor_ratios), 4),
+                     floor_ratio_min=round(min(floor_ratios), 4), floor_ratio_max=round(max(floor_ratios), 4))
+    return dict(
+        logits=mode, preset=preset, workload=name, prompts=P, n=n, tokens=L, sampling=sampling_kw, beta=beta,
+        trials=trials, baseline_tok_s_median=statistics.median(by["baseline"]),
+        esamp_tok_s_median=statistics.median(by["esamp"]),
+        ratio_median=round(statistics.median(ratios), 4), ratio_min=round(min(ratios), 4),
+        ratio_max=round(max(ratios), 4),
+        ratio_of_medians=round(statistics.median(by["esamp"]) / statistics.median(by["baseline"]), 4),
+        loss_count=[r["loss_count"] for r in es_trials],
+        loss_first=[r["loss_first"] for r in es_trials], loss_last=[r["loss_last"] for r in es_trials],
+        port_hits=[r["port_hits"] for r in es_trials],
+        candidates_mean=[r["candidates_mean"] for r in es_trials],
+        **extra)
+
+
+def _print_table(report: dict) -> None:
+    print()
+    print(f"{'logits':>9} {'workload':>18} {'baseline tok/s':>15} {'esamp tok/s':>12} {'ratio':>7} "
+          f"{'(min..max)':>14} {'floor':>7} {'losses':>7} {'port hits':>10} {'mean |C|':>9}")
+    for r in report["workloads"]:
+        floor = f"{r['floor_ratio_median']:.3f}" if "floor_ratio_median" in r else "-"
+        print(f"{r['logits']:>9} {r['workload']:>18} {r['baseline_tok_s_median']:>15.1f} "
+              f"{r['esamp_tok_s_median']:>12.1f} {r['ratio_median']:>7.3f} "
+              f"{r['ratio_min']:>6.3f}..{r['ratio_max']:<6.3f} {floor:>7} {r['loss_count'][-1]:>7} "
+              f"{r['port_hits'][-1]:>10} {r['candidates_mean'][-1]:>9.1f}")
+        if "floor_ratio_median" in r:
+            print(f"{'':>28} floor (ESamp engine, ESamp off): {r['floor_tok_s_median']:.1f} tok/s, ratio "
+                  f"{r['floor_ratio_median']:.3f} {r['floor_ratio_min']:.3f}..{r['floor_ratio_max']:.3f}")
+    if report.get("host_ms_per_steady_step") is not None:
+        print(f"processor host time per steady step: {report['host_ms_per_steady_step']} ms")
+    print(f"device: {report['device']}; vllm {report['versions']['vllm']}, torch {report['versions']['torch']}")

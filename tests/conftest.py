@@ -1,10 +1,13 @@
 import importlib.util
+import os
 
 import pytest
 import torch
 
 
 def pytest_collection_modifyitems(config, items):
+    if os.environ.get("ESAMP_TEST_ORDER") == "reverse":  # the GPU suite must pass in any order
+        items.reverse()
     no_cuda = not torch.cuda.is_available()
     no_vllm = importlib.util.find_spec("vllm") is None
     for item in items:

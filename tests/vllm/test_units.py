@@ -180,3 +180,30 @@ def test_cuda_check_leaves_the_process_able_to_fork_cuda_users():
         "raise SystemExit(p.exitcode)\n"
     )
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
+
+
+@pytest.mark.vllm
+def test_one_processor_works_when_esamp_is_also_named(monkeypatch):
+    """With the entry point installed, vLLM builds our processor, then any named in
+    logits_processors: the last ESamp one built works, the others stay out of the way."""
+    from types import SimpleNamespace
+
+    from esamp.engines.vllm import processor as module
+
+    class Config:  # a VllmConfig's shape: takes weak references, is not hashable
+        __hash__ = None
+
+        def __init__(self, named):
+            self.model_config = SimpleNamespace(logits_processors=named)
+
+    config = Config
+
+    monkeypatch.setattr(es, "processor_installed", lambda: True)
+    alone = config(None)
+    assert module._takes_turn(alone, module.EsampLogitsProcessor)
+    both = config(["_tracing:TracingProcessor"])
+    turns = [module._takes_turn(both, module.EsampLogitsProcessor) for _ in range(2)]
+    assert turns == [False, True]
+    monkeypatch.setattr(es, "processor_installed", lambda: False)
+    named_only = config([es.PROCESSOR])
+    assert module._takes_turn(named_only, module.EsampLogitsProcessor)

@@ -10,6 +10,12 @@ shape: the slot of every row, which rows train) has been seen ``after`` times in
 captures it and replays it for every later call with that key. Graphs are kept per key (``size``
 of them, least recently used first out), so a shape that comes back replays at once.
 
+Inputs are copied into the graph's own buffers before each replay, unless ``in_place=True``: then
+the graph reads and writes the caller's tensors where they are, and the caller must put their
+addresses into ``key`` (a tensor at another address is another graph). That is for inputs too
+large to copy every step, such as the sampler's logits, which PyTorch's allocator hands out at
+the same address step after step once a batch is steady.
+
 Every capture and every eager step before it runs on one side stream kept for captures. A capture
 needs the libraries it calls to be initialised on its stream beforehand (cuBLAS fails with
 CUBLAS_STATUS_NOT_INITIALIZED when a graph's first matmul meets a cold stream), which is what
@@ -43,16 +49,19 @@ class _Graph:
     """One captured call: static inputs in, static outputs back (overwritten by the next replay)."""
 
     def __init__(self, fn: Callable, inputs: tuple[torch.Tensor, ...], stream: torch.cuda.Stream,
-                 keep: object) -> None:
+                 keep: object, in_place: bool = False) -> None:
         self.keep = keep  # whatever the captured kernels read besides the inputs (layout tensors)
-        self.inputs = tuple(t.clone() for t in inputs)
+        # In place: no reference to the caller's tensors is kept (their memory must stay free to
+        # be handed out again at the same address); the key names the addresses.
+        self.inputs = () if in_place else tuple(t.clone() for t in inputs)
+        captured = inputs if in_place else self.inputs
         self.graph = torch.cuda.CUDAGraph()
         main = torch.cuda.current_stream()
         stream.wait_stream(main)
         with torch.cuda.stream(stream):
             self.graph.capture_begin(capture_error_mode="thread_local")
             try:
-                self.outputs = fn(*self.inputs)
+                self.outputs = fn(*captured)
             finally:
                 self.graph.capture_end()
         main.wait_stream(stream)
@@ -65,8 +74,10 @@ class _Graph:
 
 
 class GraphCache:
-    def __init__(self, enabled: bool = True, after: int = GRAPH_AFTER, size: int = GRAPH_CACHE) -> None:
+    def __init__(self, enabled: bool = True, after: int = GRAPH_AFTER, size: int = GRAPH_CACHE,
+                 in_place: bool = False) -> None:
         self.enabled = enabled
+        self.in_place = in_place
         self.after, self.size = after, size
         self.graphs: collections.OrderedDict[Hashable, _Graph] = collections.OrderedDict()
         self.captures = self.failures = self.replays = 0
@@ -92,7 +103,7 @@ class GraphCache:
             self.graphs.popitem(last=False)  # the least recently used graph and its memory go
         try:
             with torch.inference_mode(False):
-                graph = _Graph(fn, inputs, self.stream, keep)
+                graph = _Graph(fn, inputs, self.stream, keep, self.in_place)
         except Exception as exc:  # an optimisation must never take the engine down
             self.enabled = False
             self.graphs.clear()

@@ -60,8 +60,9 @@ except ImportError:  # pragma: no cover - depends on the installed vLLM
     vllm_top_k_top_p = vllm_top_k_top_p_cpu = None
 
 IDLE_RELEASE_STEPS = 256  # a group with no row in the batch this long gives its slot back
+APPLY_GRAPHS = 2  # captured filter-and-mix steps kept (each holds a [R, V] working set)
 
-_built: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # vllm_config → ESamp processors built
+_built: dict[int, tuple] = {}  # id(vllm_config) → (weak reference to it, ESamp processors built for it)
 
 
 def _takes_turn(vllm_config, cls: type) -> bool:
@@ -81,9 +82,11 @@ def _takes_turn(vllm_config, cls: type) -> bool:
                 continue
         named += isinstance(item, type) and issubclass(item, EsampLogitsProcessor)
     expected = int(es.processor_installed()) + named
+    ref, index = _built.get(id(vllm_config), (None, 0))
+    if ref is None or ref() is not vllm_config:  # a new engine (an old one's id may come back)
+        index = 0
     try:
-        index = _built.get(vllm_config, 0)
-        _built[vllm_config] = index + 1
+        _built[id(vllm_config)] = (weakref.ref(vllm_config), index + 1)
     except TypeError:  # a config that takes no weak reference: assume one processor
         return True
     return index == max(expected, 1) - 1
@@ -148,6 +151,7 @@ class _Distilled:
     errors: torch.Tensor  # [n] raw Distiller error per steered row
     losses: torch.Tensor | None  # per training slot
     replayed: bool  # the Distiller step was a CUDA-graph replay
+    host_seconds: float  # host time ``distill`` took
     d: torch.Tensor | None = None  # [n, V] Distiller logits, from the model's LM head
 
 
@@ -225,6 +229,9 @@ class EsampLogitsProcessor(LogitsProcessor):
                     device=self.device, seed=self.config.seed)
             graphs = self.device.type == "cuda" and os.environ.get("ESAMP_CUDA_GRAPHS", "1") != "0"
             self.steerer = Steerer(bank, filter=vllm_filter, graphs=GraphCache(enabled=graphs))
+        # The filter and the mix read the sampler's logits where they are (no copy of [R, V]).
+        self.apply_graphs = GraphCache(enabled=self.steerer is not None and self.steerer.graphs.enabled,
+                                       size=APPLY_GRAPHS, in_place=True)
         self.groups = _Groups(self.steerer.bank if self.steerer else None)
         self.records = RecordStore(self.device)
         if self.working:
@@ -315,8 +322,9 @@ class EsampLogitsProcessor(LogitsProcessor):
         graphs = self.steerer.graphs
         replays = graphs.replays
         prediction, errors, losses = self.steerer.distill(plan.steered, source, target)
-        self._ctx = _Distilled(plan, errors, losses, graphs.replays > replays)
-        self.host_seconds += time.perf_counter() - t0
+        spent = time.perf_counter() - t0
+        self._ctx = _Distilled(plan, errors, losses, graphs.replays > replays, spent)
+        self.host_seconds += spent
         return prediction
 
     def take_distiller_logits(self, d: torch.Tensor) -> None:
@@ -342,25 +350,32 @@ class EsampLogitsProcessor(LogitsProcessor):
             self._filter_rows(logits, plan.idx, plan.steered)
             self.counters["stash_miss"] += 1
             return logits
-        z = logits if plan.idx is None else logits.index_select(0, plan.idx)
-        scaled = self.steerer.filter(plan.steered, z)
-        out, candidates = self.steerer.mix(plan.steered, scaled, ctx.d)
-        if plan.idx is not None:
-            logits.index_copy_(0, plan.idx, out)
-        n = plan.steered.rows
-        self.counters["port_hits"] += n
+        inputs = (logits, ctx.d, ctx.errors) + ((ctx.losses,) if ctx.losses is not None else ())
+        key = (id(plan),) + tuple((t.data_ptr(), tuple(t.shape)) for t in inputs)
+        packed = self.apply_graphs.run(key, functools.partial(self._steer, plan), *inputs, keep=plan)
+        self.counters["port_hits"] += plan.steered.rows
         if ctx.losses is not None:
             self.counters["train_steps"] += 1
         if plan.recorded is None or plan.recorded:
-            self.records.push(self.step, plan.groups, plan.samples, [len(o) for o in plan.outputs],
-                              ctx.errors, candidates, ctx.losses,
+            self.records.push(self.step, plan.groups, plan.samples, [len(o) for o in plan.outputs], packed,
                               self._loss_groups(plan) if ctx.losses is not None else [], keep=plan.recorded)
         spent = time.perf_counter() - t0
         self.host_seconds += spent
         if ctx.replayed:  # a steady step: what ESamp costs the host per step once warmed up
-            self.replay_seconds += spent
+            self.replay_seconds += spent + ctx.host_seconds
             self.counters["replay_steps"] += 1
         return logits
+
+    def _steer(self, plan: _Plan, logits: torch.Tensor, d: torch.Tensor, errors: torch.Tensor,
+               losses: torch.Tensor | None = None) -> torch.Tensor:
+        """Filter and mix the steered rows of ``logits`` in place; the step's record, packed.
+        A fixed sequence of kernels: replayed as a CUDA graph once the batch is steady."""
+        z = logits if plan.idx is None else logits.index_select(0, plan.idx)
+        scaled = self.steerer.filter(plan.steered, z)
+        out, candidates = self.steerer.mix(plan.steered, scaled, d)
+        if plan.idx is not None:
+            logits.index_copy_(0, plan.idx, out)
+        return RecordStore.pack(errors, candidates, losses)
 
     def _filter_rows(self, logits: torch.Tensor, idx: torch.Tensor | None, plan: StepPlan) -> None:
         z = logits if idx is None else logits.index_select(0, idx)
@@ -404,5 +419,7 @@ class EsampLogitsProcessor(LogitsProcessor):
                     slots=bank.capacity if bank else 0, slots_free=bank.free_slots if bank else 0,
                     slots_in_use=len(bank.groups) if bank else 0,
                     graph_captures=graphs.captures if graphs else 0, graph_replays=graphs.replays if graphs else 0,
-                    graph_failures=graphs.failures if graphs else 0, records_dropped=self.records.dropped,
+                    graph_failures=graphs.failures if graphs else 0,
+                    apply_graph_replays=self.apply_graphs.replays if graphs else 0,
+                    apply_graph_failures=self.apply_graphs.failures if graphs else 0, records_dropped=self.records.dropped,
                     host_ms=round(1e3 * self.host_seconds, 1), replay_host_ms=round(1e3 * self.replay_seconds, 1))

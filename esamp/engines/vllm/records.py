@@ -45,23 +45,27 @@ class RecordStore:
         self._lock = threading.Lock()  # a server's side channel reads from another thread
         self.dropped = 0
 
-    def push(self, step: int, groups: list[str], samples: list[int], generated: list[int],
-             errors: torch.Tensor, candidates: torch.Tensor, losses: torch.Tensor | None,
-             loss_groups: list[str], keep: set[str] | None = None) -> None:
-        """Queue one step's record (of the ``keep`` groups' rows, or all); its device values start
-        copying to the host now."""
-        parts = [errors.float(), candidates.float()]  # counts are exact in fp32 (a vocabulary < 2²⁴)
+    @staticmethod
+    def pack(errors: torch.Tensor, candidates: torch.Tensor, losses: torch.Tensor | None) -> torch.Tensor:
+        """One device tensor: errors | candidate counts (exact in fp32: a vocabulary < 2²⁴) | losses."""
+        parts = [errors.float(), candidates.float()]
         if losses is not None:
             parts.append(losses.float())
+        return torch.cat(parts)
+
+    def push(self, step: int, groups: list[str], samples: list[int], generated: list[int],
+             packed: torch.Tensor, loss_groups: list[str], keep: set[str] | None = None) -> None:
+        """Queue one step's record (of the ``keep`` groups' rows, or all) from its ``pack``ed
+        values, whose copy to the host starts now (a replayed graph's output is read before the
+        next replay overwrites it: the copy is queued on the same stream)."""
         cuda = self.device.type == "cuda"
-        packed = torch.cat(parts).to("cpu", non_blocking=cuda)
+        packed = packed.to("cpu", non_blocking=cuda)
         event = None
         if cuda:
             event = torch.cuda.Event()
             event.record()
         with self._lock:
-            self._in_flight.append(_Step(step, groups, samples, generated,
-                                         loss_groups if losses is not None else [], keep, packed, event,
+            self._in_flight.append(_Step(step, groups, samples, generated, loss_groups, keep, packed, event,
                                          time.monotonic()))
 
     def _collect(self) -> None:
