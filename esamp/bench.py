@@ -150,6 +150,8 @@ def _device() -> str:
 def _commit() -> str | None:
     import subprocess
 
+    if os.environ.get("ESAMP_COMMIT"):  # a copy of the tree without its .git (a lent GPU machine)
+        return os.environ["ESAMP_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                               timeout=10).stdout.strip() or None
