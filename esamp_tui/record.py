@@ -170,10 +170,12 @@ class SessionRecord:
         return [g for g in self.groups.values() if g.finished]
 
     def baseline(self, group: GroupRecord) -> GroupRecord | None:
-        """The latest earlier group that ``group`` can be compared with and steered otherwise."""
-        for other in reversed(list(self.groups.values())):
-            if (other.key != group.key and other.run_id <= group.run_id and other.steering != group.steering
-                    and group.comparable(other)):
+        """The latest group before ``group`` (in a compare run: its ESamp-off sibling) that was
+        steered otherwise and can be compared with it."""
+        keys = list(self.groups)
+        for key in reversed(keys[: keys.index(group.key)] if group.key in self.groups else keys):
+            other = self.groups[key]
+            if other.steering != group.steering and group.comparable(other):
                 return other
         return None
 

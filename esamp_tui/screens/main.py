@@ -103,7 +103,7 @@ class MainScreen(KeysScreen):
         self.set_class(height < SHORT, "-short")
         self.query_one(Footer).show_command_palette = event.size.width >= NARROW
         if not self.charts_chosen:
-            self.charts.mode = "full" if height >= SHORT else "compact" if height >= TINY else "hidden"
+            self.query_one(ChartStrip).mode = "full" if height >= SHORT else "compact" if height >= TINY else "hidden"
 
     # -- the engine's messages ----------------------------------------------------------------
 

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import csv
 import json
+import threading
+import time
 
 import pytest
 from textual.widgets import Footer, Input
 
-from esamp.events import event_from_dict
+from esamp.core.config import update_config
+from esamp.events import ErrorEvent, event_from_dict
+from esamp.session import Abort, Configure, RunPrompt, group_key
 from esamp_tui.options import BETA_STEP
 from esamp_tui.screens.export import ExportScreen
 from esamp_tui.widgets.error_panel import ErrorPanel
@@ -16,7 +20,7 @@ from esamp_tui.widgets.run_row import RunRow
 from esamp_tui.widgets.sample_pane import bucket
 
 from .conftest import run_finished, settle, wait_for
-from .fake_engine import token_text
+from .fake_engine import FakeEngine, token_text
 
 SIZE = (160, 45)
 pytestmark = pytest.mark.asyncio
@@ -497,3 +501,67 @@ async def test_narrow_terminal_lays_panes_out_in_a_grid(make_app):
         # 2 × 2, not 4 slivers (the grid is fitted when the row learns its width)
         await wait_for(pilot, lambda: len({p.region.y for p in panes}) == 2, what="a 2 × 2 grid")
         assert len({p.region.x for p in panes}) == 2
+
+
+class InProcessBackend:
+    """An engine behind something other than a worker process, as a client of a served endpoint
+    would be: the same commands in, the same events out, nothing the screen has to know."""
+
+    def __init__(self, spec) -> None:
+        self.engine = FakeEngine(model=spec.model, esamp=spec.esamp)
+        self.esamp, self.steering, self.sampling = spec.esamp, spec.esamp.steering(), spec.sampling
+        self.lock = threading.Lock()
+        self.outbox: list = []
+        self.running: list[str] = []
+        self.closed = False
+
+    def start(self):
+        self.outbox.append(self.engine.ready)
+        return self
+
+    def send(self, command) -> None:
+        with self.lock:
+            if isinstance(command, Configure):
+                self.steering, self.sampling = command.steering, command.sampling
+            elif isinstance(command, (RunPrompt, Abort)):
+                for key in self.running:
+                    self.outbox.extend(self.engine.abort(key))
+                self.running = []
+            if isinstance(command, RunPrompt):
+                for on in ((False, True) if command.compare else (self.steering.enabled,)):
+                    key = group_key(command.run_id, on)
+                    esamp = update_config(self.esamp, **{**self.steering.model_dump(), "enabled": on})
+                    self.running.append(self.engine.start(command.prompt, self.sampling, esamp, group=key))
+
+    def read(self, timeout: float = 0.1):
+        if self.closed:
+            return None
+        with self.lock:
+            events, self.outbox = self.outbox, []
+            if self.engine.has_unfinished():
+                events += self.engine.step()
+        if not events:
+            time.sleep(timeout)
+        return events
+
+    def lost(self):
+        return ErrorEvent(message="the server closed the connection", fatal=True)
+
+    def close(self, timeout: float = 3.0) -> None:
+        self.closed = True
+
+
+async def test_a_backend_without_a_worker_process_plugs_in(make_app):
+    app = make_app(max_tokens=5, n=2, prompt="served")
+    app.backend_factory = InProcessBackend
+    async with app.run_test(size=SIZE) as pilot:
+        screen = app.main_screen
+        await wait_for(pilot, lambda: run_finished(screen), what="the run")
+        assert isinstance(screen.controller.backend, InProcessBackend)
+        assert screen.results.rows["r1-on"].panes[0].text == expected_text(True, 5)
+        await pilot.press("m", "c")
+        await wait_for(pilot, lambda: "r2-on" in screen.record.groups and run_finished(screen), what="compare")
+        assert screen.results.rows["r2-on"].panes[0].text == expected_text(True, 5, "unsharpened")
+        screen.controller.backend.close()  # the connection drops: the panel says so, ctrl+r reconnects
+        await wait_for(pilot, lambda: screen.query_one(ErrorPanel).visible_now, what="the error panel")
+        assert "closed the connection" in screen.query_one(ErrorPanel).message

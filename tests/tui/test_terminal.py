@@ -136,6 +136,8 @@ def test_quit_keys_leave_no_process(keys):
         status = term.exit_status()
         assert status is not None, "the dashboard did not quit"
         assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+        time.sleep(0.3)  # the last output drained
+        assert_terminal_restored(term)  # and no "leaked semaphore" warning printed over it
         assert_all_gone(family)
     finally:
         term.kill()
