@@ -76,7 +76,7 @@ class SpeedRecord:
             data[self.machine] = self.runs
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
+            tmp.write_text(json.dumps(data, indent=1, ensure_ascii=False), encoding="utf-8")
             tmp.replace(self.path)
         except OSError:
             pass

@@ -24,7 +24,7 @@ from esamp.events import ErrorEvent, StepEvent
 from esamp_tui.controller import SessionController
 from esamp_tui.keymap import MAIN_BINDINGS, KeysScreen
 from esamp_tui.messages import VendiScored
-from esamp_tui.options import BETA_RANGE, BETA_STEP, MAX_PANES
+from esamp_tui.options import BETA_RANGE, BETA_STEP, MAX_PANES, Options
 from esamp_tui.record import SessionRecord
 from esamp_tui.screens.export import ExportScreen
 from esamp_tui.screens.help import HelpScreen
@@ -49,7 +49,7 @@ class MainScreen(KeysScreen):
     mix = reactive(Steering.model_fields["mix"].default, init=False)
     n = reactive(SamplingConfig.model_fields["n"].default, init=False)
 
-    def __init__(self, options, backend_factory, memory_sampler=None, speed_file: Path | None = None) -> None:
+    def __init__(self, options: Options, backend_factory, memory_sampler=None, speed_file: Path | None = None) -> None:
         super().__init__(id="main")
         self.options, self.memory_sampler, self.speed_file = options, memory_sampler, speed_file
         for name, value in (("esamp_on", options.esamp.enabled), ("beta", options.esamp.beta),
@@ -57,8 +57,7 @@ class MainScreen(KeysScreen):
             self.set_reactive(getattr(MainScreen, name), value)
         self.controller = SessionController(self, lambda: options.session_spec(self.steering, self.sampling),
                                             backend_factory)
-        self.record = SessionRecord()
-        self.run_id = 0
+        self.record, self.run_id = SessionRecord(), 0
         self.last_prompt: str | None = options.prompt
         self.charts_chosen = False  # once the user picks a chart mode, the terminal's size no longer does
         self.speed: SpeedWatch | None = None

@@ -9,6 +9,7 @@ import pty
 import signal
 import struct
 import sys
+import tempfile
 import termios
 import threading
 import time
@@ -57,6 +58,7 @@ class Terminal:
         pid, fd = pty.fork()
         if pid == 0:  # child: becomes the session leader with the pty as its terminal
             os.environ["TERM"] = "xterm-256color"
+            os.environ["ESAMP_CACHE_DIR"] = tempfile.mkdtemp(prefix="esamp-test-cache-")  # not the user's
             os.environ.update(env or {})
             # as a terminal starts it: SIGHUP at its default even when the tests run under nohup
             signal.signal(signal.SIGHUP, signal.SIG_DFL)
