@@ -54,7 +54,7 @@ from typing import Any, Protocol, Union
 
 from esamp.core.config import EsampConfig, SamplingConfig, Steering, update_config
 from esamp.errors import EsampError
-from esamp.events import DoneEvent, ErrorEvent, Event
+from esamp.events import DoneEvent, ErrorEvent, Event, TokenEvent
 from esamp.models import cache_dir
 
 # -- commands ---------------------------------------------------------------------------------
@@ -168,13 +168,15 @@ class _Worker:
         self.steering: Steering = spec.esamp.steering()
         self.sampling: SamplingConfig = spec.sampling
         self.engine = None
-        self.running: dict[str, set[int]] = {}  # group key → its samples still decoding
+        self.running: dict[str, dict[int, int]] = {}  # group key → {open sample: tokens sent}
         self.log_hint = f"the traceback is below and in {spec.log_file or 'the worker log'}"
 
     def emit(self, events: list[Event]) -> None:
         for event in events:
-            if isinstance(event, DoneEvent) and event.group in self.running:
-                self.running[event.group].discard(event.sample)
+            if isinstance(event, TokenEvent) and event.sample in self.running.get(event.group, ()):
+                self.running[event.group][event.sample] += 1
+            elif isinstance(event, DoneEvent) and event.group in self.running:
+                self.running[event.group].pop(event.sample, None)
         if events:
             self.events.send(events)
 
@@ -249,27 +251,27 @@ class _Worker:
                 # Steering, so this is what an engine taking either expects.
                 esamp = update_config(self.spec.esamp, **{**self.steering.model_dump(), "enabled": on})
                 self.engine.start(command.prompt, self.sampling, esamp, group=key)
-                self.running[key] = set(range(self.sampling.n))
+                self.running[key] = dict.fromkeys(range(self.sampling.n), 0)
             except Exception as exc:
                 self.discard(key)
                 self.emit([_failure(exc, "the run could not start",
                                     f"the engine is still running: try again or another prompt; {self.log_hint}",
-                                    group=key), *self.error_dones(key, range(self.sampling.n))])
+                                    group=key), *self.error_dones(key, dict.fromkeys(range(self.sampling.n), 0))])
 
     def fail_run(self, exc: Exception) -> bool:
         """A step raised: end every running group with an error and keep serving, when the
         engine can still abort them. False when it cannot (the engine is then unusable)."""
-        failed = {key: samples for key, samples in self.running.items() if samples}
-        self.running = {}
+        running, self.running = self.running, {}
         events: list[Event] = []
-        for key, samples in failed.items():
-            events.append(_failure(exc, "the run failed while generating",
-                                   f"the engine is still running: try again or another prompt; {self.log_hint}",
-                                   group=key))
-            events.extend(self.error_dones(key, sorted(samples)))
+        for key, samples in running.items():
+            if samples:
+                events.append(_failure(exc, "the run failed while generating",
+                                       f"the engine is still running: try again or another prompt; {self.log_hint}",
+                                       group=key))
+                events.extend(self.error_dones(key, samples))
         try:
-            for key in failed:
-                self.engine.abort(key)  # frees the group's slot; its samples already ended above
+            for key in running:
+                self.engine.abort(key)  # frees the group's slot; its samples were ended above
             healthy = not self.engine.has_unfinished()
         except Exception:
             healthy = False
@@ -288,9 +290,9 @@ class _Worker:
             pass
 
     @staticmethod
-    def error_dones(key: str, samples) -> list[Event]:
-        """The end of each sample still open (its tokens count is unknown here: 0)."""
-        return [DoneEvent(group=key, sample=s, finish_reason="error", tokens=0) for s in samples]
+    def error_dones(key: str, samples: dict[int, int]) -> list[Event]:
+        """The end of each sample still open, with the tokens it had sent."""
+        return [DoneEvent(group=key, sample=s, finish_reason="error", tokens=n) for s, n in sorted(samples.items())]
 
 
 def _watch_parent(parent_pid: int, interval: float = 0.5, grace: float = 5.0) -> None:

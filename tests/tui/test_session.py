@@ -126,6 +126,11 @@ def test_a_run_that_fails_while_generating_ends_and_the_engine_serves_on(session
     done = [(e.group, e.sample, e.finish_reason) for e in events if isinstance(e, DoneEvent)]
     assert sorted((g, s) for g, s, _ in done) == [(g, s) for g in ("r1-off", "r1-on") for s in (0, 1)]  # one each
     assert {r for _, s, r in done if s == 0} == {"error"}  # sample 1 had stopped before the failure
+    sent = {(e.group, e.sample): 0 for e in events if isinstance(e, DoneEvent)}
+    for e in events:
+        if isinstance(e, TokenEvent):
+            sent[e.group, e.sample] += 1
+    assert all(e.tokens == sent[e.group, e.sample] for e in events if isinstance(e, DoneEvent))
     session.send(RunPrompt(2, "again"))
     events = collect(session, dones(2))
     assert all(e.finish_reason in ("length", "stop") for e in events if isinstance(e, DoneEvent))
