@@ -4,7 +4,7 @@
 
 At 200×50 it runs one prompt with ESamp off, the same prompt and seed with ESamp on, then both at
 once (compare mode), so the history line compares them; at 80×24 it runs one prompt. Each picture
-is written as the dashboard's own export writes it: an offline SVG and a PNG beside it.
+is rendered as the dashboard's own export renders its PNG.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ async def shoot(size: tuple[int, int], name: str, threads: int, compare: bool) -
     from esamp.gpu import MemorySampler
     from esamp_tui.app import EsampApp
     from esamp_tui.options import Options
-    from esamp_tui.screenshot import offline_svg, svg_to_png
+    from esamp_tui.screenshot import svg_to_png
 
     options = Options(engine="reference", esamp=EsampConfig(enabled=not compare),
                       sampling=SamplingConfig(n=4, max_tokens=48), prompt=PROMPT, log_file="",
@@ -53,9 +53,8 @@ async def shoot(size: tuple[int, int], name: str, threads: int, compare: bool) -
         await pilot.pause(0.3)
         svg = app.export_screenshot(title="esamp")
     sampler.close()
-    (HERE / f"{name}.svg").write_text(offline_svg(svg), encoding="utf-8")
     (HERE / f"{name}.png").write_bytes(svg_to_png(svg))
-    print(f"wrote {name}.svg and {name}.png")
+    print(f"wrote {name}.png")
 
 
 def main() -> int:
