@@ -36,7 +36,7 @@ async def measure(seconds: float, delay: float, burst_tokens: int = 4000, size=(
     ``burst_tokens`` per pane, timed from the first batch to the last token on screen."""
     import esamp_tui.diversity
     from esamp_tui.app import EsampApp
-    from esamp_tui.screens.main import MainScreen
+    from esamp_tui.controller import SessionController
 
     # Vendi loads a sentence embedder in a UI thread when a run ends; that is not streaming cost.
     esamp_tui.diversity.vendi_available = lambda: False
@@ -46,7 +46,7 @@ async def measure(seconds: float, delay: float, burst_tokens: int = 4000, size=(
     seen: dict[int, object] = {}  # the hook can see one message more than once; count each once
 
     def hook(message) -> None:
-        if isinstance(message, MainScreen.EventBatch) and id(message) not in seen:
+        if isinstance(message, SessionController.EventBatch) and id(message) not in seen:
             seen[id(message)] = message
             counts["batches"] += 1
             counts["events"] += len(message.events)
@@ -58,7 +58,7 @@ async def measure(seconds: float, delay: float, burst_tokens: int = 4000, size=(
     app = EsampApp(options, memory_sampler=FixedMemory())
     async with app.run_test(size=size, message_hook=hook) as pilot:
         screen = app.main_screen
-        while not screen.engine_ready:
+        while not screen.controller.ready:
             await pilot.pause(0.05)
         await pilot.pause(1.0)  # charts drawn once, layout settled
         screen.run_prompt("benchmark")
@@ -72,7 +72,7 @@ async def measure(seconds: float, delay: float, burst_tokens: int = 4000, size=(
             await pilot.pause(seconds)
         else:
             expected = 8 * burst_tokens - 2  # the scripted sample 1 stops two tokens early
-            while sum(p.token_count for p in screen.rows["r1-on"].panes) < expected:
+            while sum(p.token_count for p in screen.results.rows["r1-on"].panes) < expected:
                 await pilot.pause(0.02)
         wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
         end = dict(counts)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 GIB = 1024 ** 3
 
@@ -32,6 +32,7 @@ class MemorySample:
     device: str = ""  # e.g. "NVIDIA H100 80GB HBM3"; "" when unknown
     utilisation: int | None = None  # GPU busy %, None when unknown
     note: str = ""  # why a field is N/A
+    time: float = field(default_factory=time.time)  # when it was read (the charts' time axis)
 
     @property
     def fraction(self) -> float | None:

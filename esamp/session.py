@@ -1,25 +1,36 @@
 """Run an engine in a spawned worker process: commands in, events out.
 
-The dashboard (and any other long-lived client) talks to an engine only through a ``Session``:
+A long-lived client (the dashboard) talks to an engine only through a ``Backend``: it sends
+commands and reads events. ``Session`` is the backend that runs the engine in a child process:
 
     session = Session(SessionSpec(engine="reference"))
     session.start()
+    session.send(Configure(steering, sampling))   # typed settings, as esamp.core.config defines them
     session.send(RunPrompt(run_id=1, prompt="Name a colour"))
     while (events := session.read(0.1)) is not None: ...
     session.close()
 
+A client of a served endpoint would be a second ``Backend`` taking the same commands.
+
 Why a process: CUDA does not survive ``fork`` and a model load or a decode step must never block
-the UI's event loop, so the engine lives in a ``spawn``ed child.  The child exits when it is told
-to (``Shutdown``), when its parent disappears (checked between steps, so a killed terminal leaves
-nothing behind), or when the engine fails fatally (after sending an ``ErrorEvent(fatal=True)``).
+the UI's event loop, so the engine lives in a ``spawn``ed child. The child exits when it is told
+to (``Shutdown``), when the engine fails fatally (after an ``ErrorEvent(fatal=True)``), or when its
+parent disappears: a watchdog thread notices within half a second, even while the model is
+still loading, so a killed dashboard never leaves a worker spinning behind it.
 
-Channels: commands go down a ``multiprocessing.Queue`` (``send`` never blocks the caller); events
-come up a one-way ``Pipe`` as one pickled list per engine step, written synchronously, so every
-event emitted before a crash — even a segfault — has reached the parent, and a reader that falls
-behind slows the engine instead of growing an unbounded buffer.  EOF on the pipe means the child
-has exited; ``read`` then returns ``None``.
+One request never takes the engine down: an error while starting or stepping a run ends that
+run's samples with ``finish_reason="error"`` after an ``ErrorEvent`` naming the group (reason,
+hint, traceback tail), and the worker goes on serving the next prompt. Only an engine that cannot
+start, or cannot even abort a failed run, is fatal.
 
-Group keys name the run and whether ESamp steers it: ``r7-on`` / ``r7-off``.  Compare mode starts
+Channels are two one-way pipes; no ``multiprocessing.Queue``, whose named semaphores outlive a
+process that is killed and are then reported as "leaked" at exit. Events come up as one pickled
+list per engine step, written synchronously, so every event emitted before a crash (even a
+segfault) has reached the parent, and a reader that falls behind slows the engine instead of
+growing a buffer. Commands go down through a sender thread, so ``send`` never blocks the caller
+even while the child is busy loading a model. EOF on the event pipe means the child has exited.
+
+Group keys name the run and whether ESamp steers it: ``r7-on`` / ``r7-off``. Compare mode starts
 both for the same prompt and seed, so two rows of samples decode side by side in one batch loop.
 
 This module never imports textual; the engine is imported only inside the child.
@@ -34,22 +45,24 @@ import os
 import queue
 import signal
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Protocol, Union
 
-from esamp.core.config import EsampConfig, SamplingConfig, make_config, update_config
+from esamp.core.config import EsampConfig, SamplingConfig, Steering, update_config
 from esamp.errors import EsampError
-from esamp.events import ErrorEvent, Event
+from esamp.events import DoneEvent, ErrorEvent, Event, TokenEvent
+from esamp.models import cache_dir
 
 # -- commands ---------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class RunPrompt:
-    """Start a run: one group with the current ESamp setting, or two (off and on) to compare.
+    """Start a run with the current settings: one group, or two (ESamp off and on) to compare.
 
     Any run still decoding is aborted first; its samples end with ``finish_reason="abort"``.
     """
@@ -60,23 +73,16 @@ class RunPrompt:
 
 
 @dataclass(frozen=True)
+class Configure:
+    """The settings of the runs that follow: how ESamp steers them and how each group samples."""
+
+    steering: Steering
+    sampling: SamplingConfig
+
+
+@dataclass(frozen=True)
 class Abort:
     """Abort every running group."""
-
-
-@dataclass(frozen=True)
-class SetEsamp:
-    enabled: bool
-
-
-@dataclass(frozen=True)
-class SetBeta:
-    beta: float
-
-
-@dataclass(frozen=True)
-class SetSamples:
-    n: int
 
 
 @dataclass(frozen=True)
@@ -84,7 +90,7 @@ class Shutdown:
     pass
 
 
-Command = Union[RunPrompt, Abort, SetEsamp, SetBeta, SetSamples, Shutdown]
+Command = Union[RunPrompt, Configure, Abort, Shutdown]
 
 
 def group_key(run_id: int, esamp_on: bool) -> str:
@@ -104,41 +110,48 @@ def parse_group_key(key: str) -> tuple[int, bool] | None:
 
 @dataclass(frozen=True)
 class SessionSpec:
-    """Everything the worker needs; plain data so it pickles into a spawned process.
+    """Everything the worker needs; it pickles into the spawned process as it is.
 
-    ``engine_factory`` ("package.module:callable") replaces ``create_engine`` — tests use it to
-    run a scripted engine through the real process and queues.
+    ``esamp`` holds the engine-wide Distiller settings and the steering of the first runs,
+    ``sampling`` the first runs' sampling; ``Configure`` changes both later. ``engine_factory``
+    ("package.module:callable") replaces ``create_engine``: tests run a scripted engine through
+    the real process and pipes with it.
     """
 
     engine: str = "reference"
     model: str | None = None
-    esamp: dict[str, Any] = field(default_factory=dict)
-    sampling: dict[str, Any] = field(default_factory=dict)
+    esamp: EsampConfig = field(default_factory=EsampConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
     engine_factory: str | None = None
     engine_options: dict[str, Any] = field(default_factory=dict)
     log_file: str | None = None  # the child's stdout/stderr go here, never to the UI's terminal; "" = nowhere
 
-    def configs(self) -> tuple[EsampConfig, SamplingConfig]:
-        return make_config(EsampConfig, **self.esamp), make_config(SamplingConfig, **self.sampling)
-
 
 def default_log_file() -> Path:
-    root = Path(os.environ.get("ESAMP_CACHE_DIR") or Path.home() / ".cache" / "esamp")
-    return root / "tui-worker.log"
+    return cache_dir() / "tui-worker.log"
 
 
 def _traceback_tail(lines: int = 12) -> str:
     return "".join(traceback.format_exc().splitlines(keepends=True)[-lines:])
 
 
-def _build_engine(spec: SessionSpec, esamp: EsampConfig):
+def _build_engine(spec: SessionSpec):
     if spec.engine_factory:
         module_name, _, attr = spec.engine_factory.partition(":")
         factory = getattr(importlib.import_module(module_name), attr)
-        return factory(model=spec.model, esamp=esamp, **spec.engine_options)
+        return factory(model=spec.model, esamp=spec.esamp, **spec.engine_options)
     from esamp.engines import create_engine
 
-    return create_engine(spec.engine, model=spec.model, esamp=esamp, **spec.engine_options)
+    return create_engine(spec.engine, model=spec.model, esamp=spec.esamp, **spec.engine_options)
+
+
+def _failure(exc: BaseException, what: str, hint: str, group: str | None = None,
+             fatal: bool = False) -> ErrorEvent:
+    """An error event for ``exc``: a user's error as it is, anything else with its traceback."""
+    if isinstance(exc, EsampError):
+        return ErrorEvent(message=exc.message, hint=exc.hint, group=group, fatal=fatal)
+    return ErrorEvent(message=f"{what}: {type(exc).__name__}: {exc}", hint=hint, group=group,
+                      fatal=fatal, detail=_traceback_tail())
 
 
 # -- the child --------------------------------------------------------------------------------
@@ -152,13 +165,18 @@ class _Worker:
         self.commands = commands
         self.events = events
         self.parent_pid = parent_pid
-        self.esamp, self.sampling = spec.configs()
+        self.steering: Steering = spec.esamp.steering()
+        self.sampling: SamplingConfig = spec.sampling
         self.engine = None
-        self.running: list[str] = []  # group keys of the current run (finished ones abort as no-ops)
+        self.running: dict[str, dict[int, int]] = {}  # group key → {open sample: tokens sent}
+        self.log_hint = f"the traceback is below and in {spec.log_file or 'the worker log'}"
 
     def emit(self, events: list[Event]) -> None:
-        # A pipe, written synchronously: what was emitted before a crash (even a segfault) has
-        # reached the parent, and a slow reader slows the engine instead of growing a buffer.
+        for event in events:
+            if isinstance(event, TokenEvent) and event.sample in self.running.get(event.group, ()):
+                self.running[event.group][event.sample] += 1
+            elif isinstance(event, DoneEvent) and event.group in self.running:
+                self.running[event.group].pop(event.sample, None)
         if events:
             self.events.send(events)
 
@@ -167,17 +185,10 @@ class _Worker:
 
     def run(self) -> int:
         try:
-            self.engine = _build_engine(self.spec, self.esamp)
-        except EsampError as exc:
-            self.emit([ErrorEvent(message=exc.message, hint=exc.hint, fatal=True)])
-            return 3
+            self.engine = _build_engine(self.spec)
         except Exception as exc:
-            self.emit([ErrorEvent(
-                message=f"the engine failed to start: {type(exc).__name__}: {exc}",
-                hint="check --model and --engine; the traceback is below and in "
-                     f"{self.spec.log_file or 'the worker log'}",
-                fatal=True, detail=_traceback_tail(),
-            )])
+            self.emit([_failure(exc, "the engine failed to start",
+                                f"check --model and --engine; {self.log_hint}", fatal=True)])
             return 3
         self.emit([self.engine.ready])
         try:
@@ -200,57 +211,102 @@ class _Worker:
             try:
                 self.emit(self.engine.step())
             except Exception as exc:
-                self.emit([ErrorEvent(
-                    message=f"the engine failed while generating: {type(exc).__name__}: {exc}",
-                    hint="press the restart key to start a fresh engine; transcripts stay on screen",
-                    fatal=True, detail=_traceback_tail(),
-                )])
-                return 1
+                if not self.fail_run(exc):
+                    return 1
         return 0  # the parent is gone: nobody is listening
 
     def pending_commands(self, block: bool) -> list[Command]:
         out: list[Command] = []
         try:
-            out.append(self.commands.get(timeout=0.2) if block else self.commands.get_nowait())
-            while True:
-                out.append(self.commands.get_nowait())
-        except queue.Empty:
-            pass
+            if self.commands.poll(0.2 if block else 0):
+                out.append(self.commands.recv())
+                while self.commands.poll(0):
+                    out.append(self.commands.recv())
+        except (EOFError, OSError):  # the parent closed its end
+            out.append(Shutdown())
         return out
 
     def apply(self, command: Command) -> None:
-        try:
-            if isinstance(command, RunPrompt):
-                self.start_run(command)
-            elif isinstance(command, Abort):
-                self.abort_all()
-            elif isinstance(command, SetEsamp):
-                self.esamp = update_config(self.esamp, enabled=command.enabled)
-            elif isinstance(command, SetBeta):
-                self.esamp = update_config(self.esamp, beta=command.beta)
-            elif isinstance(command, SetSamples):
-                self.sampling = update_config(self.sampling, n=command.n)
-            else:
-                raise EsampError(f"unknown command {command!r}", hint="this is a bug in the client")
-        except EsampError as exc:
-            self.emit([ErrorEvent(message=exc.message, hint=exc.hint)])
+        if isinstance(command, RunPrompt):
+            self.start_run(command)
+        elif isinstance(command, Abort):
+            self.abort_all()
+        elif isinstance(command, Configure):
+            self.steering, self.sampling = command.steering, command.sampling
+        else:
+            self.emit([ErrorEvent(message=f"unknown command {command!r}", hint="this is a bug in the client")])
 
     def abort_all(self) -> None:
         for key in self.running:
             self.emit(self.engine.abort(key))
-        self.running = []
+        self.running = {}
 
     def start_run(self, command: RunPrompt) -> None:
         self.abort_all()
-        modes = (False, True) if command.compare else (self.esamp.enabled,)
+        modes = (False, True) if command.compare else (self.steering.enabled,)
         for on in modes:
             key = group_key(command.run_id, on)
-            esamp = update_config(self.esamp, enabled=on)
             try:
+                # The engine's own settings with this run's steering: an EsampConfig is a
+                # Steering, so this is what an engine taking either expects.
+                esamp = update_config(self.spec.esamp, **{**self.steering.model_dump(), "enabled": on})
                 self.engine.start(command.prompt, self.sampling, esamp, group=key)
-                self.running.append(key)
-            except EsampError as exc:
-                self.emit([ErrorEvent(message=exc.message, hint=exc.hint, group=key)])
+                self.running[key] = dict.fromkeys(range(self.sampling.n), 0)
+            except Exception as exc:
+                self.discard(key)
+                self.emit([_failure(exc, "the run could not start",
+                                    f"the engine is still running: try again or another prompt; {self.log_hint}",
+                                    group=key), *self.error_dones(key, dict.fromkeys(range(self.sampling.n), 0))])
+
+    def fail_run(self, exc: Exception) -> bool:
+        """A step raised: end every running group with an error and keep serving, when the
+        engine can still abort them. False when it cannot (the engine is then unusable)."""
+        running, self.running = self.running, {}
+        events: list[Event] = []
+        for key, samples in running.items():
+            if samples:
+                events.append(_failure(exc, "the run failed while generating",
+                                       f"the engine is still running: try again or another prompt; {self.log_hint}",
+                                       group=key))
+                events.extend(self.error_dones(key, samples))
+        try:
+            for key in running:
+                self.engine.abort(key)  # frees the group's slot; its samples were ended above
+            healthy = not self.engine.has_unfinished()
+        except Exception:
+            healthy = False
+        if not healthy:
+            events.append(_failure(exc, "the engine failed while generating",
+                                   "press ctrl+r to start a fresh engine; transcripts stay on screen",
+                                   fatal=True))
+        self.emit(events)
+        return healthy
+
+    def discard(self, key: str) -> None:
+        """Forget whatever a failed start left behind (its events never reach the client)."""
+        try:
+            self.engine.abort(key)
+        except Exception:
+            pass
+
+    @staticmethod
+    def error_dones(key: str, samples: dict[int, int]) -> list[Event]:
+        """The end of each sample still open, with the tokens it had sent."""
+        return [DoneEvent(group=key, sample=s, finish_reason="error", tokens=n) for s, n in sorted(samples.items())]
+
+
+def _watch_parent(parent_pid: int, interval: float = 0.5, grace: float = 5.0) -> None:
+    """Stop this process once its parent is gone, whatever the main thread is doing.
+
+    The main thread may be inside a model load for many seconds; SIGTERM unwinds it through
+    ``engine.close()`` at the next bytecode. A main thread stuck in native code is ended after
+    ``grace`` seconds.
+    """
+    while os.getppid() == parent_pid:
+        time.sleep(interval)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(grace)
+    os._exit(1)
 
 
 def worker_main(spec: SessionSpec, commands, events, parent_pid: int) -> None:
@@ -258,9 +314,11 @@ def worker_main(spec: SessionSpec, commands, events, parent_pid: int) -> None:
     # Ctrl-C in the terminal reaches the whole foreground process group; the parent decides when
     # the worker stops (Shutdown, or its own death), so the child ignores SIGINT.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # SIGTERM (Session.close's second step) unwinds through ``engine.close()``, so an engine
-    # with processes of its own (vLLM's engine core) can stop them before this one goes.
+    # SIGTERM (Session.close's second step, or the watchdog) unwinds through ``engine.close()``,
+    # so an engine with processes of its own (vLLM's engine core) can stop them first.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    threading.Thread(target=_watch_parent, args=(parent_pid,), name="esamp-parent-watch",
+                     daemon=True).start()
     if spec.log_file is not None:  # "" sends the child's output nowhere
         try:
             target = spec.log_file or os.devnull
@@ -286,15 +344,32 @@ def worker_main(spec: SessionSpec, commands, events, parent_pid: int) -> None:
     os._exit(code)
 
 
-# -- the parent's handle ----------------------------------------------------------------------
+# -- the parent's side ------------------------------------------------------------------------
+
+
+class Backend(Protocol):
+    """What a client needs from an engine it does not run in its own process."""
+
+    def start(self) -> "Backend": ...
+
+    def send(self, command: Command) -> None:
+        """Queue a command; never blocks."""
+
+    def read(self, timeout: float = 0.1) -> list[Event] | None:
+        """Events available now (waiting up to ``timeout``); None once the engine has gone."""
+
+    def lost(self) -> ErrorEvent:
+        """Why the engine went away without a fatal error event of its own."""
+
+    def close(self, timeout: float = 3.0) -> None: ...
 
 
 def _ensure_resource_tracker() -> None:
     """Start multiprocessing's resource tracker with a real stderr.
 
-    The tracker is spawned with ``sys.stderr.fileno()``; inside a Textual app ``sys.stderr`` is a
-    capture object whose descriptor is not valid, and the first ``Queue()`` would then fail with
-    "bad value(s) in fds_to_keep". The real stderr (or /dev/null) is lent for that one call.
+    ``spawn`` starts the tracker with ``sys.stderr.fileno()``; inside a Textual app ``sys.stderr``
+    is a capture object whose descriptor is not valid, and the start would then fail with "bad
+    value(s) in fds_to_keep". The real stderr (or /dev/null) is lent for that one call.
     """
     from multiprocessing import resource_tracker
 
@@ -312,32 +387,44 @@ def _ensure_resource_tracker() -> None:
 
 
 class Session:
-    """The parent's handle on one worker process. Not thread-safe for ``send`` vs ``close``."""
+    """The parent's handle on one worker process (a ``Backend``)."""
 
     def __init__(self, spec: SessionSpec) -> None:
-        spec.configs()  # validate here, so a bad setting fails before a process is spawned
         self.spec = spec
         _ensure_resource_tracker()
         self._ctx = mp.get_context("spawn")
-        self._commands = self._ctx.Queue()
-        self._events, self._events_child = self._ctx.Pipe(duplex=False)  # (read end, write end)
+        self._commands_child, self._commands = self._ctx.Pipe(duplex=False)  # (read end, write end)
+        self._events, self._events_child = self._ctx.Pipe(duplex=False)
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._sender: threading.Thread | None = None
         self._process = None
         self._closed = False
 
     def start(self) -> "Session":
         # Not a daemon: vLLM starts an engine-core process of its own, which a daemonic process
-        # may not do. The child still never outlives us: close() stops it, and it exits by
-        # itself when this process disappears (see _Worker.parent_alive).
+        # may not do. The child still never outlives us: close() stops it, and it stops itself
+        # when this process disappears (see _watch_parent).
         self._process = self._ctx.Process(
             target=worker_main, name="esamp-worker", daemon=False,
-            args=(self.spec, self._commands, self._events_child, os.getpid()),
+            args=(self.spec, self._commands_child, self._events_child, os.getpid()),
         )
         self._process.start()
-        self._events_child.close()  # only the child writes; EOF then means the child is gone
+        # Only the child reads commands and writes events: EOF then means the child is gone.
+        self._commands_child.close()
+        self._events_child.close()
+        self._sender = threading.Thread(target=self._send_loop, name="esamp-commands", daemon=True)
+        self._sender.start()
         # multiprocessing joins non-daemonic children at exit; a session nobody closed would
-        # then wait forever for a child that waits for its parent. Close it first (LIFO).
+        # then wait for a child that waits for its parent. Close it first (LIFO).
         atexit.register(self.close)
         return self
+
+    def _send_loop(self) -> None:
+        while (command := self._outbox.get()) is not None:
+            try:
+                self._commands.send(command)
+            except (OSError, ValueError):  # the child has gone; read() reports it
+                return
 
     @property
     def pid(self) -> int | None:
@@ -354,13 +441,13 @@ class Session:
     def send(self, command: Command) -> None:
         if self._closed:
             raise EsampError("the session is closed", hint="start a new session")
-        self._commands.put(command)
+        self._outbox.put(command)
 
     def read(self, timeout: float = 0.1) -> list[Event] | None:
         """Every event available now, waiting up to ``timeout`` for the first.
 
         Returns ``[]`` when nothing arrived, and ``None`` once the worker has exited and its
-        queue is drained (the caller then looks at ``exitcode``).
+        pipe is drained (``lost`` then says how it ended).
         """
         out: list[Event] = []
         try:
@@ -374,18 +461,22 @@ class Session:
             return out or None
         return out
 
+    def lost(self) -> ErrorEvent:
+        code = self.exitcode
+        reason = f"signal {-code}" if code is not None and code < 0 else f"exit status {code}"
+        log = f"; the worker's output is in {self.spec.log_file}" if self.spec.log_file else ""
+        return ErrorEvent(message=f"the engine process stopped unexpectedly ({reason})",
+                          hint="press ctrl+r to start a fresh engine" + log, fatal=True)
+
     def close(self, timeout: float = 3.0) -> None:
-        """Stop the worker: ask, then terminate, then kill. Safe to call twice."""
+        """Stop the worker: ask, then terminate, then kill; close both pipes. Safe to call twice."""
         if self._closed:
             return
         self._closed = True
         atexit.unregister(self.close)
         proc = self._process
         if proc is not None and proc.is_alive():
-            try:
-                self._commands.put(Shutdown())
-            except Exception:
-                pass
+            self._outbox.put(Shutdown())
             proc.join(timeout)
             if proc.is_alive():
                 proc.terminate()  # the child closes its engine on SIGTERM, then exits
@@ -393,6 +484,8 @@ class Session:
             if proc.is_alive():
                 proc.kill()
                 proc.join(1.0)
-        self._commands.cancel_join_thread()
-        self._commands.close()
-        self._events.close()
+        self._outbox.put(None)
+        if self._sender is not None:
+            self._sender.join(1.0)
+        for end in (self._commands, self._events, self._commands_child, self._events_child):
+            end.close()

@@ -1,4 +1,9 @@
-"""``esamp-tui``: the dashboard's command line. Bad flags: a clear message and exit status 2."""
+"""``esamp-tui``: the dashboard's command line. Bad flags: a clear message and exit status 2.
+
+The ESamp and sampling flags (``--beta``, ``--mix``, ``-n``, ``--max-tokens``, ``--seed``,
+``--no-esamp``, the filters) are built from ``esamp.core.config``: their defaults, ranges and
+error messages are the core's. ``-n`` is further limited to the panes the dashboard can show.
+"""
 
 from __future__ import annotations
 
@@ -8,30 +13,27 @@ import sys
 from esamp.errors import EsampError
 
 EPILOG = """keys (also in the command palette, ctrl+p): e ESamp on/off · r re-run · c compare off/on ·
-+/- beta · n/N samples · a abort · x export · t theme · ? help · q quit.
-Themes: built-in dark, light, high-contrast; add your own as TOML in ~/.config/esamp/themes."""
++/- beta · n/N samples · m mix · a abort · x export · g charts · t theme · ? help · q quit.
+Themes: dark, light, high-contrast, and your own TOML files in ~/.config/esamp/themes."""
 
 
 def build_parser() -> argparse.ArgumentParser:
     from esamp.engines import ENGINE_NAMES
+    from esamp_tui.options import MAX_PANES, add_setting_flags
 
     p = argparse.ArgumentParser(
         prog="esamp-tui", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Watch n samples side by side with novelty heat; toggle ESamp and compare.",
+        description=f"Watch n samples (up to {MAX_PANES}) side by side with novelty heat; toggle ESamp and compare.",
     )
     p.add_argument("--model", default=None,
                    help="HF directory, .gguf file or a name in the local HF cache (default: embedded SmolLM2-135M)")
     p.add_argument("--engine", default="reference", choices=ENGINE_NAMES,
                    help="reference (CPU, default), vllm, or auto (vLLM when CUDA and vLLM are present)")
-    p.add_argument("-n", type=int, default=4, help="samples per prompt, 1-8 (default 4)")
-    p.add_argument("--beta", type=float, default=0.8, help="ESamp strength beta, 0-10 (default 0.8)")
-    p.add_argument("--no-esamp", action="store_true", help="start with ESamp off")
     p.add_argument("--prompt", default=None, help="run this prompt at start")
     p.add_argument("--theme", default=None, help="theme name (dark, light, high-contrast or your own)")
-    p.add_argument("--max-tokens", type=int, default=128, help="tokens per sample (default 128)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed; re-runs reuse it (default 0)")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for the reference engine (default: all cores; 1 on a busy machine)")
+    add_setting_flags(p)
     return p
 
 
@@ -39,31 +41,22 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)  # argparse itself exits 2 on unknown flags
     try:
         from esamp_tui.options import Options
-        from esamp_tui.theming import load_themes
+        from esamp_tui.theming import check_theme, load_themes
 
-        options = Options(engine=args.engine, model=args.model, n=args.n, beta=args.beta,
-                          esamp_on=not args.no_esamp, max_tokens=args.max_tokens, prompt=args.prompt,
-                          theme=args.theme, seed=args.seed,
-                          engine_options={} if args.threads is None else {"threads": args.threads}
-                          ).validate()
+        options = Options.from_args(args, engine=args.engine, model=args.model, prompt=args.prompt,
+                                    theme=args.theme,
+                                    engine_options={} if args.threads is None else {"threads": args.threads})
         if args.theme is not None:
-            themes, _ = load_themes()
-            names = [t.name for t in themes]
-            if args.theme not in names:
-                from textual.theme import BUILTIN_THEMES
-
-                if args.theme not in BUILTIN_THEMES:
-                    raise EsampError(f"unknown theme {args.theme!r}",
-                                     hint="choose one of: " + ", ".join(names + sorted(BUILTIN_THEMES)))
+            check_theme(args.theme, *load_themes())
     except EsampError as exc:
         print(f"esamp-tui: error: {exc.user_text()}", file=sys.stderr)
         return 2
-
     return run_app(options)
 
 
 def run_app(options, memory_sampler=None) -> int:
-    """Run the dashboard; whatever ends it (q, ctrl+c, an exception), the worker is stopped."""
+    """Run the dashboard; whatever ends it (q, ctrl+c, a signal, an exception), the worker is
+    stopped and the terminal restored. Exit status 0, or 128 + the signal that ended it."""
     from esamp.gpu import MemorySampler
     from esamp_tui.app import EsampApp
 
@@ -74,9 +67,8 @@ def run_app(options, memory_sampler=None) -> int:
     except KeyboardInterrupt:
         pass
     finally:
-        screen = app.main_screen
-        if screen is not None and screen.session is not None:
-            screen.session.close(timeout=0.5)
+        if app.main_screen is not None:
+            app.main_screen.controller.close_now()  # already done on unmount; this covers a crash
         sampler.close()
     return app.return_code or 0
 

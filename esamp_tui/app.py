@@ -1,7 +1,9 @@
-"""The App: themes, global keys, the command palette. The work happens on ``MainScreen``."""
+"""The App: themes, global keys, signals, the command palette. The work happens on ``MainScreen``."""
 
 from __future__ import annotations
 
+import asyncio
+import signal
 from functools import partial
 from pathlib import Path
 from typing import Callable, Iterable
@@ -9,13 +11,20 @@ from typing import Callable, Iterable
 from textual.app import App, SystemCommand
 from textual.binding import Binding
 from textual.screen import Screen
+from textual.theme import BUILTIN_THEMES
 
+from esamp.core.mixes import MIXES
+from esamp.errors import ConfigError
 from esamp.gpu import MemorySampler
-from esamp.session import Session, SessionSpec
+from esamp.session import Backend, Session, SessionSpec
 from esamp_tui.keymap import keymap_file, load_keymap
 from esamp_tui.options import Options
 from esamp_tui.screens.main import MainScreen
-from esamp_tui.theming import DEFAULT_THEME, HEAT_DEFAULTS, load_themes
+from esamp_tui.theming import DEFAULT_THEME, HEAT_DEFAULTS, check_theme, load_themes
+
+# Closing the terminal (SIGHUP) or ``kill`` (SIGTERM) ends the dashboard as q does: the terminal
+# is restored, the worker stopped, its pipes closed. The exit status says which signal it was.
+QUIT_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
 class EsampApp(App):
@@ -27,39 +36,45 @@ class EsampApp(App):
     ]
 
     def __init__(self, options: Options | None = None,
-                 session_factory: Callable[[SessionSpec], Session] = Session,
+                 backend_factory: Callable[[SessionSpec], Backend] = Session,
                  memory_sampler: MemorySampler | None = None, theme_dir: Path | None = None,
-                 keymap_path: Path | None = None) -> None:
+                 keymap_path: Path | None = None, speed_file: Path | None = None) -> None:
         super().__init__()
         self.keymap_path = keymap_path
         self.user_keymap: dict[str, str] = {}
         self.options = options or Options()
-        self.session_factory = session_factory
+        self.backend_factory = backend_factory
         self.memory_sampler = memory_sampler
+        self.speed_file = speed_file
         self.main_screen: MainScreen | None = None
+        self.signalled: int | None = None
+        # One theme list: the dashboard's own (built in + the user's files). ``--theme``, ``t``
+        # and the palette's theme picker all offer exactly these.
         themes, self.theme_problems = load_themes(theme_dir)
         for theme in themes:
             self.register_theme(theme)
-        self.esamp_theme_names = [t.name for t in themes]
+        self.theme_notes = [problem.text() for problem in self.theme_problems]
         wanted = self.options.theme or DEFAULT_THEME
-        if wanted not in self.available_themes:
-            self.theme_problems.append(f"theme {wanted!r} is not installed; using {DEFAULT_THEME!r}")
+        try:
+            check_theme(wanted, themes, self.theme_problems)
+        except ConfigError as exc:
+            self.theme_notes.append(f"{exc.message}; using {DEFAULT_THEME!r}")
             wanted = DEFAULT_THEME
-        if wanted in self.available_themes:
-            self.theme = wanted
+        self.theme = wanted
+        for name in BUILTIN_THEMES:
+            if name not in {t.name for t in themes}:
+                self.unregister_theme(name)
 
     def get_theme_variable_defaults(self) -> dict[str, str]:
         return dict(HEAT_DEFAULTS)
 
     def get_default_screen(self) -> Screen:
-        self.main_screen = MainScreen(self.options, self.session_factory, self.memory_sampler)
+        self.main_screen = MainScreen(self.options, self.backend_factory, self.memory_sampler, self.speed_file)
         return self.main_screen
 
     def on_mount(self) -> None:
-        for problem in self.theme_problems:
-            text = problem if isinstance(problem, str) else problem.text()
-            self.notify(text + f"\nThe {self.theme!r} theme is used instead.", severity="warning",
-                        title="theme", timeout=10)
+        for note in self.theme_notes:
+            self.notify(note, severity="warning", title="theme", timeout=10)
         known = {b.id for b in (*MainScreen.BINDINGS, *self.BINDINGS) if b.id}
         keymap, problems = load_keymap(self.keymap_path or keymap_file(), known)
         for problem in problems:
@@ -67,17 +82,34 @@ class EsampApp(App):
         if keymap:
             self.user_keymap = keymap
             self.set_keymap(keymap)
+        loop = asyncio.get_running_loop()
+        for signum in QUIT_SIGNALS:
+            loop.add_signal_handler(signum, self.quit_on_signal, signum)
+
+    def quit_on_signal(self, signum: int) -> None:
+        self.signalled = signum
+        self.exit(return_code=128 + signum)
+
+    def on_unmount(self) -> None:
+        loop = asyncio.get_running_loop()
+        for signum in QUIT_SIGNALS:
+            loop.remove_signal_handler(signum)
+
+    def action_next_theme(self) -> None:
+        names = list(self.available_themes)
+        self.theme = names[(names.index(self.theme) + 1) % len(names)] if self.theme in names else names[0]
+        self.notify(f"theme: {self.theme}", timeout=2)
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)
         if not isinstance(screen, MainScreen):
             return
         for binding in screen.BINDINGS:
-            if not binding.id or binding.action.startswith("app.") or not binding.show:
-                continue
-            name = binding.action.split("(")[0]
-            if screen.check_action(name, ()) is not True:
-                continue
+            if binding.id == "esamp.quit" or binding.key == "escape" or not screen.offers(binding):
+                continue  # quit is Textual's own entry; abort only while running, restart after an error
             key = self.user_keymap.get(binding.id) or binding.key_display or binding.key.split(",")[0]
             yield SystemCommand(f"{binding.description} ({key})", binding.tooltip,
-                                partial(screen.run_action, binding.action))
+                                partial(screen.run_from_palette, binding.action))
+        for name, mix in MIXES.items():
+            yield SystemCommand(f"Mix: {name}", f"{mix.formula} (for the next run)",
+                                partial(screen.run_from_palette, f"mix({name!r})"))

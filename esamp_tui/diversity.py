@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-from typing import Sequence
+import threading
+from typing import Callable, Sequence
 
 from esamp.eval import diversity
 
@@ -33,3 +34,22 @@ def vendi_available() -> bool:
 def vendi(texts: Sequence[str]) -> float:
     """Vendi score of ``texts`` (blocking: loads the embedder once, so run it in a thread worker)."""
     return float(diversity.vendi_score(list(texts)))
+
+
+def vendi_in_background(texts: Sequence[str], done: Callable[[float | None, str], None]) -> None:
+    """Score ``texts`` in a daemon thread; ``done(score, "")`` or ``done(None, why)`` from it.
+
+    Not a Textual thread worker: the first call loads a sentence embedder (seconds of CPU), and
+    thread workers run in asyncio's default executor, which the app waits for on exit; quitting
+    then hung until the embedder had loaded.
+    """
+
+    def score() -> None:
+        try:
+            result = vendi(texts)
+        except Exception as exc:  # no embedder, broken install: the caller says so, keeps distinct-2
+            done(None, f"{type(exc).__name__}: {exc}")
+        else:
+            done(result, "")
+
+    threading.Thread(target=score, name="esamp-vendi", daemon=True).start()

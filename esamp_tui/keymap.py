@@ -13,6 +13,57 @@ import os
 import tomllib
 from pathlib import Path
 
+from textual.actions import parse
+from textual.binding import Binding
+from textual.keys import key_to_character
+from textual.screen import Screen
+from textual.widgets import Input
+
+from esamp.core.mixes import MIXES
+
+BETA_KEYS = Binding.Group("β")
+SAMPLE_KEYS = Binding.Group("n")
+
+# The main screen's keys. The footer shows those with ``show`` that work where the focus is:
+# single-character keys type into the prompt box while it has focus, so they are hidden then.
+MAIN_BINDINGS = [
+    Binding("e", "toggle_esamp", "ESamp", id="esamp.toggle", tooltip="Turn ESamp steering on or off for the next run"),
+    Binding("r", "rerun", "Re-run", id="esamp.rerun", tooltip="Run the last prompt again with the same seed"),
+    Binding("c", "rerun(True)", "Compare", id="esamp.compare",
+            tooltip="Run the last prompt with ESamp off and on at once, in two rows"),
+    Binding("plus", "beta(1)", "β+", key_display="+", id="esamp.beta_up", group=BETA_KEYS,
+            tooltip="Raise β for the next run"),
+    Binding("minus", "beta(-1)", "β-", key_display="-", id="esamp.beta_down", group=BETA_KEYS,
+            tooltip="Lower β for the next run"),
+    Binding("n", "samples(1)", "n+", id="esamp.more_samples", group=SAMPLE_KEYS,
+            tooltip="One more sample per run"),
+    Binding("N", "samples(-1)", "n-", key_display="N", id="esamp.fewer_samples", group=SAMPLE_KEYS,
+            tooltip="One sample fewer per run"),
+    Binding("m", "mix", "Mix", id="esamp.mix",
+            tooltip="Next mix for the next run: " + "; ".join(f"{k} {m.formula}" for k, m in MIXES.items())),
+    Binding("a", "abort", "Abort", id="esamp.abort", tooltip="Stop the running samples"),
+    Binding("x", "export", "Export", id="esamp.export",
+            tooltip="Write transcript (Markdown, JSONL), metrics (JSONL, CSV) and a screenshot (SVG, PNG)"),
+    Binding("g", "charts", "Charts", id="esamp.charts", tooltip="Charts: full, one line, or hidden"),
+    Binding("t", "app.next_theme", "Theme", id="esamp.theme", show=False, tooltip="Switch to the next theme"),
+    Binding("p", "focus('prompt')", "Prompt", id="esamp.prompt", show=False, tooltip="Type a new prompt"),
+    Binding("question_mark,f1", "help", "Help", key_display="?", id="esamp.help",
+            tooltip="Keys and how to read the panes and charts"),
+    Binding("q", "app.quit", "Quit", id="esamp.quit", tooltip="Stop the engine and quit"),
+    Binding("ctrl+r", "restart", "Restart engine", id="esamp.restart",
+            tooltip="Start a fresh engine process (after an error)"),
+    Binding("escape", "focus('results')", "Keys", key_display="esc", id="esamp.leave_prompt",
+            tooltip="Leave the prompt box, so the single-letter keys work"),
+    Binding("escape", "hide_error", "Hide error", key_display="esc", id="esamp.hide_error",
+            tooltip="Hide the error panel"),
+]
+
+
+def types_text(key: str) -> bool:
+    """True when ``key`` is a character: in a text box it types instead of acting."""
+    character = key_to_character(key) or {"plus": "+", "minus": "-"}.get(key)
+    return bool(character) and len(character) == 1 and character.isprintable()
+
 
 def keymap_file() -> Path:
     if os.environ.get("ESAMP_KEYMAP"):
@@ -39,3 +90,40 @@ def load_keymap(path: Path, known_ids: set[str]) -> tuple[dict[str, str], list[s
         else:
             keymap[binding_id] = keys.strip()
     return keymap, problems
+
+
+class KeysScreen(Screen):
+    """A screen whose character keys step aside while a text box has the focus.
+
+    There the keys type, so their actions are off and the footer does not offer them; the
+    command palette still runs them (``run_from_palette``), as the user chose them there.
+    """
+
+    palette_call = False
+
+    @property
+    def typing(self) -> bool:
+        return isinstance(self.focused, Input) and not self.palette_call
+
+    def offers(self, binding: Binding) -> bool:
+        """Whether the palette lists ``binding`` now (its action applies, wherever the focus is)."""
+        namespace, name, parameters = parse(binding.action)
+        if namespace:
+            return True
+        self.palette_call = True
+        try:
+            return self.check_action(name, parameters) is not False
+        finally:
+            self.palette_call = False
+
+    async def run_from_palette(self, action: str) -> None:
+        self.palette_call = True
+        try:
+            await self.run_action(action)
+        finally:
+            self.palette_call = False
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        # Off means hidden, not greyed out: the footer stays short and says only what works.
+        return not (self.typing and any(types_text(key) for key, binding in self._bindings
+                                        if binding.action.split("(")[0] == action))

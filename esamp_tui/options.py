@@ -1,53 +1,94 @@
-"""The dashboard's launch settings, validated once, shared by the CLI, the app and the tests."""
+"""The dashboard's launch settings: the typed ESamp settings plus what only the dashboard needs.
+
+ESamp and sampling settings are ``esamp.core.config`` objects from start to worker: the command
+line builds them with ``add_flags``/``from_flags`` (so every default, range and error message is
+the core's), the screen changes them with validated copies, and the worker receives them as
+they are. The dashboard adds its own limits, named here.
+"""
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, field
 from typing import Any
 
-from esamp.core.config import EsampConfig, SamplingConfig, make_config
-from esamp.errors import ConfigError
+from pydantic import BaseModel
+
+from esamp.core.config import EsampConfig, SamplingConfig, Steering, add_flags, from_flags, update_config
+from esamp.engines.base import check_prompt_text
+from esamp.errors import ConfigError, PromptError
 from esamp.session import SessionSpec, default_log_file
 
-MAX_PANES = 8
-BETA_STEP = 0.1
+MAX_PANES = 8  # samples shown side by side; more would leave each pane too narrow to read
+BETA_STEP = 0.1  # what + and - change β by
+
+# The settings a user can set at launch, by the model that defines them.
+STEERING_FLAGS = ("enabled", "beta", "mix")
+SAMPLING_FLAGS = ("n", "max_tokens", "seed", "temperature", "top_p", "top_k", "min_p")
+
+
+def bounds(model: type[BaseModel], name: str) -> tuple[float | None, float | None]:
+    """The (lowest, highest) value a field allows, read from its definition."""
+    low = high = None
+    for meta in model.model_fields[name].metadata:
+        if getattr(meta, "ge", None) is not None:
+            low = meta.ge
+        if getattr(meta, "le", None) is not None:
+            high = meta.le
+    return low, high
+
+
+BETA_RANGE = bounds(Steering, "beta")  # what + and - clamp to
+
+
+def add_setting_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("ESamp and sampling")
+    add_flags(group, EsampConfig, STEERING_FLAGS)
+    add_flags(group, SamplingConfig, SAMPLING_FLAGS)
+    n = SamplingConfig.model_fields["n"]
+    for action in group._group_actions:  # the dashboard shows fewer samples than a group may have
+        if action.dest == "n":
+            action.help = f"{n.description} (1 to {MAX_PANES} side by side, default {n.default})"
 
 
 @dataclass
 class Options:
     engine: str = "reference"
     model: str | None = None
-    n: int = 4
-    beta: float = 0.8
-    esamp_on: bool = True
-    max_tokens: int = 128
+    esamp: EsampConfig = field(default_factory=EsampConfig)  # engine-wide settings + the first runs' steering
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
     prompt: str | None = None
     theme: str | None = None
-    seed: int = 0
     engine_factory: str | None = None  # "module:callable" instead of create_engine (tests, demos)
     engine_options: dict[str, Any] = field(default_factory=dict)
     log_file: str | None = None  # None: the default log; "": no log file (worker output is dropped)
 
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, **values) -> "Options":
+        """Options from parsed flags (``add_setting_flags``); a bad value names its flag."""
+        return cls(esamp=from_flags(args, EsampConfig, STEERING_FLAGS),
+                   sampling=from_flags(args, SamplingConfig, SAMPLING_FLAGS), **values).validate()
+
     def validate(self) -> "Options":
-        """Raise ``ConfigError`` naming the bad setting; the CLI turns it into exit status 2."""
-        if not 1 <= self.n <= MAX_PANES:
-            raise ConfigError(f"n={self.n}: the dashboard shows 1 to {MAX_PANES} samples side by side",
+        """Raise ``ConfigError`` (or ``PromptError``) naming the bad setting; the CLI exits 2."""
+        if self.sampling.n > MAX_PANES:
+            raise ConfigError(f"-n {self.sampling.n}: the dashboard shows 1 to {MAX_PANES} samples side by side",
                               hint=f"pass -n between 1 and {MAX_PANES} (esamp generate takes more)")
-        make_config(EsampConfig, beta=self.beta, enabled=self.esamp_on)
-        make_config(SamplingConfig, n=self.n, max_tokens=self.max_tokens, seed=self.seed)
         threads = self.engine_options.get("threads")
         if threads is not None and (not isinstance(threads, int) or threads < 1):
             raise ConfigError(f"--threads {threads}: needs at least 1", hint="e.g. --threads 1")
-        if self.prompt is not None and not self.prompt.strip():
-            raise ConfigError("--prompt is empty", hint="give a prompt, or leave --prompt out and type one")
+        if self.prompt is not None:
+            try:
+                check_prompt_text(self.prompt)
+            except PromptError as exc:
+                raise PromptError(f"--prompt: {exc.message}", hint=exc.hint) from None
         return self
 
-    def session_spec(self, esamp_on: bool, beta: float, n: int) -> SessionSpec:
-        """A worker spec carrying the dashboard's current settings (so a restart keeps them)."""
+    def session_spec(self, steering: Steering, sampling: SamplingConfig) -> SessionSpec:
+        """A worker spec with the dashboard's current settings (so a restart keeps them)."""
         return SessionSpec(
             engine=self.engine, model=self.model,
-            esamp=dict(enabled=esamp_on, beta=beta),
-            sampling=dict(n=n, max_tokens=self.max_tokens, seed=self.seed),
+            esamp=update_config(self.esamp, **steering.model_dump()), sampling=sampling,
             engine_factory=self.engine_factory, engine_options=dict(self.engine_options),
             log_file=self.log_file if self.log_file is not None else str(default_log_file()),
         )

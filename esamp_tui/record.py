@@ -12,9 +12,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from esamp.core.config import SamplingConfig, Steering, update_config
 from esamp.events import DoneEvent, StepEvent, TokenEvent
 from esamp.gpu import MemorySample
+from esamp.session import group_key
 from esamp_tui.diversity import distinct_2
+from esamp_tui.screenshot import ScreenshotError, offline_svg, svg_to_png
 
 
 @dataclass
@@ -32,27 +35,48 @@ class SampleRecord:
         return sum(values) / len(values) if values else None
 
 
+# How a group ended when it did not run to its end, as the history line marks it.
+INTERRUPTIONS = {"abort": "aborted", "cut": "cut off", "error": "failed"}
+
+
 @dataclass
 class GroupRecord:
-    """One group: n samples of one prompt with ESamp on or off."""
+    """One group: n samples of one prompt, with the settings the worker ran it with."""
 
     key: str
     run_id: int
-    esamp_on: bool
-    beta: float
-    n: int
     prompt: str
+    steering: Steering
+    sampling: SamplingConfig
     samples: list[SampleRecord] = field(default_factory=list)
     distinct_2: float | None = None
     vendi: float | None = None
+    interrupted: str | None = None  # a key of INTERRUPTIONS, once the run was stopped early
 
     def __post_init__(self) -> None:
         if not self.samples:
             self.samples = [SampleRecord() for _ in range(self.n)]
 
     @property
+    def esamp_on(self) -> bool:
+        return self.steering.enabled
+
+    @property
+    def n(self) -> int:
+        return self.sampling.n
+
+    @property
     def finished(self) -> bool:
         return all(s.finish_reason is not None for s in self.samples)
+
+    @property
+    def complete(self) -> bool:
+        """Every sample ran to its stop token or its token limit: comparable with other runs."""
+        return self.interrupted is None and all(s.finish_reason in ("stop", "length") for s in self.samples)
+
+    @property
+    def mean_tokens(self) -> float:
+        return sum(len(s.tokens) for s in self.samples) / max(len(self.samples), 1)
 
     def add_token(self, event: TokenEvent) -> None:
         if event.sample < len(self.samples):
@@ -63,18 +87,34 @@ class GroupRecord:
         if event.sample >= len(self.samples) or self.samples[event.sample].finish_reason:
             return False
         self.samples[event.sample].finish_reason = event.finish_reason
+        if event.finish_reason in ("abort", "error") and self.interrupted is None:
+            self.interrupted = event.finish_reason
         if self.finished:
             self.distinct_2 = distinct_2([s.text for s in self.samples])
             return True
         return False
 
-    def mark_unfinished(self, reason: str) -> None:
-        for sample in self.samples:
-            if sample.finish_reason is None:
-                sample.finish_reason = reason
+    def stop(self, why: str) -> bool:
+        """End the samples still running (``why``: a key of INTERRUPTIONS); True if any were."""
+        open_samples = [s for s in self.samples if s.finish_reason is None]
+        for sample in open_samples:
+            sample.finish_reason = "error" if why == "error" else "abort"
+        if open_samples:
+            self.interrupted = self.interrupted or why
+            self.distinct_2 = distinct_2([s.text for s in self.samples])
+        return bool(open_samples)
 
     def label(self) -> str:
-        return f"ESamp {'ON' if self.esamp_on else 'OFF'}" + (f" β={self.beta:g}" if self.esamp_on else "")
+        if not self.esamp_on:
+            return "ESamp OFF"
+        mix = "" if self.steering.mix == Steering.model_fields["mix"].default else f" {self.steering.mix}"
+        return f"ESamp ON β={self.steering.beta:g}{mix}"
+
+    def comparable(self, other: "GroupRecord") -> bool:
+        """Same prompt and sampling, both complete: only then do their numbers say something
+        about the steering (distinct-2 of a 15-token run is not that of a 128-token one)."""
+        return (self.complete and other.complete and self.prompt == other.prompt
+                and self.sampling == other.sampling)
 
 
 @dataclass
@@ -104,11 +144,44 @@ class SessionRecord:
         self.max_points = max_points
         self.memory: MemorySample | None = None
         self.engine: dict = {}
+        self.exported: list[Path] = []  # the files of the last export
 
     def add_group(self, group: GroupRecord) -> None:
         self.groups[group.key] = group
 
-    def add_step(self, event: StepEvent) -> MetricPoint:
+    def new_run(self, run_id: int, prompt: str, steering: Steering, sampling: SamplingConfig,
+                compare: bool) -> list[GroupRecord]:
+        """The groups of a new run (ESamp off and on to compare), as the worker names them."""
+        modes = (False, True) if compare else (steering.enabled,)
+        groups = [GroupRecord(group_key(run_id, on), run_id, prompt, update_config(steering, enabled=on), sampling)
+                  for on in modes]
+        for group in groups:
+            self.add_group(group)
+        return groups
+
+    def running(self) -> list[GroupRecord]:
+        return [g for g in self.groups.values() if not g.finished]
+
+    def stop_running(self, why: str) -> list[GroupRecord]:
+        """End every running group early (``why``: a key of INTERRUPTIONS); return them."""
+        return [g for g in self.groups.values() if g.stop(why)]
+
+    def ended(self) -> list[GroupRecord]:
+        return [g for g in self.groups.values() if g.finished]
+
+    def baseline(self, group: GroupRecord) -> GroupRecord | None:
+        """The latest group before ``group`` (in a compare run: its ESamp-off sibling) that was
+        steered otherwise and can be compared with it."""
+        keys = list(self.groups)
+        for key in reversed(keys[: keys.index(group.key)] if group.key in self.groups else keys):
+            other = self.groups[key]
+            if other.steering != group.steering and group.comparable(other):
+                return other
+        return None
+
+    def add_step(self, event: StepEvent, memory: MemorySample | None = None) -> MetricPoint:
+        """One engine step, with the newest memory reading (kept for the steps that follow)."""
+        self.memory = memory or self.memory
         mem = self.memory
         point = MetricPoint(
             time=event.time, step=event.step, tokens_per_s=event.tokens_per_s, loss=event.loss,
@@ -148,8 +221,9 @@ class SessionRecord:
         """One JSON object per line: a ``group`` header, its ``token``s (with novelty), its ``done``s."""
         rows = []
         for g in self.groups.values():
-            rows.append(dict(type="group", group=g.key, run=g.run_id, esamp=g.esamp_on, beta=g.beta,
-                             n=g.n, prompt=g.prompt, distinct_2=g.distinct_2, vendi=g.vendi))
+            rows.append(dict(type="group", group=g.key, run=g.run_id, prompt=g.prompt,
+                             steering=g.steering.model_dump(), sampling=g.sampling.model_dump(),
+                             interrupted=g.interrupted, distinct_2=g.distinct_2, vendi=g.vendi))
             for i, sample in enumerate(g.samples):
                 for t in sample.tokens:
                     rows.append(t.model_dump())
@@ -168,8 +242,12 @@ class SessionRecord:
     def metrics_jsonl(self) -> str:
         return "".join(json.dumps(p.__dict__) + "\n" for p in self.metrics)
 
-    def export(self, directory: Path, screenshot_svg: str | None = None) -> list[Path]:
-        """Write every export file into ``directory`` (created if needed); return the paths."""
+    def export(self, directory: Path, screenshot_svg: str | None = None) -> tuple[list[Path], str]:
+        """Write every export file into ``directory`` (created if needed).
+
+        Returns the paths written and a note: empty, or why the PNG beside the SVG screenshot
+        could not be rendered here (``esamp_tui.screenshot``); everything else is written anyway.
+        """
         directory.mkdir(parents=True, exist_ok=True)
         written = []
 
@@ -183,10 +261,41 @@ class SessionRecord:
         put("metrics.jsonl", self.metrics_jsonl())
         self.metrics_csv(directory / "metrics.csv")
         written.append(directory / "metrics.csv")
+        note = ""
         if screenshot_svg is not None:
-            put("screenshot.svg", screenshot_svg)
-        return written
+            put("screenshot.svg", offline_svg(screenshot_svg))
+            try:
+                png = svg_to_png(screenshot_svg)
+            except ScreenshotError as exc:
+                note = exc.user_text()
+            else:
+                (directory / "screenshot.png").write_bytes(png)
+                written.append(directory / "screenshot.png")
+        self.exported = written
+        return written, note
 
 
 def default_export_dir() -> Path:
     return Path.cwd() / time.strftime("esamp-export-%Y%m%d-%H%M%S")
+
+
+def history_line(group: GroupRecord, baseline: GroupRecord | None) -> tuple[str, str]:
+    """(what the run measured, its mark) for the history above the charts.
+
+    The mark says why a run is not compared (it was aborted, cut off by the next run, failed),
+    or what it is compared with: the latest run of the same prompt and sampling steered the
+    other way (``SessionRecord.baseline``).
+    """
+    d2 = "n/a" if group.distinct_2 is None else f"{group.distinct_2:.3f}"
+    text = (f"run {group.run_id} · {group.label()} · n={group.n} · {group.mean_tokens:.0f} tok/sample"
+            f" · distinct-2 {d2}")
+    if group.vendi is not None:
+        text += f" · Vendi {group.vendi:.2f}"
+    if group.interrupted:
+        return text, f"{INTERRUPTIONS[group.interrupted]}: not compared"
+    if baseline is None or group.distinct_2 is None or baseline.distinct_2 is None:
+        return text, ""
+    delta = f"distinct-2 {group.distinct_2 - baseline.distinct_2:+.3f}"
+    if group.vendi is not None and baseline.vendi is not None:
+        delta += f", Vendi {group.vendi - baseline.vendi:+.2f}"
+    return text, f"{delta} vs run {baseline.run_id} ({baseline.label()})"

@@ -10,6 +10,10 @@ Sources, later ones overriding earlier ones of the same name:
 A file that does not parse or validate is skipped and reported (the app shows the report as a
 notification and keeps the default theme); it never stops the dashboard.
 
+These themes are the dashboard's one list: ``--theme`` accepts them, ``t`` cycles through them and
+the command palette's theme picker offers them (the app unregisters Textual's own themes, which
+were not drawn with novelty heat in mind). A user theme file turns any colours into one more.
+
 Heat colours are theme variables ``heat-0`` … ``heat-4`` (low → high novelty) and ``heat-plain``
 (tokens with no novelty, ESamp off). Every theme gets defaults for them, so Textual's own themes
 work too.
@@ -26,6 +30,8 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from textual.color import Color, ColorParseError
 from textual.theme import Theme
+
+from esamp.errors import ConfigError
 
 DEFAULT_THEME = "dark"
 HEAT_STOPS = 5
@@ -103,9 +109,33 @@ class ThemeFile(BaseModel):
 class ThemeProblem:
     path: str
     reason: str
+    theme_name: str = ""  # the name the file gives, when it says one; else the file's stem
 
     def text(self) -> str:
         return f"theme file {self.path} was skipped: {self.reason}"
+
+
+def _name_in(origin: str, text: str) -> str:
+    try:
+        name = tomllib.loads(text).get("name")
+    except tomllib.TOMLDecodeError:
+        name = None
+    return name if isinstance(name, str) and name else Path(origin).stem
+
+
+def check_theme(name: str, themes: list[Theme], problems: list[ThemeProblem]) -> None:
+    """Nothing when ``name`` is one of ``themes``; a ``ConfigError`` saying why not otherwise
+    (for a user file that was rejected, the file and its reason)."""
+    names = [t.name for t in themes]
+    if name in names:
+        return
+    choices = "choose one of: " + ", ".join(names)
+    for problem in problems:
+        if name in (problem.theme_name, Path(problem.path).stem):
+            raise ConfigError(f"theme {name!r} cannot be used: {problem.path} was rejected: {problem.reason}",
+                              hint=f"fix the file, or {choices}")
+    raise ConfigError(f"unknown theme {name!r}",
+                      hint=f"{choices}; or add {name}.toml to {user_theme_dir()}")
 
 
 def user_theme_dir() -> Path:
@@ -163,7 +193,7 @@ def load_themes(user_dir: Path | None = None) -> tuple[list[Theme], list[ThemePr
         try:
             theme = parse_theme_text(text)
         except ValueError as exc:
-            problems.append(ThemeProblem(origin, str(exc)))
+            problems.append(ThemeProblem(origin, str(exc), _name_in(origin, text)))
             continue
         themes[theme.name] = theme
     return list(themes.values()), problems

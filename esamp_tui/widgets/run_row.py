@@ -7,6 +7,7 @@ from textual.containers import Grid, Vertical
 from textual.widgets import Static
 
 from esamp.events import DoneEvent, TokenEvent
+from esamp_tui.record import INTERRUPTIONS, GroupRecord
 from esamp_tui.widgets.sample_pane import SamplePane
 
 PANE_MIN_WIDTH = 26  # below this a pane's text is too narrow to read; the row becomes a grid
@@ -20,14 +21,12 @@ class RunRow(Vertical):
     RunRow > Grid { grid-gutter: 0 0; height: 1fr; }
     """
 
-    def __init__(self, group: str, run_id: int, esamp_on: bool, beta: float, n: int) -> None:
-        super().__init__(id=f"row-{group}", classes="-esamp-on" if esamp_on else "-esamp-off")
-        self.group, self.run_id, self.esamp_on, self.beta, self.n = group, run_id, esamp_on, beta, n
-        self.panes = [SamplePane(i, id=f"pane-{group}-{i}") for i in range(n)]
-        self.distinct_2: float | None = None
-        self.vendi: float | None = None
+    def __init__(self, record: GroupRecord) -> None:
+        super().__init__(id=f"row-{record.key}", classes="-esamp-on" if record.esamp_on else "-esamp-off")
+        self.record = record  # the run's settings and results; this row only draws them
+        self.group, self.n = record.key, record.n
+        self.panes = [SamplePane(i, id=f"pane-{record.key}-{i}") for i in range(record.n)]
         self.vendi_pending = False
-        self.crashed = False
 
     def compose(self) -> ComposeResult:
         yield Static(self._header_text(), classes="run-row--header")
@@ -50,17 +49,21 @@ class RunRow(Vertical):
         grid.styles.grid_size_columns = columns
         grid.styles.grid_size_rows = rows
 
+    @property
+    def distinct_2(self) -> float | None:
+        return self.record.distinct_2
+
     def _header_text(self) -> str:
-        mode = f"ESamp ON β={self.beta:g}" if self.esamp_on else "ESamp OFF"
-        text = f"run {self.run_id} · {mode} · n={self.n}"
-        if self.distinct_2 is not None:
-            text += f" · distinct-2 {self.distinct_2:.3f}"
-        if self.vendi is not None:
-            text += f" · Vendi {self.vendi:.2f}"
+        r = self.record
+        text = f"run {r.run_id} · {r.label()} · n={r.n}"
+        if r.distinct_2 is not None:
+            text += f" · distinct-2 {r.distinct_2:.3f}"
+        if r.vendi is not None:
+            text += f" · Vendi {r.vendi:.2f}"
         elif self.vendi_pending:
             text += " · Vendi …"
-        if self.crashed:
-            text += " · engine stopped"
+        if r.interrupted:
+            text += f" · {INTERRUPTIONS[r.interrupted]}"
         return text
 
     def refresh_header(self) -> None:
@@ -76,19 +79,13 @@ class RunRow(Vertical):
         if event.sample < len(self.panes):
             self.panes[event.sample].finish(event.finish_reason)
 
-    def set_diversity(self, distinct_2: float | None = None, vendi: float | None = None,
-                      vendi_pending: bool = False) -> None:
-        if distinct_2 is not None:
-            self.distinct_2 = distinct_2
-        if vendi is not None:
-            self.vendi = vendi
-        self.vendi_pending = vendi_pending
+    def set_vendi_pending(self, pending: bool) -> None:
+        self.vendi_pending = pending
         self.refresh_header()
 
-    def mark_stopped(self) -> None:
-        """The engine died under this row: keep its text, close its open panes."""
-        self.crashed = True
-        for pane in self.panes:
-            if pane.finish_reason is None:
-                pane.finish("error")
+    def stopped(self) -> None:
+        """The run ended early (the record says why): keep the text, close the open panes."""
+        for pane, sample in zip(self.panes, self.record.samples):
+            if pane.finish_reason is None and sample.finish_reason is not None:
+                pane.finish(sample.finish_reason)
         self.refresh_header()

@@ -1,47 +1,60 @@
-"""The status bar: engine, model, device, ESamp state, β, n and what the engine is doing."""
+"""The status bar: engine, model, device, ESamp state, β, mix, n, what the engine is doing, the heat legend.
+
+The settings are reactives bound to the screen's (``data_bind``), so the bar follows every
+change without being told. On a narrow terminal the engine/model part is shortened first; the
+settings, the state and the novelty legend always fit.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from textual.content import Content
+from textual.reactive import reactive
+from textual.widget import Widget
 
-from textual.markup import escape
-from textual.widgets import Static
+from esamp.core.config import SamplingConfig, Steering
 
-
-@dataclass(frozen=True)
-class StatusInfo:
-    engine: str = "…"
-    model: str = "…"
-    device: str = "…"
-    esamp_on: bool = True
-    beta: float = 0.8
-    n: int = 4
-    state: str = "starting engine"  # starting engine | ready | generating | error | stopped
+# The heat scale in the theme's own colours ($heat-0 … $heat-4 are theme variables).
+HEAT_LEGEND = "novelty 0 " + "".join(f"[$heat-{k}]██[/]" for k in range(5)) + " 1"
+HEAT_LEGEND_SHORT = "0" + "".join(f"[$heat-{k}]█[/]" for k in range(5)) + "1"
 
 
-class StatusBar(Static):
+class StatusBar(Widget):
     DEFAULT_CSS = """
     StatusBar { height: 1; background: $panel; color: $text; padding: 0 1; }
     StatusBar.-error { background: $error 40%; }
+    StatusBar.-slow { background: $warning 30%; }
     """
 
-    def __init__(self, id: str | None = None) -> None:
-        super().__init__("", id=id)
-        self.info = StatusInfo()
-        self.update(self._text())
+    esamp_on = reactive(Steering.model_fields["enabled"].default)
+    beta = reactive(Steering.model_fields["beta"].default)
+    mix = reactive(Steering.model_fields["mix"].default)
+    n = reactive(SamplingConfig.model_fields["n"].default)
+    engine = reactive("…")
+    model = reactive("…")
+    device = reactive("…")
+    state = reactive("starting engine")  # starting engine | ready | generating | error
+    notice = reactive("")  # e.g. the run is far slower than usual here
 
-    def set(self, **changes) -> None:
-        self.info = replace(self.info, **changes)
-        self.set_class(self.info.state == "error", "-error")
-        self.update(self._text(), layout=False)  # one line, fixed height
+    def watch_state(self, state: str) -> None:
+        self.set_class(state == "error", "-error")
 
-    def _text(self) -> str:
-        i = self.info
-        esamp = f"[b]ESamp ON[/b] β={i.beta:g}" if i.esamp_on else f"[b]ESamp OFF[/b] (β={i.beta:g})"
-        where = escape(f"{i.engine} · {i.model} · {i.device}")
-        return f"{where} │ {esamp} │ n={i.n} │ {escape(i.state)} │ novelty {HEAT_LEGEND}"
+    def watch_notice(self, notice: str) -> None:
+        self.set_class(bool(notice), "-slow")
 
-
-# The heat scale in the theme's own colours ($heat-0 … $heat-4 are theme variables).
-HEAT_LEGEND = "0 " + "".join(f"[$heat-{k}]██[/]" for k in range(5)) + " 1"
-
+    def render(self) -> Content:
+        esamp = f"[b]ESamp ON[/b] β={self.beta:g}" if self.esamp_on else f"[b]ESamp OFF[/b] (β={self.beta:g})"
+        if self.mix != Steering.model_fields["mix"].default:
+            esamp += f" {self.mix}"
+        state = self.state + (f" · {self.notice}" if self.notice else "")
+        width = self.content_size.width
+        for legend in (HEAT_LEGEND, HEAT_LEGEND_SHORT):
+            right = Content.from_markup(f"{esamp} │ n={self.n} │ $state │ {legend}", state=state)
+            if right.cell_length <= width:
+                break
+        where = Content(f"{self.engine} · {self.model} · {self.device}")
+        room = width - right.cell_length - 3
+        if room < 8:
+            return right
+        if where.cell_length > room:
+            where = where.truncate(room - 1).append("…")
+        return Content.assemble(where, " │ ", right)

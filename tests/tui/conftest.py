@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from esamp.core.config import EsampConfig, SamplingConfig
 from esamp.gpu import GIB, MemorySample
 from esamp_tui.app import EsampApp
 from esamp_tui.options import Options
@@ -14,20 +15,27 @@ from esamp_tui.options import Options
 from .fake_engine import FACTORY
 
 
+# The scripted engine stamps its steps 1,000,000 s + the step number; the memory readings are
+# stamped a minute later, so the charts' shared time axis shows the same picture on every run.
+FAKE_NOW = 1_000_060.0
+
+
 class FixedMemory:
     """A memory sampler that always reads the same, so snapshots do not depend on this machine."""
 
     def sample(self) -> MemorySample:
-        return MemorySample("host", 3 * GIB, 8 * GIB, note="test")
+        return MemorySample("host", 3 * GIB, 8 * GIB, note="test", time=FAKE_NOW)
 
     def close(self) -> None:
         pass
 
 
 def fake_options(**values) -> Options:
-    base = dict(engine_factory=FACTORY, n=4, max_tokens=12, log_file="")
-    base.update(values)
-    return Options(**base)
+    """Options on the scripted engine; ESamp and sampling settings by their field names."""
+    values = dict(dict(engine_factory=FACTORY, n=4, max_tokens=12, log_file=""), **values)
+    sampling = {k: values.pop(k) for k in list(values) if k in SamplingConfig.model_fields}
+    esamp = {k: values.pop(k) for k in list(values) if k in EsampConfig.model_fields}
+    return Options(esamp=EsampConfig(**esamp), sampling=SamplingConfig(**sampling), **values)
 
 
 @pytest.fixture
@@ -36,9 +44,10 @@ def make_app(tmp_path):
     theme_dir = tmp_path / "themes"
     theme_dir.mkdir()
 
-    def build(theme_dir=theme_dir, keymap_path=tmp_path / "keymap.toml", **values) -> EsampApp:
+    def build(theme_dir=theme_dir, keymap_path=tmp_path / "keymap.toml", speed_file=tmp_path / "speed.json",
+              **values) -> EsampApp:
         return EsampApp(fake_options(**values), memory_sampler=FixedMemory(), theme_dir=theme_dir,
-                        keymap_path=keymap_path)
+                        keymap_path=keymap_path, speed_file=speed_file)
 
     return build
 

@@ -1,5 +1,9 @@
-"""``esamp-tui`` on the scripted engine, for the terminal tests: ``python fake_app.py [prompt]``."""
+"""``esamp-tui`` on the scripted engine, for the terminal tests: ``python fake_app.py [prompt]``.
 
+``ESAMP_TEST_LOAD_SECONDS`` makes the engine spin that long before it is ready (a cold start).
+"""
+
+import os
 import sys
 from pathlib import Path
 
@@ -10,5 +14,6 @@ if __name__ == "__main__":
     from tui.conftest import FixedMemory, fake_options
 
     prompt = sys.argv[1] if len(sys.argv) > 1 else None
-    options = fake_options(prompt=prompt, max_tokens=30000, engine_options=dict(delay=0.05))
+    load = float(os.environ.get("ESAMP_TEST_LOAD_SECONDS", "0"))
+    options = fake_options(prompt=prompt, max_tokens=30000, engine_options=dict(delay=0.05, load_seconds=load))
     sys.exit(run_app(options, memory_sampler=FixedMemory()))

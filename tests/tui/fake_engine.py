@@ -6,13 +6,17 @@ dashboard's tests exercise the real process, queues and reader thread.
 Script:
 - each sample of a group emits ``max_tokens`` tokens, except sample 1 which stops two early
   (``finish_reason="stop"``) so headers show both reasons;
-- token text is ``"on{i} "`` when ESamp steers the group and ``"off{i} "`` when not, with a
-  newline every 8 tokens; novelty cycles through 0.0, 0.25, ... 1.0 when on, None when off;
+- token text is ``"on{i} "`` when ESamp steers the group (``"un{i} "`` with the unsharpened mix)
+  and ``"off{i} "`` when not, with a newline every 8 tokens; novelty cycles through 0.0, 0.25,
+  ... 1.0 when on, None when off;
 - prompt ``"crash"``: the process dies (``os._exit(9)``) on the third step, like a segfault;
 - prompt ``"fail"``: ``step()`` raises on the third step (a Python error inside the engine);
 - prompt ``"hold"``: after six steps the group stops advancing (steps emit nothing) until it is
   aborted, a frozen mid-stream state for snapshots;
-- model ``"missing"``: construction raises ``ModelNotFoundError``.
+- prompt ``"bad start"``: ``start()`` raises a ``TypeError``, as a tokenizer does on bytes it
+  cannot read;
+- model ``"missing"``: construction raises ``ModelNotFoundError``;
+- ``load_seconds``: construction spins the CPU that long first, like a cold model load.
 """
 
 from __future__ import annotations
@@ -27,15 +31,18 @@ FACTORY = f"{__name__}:FakeEngine"  # the name this module was imported under; t
 NOVELTY_CYCLE = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 
-def token_text(esamp_on: bool, index: int) -> str:
-    word = f"{'on' if esamp_on else 'off'}{index}"
+def token_text(esamp_on: bool, index: int, mix: str = "paper") -> str:
+    word = f"{('on' if mix == 'paper' else 'un') if esamp_on else 'off'}{index}"
     return word + ("\n" if index % 8 == 7 else " ")
 
 
 class FakeEngine:
     name = "fake"
 
-    def __init__(self, model=None, esamp=None, delay: float = 0.0, **_):
+    def __init__(self, model=None, esamp=None, delay: float = 0.0, load_seconds: float = 0.0):
+        end = time.monotonic() + load_seconds
+        while time.monotonic() < end:  # busy, as a model load is: only a signal can stop it
+            pass
         if model == "missing":
             raise ModelNotFoundError(
                 "no model named 'missing' on this machine (looked in ./missing and the HF cache)",
@@ -54,9 +61,12 @@ class FakeEngine:
     def start(self, prompt, sampling, esamp=None, group=None, chat=True):
         if not str(prompt).strip():
             raise PromptError("the prompt is empty", hint="type a question or an instruction")
+        if prompt == "bad start":
+            raise TypeError("TextEncodeInput must be Union[TextInputSequence, Tuple[InputSequence, InputSequence]]")
         key = group or f"g{len(self.groups)}"
         lengths = [max(1, sampling.max_tokens - (2 if s == 1 else 0)) for s in range(sampling.n)]
         self.groups[key] = dict(prompt=str(prompt), on=bool(esamp and esamp.enabled),
+                                mix=esamp.mix if esamp else "paper",
                                 lengths=lengths, count=[0] * sampling.n, done=set(), steps=0)
         return key
 
@@ -85,7 +95,7 @@ class FakeEngine:
                 rows += 1
                 novelty = NOVELTY_CYCLE[(i + sample) % len(NOVELTY_CYCLE)] if g["on"] else None
                 events.append(TokenEvent(group=key, sample=sample, index=i, token_id=1000 + i,
-                                         text=token_text(g["on"], i), novelty=novelty))
+                                         text=token_text(g["on"], i, g["mix"]), novelty=novelty))
                 g["count"][sample] = i + 1
                 if i + 1 >= length:
                     g["done"].add(sample)

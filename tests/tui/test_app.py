@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import csv
 import json
+import threading
+import time
 
 import pytest
-from textual.widgets import Input
+from textual.widgets import Footer, Input
 
-from esamp.events import event_from_dict
+from esamp.core.config import update_config
+from esamp.events import ErrorEvent, event_from_dict
+from esamp.session import Abort, Configure, RunPrompt, group_key
 from esamp_tui.options import BETA_STEP
 from esamp_tui.screens.export import ExportScreen
 from esamp_tui.widgets.error_panel import ErrorPanel
@@ -16,7 +20,7 @@ from esamp_tui.widgets.run_row import RunRow
 from esamp_tui.widgets.sample_pane import bucket
 
 from .conftest import run_finished, settle, wait_for
-from .fake_engine import token_text
+from .fake_engine import FakeEngine, token_text
 
 SIZE = (160, 45)
 pytestmark = pytest.mark.asyncio
@@ -29,27 +33,35 @@ async def type_prompt(pilot, text: str) -> None:
     await pilot.press(*text, "enter")
 
 
-def expected_text(esamp_on: bool, count: int) -> str:
-    return "".join(token_text(esamp_on, i) for i in range(count))
+def expected_text(esamp_on: bool, count: int, mix: str = "paper") -> str:
+    return "".join(token_text(esamp_on, i, mix) for i in range(count))
+
+
+def header(row: RunRow) -> str:
+    return str(row.query_one(".run-row--header").render())
+
+
+def history(screen) -> str:
+    return str(screen.query_one("#history").render())
 
 
 async def test_panes_fill_with_the_scripted_stream(make_app):
     app = make_app(max_tokens=10)
     async with app.run_test(size=SIZE) as pilot:
         screen = app.main_screen
-        await wait_for(pilot, lambda: screen.engine_ready, what="engine ready")
+        await wait_for(pilot, lambda: screen.controller.ready, what="engine ready")
         await type_prompt(pilot, "hello")
         await wait_for(pilot, lambda: run_finished(screen), what="run to finish")
         await settle(pilot)
-        (row,) = screen.rows.values()
+        (row,) = screen.results.rows.values()
         assert row.group == "r1-on"
         assert [p.text for p in row.panes] == [expected_text(True, 8 if i == 1 else 10) for i in range(4)]
         assert [p.finish_reason for p in row.panes] == ["length", "stop", "length", "length"]
         assert row.panes[0].border_subtitle == "10 tok · nov 0.50 · length"
         assert row.distinct_2 is not None and 0 < row.distinct_2 <= 1
-        assert "distinct-2" in str(row.query_one(".run-row--header").render())
-        assert screen.status.info.state == "ready" and screen.status.info.engine == "fake"
-        assert screen.charts.last_rate is not None and len(screen.record.metrics) > 0
+        assert "distinct-2" in header(row)
+        assert screen.status.state == "ready" and screen.status.engine == "fake"
+        assert screen.charts.rate_on.last is not None and len(screen.record.metrics) > 0
 
 
 async def test_heat_maps_to_theme_colours(make_app):
@@ -58,7 +70,7 @@ async def test_heat_maps_to_theme_colours(make_app):
         screen = app.main_screen
         await wait_for(pilot, lambda: run_finished(screen), what="run to finish")
         await settle(pilot)
-        pane = next(iter(screen.rows.values())).panes[0]
+        pane = next(iter(screen.results.rows.values())).panes[0]
         for theme in ("dark", "light", "high-contrast"):
             app.theme = theme
             await pilot.pause(0.1)
@@ -78,9 +90,9 @@ async def test_toggle_changes_state_and_next_run(make_app):
     async with app.run_test(size=SIZE) as pilot:
         screen = app.main_screen
         await wait_for(pilot, lambda: run_finished(screen), what="first run")
-        assert screen.status.info.esamp_on is True
+        assert screen.status.esamp_on is True
         await pilot.press("e")
-        assert screen.esamp_on is False and screen.status.info.esamp_on is False
+        assert screen.esamp_on is False and screen.status.esamp_on is False  # bound, not copied
         await pilot.press("r")
         await wait_for(pilot, lambda: "r2-off" in screen.record.groups and run_finished(screen),
                        what="re-run with ESamp off")
@@ -89,9 +101,9 @@ async def test_toggle_changes_state_and_next_run(make_app):
         tokens = [t for s in group.samples for t in s.tokens]
         assert tokens and all(t.novelty is None for t in tokens)
         assert all(t.text.startswith("off") for t in tokens)
-        row = screen.rows["r2-off"]
+        row = screen.results.rows["r2-off"]
         assert row.panes[0].text == expected_text(False, 5)
-        assert "ESamp OFF" in str(row.query_one(".run-row--header").render())
+        assert "ESamp OFF" in header(row)
         await pilot.press("e", "r")
         await wait_for(pilot, lambda: "r3-on" in screen.record.groups and run_finished(screen),
                        what="re-run with ESamp on")
@@ -116,35 +128,73 @@ async def test_compare_mode_shows_two_rows(make_app):
         assert rows[0].distinct_2 is not None and rows[1].distinct_2 is not None
 
 
-async def test_beta_and_samples_keys_apply_to_next_run(make_app):
+async def test_beta_samples_and_mix_reach_the_next_run(make_app):
     app = make_app(max_tokens=3, prompt="knobs")
     async with app.run_test(size=SIZE) as pilot:
         screen = app.main_screen
         await wait_for(pilot, lambda: run_finished(screen), what="first run")
         await pilot.press("plus", "plus", "minus")
-        assert screen.beta == round(0.8 + BETA_STEP, 3) and screen.status.info.beta == screen.beta
-        await pilot.press("N")
-        assert screen.n == 3
+        assert screen.beta == round(0.8 + BETA_STEP, 3) and screen.status.beta == screen.beta
+        await pilot.press("N", "m")
+        assert screen.n == 3 and screen.mix == "unsharpened" and screen.status.mix == "unsharpened"
+        assert "unsharpened" in str(screen.status.render())
         await pilot.press("r")
         await wait_for(pilot, lambda: "r2-on" in screen.record.groups and run_finished(screen),
                        what="second run")
-        row = screen.rows["r2-on"]
-        assert len(row.panes) == 3 and row.beta == screen.beta
-        assert len(screen.record.groups["r2-on"].samples) == 3  # the worker used n=3 too
+        group = screen.record.groups["r2-on"]
+        assert group.steering.beta == screen.beta and group.steering.mix == "unsharpened"
+        assert len(screen.results.rows["r2-on"].panes) == 3 and len(group.samples) == 3
+        # The worker steered with the unsharpened mix: the scripted engine writes "un" for it.
+        assert screen.results.rows["r2-on"].panes[0].text == expected_text(True, 3, "unsharpened")
+        for _ in range(200):  # β is clamped to the range the core allows
+            await pilot.press("plus")
+        assert screen.beta == 10.0
 
 
-async def test_abort_ends_the_running_samples(make_app):
+async def test_abort_ends_the_running_samples_and_marks_the_history(make_app):
     app = make_app(max_tokens=500, engine_options=dict(delay=0.02))
     async with app.run_test(size=SIZE) as pilot:
         screen = app.main_screen
-        await wait_for(pilot, lambda: screen.engine_ready, what="engine ready")
+        await wait_for(pilot, lambda: screen.controller.ready, what="engine ready")
         await type_prompt(pilot, "long")
-        await wait_for(pilot, lambda: screen.rows and screen.rows["r1-on"].panes[0].token_count > 3,
-                       what="tokens to stream")
+        rows = screen.results.rows
+        await wait_for(pilot, lambda: rows and rows["r1-on"].panes[0].token_count > 3, what="tokens to stream")
         await pilot.press("a")
         await wait_for(pilot, lambda: run_finished(screen), what="abort")
-        assert {p.finish_reason for p in screen.rows["r1-on"].panes} == {"abort"}
-        assert screen.rows["r1-on"].panes[0].token_count < 500
+        assert {p.finish_reason for p in rows["r1-on"].panes} == {"abort"}
+        assert rows["r1-on"].panes[0].token_count < 500
+        await settle(pilot)
+        assert "aborted: not compared" in history(screen) and "aborted" in header(rows["r1-on"])
+
+
+async def test_history_compares_like_with_like(make_app):
+    app = make_app(max_tokens=6, prompt="same prompt")
+    async with app.run_test(size=SIZE) as pilot:
+        screen = app.main_screen
+        await wait_for(pilot, lambda: run_finished(screen), what="first run (ESamp on)")
+        await pilot.press("e", "r")
+        await wait_for(pilot, lambda: "r2-off" in screen.record.groups and run_finished(screen), what="second run")
+        await settle(pilot)
+        lines = history(screen).splitlines()
+        assert lines[0].startswith("run 1 · ESamp ON") and "vs run" not in lines[0]
+        assert lines[1].startswith("run 2 · ESamp OFF") and "vs run 1 (ESamp ON β=0.8)" in lines[1]
+        await pilot.press("N", "r")  # another n: not comparable with either
+        await wait_for(pilot, lambda: "r3-off" in screen.record.groups and run_finished(screen), what="third run")
+        await settle(pilot)
+        assert "vs run" not in history(screen).splitlines()[-1]
+
+
+async def test_a_new_prompt_cuts_off_the_running_one(make_app):
+    app = make_app(max_tokens=500, engine_options=dict(delay=0.02))
+    async with app.run_test(size=SIZE) as pilot:
+        screen = app.main_screen
+        await wait_for(pilot, lambda: screen.controller.ready, what="engine ready")
+        await type_prompt(pilot, "first")
+        await wait_for(pilot, lambda: screen.results.rows["r1-on"].panes[0].token_count > 2, what="tokens")
+        await type_prompt(pilot, "second")
+        await settle(pilot)
+        assert screen.record.groups["r1-on"].interrupted == "cut"
+        assert "cut off: not compared" in history(screen)
 
 
 async def test_export_writes_files_that_parse(make_app, tmp_path):
@@ -157,11 +207,13 @@ async def test_export_writes_files_that_parse(make_app, tmp_path):
         target = tmp_path / "out"
         app.screen.query_one("#export-dir", Input).value = str(target)
         await pilot.press("enter")
-        await wait_for(pilot, lambda: screen.exports, what="export to finish")
+        await wait_for(pilot, lambda: screen.record.exported, what="export to finish")
     names = sorted(p.name for p in target.iterdir())
-    assert names == ["metrics.csv", "metrics.jsonl", "screenshot.svg", "transcript.jsonl", "transcript.md"]
+    assert names == ["metrics.csv", "metrics.jsonl", "screenshot.png", "screenshot.svg", "transcript.jsonl",
+                     "transcript.md"]
     rows = [json.loads(line) for line in (target / "transcript.jsonl").read_text().splitlines()]
     assert rows[0]["type"] == "group" and rows[0]["prompt"] == "export me"
+    assert rows[0]["steering"]["beta"] == 0.8 and rows[0]["sampling"]["n"] == 4
     tokens = [event_from_dict(r) for r in rows if r["type"] == "token"]
     assert len(tokens) == 4 * 5 - 2 and tokens[0].novelty == 0.0  # sample 1 stops two early
     dones = [event_from_dict(r) for r in rows if r["type"] == "done"]
@@ -171,42 +223,76 @@ async def test_export_writes_files_that_parse(make_app, tmp_path):
     assert [json.loads(x)["step"] for x in (target / "metrics.jsonl").read_text().splitlines()]
     md = (target / "transcript.md").read_text()
     assert "## run 1 · ESamp ON β=0.8" in md and "### sample 2 (3 tokens, finish: stop" in md
-    assert (target / "screenshot.svg").read_text().lstrip().startswith("<svg")
+    svg = (target / "screenshot.svg").read_text()
+    assert svg.lstrip().startswith("<svg") and "url(http" not in svg and 'xml:space="preserve"' in svg
+    assert (target / "screenshot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 async def test_worker_crash_shows_error_panel_and_restart_works(make_app):
     app = make_app(max_tokens=20)
     async with app.run_test(size=SIZE) as pilot:
         screen = app.main_screen
-        await wait_for(pilot, lambda: screen.engine_ready, what="engine ready")
+        await wait_for(pilot, lambda: screen.controller.ready, what="engine ready")
         await type_prompt(pilot, "crash")
         panel = screen.query_one(ErrorPanel)
         await wait_for(pilot, lambda: panel.visible_now, what="error panel")
-        assert "stopped unexpectedly" in panel.message and "exit status 9" in panel.message
-        row = screen.rows["r1-on"]
+        assert "stopped unexpectedly" in panel.message and "exit status 9" in panel.message and panel.fatal
+        row = screen.results.rows["r1-on"]
         kept = row.panes[0].text
         assert kept.startswith("on0 on1")  # tokens already on screen stay
-        assert row.panes[0].finish_reason == "error"
-        assert screen.check_action("restart", ()) is True
+        assert row.panes[0].finish_reason == "error" and "failed" in header(row)
+        assert screen.check_action("restart", ()) is True and screen.status.state == "error"
         await pilot.press("ctrl+r")
-        await wait_for(pilot, lambda: screen.engine_ready, what="restarted engine")
+        await wait_for(pilot, lambda: screen.controller.ready, what="restarted engine")
         assert not panel.visible_now and row.panes[0].text == kept
         await type_prompt(pilot, "after restart")
         await wait_for(pilot, lambda: "r2-on" in screen.record.groups and run_finished(screen),
                        what="run after restart")
-        assert screen.rows["r2-on"].panes[0].text == expected_text(True, 20)
+        assert screen.results.rows["r2-on"].panes[0].text == expected_text(True, 20)
 
 
-async def test_engine_error_inside_step_shows_traceback(make_app):
+async def test_error_inside_a_run_ends_that_run_and_the_engine_keeps_serving(make_app):
     app = make_app(max_tokens=20, prompt="fail")
     async with app.run_test(size=SIZE) as pilot:
         screen = app.main_screen
         panel = screen.query_one(ErrorPanel)
-        await wait_for(pilot, lambda: panel.visible_now, what="error panel")
-        assert "scripted failure inside step()" in panel.message
-        detail = str(panel.query_one(".error--detail").render())
-        assert "RuntimeError" in detail
-        assert screen.status.info.state == "error"
+        await wait_for(pilot, lambda: panel.visible_now and run_finished(screen), what="the run to fail")
+        assert "scripted failure inside step()" in panel.message and not panel.fatal
+        assert "RuntimeError" in str(panel.query_one(".error--detail").render())
+        assert "engine is still running" in str(panel.query_one(".error--hint").render())
+        assert {p.finish_reason for p in screen.results.rows["r1-on"].panes} == {"error"}
+        assert screen.status.state == "ready" and screen.controller.usable
+        await type_prompt(pilot, "next")
+        await wait_for(pilot, lambda: "r2-on" in screen.record.groups and run_finished(screen), what="next run")
+        assert screen.results.rows["r2-on"].panes[0].text == expected_text(True, 20)
+        assert not panel.visible_now  # a new run clears a run's error
+
+
+async def test_a_prompt_the_engine_rejects_leaves_it_serving(make_app):
+    app = make_app(max_tokens=4)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = app.main_screen
+        await wait_for(pilot, lambda: screen.controller.ready, what="engine ready")
+        await type_prompt(pilot, "bad start")  # the engine's start() raises, as a tokenizer can
+        panel = screen.query_one(ErrorPanel)
+        await wait_for(pilot, lambda: panel.visible_now and run_finished(screen), what="the run to fail")
+        assert "could not start" in panel.message and "TypeError" in panel.message and not panel.fatal
+        await type_prompt(pilot, "good")
+        await wait_for(pilot, lambda: "r2-on" in screen.record.groups and run_finished(screen), what="next run")
+        assert screen.results.rows["r2-on"].panes[0].text == expected_text(True, 4)
+
+
+async def test_unreadable_prompt_is_refused_before_the_engine(make_app):
+    app = make_app(max_tokens=4)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = app.main_screen
+        await wait_for(pilot, lambda: screen.controller.ready, what="engine ready")
+        for bad in ("Name a colour \udcff now.", "\u200b\u200b", "\x00"):
+            screen.query_one("#prompt", Input).value = bad
+            await pilot.press("enter")
+            panel = screen.query_one(ErrorPanel)
+            assert panel.visible_now and ("not valid UTF-8" in panel.message or "empty" in panel.message)
+        assert screen.run_id == 0 and not screen.record.groups  # nothing was sent
 
 
 async def test_model_not_found_becomes_error_panel(make_app):
@@ -216,8 +302,7 @@ async def test_model_not_found_becomes_error_panel(make_app):
         panel = screen.query_one(ErrorPanel)
         await wait_for(pilot, lambda: panel.visible_now, what="error panel")
         assert "no model named 'missing'" in panel.message
-        hint = str(panel.query_one(".error--hint").render())
-        assert "--model PATH" in hint
+        assert "--model PATH" in str(panel.query_one(".error--hint").render())
         await pilot.press("escape")  # the prompt has focus: leave it
         await pilot.press("r")  # nothing to run, and no crash
         assert screen.check_action("restart", ()) is True
@@ -231,45 +316,110 @@ async def test_every_binding_has_an_id_and_a_palette_entry(make_app):
         assert all(b.id for b in screen.BINDINGS) and all(b.id for b in app.BINDINGS)
         titles = [c.title for c in app.get_system_commands(screen)]
         for b in screen.BINDINGS:
-            if not b.show or b.action.startswith("app.") or b.action in ("restart", "abort"):
+            if b.key == "escape" or b.id == "esamp.quit" or b.action in ("restart", "abort"):
                 continue  # quit is Textual's own entry; restart/abort appear only when they apply
             assert any(t.startswith(b.description + " (") for t in titles), b.description
-        assert "Quit" in titles
-        # A palette entry runs its action.
-        toggle = next(c for c in app.get_system_commands(screen) if c.title.startswith("ESamp on/off"))
-        await toggle.callback()
-        assert screen.esamp_on is False
+        assert "Quit" in titles and "Mix: paper" in titles and "Mix: unsharpened" in titles
+        # Palette entries run their actions, also when the prompt box has the focus.
+        screen.query_one("#prompt").focus()
+        commands = {c.title: c for c in app.get_system_commands(screen)}
+        await commands["ESamp (e)"].callback()
+        await commands["Mix: unsharpened"].callback()
+        assert screen.esamp_on is False and screen.mix == "unsharpened"
 
 
-async def test_narrow_terminal_lays_panes_out_in_a_grid(make_app):
-    app = make_app(n=4, max_tokens=3, prompt="narrow")
-    async with app.run_test(size=(70, 40)) as pilot:
+async def test_footer_offers_only_keys_that_work_where_the_focus_is(make_app):
+    app = make_app(max_tokens=3)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = app.main_screen
+        await wait_for(pilot, lambda: screen.controller.ready, what="engine ready")
+        assert screen.focused is screen.query_one("#prompt")
+
+        def footer_keys() -> set[str]:
+            return {b.action for _, b, enabled, _ in screen.active_bindings.values() if b.show and enabled}
+
+        typing = footer_keys()
+        assert "beta(1)" not in typing and "toggle_esamp" not in typing and "focus('results')" in typing
+        await pilot.press("e")  # types into the box
+        assert screen.esamp_on is True and screen.query_one("#prompt", Input).value == "e"
+        await pilot.press("escape")
+        keys = footer_keys()
+        assert {"beta(1)", "toggle_esamp", "rerun", "mix", "charts"} <= keys and "focus('results')" not in keys
+        assert "abort" not in keys and "restart" not in keys  # nothing running, engine fine
+
+
+async def test_small_terminal_gives_the_panes_the_room(make_app):
+    app = make_app(n=4, max_tokens=30, prompt="small")
+    async with app.run_test(size=(80, 24)) as pilot:
         screen = app.main_screen
         await wait_for(pilot, lambda: run_finished(screen), what="run")
         await settle(pilot)
-        panes = next(iter(screen.rows.values())).panes
-        ys = sorted({p.region.y for p in panes})
-        assert len(ys) == 2  # 2 × 2, not 4 slivers
+        charts = screen.charts
+        assert charts.mode == "compact" and charts.region.height == 1
+        panes = screen.results.rows["r1-on"].panes
+        assert min(p.region.height for p in panes) >= 6  # four or more lines of text each
+        footer = screen.query_one(Footer)
+        assert footer.virtual_size.width <= footer.region.width  # nothing cut off at the right
+        status = str(screen.status.render())
+        assert status.rstrip().endswith("1") and "0" in status  # the novelty legend is whole
+        await pilot.press("g")
+        assert charts.mode == "hidden" and not charts.display
+        await pilot.press("g")
+        assert charts.mode == "full"
+        await pilot.press("g")
+        assert charts.mode == "compact"
 
 
-async def test_bad_user_theme_is_reported_and_default_used(make_app, tmp_path):
+async def test_theme_key_cycles_the_one_theme_list(make_app, tmp_path):
     themes = tmp_path / "user-themes"
     themes.mkdir()
-    (themes / "broken.toml").write_text('name = "broken"\n[colors]\nprimary = "not-a-colour"\n')
     (themes / "mine.toml").write_text(
         'name = "mine"\n[colors]\nprimary = "#123456"\n[heat]\n'
         'stops = ["#000001", "#000002", "#000003", "#000004", "#000005"]\n')
+    app = make_app(theme_dir=themes, max_tokens=3, prompt="themes")
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: run_finished(app.main_screen), what="run")
+        assert list(app.available_themes) == ["dark", "high-contrast", "light", "mine"]
+        seen = [app.theme]
+        for _ in range(4):
+            await pilot.press("t")
+            seen.append(app.theme)
+        assert seen == ["dark", "high-contrast", "light", "mine", "dark"]
+        assert app.theme_variables["heat-4"] != "#000005"
+        app.theme = "mine"
+        await pilot.pause(0.1)
+        assert app.theme_variables["heat-4"] == "#000005"
+
+
+async def test_bad_user_theme_is_reported_with_its_reason(make_app, tmp_path):
+    themes = tmp_path / "user-themes"
+    themes.mkdir()
+    (themes / "broken.toml").write_text('name = "broken"\n[colors]\nprimary = "not-a-colour"\n')
     app = make_app(theme_dir=themes, theme="broken")
     async with app.run_test(size=SIZE) as pilot:
         await pilot.pause(0.2)
         assert app.theme == "dark"
         messages = [n.message for n in app._notifications]
         assert any("broken.toml was skipped" in m and "not-a-colour" in m for m in messages)
-        assert any("'broken' is not installed" in m for m in messages)
-        assert "mine" in app.esamp_theme_names
-        app.theme = "mine"
-        await pilot.pause(0.1)
-        assert app.theme_variables["heat-4"] == "#000005"
+        assert any("theme 'broken' cannot be used" in m and "not-a-colour" in m for m in messages)
+
+
+async def test_slow_run_is_flagged_against_this_machines_record(make_app, tmp_path):
+    record = tmp_path / "speed.json"
+    # This machine "usually" does 10,000 tok/s at this shape; the scripted engine does 50-90.
+    record.write_text(json.dumps({"fake · scripted · cpu": {"4 rows, ESamp on": [10_000.0]}}))
+    app = make_app(max_tokens=150, speed_file=record, engine_options=dict(delay=0.02))
+    async with app.run_test(size=SIZE) as pilot:
+        screen = app.main_screen
+        await wait_for(pilot, lambda: screen.controller.ready, what="engine ready")
+        await type_prompt(pilot, "slow")
+        await wait_for(pilot, lambda: screen.status.notice, what="the slow notice")
+        assert screen.status.notice.startswith("slow: ") and "usually 10,000" in screen.status.notice
+        assert "slow:" in str(screen.status.render())
+        assert any("--threads 1" not in n.message and "far slower" in n.message for n in app._notifications)
+        await wait_for(pilot, lambda: run_finished(screen) and not screen.status.notice, what="the run to end")
+        await wait_for(pilot, lambda: len(json.loads(record.read_text())["fake · scripted · cpu"]
+                                          ["4 rows, ESamp on"]) == 2, what="this run to be recorded")
 
 
 async def test_finished_run_shows_vendi_when_the_embedder_is_there(make_app, monkeypatch):
@@ -282,9 +432,9 @@ async def test_finished_run_shows_vendi_when_the_embedder_is_there(make_app, mon
         await wait_for(pilot, lambda: screen.record.groups.get("r1-on") and
                        screen.record.groups["r1-on"].vendi is not None, what="Vendi score")
         await settle(pilot)
-        row = screen.rows["r1-on"]
-        assert "Vendi 2.50" in str(row.query_one(".run-row--header").render())
-        assert "Vendi 2.50" in str(screen.query_one("#history").render())
+        row = screen.results.rows["r1-on"]
+        assert "Vendi 2.50" in header(row)
+        assert "Vendi 2.50" in history(screen)
         assert texts_seen == [[p.text for p in row.panes]]
 
 
@@ -301,7 +451,7 @@ async def test_user_keymap_rebinds_by_id_and_reports_unknown_ids(make_app, tmp_p
         assert screen.esamp_on is False
         messages = [n.message for n in app._notifications]
         assert any("'esamp.nope'" in m for m in messages)
-        assert any(c.title == "ESamp on/off (ctrl+e)" for c in app.get_system_commands(screen))
+        assert any(c.title == "ESamp (ctrl+e)" for c in app.get_system_commands(screen))
 
 
 async def test_vendi_failure_is_reported_and_distinct_2_stays(make_app, monkeypatch):
@@ -316,8 +466,8 @@ async def test_vendi_failure_is_reported_and_distinct_2_stays(make_app, monkeypa
         await wait_for(pilot, lambda: any("embedder weights missing" in n.message
                                           for n in app._notifications), what="the Vendi notice")
         await settle(pilot)
-        header = str(screen.rows["r1-on"].query_one(".run-row--header").render())
-        assert "distinct-2" in header and "Vendi" not in header
+        text = header(screen.results.rows["r1-on"])
+        assert "distinct-2" in text and "Vendi" not in text
 
 
 async def test_export_to_an_unwritable_place_says_so_and_loses_nothing(make_app, tmp_path):
@@ -336,6 +486,82 @@ async def test_export_to_an_unwritable_place_says_so_and_loses_nothing(make_app,
         await pilot.press("enter")
         await wait_for(pilot, lambda: any(n.message.startswith("Export failed") for n in app._notifications),
                        what="the export failure notice")
-        assert screen.record.groups["r1-on"].finished and not screen.exports  # nothing lost
+        assert isinstance(app.screen, ExportScreen)  # still open: choose another folder
+        assert screen.record.groups["r1-on"].finished and not screen.record.exported  # nothing lost
         messages = [n.message for n in app._notifications]
         assert any("is a file, not a folder" in m for m in messages)
+
+
+async def test_narrow_terminal_lays_panes_out_in_a_grid(make_app):
+    app = make_app(n=4, max_tokens=3, prompt="narrow")
+    async with app.run_test(size=(70, 40)) as pilot:
+        screen = app.main_screen
+        await wait_for(pilot, lambda: run_finished(screen), what="run")
+        panes = next(iter(screen.results.rows.values())).panes
+        # 2 × 2, not 4 slivers (the grid is fitted when the row learns its width)
+        await wait_for(pilot, lambda: len({p.region.y for p in panes}) == 2, what="a 2 × 2 grid")
+        assert len({p.region.x for p in panes}) == 2
+
+
+class InProcessBackend:
+    """An engine behind something other than a worker process, as a client of a served endpoint
+    would be: the same commands in, the same events out, nothing the screen has to know."""
+
+    def __init__(self, spec) -> None:
+        self.engine = FakeEngine(model=spec.model, esamp=spec.esamp)
+        self.esamp, self.steering, self.sampling = spec.esamp, spec.esamp.steering(), spec.sampling
+        self.lock = threading.Lock()
+        self.outbox: list = []
+        self.running: list[str] = []
+        self.closed = False
+
+    def start(self):
+        self.outbox.append(self.engine.ready)
+        return self
+
+    def send(self, command) -> None:
+        with self.lock:
+            if isinstance(command, Configure):
+                self.steering, self.sampling = command.steering, command.sampling
+            elif isinstance(command, (RunPrompt, Abort)):
+                for key in self.running:
+                    self.outbox.extend(self.engine.abort(key))
+                self.running = []
+            if isinstance(command, RunPrompt):
+                for on in ((False, True) if command.compare else (self.steering.enabled,)):
+                    key = group_key(command.run_id, on)
+                    esamp = update_config(self.esamp, **{**self.steering.model_dump(), "enabled": on})
+                    self.running.append(self.engine.start(command.prompt, self.sampling, esamp, group=key))
+
+    def read(self, timeout: float = 0.1):
+        if self.closed:
+            return None
+        with self.lock:
+            events, self.outbox = self.outbox, []
+            if self.engine.has_unfinished():
+                events += self.engine.step()
+        if not events:
+            time.sleep(timeout)
+        return events
+
+    def lost(self):
+        return ErrorEvent(message="the server closed the connection", fatal=True)
+
+    def close(self, timeout: float = 3.0) -> None:
+        self.closed = True
+
+
+async def test_a_backend_without_a_worker_process_plugs_in(make_app):
+    app = make_app(max_tokens=5, n=2, prompt="served")
+    app.backend_factory = InProcessBackend
+    async with app.run_test(size=SIZE) as pilot:
+        screen = app.main_screen
+        await wait_for(pilot, lambda: run_finished(screen), what="the run")
+        assert isinstance(screen.controller.backend, InProcessBackend)
+        assert screen.results.rows["r1-on"].panes[0].text == expected_text(True, 5)
+        await pilot.press("m", "c")
+        await wait_for(pilot, lambda: "r2-on" in screen.record.groups and run_finished(screen), what="compare")
+        assert screen.results.rows["r2-on"].panes[0].text == expected_text(True, 5, "unsharpened")
+        screen.controller.backend.close()  # the connection drops: the panel says so, ctrl+r reconnects
+        await wait_for(pilot, lambda: screen.query_one(ErrorPanel).visible_now, what="the error panel")
+        assert "closed the connection" in screen.query_one(ErrorPanel).message

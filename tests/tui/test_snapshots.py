@@ -20,8 +20,7 @@ def prepare(until):
         screen = app.main_screen
         screen.query_one("#prompt", Input).cursor_blink = False
         await wait_for(pilot, lambda: until(screen), timeout=20, what="the scripted run")
-        # Two readings: one point draws a full bar, two or more equal ones a flat line.
-        await wait_for(pilot, lambda: len(screen.charts.memory) >= 2, what="two memory samples")
+        await wait_for(pilot, lambda: len(screen.charts.memory.points) >= 2, what="two memory samples")
         await pilot.pause(0.2)
         screen.charts.redraw()
         app.clear_notifications()
@@ -39,7 +38,7 @@ def test_main_screen_mid_stream(snap_compare, make_app):
     app = make_app(n=4, max_tokens=30, prompt="hold")
 
     def held(screen) -> bool:
-        row = screen.rows.get("r1-on")
+        row = screen.query_one("#results").rows.get("r1-on")
         return row is not None and all(p.token_count == 6 for p in row.panes)
 
     assert snap_compare(app, terminal_size=SIZE, run_before=prepare(held))
@@ -60,10 +59,33 @@ def test_compare_view(snap_compare, make_app):
 @pytest.mark.parametrize("theme", ["dark", "light", "high-contrast"])
 def test_builtin_theme(snap_compare, make_app, theme):
     app = make_app(n=2, max_tokens=20, prompt="themes", theme=theme)
-    assert snap_compare(app, terminal_size=(100, 30), run_before=prepare(run_finished))
+    assert snap_compare(app, terminal_size=(100, 40), run_before=prepare(run_finished))
 
 
 def test_error_panel_after_a_crash(snap_compare, make_app):
     app = make_app(n=2, max_tokens=20, prompt="crash")
     assert snap_compare(app, terminal_size=SIZE,
                         run_before=prepare(lambda s: s.query_one("#error").visible_now))
+
+
+def test_small_terminal(snap_compare, make_app):
+    """80×24: the panes get the rows; charts as one line of values; footer and legend whole."""
+    app = make_app(n=4, max_tokens=30, prompt="Name three colours")
+    assert snap_compare(app, terminal_size=(80, 24), run_before=prepare(run_finished))
+
+
+def test_history_marks_and_comparisons(snap_compare, make_app):
+    """Run 1 on, run 2 off (compared with run 1), run 3 aborted (marked, not compared)."""
+    app = make_app(n=2, max_tokens=12, prompt="compare me")
+
+    async def run_before(pilot):
+        screen = pilot.app.main_screen
+        await wait_for(pilot, lambda: run_finished(screen), what="run 1")
+        await pilot.press("e", "r")
+        await wait_for(pilot, lambda: "r2-off" in screen.record.groups and run_finished(screen), what="run 2")
+        screen.run_prompt("hold")
+        await wait_for(pilot, lambda: screen.results.rows["r3-off"].panes[0].token_count == 6, what="run 3")
+        await pilot.press("a")
+        await prepare(lambda s: run_finished(s))(pilot)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)

@@ -1,4 +1,5 @@
-"""The dashboard in a real pseudo-terminal: q, ctrl+c and a closed terminal leave no process."""
+"""The dashboard in a real pseudo-terminal: q, ctrl+c, signals and a closed terminal leave no
+process behind and the terminal as it was."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pty
 import signal
 import struct
 import sys
+import tempfile
 import termios
 import threading
 import time
@@ -52,15 +54,18 @@ def alive(pids: set[int]) -> set[int]:
 class Terminal:
     """The fake dashboard on a 120×40 pty, its output drained so it never blocks."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
         pid, fd = pty.fork()
         if pid == 0:  # child: becomes the session leader with the pty as its terminal
             os.environ["TERM"] = "xterm-256color"
+            os.environ["ESAMP_CACHE_DIR"] = tempfile.mkdtemp(prefix="esamp-test-cache-")  # not the user's
+            os.environ.update(env or {})
             # as a terminal starts it: SIGHUP at its default even when the tests run under nohup
             signal.signal(signal.SIGHUP, signal.SIG_DFL)
             os.execv(sys.executable, [sys.executable, str(FAKE_APP), *args])
         self.pid, self.fd = pid, fd
         fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+        self.modes_before = termios.tcgetattr(fd)[3]  # local modes: echo, canonical input
         self.output = bytearray()
         self.reader = threading.Thread(target=self._drain, daemon=True)
         self.reader.start()
@@ -133,6 +138,8 @@ def test_quit_keys_leave_no_process(keys):
         status = term.exit_status()
         assert status is not None, "the dashboard did not quit"
         assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+        time.sleep(0.3)  # the last output drained
+        assert_terminal_restored(term)  # and no "leaked semaphore" warning printed over it
         assert_all_gone(family)
     finally:
         term.kill()
@@ -146,5 +153,51 @@ def test_closed_terminal_leaves_no_process():
         os.close(term.fd)  # the terminal window goes away: SIGHUP to its session
         term.exit_status()
         assert_all_gone(family | {term.pid})
+    finally:
+        term.kill()
+
+
+ALT_SCREEN_ON, ALT_SCREEN_OFF = b"\x1b[?1049h", b"\x1b[?1049l"
+MOUSE_OFF = b"\x1b[?1000l"
+
+
+def assert_terminal_restored(term: Terminal) -> None:
+    out = term.output_text_bytes()
+    assert ALT_SCREEN_ON in out, "the dashboard never drew"
+    tail = out[out.rindex(ALT_SCREEN_ON):]
+    assert ALT_SCREEN_OFF in tail and MOUSE_OFF in tail, "alternate screen or mouse reporting left on"
+    assert termios.tcgetattr(term.fd)[3] & (termios.ECHO | termios.ICANON) == \
+        term.modes_before & (termios.ECHO | termios.ICANON), "echo/line mode not restored"
+    assert b"leaked semaphore" not in out and b"Traceback" not in out
+
+
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_signals_quit_like_q(how):
+    term = Terminal("stream forever")
+    try:
+        family = term.wait_for_worker()
+        time.sleep(1.5)  # streaming
+        os.kill(term.pid, how)
+        status = term.exit_status()
+        assert status is not None, "the dashboard did not quit"
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 128 + how
+        time.sleep(0.3)  # the last output drained
+        assert_terminal_restored(term)
+        assert_all_gone(family)
+    finally:
+        term.kill()
+
+
+def test_sigterm_during_a_cold_start_leaves_no_orphan():
+    """SIGTERM while the worker is still loading its model: the dashboard goes, and the worker
+    with it (it does not first finish loading)."""
+    term = Terminal(env={"ESAMP_TEST_LOAD_SECONDS": "60"})
+    try:
+        family = term.wait_for_worker()
+        time.sleep(2.0)  # the worker is spinning in its "load"
+        os.kill(term.pid, signal.SIGTERM)
+        assert term.exit_status() is not None, "the dashboard did not quit"
+        assert_all_gone(family, timeout=6.0)
+        assert_terminal_restored(term)
     finally:
         term.kill()
