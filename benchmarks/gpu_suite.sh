@@ -42,7 +42,8 @@ install() {
   fi
   python3 - <<'PY' > "$OUT/versions.json"
 import json, platform, subprocess, torch, vllm, transformers
-commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
+import os
+commit = os.environ.get("ESAMP_COMMIT") or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
 print(json.dumps({"device": torch.cuda.get_device_name(0), "vllm": vllm.__version__, "torch": torch.__version__,
                   "transformers": transformers.__version__, "python": platform.python_version(), "commit": commit}))
 PY

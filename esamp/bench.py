@@ -252,6 +252,23 @@ def _scale_heads(sides, factors: list[float] | None) -> None:
         eng.engine.collective_rpc("esamp_scale_head", args=(factors,))
 
 
+def refine_scale(engine, factors: list[float], target: float, prompts, sampling_kw: dict, steering,
+                 steps: int = 8) -> tuple[list[float], float, float]:
+    """Rescale the simulated profile until the model itself keeps ``target`` candidates on average
+    (measured by the ESamp engine's processor on short runs): (factors, measured mean |C|, the
+    multiplier applied to the simulated profile)."""
+    lo, hi, best = -3.0, 3.0, None
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        scaled = [f * math.exp(mid) for f in factors]
+        engine.engine.collective_rpc("esamp_scale_head", args=(scaled,))
+        measured = run_trial(engine, prompts, 1, 8, sampling_kw, steering)["candidates_mean"]
+        if best is None or abs(measured - target) < abs(best[1] - target):
+            best = (scaled, measured, math.exp(mid))
+        lo, hi = (mid, hi) if measured > target else (lo, mid)
+    return best
+
+
 def run(args) -> int:
     from esamp.engines.vllm.engine import VllmEngine
 
@@ -302,11 +319,16 @@ def run(args) -> int:
             preset = PRESETS["default"]
             filt = {**preset["sampling"], **given_filters}
             cal = calibrate_head(sigma, REAL_MODEL["default"], filt)
-            _scale_heads(sides, cal.pop("factors"))
-            calibration = dict(cal, target=REAL_MODEL, filters=filt)
-            print(f"realistic logits: head rows × s·(rank+1)^−α with α={cal['alpha']}, s={cal['scale']:.4g}: "
-                  f"simulated mean |C| {cal['candidates']}, entropy {cal['entropy']} nats "
-                  f"(embedded model: {REAL_MODEL['default']})", flush=True)
+            probe = _prompts(16, args.prompt_len, vocab, seed=1)
+            factors, measured, multiplier = refine_scale(
+                steer, cal.pop("factors"), REAL_MODEL["default"]["candidates"], probe, dict(filt, seed=None),
+                esamp.steering())
+            _scale_heads(sides, factors)
+            calibration = dict(cal, scale=cal["scale"] * multiplier, simulated_scale=cal["scale"],
+                               target=REAL_MODEL, filters=filt, measured_candidates=measured)
+            print(f"realistic logits: head rows × s·(rank+1)^−α with α={cal['alpha']}: simulated mean |C| "
+                  f"{cal['candidates']}, entropy {cal['entropy']} nats; the model then keeps {measured} "
+                  f"candidates on average (embedded model: {REAL_MODEL['default']})", flush=True)
         for preset_name, (P, n, L) in workloads:
             preset = PRESETS[preset_name]
             sampling_kw = dict({**preset["sampling"], **given_filters}, seed=args.seed)

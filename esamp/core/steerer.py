@@ -125,10 +125,18 @@ class Steerer:
         self._filter, self._mix = filter, mix
         self.graphs = graphs or GraphCache(enabled=False)
 
-    def distill(self, plan: StepPlan, x: torch.Tensor, y: torch.Tensor):
-        """(ŷ [R, H] fp32, e [R], per-slot loss of the training slots or None)."""
-        return self.graphs.run(plan.key, lambda gx, gy: self.bank.step(gx, gy, plan.layout, plan.training),
-                               x, y, keep=plan)
+    def distill(self, plan: StepPlan, x: torch.Tensor, y: torch.Tensor, normalize=None):
+        """(ŷ [R, H] fp32, e [R], per-slot loss of the training slots or None).
+
+        ``normalize(x, y) -> (x, y)``, when given, turns the engine's raw taps into the Distiller's
+        inputs inside the step (so a graphed step launches nothing else per tap).
+        """
+        def step(gx, gy):
+            if normalize is not None:
+                gx, gy = normalize(gx, gy)
+            return self.bank.step(gx, gy, plan.layout, plan.training)
+
+        return self.graphs.run(plan.key, step, x, y, keep=plan)
 
     def filter(self, plan: StepPlan, logits: torch.Tensor) -> torch.Tensor:
         """z̃ = z/T with −∞ outside C, in place on ``logits`` ([R, V], fp32)."""

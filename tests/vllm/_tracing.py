@@ -14,8 +14,10 @@ TRACER = "_tracing:TracingProcessor"
 class TracingProcessor(EsampLogitsProcessor):
     traces: list[dict] = []  # every steered step, oldest first (tests clear it)
 
-    def distill(self, plan, source, target):
-        prediction = super().distill(plan, source, target)
+    def distill(self, plan, source, target, normalize=None):
+        prediction = super().distill(plan, source, target, normalize)
+        if normalize is not None:
+            source, target = normalize(source, target)
         ctx = self._ctx
         self._trace = dict(
             meta=[(r.group, r.sample, len(r.output_ids)) for r in plan.members],

@@ -102,8 +102,9 @@ class GraphCache:
         while len(self.graphs) >= self.size:
             self.graphs.popitem(last=False)  # the least recently used graph and its memory go
         try:
-            with torch.inference_mode(False):
-                graph = _Graph(fn, inputs, self.stream, keep, self.in_place)
+            # Captured under the caller's inference mode: a step that needs autograd turns it off
+            # itself (the Distiller's), and one that writes the sampler's logits in place needs it on.
+            graph = _Graph(fn, inputs, self.stream, keep, self.in_place)
         except Exception as exc:  # an optimisation must never take the engine down
             self.enabled = False
             self.graphs.clear()

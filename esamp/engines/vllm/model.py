@@ -71,11 +71,11 @@ class _TapMixin:
         tapped = hidden_states if plan.idx is None else hidden_states.index_select(0, plan.idx)
         aux = tapped[:, H:].reshape(tapped.shape[0], len(self.esamp_aux_layers), H)
         src, tgt = self.esamp_taps
-        layers = self.model.layers
-        source = _first(layers[src].input_layernorm(aux[:, self.esamp_aux_layers.index(src)].contiguous()))
-        target = _first(layers[tgt].input_layernorm(aux[:, self.esamp_aux_layers.index(tgt)].contiguous()))
         STATE.taps_put += 1
-        prediction = processor.distill(plan, source, target)
+        # The raw residual rows go to the processor, which normalises them inside its (graphed)
+        # Distiller step: no launch of ours per tap.
+        prediction = processor.distill(plan, aux[:, self.esamp_aux_layers.index(src)],
+                                       aux[:, self.esamp_aux_layers.index(tgt)], self.esamp_tap_norms)
         if self._esamp_plain_head():
             # One GEMM over [h; ŷ]: the head's weights are read once for the logits and d = W·ŷ.
             both = super().compute_logits(torch.cat([hidden, prediction.to(hidden.dtype)]))
@@ -86,6 +86,13 @@ class _TapMixin:
         head = self.esamp_lm_head()
         processor.take_distiller_logits(prediction.to(head.dtype) @ head[: logits.shape[-1]].t())
         return logits
+
+    def esamp_tap_norms(self, source: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The two tapped residual rows through their layers' input norms: the Distiller's x and y."""
+        layers = self.model.layers
+        src, tgt = self.esamp_taps
+        return (_first(layers[src].input_layernorm(source.contiguous())),
+                _first(layers[tgt].input_layernorm(target.contiguous())))
 
     def _esamp_plain_head(self) -> bool:
         """True when ``compute_logits`` is exactly W·h (no soft cap, scale 1, hidden states in)."""

@@ -141,6 +141,7 @@ class _Plan:
     recorded: set[str] | None  # groups whose records are kept (None: every group's)
     plain_idx: torch.Tensor | None  # rows that only get their own filters
     plain: StepPlan | None
+    shape: tuple  # what the steered rows' kernels read: equal shapes run the same filter and mix
 
 
 @dataclass
@@ -314,14 +315,18 @@ class EsampLogitsProcessor(LogitsProcessor):
                          members=[r for _, r, _ in steered], groups=[r.group for _, r, _ in steered], samples=[r.sample for _, r, _ in steered],
                          outputs=[r.output_ids for _, r, _ in steered],
                          recorded=None if self.record_all else {r.group for _, r, _ in steered if r.records},
-                         plain_idx=idx(plain) if plain else None, plain=pplan)
+                         plain_idx=idx(plain) if plain else None, plain=pplan,
+                         shape=(tuple(i for i, _, _ in steered), splan.key if splan else None,
+                                tuple((r.steering.mix, r.steering.beta) + tuple(r.filters.model_dump().values())
+                                      for _, r, _ in steered)))
 
-    def distill(self, plan: _Plan, source: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """ŷ [n, H] for the plan's steered rows, from their tapped rows (in the plan's order)."""
+    def distill(self, plan: _Plan, source: torch.Tensor, target: torch.Tensor, normalize=None) -> torch.Tensor:
+        """ŷ [n, H] for the plan's steered rows, from their tapped rows (in the plan's order).
+        ``normalize(source, target) -> (x, y)``: the taps' norms, run inside the Distiller step."""
         t0 = time.perf_counter()
         graphs = self.steerer.graphs
         replays = graphs.replays
-        prediction, errors, losses = self.steerer.distill(plan.steered, source, target)
+        prediction, errors, losses = self.steerer.distill(plan.steered, source, target, normalize)
         spent = time.perf_counter() - t0
         self._ctx = _Distilled(plan, errors, losses, graphs.replays > replays, spent)
         self.host_seconds += spent
@@ -351,7 +356,7 @@ class EsampLogitsProcessor(LogitsProcessor):
             self.counters["stash_miss"] += 1
             return logits
         inputs = (logits, ctx.d, ctx.errors) + ((ctx.losses,) if ctx.losses is not None else ())
-        key = (id(plan),) + tuple((t.data_ptr(), tuple(t.shape)) for t in inputs)
+        key = (plan.shape,) + tuple((t.data_ptr(), tuple(t.shape)) for t in inputs)
         packed = self.apply_graphs.run(key, functools.partial(self._steer, plan), *inputs, keep=plan)
         self.counters["port_hits"] += plan.steered.rows
         if ctx.losses is not None:
