@@ -23,6 +23,7 @@ from esamp.engines.base import GroupStream, RateMeter, encode_prompt, new_group_
 from esamp.errors import EngineError
 from esamp.events import ErrorEvent, Event, ReadyEvent, StepEvent
 from esamp.models import resolve
+from esamp.threads import apply_threads
 from esamp.core.novelty import NoveltyNormalizer
 
 
@@ -86,7 +87,7 @@ class ReferenceEngine:
         t0 = time.perf_counter()
         self.esamp = esamp or EsampConfig()
         if device == "cpu":
-            torch.set_num_threads(threads or os.cpu_count() or 1)
+            apply_threads(threads)
         self.resolved = resolve(model)
         if self.resolved.kind == "dummy":
             raise EngineError(
