@@ -133,3 +133,20 @@ def test_prompt_longer_than_context_exits_2_without_traceback():
     )
     assert proc.returncode == 2
     assert "longer than the model's context" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_damaged_weights_are_a_message_not_a_traceback(tmp_path, capsys):
+    """Config and tokenizer present, weights unreadable: the loader's reason, exit 2."""
+    from esamp import models
+
+    source = models.resolve(None).hf_dir()
+    for item in source.iterdir():
+        if item.name != "model.safetensors":
+            (tmp_path / item.name).symlink_to(item)
+    (tmp_path / "model.safetensors").write_bytes(b"not safetensors")
+    assert main(["generate", "hello", "--model", str(tmp_path), "--json"]) == 2
+    captured = capsys.readouterr()
+    event = event_from_json(captured.out.strip().splitlines()[-1])
+    assert event.type == "error" and "could not load" in event.message and "weights" in event.hint
+    assert "Traceback" not in captured.err
