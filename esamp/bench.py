@@ -171,7 +171,7 @@ def _model_size(spec: str) -> tuple[int | None, int]:
     return weight_bytes(resolved), vocab
 
 
-def _memory_source(share: float):
+def _memory_source():
     """("gpu", total, free) for the GPU vLLM will use, ("ram", total, available) on a CPU, or
     None when it cannot be read."""
     from esamp.engines import cuda_available
@@ -217,7 +217,7 @@ def check_memory(model: str, engines: int, share: float, rows: int = 256) -> Non
 
     The message says what would fit, e.g. the 0.5B preset, or the run without ``--floor``.
     """
-    source = _memory_source(share)
+    source = _memory_source()
     weights, vocab = _model_size(model)
     if source is None or weights is None:
         return  # nothing to compare with: let vLLM try

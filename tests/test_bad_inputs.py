@@ -152,7 +152,7 @@ def _run_esamp(argv: list[str], monkeypatch, capsys, guard: bool) -> tuple[int |
     import esamp.bench
     import esamp.engines.vllm.engine as vllm_engine
 
-    monkeypatch.setattr(esamp.bench, "_memory_source", lambda share: ("ram", 16 * GIB, 12 * GIB))
+    monkeypatch.setattr(esamp.bench, "_memory_source", lambda: ("ram", 16 * GIB, 12 * GIB))
     monkeypatch.setattr(vllm_engine, "VllmEngine", _tripwire)
     if guard:
         import transformers

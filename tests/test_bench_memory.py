@@ -17,7 +17,7 @@ def _cache(tmp_path, monkeypatch):
 
 
 def _machine(monkeypatch, kind: str, total_gib: float, free_gib: float) -> None:
-    monkeypatch.setattr(bench, "_memory_source", lambda share: (kind, int(total_gib * GIB), int(free_gib * GIB)))
+    monkeypatch.setattr(bench, "_memory_source", lambda: (kind, int(total_gib * GIB), int(free_gib * GIB)))
 
 
 def test_the_7b_preset_twice_does_not_fit_in_20_gib_of_ram(monkeypatch):
@@ -72,5 +72,5 @@ def test_a_gpu_share_smaller_than_the_weights(monkeypatch):
 
 
 def test_unknown_memory_lets_vllm_try(monkeypatch):
-    monkeypatch.setattr(bench, "_memory_source", lambda share: None)
+    monkeypatch.setattr(bench, "_memory_source", lambda: None)
     bench.check_memory("qwen2.5-7b:dummy", 3, 0.28)
