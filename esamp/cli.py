@@ -12,6 +12,7 @@ import importlib
 import sys
 
 from esamp.errors import EsampError
+from esamp.threads import prefer_passive_wait
 
 SUBCOMMANDS = {
     "generate": "esamp.generate",
@@ -20,8 +21,16 @@ SUBCOMMANDS = {
 }
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with esamp's error form: the reason, then a hint, exit status 2."""
+
+    def error(self, message: str):
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{self.prog}: error: {message}\n  hint: {self.prog} --help lists every flag and its range\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="esamp",
         description="Exploratory Sampling: n samples that spread over different ideas.",
     )
@@ -43,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    prefer_passive_wait()  # before anything loads torch (see esamp.threads)
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "_run", None):

@@ -1,21 +1,33 @@
-"""``esamp generate``: n samples of one prompt, with or without ESamp, as text or JSON lines."""
+"""``esamp generate``: n samples of one prompt, with or without ESamp, as text or JSON lines.
+
+Ctrl-C stops decoding and still finishes the output: every sample ends with
+``finish_reason="abort"`` (a ``done`` event each with ``--json``; the partial samples and the
+summary line in text mode), then the command exits with status 130. A second Ctrl-C stops at once.
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
+from contextlib import contextmanager
 
-from esamp.core.config import EsampConfig, SamplingConfig, make_config
 from esamp import engines
+from esamp.core.config import EsampConfig, SamplingConfig, add_flags, from_flags
 from esamp.engines import ENGINE_NAMES
-from esamp.engines.base import run as run_group
-from esamp.errors import EsampError
-from esamp.events import DoneEvent, ErrorEvent, StepEvent, TokenEvent
+from esamp.engines.base import check_prompt_text
+from esamp.errors import EngineError, EsampError
+from esamp.events import DoneEvent, ErrorEvent, Event, StepEvent, TokenEvent
+from esamp.threads import add_threads_flag, threads_option
 
 HELP = "generate n samples of a prompt with ESamp (or without, --no-esamp)"
 JSON_TYPES = ("token", "step", "done", "error")
+INTERRUPTED = 130  # the shell's status for a command ended by SIGINT
+
+SAMPLING_FLAGS = ("n", "max_tokens", "seed", "temperature", "top_p", "top_k", "min_p")
+ESAMP_FLAGS = ("beta", "mix", "enabled", "slots")
 
 # 256-colour ramp from cool (expected) to hot (novel), 11 stops for novelty 0.0 .. 1.0.
 HEAT_256 = (39, 38, 37, 36, 71, 106, 142, 178, 208, 202, 196)
@@ -23,37 +35,21 @@ HEAT_256 = (39, 38, 37, 36, 71, 106, 142, 178, 208, 202, 196)
 
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", help="the prompt (the chat template is applied unless --raw)")
-    p.add_argument("-n", type=int, default=None, help="samples (default 4)")
-    p.add_argument("--max-tokens", type=int, default=None, help="tokens per sample (default 128)")
-    p.add_argument("--beta", type=float, default=None, help="ESamp strength, 0..10 (default 0.8)")
-    p.add_argument("--mix", choices=("paper", "unsharpened"), default=None,
-                   help="paper: (1+β)z/T − βd (default); unsharpened: z/T − βd")
-    p.add_argument("--no-esamp", action="store_true", help="plain sampling, no Distiller")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed (default 0)")
-    p.add_argument("--temperature", type=float, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--min-p", type=float, default=None)
+    add_flags(p, SamplingConfig, SAMPLING_FLAGS)
+    add_flags(p, EsampConfig, ESAMP_FLAGS)
     p.add_argument("--model", default=None,
                    help="HF directory, .gguf file, local HF-cache name or dummy preset "
                    "(default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--engine", choices=ENGINE_NAMES, default="reference",
                    help="reference (transformers, CPU) or vllm; auto = vllm when CUDA and vLLM exist")
+    add_threads_flag(p)
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--json", action="store_true", help="one JSON event per line on stdout")
 
 
-def _drop_none(**values):
-    return {k: v for k, v in values.items() if v is not None}
-
-
 def settings_from_args(args) -> tuple[SamplingConfig, EsampConfig]:
-    sampling = make_config(SamplingConfig, **_drop_none(
-        n=args.n, max_tokens=args.max_tokens, seed=args.seed, temperature=args.temperature,
-        top_p=args.top_p, top_k=args.top_k, min_p=args.min_p))
-    esamp = make_config(EsampConfig, **_drop_none(beta=args.beta, mix=args.mix),
-                        enabled=not args.no_esamp)
-    return sampling, esamp
+    """The group's settings from the flags the user typed; an error names the flag."""
+    return from_flags(args, SamplingConfig, SAMPLING_FLAGS), from_flags(args, EsampConfig, ESAMP_FLAGS)
 
 
 def use_colour(stream) -> bool:
@@ -67,62 +63,133 @@ def heat(text: str, novelty: float | None) -> str:
     return f"\x1b[38;5;{colour}m{text}\x1b[0m"
 
 
+def legend() -> str:
+    """One line that says what the token colours mean."""
+    ramp = "".join(f"\x1b[38;5;{c}m█\x1b[0m" for c in HEAT_256)
+    return f"novelty: expected {ramp} novel"
+
+
 def run(args) -> int:
-    if not args.prompt.strip():
-        raise EsampError("the prompt is empty", hint='pass the prompt as text, e.g. esamp generate "Why is the sky blue?"')
-    sampling, esamp = settings_from_args(args)
-    out = sys.stdout
     try:
-        return _generate(args, sampling, esamp, out)
+        check_prompt_text(args.prompt)
+        sampling, esamp = settings_from_args(args)
+        return _generate(args, sampling, esamp, sys.stdout)
     except EsampError as exc:
         if args.json:
-            print(ErrorEvent(message=exc.message, hint=exc.hint, fatal=True).model_dump_json(), file=out)
+            print(ErrorEvent(message=exc.message, hint=exc.hint, fatal=True).model_dump_json(), flush=True)
         raise
+
+
+def _load(args, esamp: EsampConfig):
+    """The engine, or an ``EsampError`` that says which model could not be loaded and why."""
+    try:
+        return engines.create_engine(args.engine, model=args.model, esamp=esamp,
+                                     **threads_option(args.engine, args.threads))
+    except (EsampError, KeyboardInterrupt):
+        raise
+    except Exception as exc:  # transformers and vLLM raise many types for a model they cannot read
+        name = args.model or "the embedded default model"
+        raise EngineError(
+            f"could not load {name}: {type(exc).__name__}: {exc}",
+            hint="point --model at a complete Hugging Face directory (config.json, tokenizer files and "
+            "weights) or a .gguf file; leave --model out for the embedded model") from None
+
+
+@contextmanager
+def _first_sigint_sets_flag():
+    """Inside: the first Ctrl-C only sets ``flag[0]`` (checked between steps, so the output can be
+    finished); a second one raises ``KeyboardInterrupt`` as usual."""
+    flag = [False]
+    try:
+        previous = signal.getsignal(signal.SIGINT)
+
+        def handler(signum, frame):
+            if flag[0]:
+                raise KeyboardInterrupt
+            flag[0] = True
+
+        signal.signal(signal.SIGINT, handler)
+    except ValueError:  # not the main thread: Ctrl-C cannot reach this loop anyway
+        yield flag
+        return
+    try:
+        yield flag
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+class _TextOutput:
+    """Collects the samples' text and the step counters for the human-readable output."""
+
+    def __init__(self, n: int, colour: bool) -> None:
+        self.texts: list[list[str]] = [[] for _ in range(n)]
+        self.finish: dict[int, DoneEvent] = {}
+        self.losses: list[float] = []
+        self.port_hits = self.tokens = 0
+        self.colour = colour
+
+    def add(self, event: Event) -> None:
+        if isinstance(event, TokenEvent):
+            self.texts[event.sample].append(heat(event.text, event.novelty) if self.colour else event.text)
+            self.tokens += 1
+        elif isinstance(event, StepEvent):
+            self.port_hits += event.port_hits
+            if event.loss is not None:
+                self.losses.append(event.loss)
+        elif isinstance(event, DoneEvent):
+            self.finish[event.sample] = event
+        elif isinstance(event, ErrorEvent):
+            print(f"error: {event.message}", file=sys.stderr)
+
+    def print(self, out, sampling: SamplingConfig, esamp: EsampConfig, seconds: float, interrupted: bool) -> None:
+        if self.colour:
+            print(legend(), file=out)
+        for i, parts in enumerate(self.texts):
+            done = self.finish.get(i)
+            tail = f"{done.finish_reason}, {done.tokens} tokens" if done else "unfinished"
+            print(f"── sample {i + 1}/{sampling.n} ({tail}) ──", file=out)
+            print("".join(parts).strip(), file=out)
+        state = f"ESamp on, β={esamp.beta}, mix={esamp.mix}" if esamp.enabled else "ESamp off"
+        loss = f"{sum(self.losses) / len(self.losses):.4f}" if self.losses else "n/a"
+        print(f"{sampling.n} samples · {self.tokens} tokens in {seconds:.1f} s · "
+              f"{self.tokens / max(seconds, 1e-9):.1f} tok/s · mean Distiller loss {loss} · "
+              f"port hits {self.port_hits} · {state}" + (" · interrupted" if interrupted else ""),
+              file=out, flush=True)
 
 
 def _generate(args, sampling: SamplingConfig, esamp: EsampConfig, out) -> int:
     if not args.json:
         print(f"loading {args.model or 'the embedded default model'} ...", file=sys.stderr)
-    engine = engines.create_engine(args.engine, model=args.model, esamp=esamp)
+    engine = _load(args, esamp)
     ready = engine.ready
     if not args.json:
         print(f"{ready.engine} engine, {ready.model} on {ready.device} (loaded in {ready.load_seconds:.1f} s)",
               file=sys.stderr)
-    texts: list[list[str]] = [[] for _ in range(sampling.n)]
-    finish: dict[int, DoneEvent] = {}
-    losses: list[float] = []
-    port_hits = tokens = 0
-    colour = use_colour(out) and not args.json
+    text = _TextOutput(sampling.n, use_colour(out) and not args.json)
+
+    def emit(events: list[Event]) -> None:
+        for event in events:
+            if not args.json:
+                text.add(event)
+            elif event.type in JSON_TYPES:
+                print(event.model_dump_json(), file=out, flush=True)
+
+    interrupted = False
     t0 = time.perf_counter()
     try:
-        for event in run_group(engine, args.prompt, sampling, esamp, chat=not args.raw):
-            if args.json:
-                if event.type in JSON_TYPES:
-                    print(event.model_dump_json(), file=out, flush=True)
-                continue
-            if isinstance(event, TokenEvent):
-                texts[event.sample].append(heat(event.text, event.novelty) if colour else event.text)
-                tokens += 1
-            elif isinstance(event, StepEvent):
-                port_hits += event.port_hits
-                if event.loss is not None:
-                    losses.append(event.loss)
-            elif isinstance(event, DoneEvent):
-                finish[event.sample] = event
-            elif isinstance(event, ErrorEvent):
-                print(f"error: {event.message}", file=sys.stderr)
+        with _first_sigint_sets_flag() as stop:
+            group = engine.start(args.prompt, sampling, esamp, chat=not args.raw)
+            while engine.has_unfinished():
+                if stop[0]:
+                    interrupted = True
+                    emit(engine.abort(group))  # each sample's pending token, then its done
+                    break
+                emit(engine.step())
+            if not args.json:
+                text.print(out, sampling, esamp, time.perf_counter() - t0, interrupted)
     finally:
         engine.close()
-    if args.json:
-        return 0
-    seconds = time.perf_counter() - t0
-    for i, parts in enumerate(texts):
-        done = finish.get(i)
-        tail = f"{done.finish_reason}, {done.tokens} tokens" if done else "unfinished"
-        print(f"── sample {i + 1}/{sampling.n} ({tail}) ──", file=out)
-        print("".join(parts).strip(), file=out)
-    state = f"ESamp on, β={esamp.beta}, mix={esamp.mix}" if esamp.enabled else "ESamp off"
-    loss = f"{sum(losses) / len(losses):.4f}" if losses else "n/a"
-    print(f"{sampling.n} samples · {tokens} tokens in {seconds:.1f} s · {tokens / max(seconds, 1e-9):.1f} tok/s"
-          f" · mean Distiller loss {loss} · port hits {port_hits} · {state}", file=out)
+    if interrupted:
+        print("interrupted", file=sys.stderr)
+        return INTERRUPTED
     return 0

