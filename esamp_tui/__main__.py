@@ -18,10 +18,12 @@ Themes: dark, light, high-contrast, and your own TOML files in ~/.config/esamp/t
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from esamp.cli import Parser
     from esamp.engines import ENGINE_NAMES
+    from esamp.threads import add_threads_flag
     from esamp_tui.options import MAX_PANES, add_setting_flags
 
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="esamp-tui", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
         description=f"Watch n samples (up to {MAX_PANES}) side by side with novelty heat; toggle ESamp and compare.",
     )
@@ -31,21 +33,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="reference (CPU, default), vllm, or auto (vLLM when CUDA and vLLM are present)")
     p.add_argument("--prompt", default=None, help="run this prompt at start")
     p.add_argument("--theme", default=None, help="theme name (dark, light, high-contrast or your own)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads for the reference engine (default: all cores; 1 on a busy machine)")
+    add_threads_flag(p)
     add_setting_flags(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    from esamp.threads import prefer_passive_wait, threads_option
+
+    prefer_passive_wait()  # before torch loads (here, and in the engine's worker process)
     args = build_parser().parse_args(argv)  # argparse itself exits 2 on unknown flags
     try:
         from esamp_tui.options import Options
         from esamp_tui.theming import check_theme, load_themes
 
         options = Options.from_args(args, engine=args.engine, model=args.model, prompt=args.prompt,
-                                    theme=args.theme,
-                                    engine_options={} if args.threads is None else {"threads": args.threads})
+                                    theme=args.theme, engine_options=threads_option(args.engine, args.threads))
         if args.theme is not None:
             check_theme(args.theme, *load_themes())
     except EsampError as exc:

@@ -12,9 +12,7 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel
-
-from esamp.core.config import EsampConfig, SamplingConfig, Steering, add_flags, from_flags, update_config
+from esamp.core.config import EsampConfig, SamplingConfig, Steering, add_flags, bound, from_flags, update_config
 from esamp.engines.base import check_prompt_text
 from esamp.errors import ConfigError, PromptError
 from esamp.session import SessionSpec, default_log_file
@@ -23,22 +21,11 @@ MAX_PANES = 8  # samples shown side by side; more would leave each pane too narr
 BETA_STEP = 0.1  # what + and - change β by
 
 # The settings a user can set at launch, by the model that defines them.
-STEERING_FLAGS = ("enabled", "beta", "mix")
+STEERING_FLAGS = ("enabled", "beta", "mix", "slots")
 SAMPLING_FLAGS = ("n", "max_tokens", "seed", "temperature", "top_p", "top_k", "min_p")
 
 
-def bounds(model: type[BaseModel], name: str) -> tuple[float | None, float | None]:
-    """The (lowest, highest) value a field allows, read from its definition."""
-    low = high = None
-    for meta in model.model_fields[name].metadata:
-        if getattr(meta, "ge", None) is not None:
-            low = meta.ge
-        if getattr(meta, "le", None) is not None:
-            high = meta.le
-    return low, high
-
-
-BETA_RANGE = bounds(Steering, "beta")  # what + and - clamp to
+BETA_RANGE = (bound(Steering, "beta", "ge"), bound(Steering, "beta", "le"))  # what + and - clamp to
 
 
 def add_setting_flags(parser: argparse.ArgumentParser) -> None:
@@ -74,9 +61,6 @@ class Options:
         if self.sampling.n > MAX_PANES:
             raise ConfigError(f"-n {self.sampling.n}: the dashboard shows 1 to {MAX_PANES} samples side by side",
                               hint=f"pass -n between 1 and {MAX_PANES} (esamp generate takes more)")
-        threads = self.engine_options.get("threads")
-        if threads is not None and (not isinstance(threads, int) or threads < 1):
-            raise ConfigError(f"--threads {threads}: needs at least 1", hint="e.g. --threads 1")
         if self.prompt is not None:
             try:
                 check_prompt_text(self.prompt)

@@ -67,11 +67,13 @@ class Steering(_Settings):
     """How ESamp steers one prompt group. Engines take one per group (``engine.start``)."""
 
     enabled: bool = Field(True, description="steer with ESamp (off: plain sampling, no Distiller)",
-                          json_schema_extra=_flag("--no-esamp", negate=True))
+                          json_schema_extra=_flag("--no-esamp", negate=True,
+                                                  help="plain sampling: no Distiller, no novelty (ESamp off)"))
     beta: float = Field(0.8, ge=0.0, le=10.0, description="ESamp strength; 0 samples exactly like ESamp off")
     mix: MixName = Field("paper", description="how the Distiller logits d enter: " + mixes.describe())
     train: bool = Field(True, description="train the Distiller while decoding (off: it keeps its initial weights)",
-                        json_schema_extra=_flag("--no-train", negate=True))
+                        json_schema_extra=_flag("--no-train", negate=True,
+                                                help="do not train the Distiller: it keeps its initial weights"))
     train_rows: TrainRows = Field(
         "all", description="rows that train the Distiller each step: all of a group's samples, or one row per group")
 
@@ -173,14 +175,16 @@ def flag_of(model: type[BaseModel], field: str) -> str:
     return extra.get("flag") or "--" + field.replace("_", "-")
 
 
-def _help(model: type[BaseModel], field: str) -> str:
+def _help(model: type[BaseModel], field: str, defaults: Mapping[str, Any] | None = None) -> str:
     info = model.model_fields[field]
-    text = info.description or field
-    rng = _constraint(info)
+    extra = info.json_schema_extra or {}
+    text = extra.get("help") or info.description or field
     if info.annotation is bool:
         return text
-    default = info.default
-    return f"{text} ({rng + ', ' if rng and not _choices(info.annotation) else ''}default {default})"
+    rng = _constraint(info)
+    default = defaults[field] if defaults and field in defaults else info.default
+    default_text = "none" if default is None else default
+    return f"{text} ({rng + ', ' if rng and not _choices(info.annotation) else ''}default {default_text})"
 
 
 def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, model: type[BaseModel],
@@ -201,9 +205,7 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, model: 
             continue
         choices = _choices(info.annotation)
         kind = type(choices[0]) if choices else _scalar(info.annotation)
-        help_text = _help(model, field)
-        if defaults and field in defaults:
-            help_text = help_text.rsplit("(default", 1)[0] + f"(default {defaults[field]})"
+        help_text = _help(model, field, defaults)
         parser.add_argument(flag, dest=dest, type=kind, choices=choices, default=None,
                             metavar=None if choices else field.split("_")[-1].upper(), help=help_text)
 
