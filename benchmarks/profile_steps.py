@@ -101,6 +101,8 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--seed", type=int, default=None,
                     help="per-request sampling seeds, as esamp bench --seed (the committed profiles used 0)")
+    ap.add_argument("--logits", choices=("flat", "realistic"), default="flat",
+                    help="realistic: the head rescaled as esamp bench --logits realistic (simulated profile)")
     ap.add_argument("--compare", nargs=2, metavar=("BASE", "ESAMP"))
     args = ap.parse_args()
     if args.compare:
@@ -120,6 +122,12 @@ def main() -> int:
     engine = VllmEngine(model=args.model, esamp=esamp, plain=args.side == "baseline", ignore_eos=True,
                         max_model_len=2048, gpu_memory_utilization=0.42, max_num_seqs=max(16, P * n))
     vocab = int(json.loads((engine.resolved.hf_dir() / "config.json").read_text())["vocab_size"])
+    if args.logits == "realistic":
+        from esamp.bench import PRESETS, REAL_MODEL, calibrate_head
+
+        sigma = engine.engine.collective_rpc("esamp_head_sigma")[0]
+        cal = calibrate_head(sigma, REAL_MODEL["default"], PRESETS["default"]["sampling"])
+        engine.engine.collective_rpc("esamp_scale_head", args=(cal.pop("factors"),))
     prompts = _prompts(P, 32, vocab, seed=P * 1000 + n * 10 + L)
     run_trial(engine, prompts, n, min(L, 16), sampling_kw, es)
 
@@ -151,7 +159,7 @@ def main() -> int:
     engine.engine.step = inner
     prof = state["prof"]
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"steps-{args.side}-{args.workload}")
+    stem = os.path.join(args.out, f"steps-{args.side}-{args.workload}-{args.logits}")
     summary = dict(side=args.side, model=args.model, workload=args.workload, tok_s=result["tok_s"],
                    step_ms=[round(1e3 * w, 3) for w in walls],
                    step_ms_median=round(1e3 * statistics.median(walls[skip:skip + 4 * args.steps] or walls), 3),

@@ -235,8 +235,13 @@ class EsampLogitsProcessor(LogitsProcessor):
                                        size=APPLY_GRAPHS, in_place=True)
         self.groups = _Groups(self.steerer.bank if self.steerer else None)
         self.records = RecordStore(self.device)
+        self.channel = None
         if self.working:
             STATE.set_processor(self)
+            if self.config is not None:
+                from esamp.engines.vllm import channel
+
+                self.channel = channel.start(self, server, vllm_config)
 
     @property
     def bank(self) -> DistillerBank | None:
@@ -361,9 +366,10 @@ class EsampLogitsProcessor(LogitsProcessor):
         self.counters["port_hits"] += plan.steered.rows
         if ctx.losses is not None:
             self.counters["train_steps"] += 1
-        if plan.recorded is None or plan.recorded:
-            self.records.push(self.step, plan.groups, plan.samples, [len(o) for o in plan.outputs], packed,
-                              self._loss_groups(plan) if ctx.losses is not None else [], keep=plan.recorded)
+        # Every steered step leaves a record (its losses feed the counters even when no reader
+        # wants its rows).
+        self.records.push(self.step, plan.groups, plan.samples, [len(o) for o in plan.outputs], packed,
+                          self._loss_groups(plan) if ctx.losses is not None else [], keep=plan.recorded)
         spent = time.perf_counter() - t0
         self.host_seconds += spent
         if ctx.replayed:  # a steady step: what ESamp costs the host per step once warmed up
@@ -420,7 +426,8 @@ class EsampLogitsProcessor(LogitsProcessor):
         """Counters for operators (``esamp.serving`` exposes them in the Prometheus format)."""
         graphs = self.steerer.graphs if self.steerer is not None else None
         bank = self.bank
-        return dict(self.counters, steps=self.step,
+        self.records.collect()
+        return dict(self.counters, steps=self.step, loss=self.records.loss,
                     slots=bank.capacity if bank else 0, slots_free=bank.free_slots if bank else 0,
                     slots_in_use=len(bank.groups) if bank else 0,
                     graph_captures=graphs.captures if graphs else 0, graph_replays=graphs.replays if graphs else 0,

@@ -44,6 +44,7 @@ class RecordStore:
         self._ready: list[dict] = []  # step records, oldest first
         self._lock = threading.Lock()  # a server's side channel reads from another thread
         self.dropped = 0
+        self.loss: float | None = None  # moving mean of the training groups' losses (for operators)
 
     @staticmethod
     def pack(errors: torch.Tensor, candidates: torch.Tensor, losses: torch.Tensor | None) -> torch.Tensor:
@@ -67,6 +68,7 @@ class RecordStore:
         with self._lock:
             self._in_flight.append(_Step(step, groups, samples, generated, loss_groups, keep, packed, event,
                                          time.monotonic()))
+            self._collect()  # whatever has arrived meanwhile, so nothing piles up unread
 
     def _collect(self) -> None:
         """Turn records whose copies have finished into plain step records (under the lock)."""
@@ -74,12 +76,21 @@ class RecordStore:
             s = self._in_flight.popleft()
             n = len(s.groups)
             values = s.packed.tolist()
-            rows = list(zip(s.groups, s.samples, s.generated, values[:n], map(int, values[n:2 * n])))
             loss = dict(zip(s.loss_groups, values[2 * n:]))
+            if loss:
+                mean = sum(loss.values()) / len(loss)
+                self.loss = mean if self.loss is None else 0.9 * self.loss + 0.1 * mean
+            if s.keep is not None and not s.keep:
+                continue  # nobody asked for this step's rows
+            rows = list(zip(s.groups, s.samples, s.generated, values[:n], map(int, values[n:2 * n])))
             if s.keep is not None:
                 rows = [r for r in rows if r[0] in s.keep]
                 loss = {g: v for g, v in loss.items() if g in s.keep}
             self._ready.append({"step": s.step, "time": s.time, "rows": rows, "loss": loss})
+
+    def collect(self) -> None:
+        with self._lock:
+            self._collect()
 
     def take(self, groups: set[str] | None = None) -> tuple[list[dict], int]:
         """(finished step records, how many are still copying). With ``groups``, only their rows

@@ -1,0 +1,111 @@
+"""A served engine's side channel: each rank's ESamp counters and novelty records over HTTP.
+
+Under ``esamp serve`` every engine core (one per data-parallel rank) runs this small HTTP server
+on ``host:port + rank`` in a thread of its own, beside vLLM's engine loop. It answers
+
+- ``GET /metrics``: the rank's counters in the Prometheus text format (what vLLM's own
+  ``/metrics`` speaks), every sample labelled with ``rank``;
+- ``GET /records?group=G[,G...]``: the finished step records (per-token Distiller errors, losses)
+  of those groups, taken: a record is handed out once. Records of other groups, and other ranks'
+  records, are not touched. ``GET /records`` takes every group's.
+
+Why a channel per rank: vLLM's ``collective_rpc`` answers for one data-parallel rank only, so the
+worker extension cannot gather every rank's counters or records. The API server
+(``esamp.serving``) reads each rank's channel and shows them together.
+
+The thread sleeps in ``select`` until a request comes, so an idle channel costs the engine
+nothing; a request reads the processor's counters and its lock-protected record store.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlparse
+
+log = logging.getLogger(__name__)
+
+# Counter name in the processor → (Prometheus name, type, help). Written once: the API server's
+# aggregate uses these names too.
+METRICS = {
+    "port_hits": ("esamp_rows_steered_total", "counter", "Rows the Distiller steered (tapped rows delivered)"),
+    "train_steps": ("esamp_train_steps_total", "counter", "Engine steps that trained the Distiller"),
+    "steps": ("esamp_steps_total", "counter", "Engine steps with ESamp rows"),
+    "slots_in_use": ("esamp_slots_in_use", "gauge", "Distiller slots held by prompt groups"),
+    "slots_free": ("esamp_slots_free", "gauge", "Distiller slots free"),
+    "bank_full": ("esamp_bank_full_total", "counter",
+                  "Rows sampled plainly because every Distiller slot was held by a running group"),
+    "slots_evicted": ("esamp_slots_evicted_total", "counter", "Idle groups' slots taken for new groups"),
+    "graph_replays": ("esamp_graph_replays_total", "counter", "Distiller steps replayed as CUDA graphs"),
+    "graph_captures": ("esamp_graph_captures_total", "counter", "CUDA graphs captured"),
+    "graph_failures": ("esamp_graph_failures_total", "counter", "CUDA-graph captures that failed"),
+    "records_dropped": ("esamp_records_dropped_total", "counter", "Novelty records dropped unread"),
+    "loss": ("esamp_distiller_loss", "gauge", "Mean Distiller loss of the latest training steps"),
+}
+
+
+def prometheus(counters: dict, rank: int) -> str:
+    """The counters in the Prometheus text exposition format."""
+    lines = []
+    for key, (name, kind, help_text) in METRICS.items():
+        if key not in counters or counters[key] is None:
+            continue
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f'{name}{{rank="{rank}"}} {counters[key]}']
+    return "\n".join(lines) + "\n"
+
+
+class Channel:
+    def __init__(self, processor, host: str, port: int, rank: int) -> None:
+        self.rank = rank
+        channel = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 (the http.server interface)
+                url = urlparse(self.path)
+                if url.path == "/metrics":
+                    self._send(200, prometheus(processor.metrics(), channel.rank), "text/plain; version=0.0.4")
+                elif url.path == "/records":
+                    wanted = parse_qs(url.query).get("group")
+                    groups = {g for value in wanted for g in value.split(",") if g} if wanted else None
+                    out = processor.drain((), groups)
+                    self._send(200, json.dumps({"rank": channel.rank, "steps": out["steps"],
+                                                "pending": out["pending"]}), "application/json")
+                else:
+                    self._send(404, json.dumps({"error": f"no such path {url.path}",
+                                                "paths": ["/metrics", "/records?group=G"]}), "application/json")
+
+            def _send(self, status: int, body: str, kind: str) -> None:
+                data = body.encode()
+                self.send_response(status)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args) -> None:  # requests are not worth a log line each
+                pass
+
+        self.server = ThreadingHTTPServer((host, port), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, name=f"esamp-channel-{rank}", daemon=True)
+        self.thread.start()
+        log.info("ESamp side channel of rank %d on http://%s:%d", rank, host, port)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def start(processor, settings: dict, vllm_config) -> Channel | None:
+    """The channel of this engine core, when ``esamp serve`` asked for one (``settings["port"]``)."""
+    port = settings.get("port")
+    if not port:
+        return None
+    rank = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
+    try:
+        return Channel(processor, settings.get("host", "127.0.0.1"), int(port) + rank, rank)
+    except OSError as exc:  # taken (another worker of this rank serves it), or not allowed
+        log.warning("ESamp side channel of rank %d not started on port %s: %s", rank, int(port) + rank, exc)
+        return None
