@@ -47,7 +47,7 @@ def test_esamp_works_when_textual_is_not_installed(tmp_path):
     (["--prompt", b"Name a colour \xff now."], "not valid UTF-8"),
     (["--engine", "tpu"], "invalid choice"),
     (["-n", "four"], "invalid int value"),
-    (["--threads", "0"], "--threads 0"),
+    (["--threads", "0"], "argument --threads: 0 is not a thread count"),
 ], ids=lambda v: repr(v)[:30])
 def test_bad_flags_exit_2_with_a_message(args, needle):
     result = subprocess.run([sys.executable, "-m", "esamp_tui", *args], cwd=ROOT, capture_output=True,
