@@ -76,9 +76,9 @@ class RowLayout:
 class Training:
     """Which rows train in a step. The loss of a slot is the mean error of its training rows."""
 
-    weight: torch.Tensor | None  # [R] 1 for rows that train, 0 otherwise; None: every row
-    slots: tuple[int, ...]  # slots that take an optimizer step
-    index: torch.Tensor | None  # [T] their positions in ``layout.active``; None: every slot
+    slots: tuple[int, ...]  # slots that take an optimizer step, in the order their losses come
+    rows: torch.Tensor | None = None  # [T] the rows that train, when not every row does
+    layout: RowLayout | None = None  # those rows' own layout
 
     @classmethod
     def of(cls, slots: list[int], trains: list[bool]) -> "Training | None":
@@ -86,18 +86,15 @@ class Training:
         row trains. Host tensors: move them with ``to``."""
         if not any(trains):
             return None
-        order = list(dict.fromkeys(slots))  # ``RowLayout.active`` order
         if all(trains):
-            return cls(None, tuple(order), None)
-        present = sorted({order.index(s) for s, t in zip(slots, trains) if t})
-        weight = torch.tensor([1.0 if t else 0.0 for t in trains])
-        if len(present) == len(order):
-            return cls(weight, tuple(order), None)
-        return cls(weight, tuple(order[u] for u in present), torch.tensor(present, dtype=torch.long))
+            return cls(tuple(dict.fromkeys(slots)))
+        rows = [i for i, t in enumerate(trains) if t]
+        layout = RowLayout.from_slots([slots[i] for i in rows])
+        return cls(layout.slots, torch.tensor(rows, dtype=torch.long), layout)
 
     def to(self, move) -> "Training":
-        return Training(None if self.weight is None else move(self.weight), self.slots,
-                        None if self.index is None else move(self.index))
+        return Training(self.slots, None if self.rows is None else move(self.rows),
+                        None if self.layout is None else self.layout.to(move))
 
 
 def init_slot(hidden: int, rank: int, seed: int, slot: int) -> dict[str, torch.Tensor]:
@@ -203,30 +200,41 @@ class DistillerBank:
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor, layout: RowLayout) -> torch.Tensor:
         """One optimizer step on every slot in ``layout``; returns the per-slot loss [U] (before)."""
-        return self.step(x, y, layout, Training(None, layout.slots, None))[2]
+        return self._train(x, y, layout)[2]
 
     def predict_and_train(self, x: torch.Tensor, y: torch.Tensor, layout: RowLayout):
         """(ŷ, e, per-slot loss) for a step whose rows all train."""
-        return self.step(x, y, layout, Training(None, layout.slots, None))
+        return self._train(x, y, layout)
 
     def step(self, x: torch.Tensor, y: torch.Tensor, layout: RowLayout, training: Training | None):
-        """One Distiller step: (ŷ [R, H], e [R], loss [T] of the training slots, or None).
+        """One Distiller step: (ŷ [R, H], e [R], loss of each training slot, or None).
 
-        ŷ and e come from the parameters before this step's update (what steers this step); one
-        forward pass serves both them and the update. Slots are disjoint, so the gradient of the
-        summed per-slot losses gives each slot exactly its own gradient.
+        ŷ and e come from the parameters before this step's update (what steers this step).
+        When every row trains, one forward pass serves both them and the update; when only some
+        do (``train_rows="group"``), every row is predicted and only those rows are trained on.
         """
         if training is None:
             prediction = self.predict(x, layout)
             return prediction, row_error(prediction, y), None
+        if training.rows is None:
+            return self._train(x, y, layout)
+        prediction = self.predict(x, layout)
+        rows = training.rows
+        loss = self._train(x.index_select(0, rows), y.index_select(0, rows), training.layout)[2]
+        return prediction, row_error(prediction, y), loss
+
+    def _train(self, x: torch.Tensor, y: torch.Tensor, layout: RowLayout):
+        """One optimizer step on every slot of ``layout`` with all its rows: (ŷ, e, per-slot loss).
+
+        Slots are disjoint, so the gradient of the summed per-slot losses gives each slot
+        exactly its own gradient.
+        """
         with torch.inference_mode(False), torch.enable_grad():
             # Tensors made under inference mode (vLLM's sampler, the reference engine's forward)
             # cannot take part in autograd: clone the taps and the layout outside that mode.
             x, y = x.detach().float().clone(), y.detach().float().clone()
             layout = RowLayout(*(t.clone() for t in (layout.active, layout.row_slot, layout.row_pos)),
                                layout.width, layout.slots)
-            weight = None if training.weight is None else training.weight.clone()
-            index = None if training.index is None else training.index.clone()
             # Each parameter's [U, ...] view of the live rows is a leaf: autograd writes its
             # gradient straight into a [U, ...] tensor.
             rows = self._active(layout).detach()
@@ -234,15 +242,11 @@ class DistillerBank:
             prediction = self._forward(x, layout, p)
             err = row_error(prediction, y)  # [R]
             U = layout.active.numel()
-            w = torch.ones_like(err) if weight is None else weight
-            total = torch.zeros(U, device=err.device).index_add(0, layout.row_slot, err * w)
-            count = torch.zeros(U, device=err.device).index_add(0, layout.row_slot, w)
-            loss = total / count.clamp(min=1.0)  # slots without training rows get no gradient
+            total = torch.zeros(U, device=err.device).index_add(0, layout.row_slot, err)
+            count = torch.zeros(U, device=err.device).index_add(0, layout.row_slot, torch.ones_like(err))
+            loss = total / count
             grads = torch.autograd.grad(loss.sum(), [p[k] for k in self.PARAMS])
-        if index is not None:
-            grads = [g.index_select(0, index) for g in grads]
-            loss = loss.index_select(0, index)
-        self.store.update(training.slots, dict(zip(self.PARAMS, grads)), self.optimizer, self.lr)
+        self.store.update(layout.slots, dict(zip(self.PARAMS, grads)), self.optimizer, self.lr)
         return prediction.detach(), err.detach(), loss.detach()
 
     # -- views for tests and inspection ------------------------------------------------------
