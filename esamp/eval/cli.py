@@ -22,7 +22,7 @@ from pathlib import Path
 
 from esamp.core.config import EsampConfig, SamplingConfig, add_flags, from_flags, make_config
 from esamp.errors import ConfigError
-from esamp.eval.runner import EVAL_DEFAULTS
+from esamp.eval.runner import EVAL_DEFAULTS, EvalSettings
 
 HELP = "Pass@k and semantic diversity, ESamp cells against one baseline, offline"
 
@@ -90,7 +90,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 class TaskRun:
     name: str
     problems: list
-    settings: object  # EvalSettings
+    settings: "EvalSettings"
     folder: Path
 
 
@@ -251,9 +251,11 @@ def _note(text: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from esamp.eval.matrix import BASELINE, build_cells, engine_groups, parse_axes, validate_axes
+    from esamp.eval.matrix import BASELINE, build_cells, parse_axes, validate_axes
     from esamp.eval.passk import parse_ks
-    from esamp.eval.runner import EvalSettings, Graders, missing, prepare_out_dir, read_records, regrade
+    from esamp.eval.runner import (
+        EvalSettings, Graders, check_writable, missing, prepare_out_dir, read_records, regrade,
+    )
 
     if args.list_tasks:
         return _list_tasks()
@@ -281,7 +283,10 @@ def run(args: argparse.Namespace) -> int:
         settings = EvalSettings(task=name, problem_ids=[p.id for p in problems], ks=ks, cells=cells,
                                 engine=engine_name, model=args.model, sampling=sampling)
         runs.append(TaskRun(name, problems, settings, out if len(tasks) == 1 else out / name))
-    # Every folder is checked (writable, same settings) before anything is sampled.
+    # Every folder is checked (writable, same settings) before any is written or sampled.
+    check_writable(out)
+    for run in runs:
+        prepare_out_dir(run.folder, run.settings, write=False)
     added = {run.name: prepare_out_dir(run.folder, run.settings) for run in runs}
     records = {run.name: read_records(run.folder) for run in runs}
 
@@ -422,7 +427,10 @@ def _write_report(out: Path, runs, args) -> None:
     (out / "report.html").write_text(markdown_to_html(markdown, out), encoding="utf-8")
     print(markdown)
     if not args.quiet:
-        charts = plots.terminal_charts(summaries, colour=sys.stderr.isatty())
+        try:
+            charts = plots.terminal_charts(summaries, colour=sys.stderr.isatty())
+        except ImportError:  # plotext comes with esamp; a bare environment may lack it
+            charts = "(no terminal charts: plotext is not installed)"
         if charts:
             print(charts, file=sys.stderr)
     files = ["report.md", "report.json", "report.html"] + sorted(f for t in images.values() for f in t.values())

@@ -161,11 +161,12 @@ def _differences(mine: dict, theirs: dict) -> list[str]:
     return sorted(k for k in set(mine) & set(theirs) if mine[k] != theirs[k])
 
 
-def prepare_out_dir(out: Path, settings: EvalSettings) -> list[str]:
+def prepare_out_dir(out: Path, settings: EvalSettings, write: bool = True) -> list[str]:
     """Create ``out`` with its settings file, or check that the one there matches.
 
     The shared settings (problems, sampling, engine, model) must match; a cell already recorded
-    must have the same settings; new cells are added. Returns the names of the cells new here.
+    must have the same settings; new cells are added (``write=False``: only check). Returns the
+    names of the cells new here.
     """
     check_writable(out)
     path = out / SETTINGS
@@ -196,7 +197,8 @@ def prepare_out_dir(out: Path, settings: EvalSettings) -> list[str]:
                     )
         new = [name for name in mine["cells"] if name not in recorded]
         mine = {**theirs, **mine, "cells": {**recorded, **mine["cells"]}}
-    _write_json(path, {"settings": mine})
+    if write:
+        _write_json(path, {"settings": mine})
     return new
 
 

@@ -19,6 +19,7 @@ class FakeEngine:
         self.choices = choices
         self.esamp = esamp  # the engine-wide settings it was created with
         self.steerings: list = []  # the ESamp settings of every group started
+        self.most_at_once = 0  # the most groups running at one time
         self.interrupt_at_step = interrupt_at_step
         self.steps = 0
         self.groups: dict[str, dict] = {}
@@ -42,6 +43,7 @@ class FakeEngine:
             words.append([filler, "the", "answer", "is", rng.choice(self.choices), "."])
         self.groups[key] = {"words": words, "pos": [0] * sampling.n}
         self.started.append(key)
+        self.most_at_once = max(self.most_at_once, len(self.groups))
         return key
 
     def step(self):
