@@ -306,6 +306,9 @@ def run(args: argparse.Namespace) -> int:
         t = todo[run.name]
         done = len(run.problems) * len(arms) - sum(t.values())
         new = f"; new cells here: {', '.join(added[run.name])}" if records[run.name] and added[run.name] else ""
+        if not sum(t.values()):
+            _note(f"  {run.name}: {len(run.problems)} problems; all {done} groups done")
+            continue
         _note(f"  {run.name}: {len(run.problems)} problems; to sample: baseline {t[BASELINE]} groups "
               f"(once, shared by every cell), cells {sum(t.values()) - t[BASELINE]} groups"
               + (f"; {done} groups already done, resuming{new}" if done else ""))

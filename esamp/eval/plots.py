@@ -129,13 +129,16 @@ def _plane(plt, summary: dict):
     span_y = max([abs(v) for v in ys if not math.isnan(v)] + [1e-3]) * 1.15
     ax.set_xlim(-span_x, span_x)
     ax.set_ylim(-span_y, span_y)
+    graded = y_key.startswith("pass@")
     ax.fill_between([0, span_x], 0, span_y, color="tab:green", alpha=0.07, zorder=0)
-    ax.text(span_x * 0.97, span_y * 0.95, "helps on both", ha="right", va="top", fontsize=8, color="tab:green")
+    ax.text(span_x * 0.97, span_y * 0.95, "helps on both" if graded else "more diverse by both",
+            ha="right", va="top", fontsize=8, color="tab:green")
     ax.fill_between([-span_x, 0], -span_y, 0, color="tab:red", alpha=0.05, zorder=0)
-    ax.text(-span_x * 0.97, -span_y * 0.95, "worse on both", ha="left", va="bottom", fontsize=8, color="tab:red")
+    ax.text(-span_x * 0.97, -span_y * 0.95, "worse on both" if graded else "less diverse by both",
+            ha="left", va="bottom", fontsize=8, color="tab:red")
     ax.set_xlabel(f"Δ {metric_name(x_key)} (cell − baseline; more different samples →)")
     ax.set_ylabel(f"Δ {metric_name(y_key)} (cell − baseline)")
-    what = "quality against diversity" if y_key.startswith("pass@") else "diversity by two measures"
+    what = "quality against diversity" if graded else "diversity by two measures"
     ax.set_title(_title(summary, what) + "\nbars: 95% paired bootstrap intervals", fontsize=10)
     ax.grid(True, alpha=0.25)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
@@ -177,7 +180,7 @@ def _shifts(plt, summary: dict):
         bars.set_ylabel("problems (up: improved, down: worse)")
         bars.set_title("problems that moved, per cell", fontsize=10)
         bars.margins(y=0.12)
-        bars.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.32), ncol=2, frameon=False)
+        bars.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.26), ncol=2, frameon=False)
         bars.grid(True, axis="y", alpha=0.3)
     else:
         fig, heat = plt.subplots(figsize=(max(6, 1.1 * len(cells) + 3), height))

@@ -299,13 +299,13 @@ def render_task(summary: dict, images: Mapping[str, str] | None = None, level: i
     if pass_keys:
         lines += ["", f"{h} Pass@k against k", ""]
         if "passk" in images:
-            lines += [f"![pass@k against k, every arm]({images['passk']})", ""]
+            lines.append(f"![pass@k against k, every arm]({images['passk']})")
         if single:  # a text chart stays readable with two lines only; the PNG has every cell
             chart = ascii_chart(s["ks"], {arm: [arms[arm][k] for k in pass_keys] for arm in arms})
-            lines += ["```", chart, "```"]
+            lines += ([""] if "passk" in images else []) + ["```", chart, "```"]
     if "plane" in images:
         graded = bool(pass_keys)
-        lines += ["", f"{h} Quality against diversity", "",
+        lines += ["", f"{h} {'Quality against diversity' if graded else 'Diversity by two measures'}", "",
                   (f"Each cell's Δpass@{s['ks'][-1]} (up) against its ΔVendi (right), with 95% intervals; "
                    "a cell up and to the right helps on both." if graded else
                    "Each cell's Δdistinct-2 (up) against its ΔVendi (right), with 95% intervals; "
