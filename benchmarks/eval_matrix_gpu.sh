@@ -16,8 +16,10 @@
 #   bash benchmarks/eval_matrix_gpu.sh run [...]  stage, install, then the matrix; extra arguments
 #                                                 go to esamp eval (e.g. --limit 5 for a first look)
 #
-# Everything lands in $OUT/eval-gpu-arith-n32 (or ./gpu-out/...), with the command, device and
-# versions in its report; commit that folder under benchmarks/results/.
+# The run writes to /tmp/eval-gpu-arith-n32, which lasts as long as the machine, so a call cut
+# short resumes where it stopped when `run` is called again; each call then copies the folder to
+# $OUT/eval-gpu-arith-n32 (or ./gpu-out/...), with the command, device and versions in its
+# report. Commit that folder under benchmarks/results/.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
@@ -58,8 +60,9 @@ case "${1:-}" in
     shift
     install || exit 1
     python3 -m esamp.cli eval --matrix-file benchmarks/eval_matrix_gpu.toml --model "$GGUF" \
-      --out "$OUT/eval-gpu-arith-n32" "$@" 2>&1 | tee "$OUT/eval-gpu-arith-n32.log" \
+      --out /tmp/eval-gpu-arith-n32 "$@" 2>&1 | tee -a /tmp/eval-gpu-arith-n32.log \
       | grep -v "^INFO\|^(EngineCore\|^WARNING\|^DEBUG\|^(Worker"
-    grep -h "Error\|Traceback" "$OUT/eval-gpu-arith-n32.log" | head -5 ;;
+    cp -r /tmp/eval-gpu-arith-n32 "$OUT/" && cp /tmp/eval-gpu-arith-n32.log "$OUT/eval-gpu-arith-n32/run.log"
+    grep -h "Error\|Traceback" /tmp/eval-gpu-arith-n32.log | head -5 ;;
   *) echo "usage: $0 stage|run [esamp eval arguments]"; exit 2 ;;
 esac
