@@ -1,4 +1,10 @@
-"""``esamp eval``: baseline and ESamp on the same problems and seeds; Pass@k, diversity, deltas.
+"""``esamp eval``: the baseline and one or more ESamp cells on the same problems and seeds;
+Pass@k, diversity, deltas with intervals, plots and a one-file HTML report.
+
+Settings flags are built from the settings models (``esamp.core.config.add_flags``), so their
+ranges and messages are the ones ``esamp generate`` has; eval keeps its own defaults where they
+differ (``EVAL_DEFAULTS``). A TOML file (``--matrix-file``) can hold the same settings, the tasks
+and the matrix; flags on the command line win over it.
 
 Imports stay light at module level: ``esamp --help`` builds every subcommand's parser.
 """
@@ -11,41 +17,81 @@ import platform
 import shlex
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-HELP = "Pass@k and semantic diversity, ESamp against the baseline, offline"
+from esamp.core.config import EsampConfig, SamplingConfig, add_flags, from_flags, make_config
+from esamp.errors import ConfigError
+from esamp.eval.runner import EVAL_DEFAULTS, EvalSettings
+
+HELP = "Pass@k and semantic diversity, ESamp cells against one baseline, offline"
+
+SAMPLING_FLAGS = ["n", "max_tokens", "seed", "temperature", "top_p", "top_k", "min_p"]
+ESAMP_FLAGS = ["beta", "mix", "train", "train_rows", "optimizer", "lr", "rank"]
+ENGINE_FLAGS = ["slots"]
+# What a [task.NAME] table of the matrix file may set for one task.
+TASK_OVERRIDES = ("limit", "max_tokens", "temperature", "top_p", "top_k", "min_p")
+FILE_KEYS = ("tasks", "task_files", "limit", "k", "engine", "model", "threads", "parallel", "out",
+             "no_diversity", *SAMPLING_FLAGS, *ESAMP_FLAGS, *ENGINE_FLAGS, "matrix", "task")
+DEFAULT_PARALLEL = {"reference": 1, "vllm": 16}
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--task", metavar="NAME",
-                     help="built-in task: arith, open, humaneval, aime2024, aime2025-i, math500")
-    src.add_argument("--task-file", metavar="FILE",
-                     help="JSONL, one problem per line: id, prompt, answer or tests, optional kind "
-                     "(math|code|open)")
-    src.add_argument("--list-tasks", action="store_true", help="list the built-in tasks and exit")
-    p.add_argument("--limit", type=int, metavar="L", help="only the first L problems")
-    p.add_argument("-n", type=int, default=8, metavar="N", help="samples per problem and arm (default 8)")
-    p.add_argument("-k", default=None, metavar="K,K,...",
-                   help="Pass@k values to report (default: 1, 2, 4, ... up to n)")
-    p.add_argument("--beta", type=float, default=0.8, help="ESamp strength for the ESamp arm (default 0.8)")
-    p.add_argument("--mix", default="paper", choices=["paper", "unsharpened"], help="ESamp logit mix")
-    p.add_argument("--engine", default="auto", choices=["auto", "reference", "vllm"])
-    p.add_argument("--model", default=None, help="model path or name (default: the embedded SmolLM2-135M)")
-    p.add_argument("--seed", type=int, default=0, help="base sampling seed (default 0)")
-    p.add_argument("--max-tokens", type=int, default=256, help="tokens per sample (default 256)")
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--parallel", type=int, default=None,
-                   help="prompt groups in flight at once (default: 1 on the reference engine, 16 on vLLM)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads for the reference engine (default: all cores)")
-    p.add_argument("--out", default=None, metavar="DIR",
-                   help="output folder; rerunning with the same folder resumes "
-                   "(default: esamp-eval/TASK-nN-seedS)")
-    p.add_argument("--regrade", action="store_true",
-                   help="grade the replies already in --out again with the current graders, then go on")
-    p.add_argument("--no-diversity", action="store_true", help="skip the embedding-based diversity measures")
-    p.add_argument("--quiet", action="store_true", help="no per-group progress lines")
+    what = p.add_argument_group("what to evaluate")
+    what.add_argument("--task", action="append", metavar="NAME",
+                      help="built-in task: arith, open, humaneval, aime2024, aime2025-i, math500 "
+                      "(several: --task arith,open)")
+    what.add_argument("--task-file", action="append", metavar="FILE",
+                      help="JSONL, one problem per line: id, prompt, answer or tests, optional kind "
+                      "(math|code|open); may be repeated")
+    what.add_argument("--list-tasks", action="store_true", help="list the built-in tasks and exit")
+    what.add_argument("--limit", type=int, metavar="L", help="only the first L problems of each task")
+    what.add_argument("--matrix", nargs="+", metavar="KEY=V,V",
+                      help="ESamp cells: the cross product of the listed values, e.g. "
+                      "--matrix beta=0.4,0.8,1.2 mix=paper,unsharpened; keys: beta, mix, train, "
+                      "train_rows (per group), optimizer, lr, rank, source_layer, target_layer (one engine "
+                      "per value); without it, one ESamp arm")
+    what.add_argument("--matrix-file", metavar="FILE.toml",
+                      help="tasks, settings and [matrix] in a TOML file; flags given here win over it")
+
+    sampling = p.add_argument_group("sampling (every arm)")
+    add_flags(sampling, SamplingConfig, SAMPLING_FLAGS, defaults=EVAL_DEFAULTS)
+    sampling.add_argument("-k", default=None, metavar="K,K,...",
+                          help="Pass@k values to report (default: 1, 2, 4, ... up to n)")
+
+    esamp = p.add_argument_group("ESamp (every cell; --matrix varies them)")
+    add_flags(esamp, EsampConfig, ESAMP_FLAGS)
+
+    engine = p.add_argument_group("engine")
+    engine.add_argument("--engine", default=None, choices=["auto", "reference", "vllm"],
+                        help="auto (default): vLLM when CUDA and vLLM are present, else the reference engine")
+    engine.add_argument("--model", default=None, help="model path or name (default: the embedded SmolLM2-135M)")
+    add_flags(engine, EsampConfig, ENGINE_FLAGS)
+    engine.add_argument("--parallel", type=int, default=None,
+                        help="prompt groups in flight at once (default: 1 on the reference engine, 16 on "
+                        "vLLM; at most --slots)")
+    engine.add_argument("--threads", type=int, default=None,
+                        help="CPU threads for the reference engine (default: all cores)")
+
+    output = p.add_argument_group("output")
+    output.add_argument("--out", default=None, metavar="DIR",
+                        help="output folder; rerunning with the same folder resumes, and new cells "
+                        "reuse its baseline (default: esamp-eval/TASK-nN-seedS)")
+    output.add_argument("--regrade", action="store_true",
+                        help="grade the replies already in --out again with the current graders, then go on")
+    output.add_argument("--no-diversity", action="store_true", help="skip the embedding-based diversity measures")
+    output.add_argument("--quiet", action="store_true", help="no per-group progress lines, no terminal charts")
+
+
+# -- settings from the command line and the matrix file --------------------------------------
+
+
+@dataclass
+class TaskRun:
+    name: str
+    problems: list
+    settings: "EvalSettings"
+    folder: Path
 
 
 def _list_tasks() -> int:
@@ -54,6 +100,96 @@ def _list_tasks() -> int:
     for name, (_, about) in TASKS.items():
         print(f"  {name:<11} {about}")
     return 0
+
+
+def _read_matrix_file(path: str) -> dict:
+    import tomllib
+
+    file = Path(path)
+    hint = "see README, esamp eval, for the matrix file's keys"
+    try:
+        data = tomllib.loads(file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"matrix file {path!r} does not exist", hint="check the path to --matrix-file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read matrix file {path!r}: {exc}", hint=hint) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{file.name} is not valid TOML: {exc}", hint=hint) from None
+    unknown = sorted(set(data) - set(FILE_KEYS))
+    if unknown:
+        raise ConfigError(f"{file.name}: unknown key(s) {', '.join(unknown)}", hint="known keys: " + ", ".join(FILE_KEYS))
+    for key in ("matrix", "task"):
+        if key in data and not isinstance(data[key], dict):
+            raise ConfigError(f"{file.name}: {key} must be a table ([{key}])", hint=hint)
+    for name, table in data.get("task", {}).items():
+        bad = sorted(set(table) - set(TASK_OVERRIDES)) if isinstance(table, dict) else ["(not a table)"]
+        if bad:
+            raise ConfigError(f"{file.name}: [task.{name}] cannot set {', '.join(bad)}",
+                              hint="a task may set " + ", ".join(TASK_OVERRIDES))
+    for key, kind in (("tasks", list), ("task_files", list), ("limit", int), ("threads", int),
+                      ("parallel", int), ("out", str), ("engine", str), ("model", str), ("no_diversity", bool)):
+        if key in data and (not isinstance(data[key], kind) or (kind is int and isinstance(data[key], bool))):
+            raise ConfigError(f"{file.name}: {key} must be a {kind.__name__}", hint=hint)
+    data["_name"] = file.name
+    return data
+
+
+def _merge_file(args: argparse.Namespace, data: dict) -> None:
+    """Settings from the matrix file, where the command line left them out. Values are checked
+    here, so an error names the file and key."""
+    name = data["_name"]
+    label = {f: f"{name}: {f}" for f in EsampConfig.model_fields}
+    sampling = {k: data[k] for k in SAMPLING_FLAGS if k in data}
+    make_config(SamplingConfig, {f: f"{name}: {f}" for f in SamplingConfig.model_fields}, **{**EVAL_DEFAULTS, **sampling})
+    esamp = {k: data[k] for k in ESAMP_FLAGS + ENGINE_FLAGS if k in data}
+    make_config(EsampConfig, label, **esamp)
+    for key in SAMPLING_FLAGS + ESAMP_FLAGS + ENGINE_FLAGS + ["limit", "engine", "model", "threads", "parallel", "out"]:
+        if key in data and getattr(args, key, None) is None:
+            setattr(args, key, data[key])
+    if args.k is None and "k" in data:
+        args.k = ",".join(map(str, data["k"])) if isinstance(data["k"], list) else str(data["k"])
+    if data.get("no_diversity") and not args.no_diversity:
+        args.no_diversity = True
+    if not args.task and not args.task_file:
+        args.task = list(data.get("tasks", [])) or None
+        args.task_file = list(data.get("task_files", [])) or None
+
+
+def _tasks(args, overrides: dict, file_name: str | None, base: SamplingConfig) -> list[tuple[str, list, SamplingConfig]]:
+    """(name, problems, sampling) of every task asked for."""
+    from esamp.eval import tasks as task_lib
+
+    asked: list[tuple[str, object]] = []
+    for item in args.task or []:
+        asked += [(t.strip().lower(), None) for t in str(item).split(",") if t.strip()]
+    for path in args.task_file or []:
+        asked.append((Path(path).stem, path))
+    if not asked:
+        raise ConfigError("say what to evaluate on",
+                          hint="pass --task NAME (see --list-tasks) or --task-file FILE.jsonl")
+    names = [name for name, _ in asked]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ConfigError(f"task {dupes[0]!r} is named twice", hint="name every task once (task files by different names)")
+    unknown = sorted(set(overrides) - set(names))
+    if unknown:
+        raise ConfigError(f"{file_name}: [task.{unknown[0]}] names no task of this run",
+                          hint="tasks of this run: " + ", ".join(names))
+    out = []
+    for name, path in asked:
+        problems = task_lib.load_jsonl(path) if path else task_lib.load_task(name)
+        own = dict(overrides.get(name, {}))
+        limit = own.pop("limit", args.limit)
+        if limit is not None:
+            if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+                raise ConfigError(f"--limit {limit} must be at least 1", hint="drop --limit to run every problem")
+            problems = problems[:limit]
+        sampling = base
+        if own:
+            names_ = {f: f"{file_name}: [task.{name}] {f}" for f in SamplingConfig.model_fields}
+            sampling = make_config(SamplingConfig, names_, **{**base.model_dump(), **own})
+        out.append((name, problems, sampling))
+    return out
 
 
 def _environment(engine=None) -> dict:
@@ -86,12 +222,16 @@ def _environment_from_settings(settings) -> dict:
     return env
 
 
-def _progress(quiet: bool, started: float):
-    def report(record: dict, done: int, total: int) -> None:
+def _progress(quiet: bool, started: float, total: int, tick):
+    done = [0]
+
+    def report(record: dict, _done: int, _total: int) -> None:
+        done[0] += 1
+        tick()
         if quiet:
             return
         elapsed = time.perf_counter() - started
-        bits = [f"[{done:>3}/{total}]", f"{record['problem']:<16}", f"{record['arm']:<8}"]
+        bits = [f"[{done[0]:>3}/{total}]", f"{record['problem']:<16}", f"{record['arm']:<8}"]
         if record["correct"] is not None:
             bits.append(f"{record['correct']}/{len(record['texts'])} correct")
         if record.get("diversity"):
@@ -103,83 +243,142 @@ def _progress(quiet: bool, started: float):
     return report
 
 
+def _note(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+# -- the command -----------------------------------------------------------------------------
+
+
 def run(args: argparse.Namespace) -> int:
-    from esamp.errors import ConfigError
-    from esamp.eval import tasks as task_lib
+    from esamp.eval.matrix import BASELINE, build_cells, parse_axes, validate_axes
     from esamp.eval.passk import parse_ks
+    from esamp.eval.runner import (
+        EvalSettings, Graders, check_writable, missing, prepare_out_dir, read_records, regrade,
+    )
 
     if args.list_tasks:
         return _list_tasks()
-    if not args.task and not args.task_file:
-        raise ConfigError("say what to evaluate on", hint="pass --task NAME (see --list-tasks) or --task-file FILE.jsonl")
-    if args.n < 1 or args.n > 64:
-        raise ConfigError(f"-n {args.n} is outside 1..64", hint="use between 1 and 64 samples")
-    if args.limit is not None and args.limit < 1:
-        raise ConfigError(f"--limit {args.limit} must be at least 1", hint="drop --limit to run every problem")
-    ks = parse_ks(args.k, args.n) if args.k else sorted({2**i for i in range(7) if 2**i <= args.n} | {args.n})
+    data = _read_matrix_file(args.matrix_file) if args.matrix_file else {}
+    if data:
+        _merge_file(args, data)
+    base_sampling = from_flags(args, SamplingConfig, SAMPLING_FLAGS, defaults=EVAL_DEFAULTS)
+    base = from_flags(args, EsampConfig, ESAMP_FLAGS + ENGINE_FLAGS)
+    axes = validate_axes(data.get("matrix", {}), base, f"{data['_name']} [matrix]") if data else {}
+    if args.matrix:
+        axes.update(validate_axes(parse_axes(args.matrix), base))
+    cells = build_cells(axes, base)
+    if args.parallel is not None and args.parallel < 1:
+        raise ConfigError(f"--parallel {args.parallel} must be at least 1", hint="e.g. --parallel 4")
+    if args.threads is not None and args.threads < 1:
+        raise ConfigError(f"--threads {args.threads} must be at least 1", hint="e.g. --threads 1")
+    engine_name = args.engine or "auto"
 
-    if args.task:
-        name, problems = args.task.lower(), task_lib.load_task(args.task)
-    else:
-        name, problems = Path(args.task_file).stem, task_lib.load_jsonl(args.task_file)
-    if args.limit:
-        problems = problems[: args.limit]
+    tasks = _tasks(args, data.get("task", {}), data.get("_name"), base_sampling)
+    ks = parse_ks(args.k, base_sampling.n) if args.k else None
+    out = Path(args.out or "esamp-eval/{}-n{}-seed{}".format(
+        "+".join(name for name, _, _ in tasks), base_sampling.n, base_sampling.seed))
+    runs: list[TaskRun] = []
+    for name, problems, sampling in tasks:
+        settings = EvalSettings(task=name, problem_ids=[p.id for p in problems], ks=ks, cells=cells,
+                                engine=engine_name, model=args.model, sampling=sampling)
+        runs.append(TaskRun(name, problems, settings, out if len(tasks) == 1 else out / name))
+    # Every folder is checked (writable, same settings) before any is written or sampled.
+    check_writable(out)
+    for run in runs:
+        prepare_out_dir(run.folder, run.settings, write=False)
+    added = {run.name: prepare_out_dir(run.folder, run.settings) for run in runs}
+    records = {run.name: read_records(run.folder) for run in runs}
 
-    from esamp.eval.runner import (
-        ARMS, EvalSettings, Graders, prepare_out_dir, read_records, regrade, run_groups,
-    )
-
-    settings = EvalSettings(task=name, problem_ids=[p.id for p in problems], n=args.n, ks=ks,
-                            beta=args.beta, mix=args.mix, seed=args.seed, max_tokens=args.max_tokens,
-                            temperature=args.temperature, engine=args.engine, model=args.model)
-    settings.sampling(problems[0].id)  # validate the sampling settings before loading anything
-    settings.esamp_config("esamp")
-    out = Path(args.out or f"esamp-eval/{name}-n{args.n}-seed{args.seed}")
-    prepare_out_dir(out, settings)
-    records = read_records(out)
-    if args.regrade and records:
+    if args.regrade and any(records.values()):
         with Graders() as graders:
-            records = regrade(out, problems, graders)
-        print(f"regraded {len(records)} groups in {out}", file=sys.stderr, flush=True)
-    todo = sum((p.id, arm) not in records for p in problems for arm in ARMS)
+            for run in runs:
+                if records[run.name]:
+                    records[run.name] = regrade(run.folder, run.problems, graders)
+                    _note(f"regraded {len(records[run.name])} groups in {run.folder}")
+
+    arms = [BASELINE] + [c.name for c in cells]
+    todo = {run.name: missing(run.problems, records[run.name], arms) for run in runs}
+    total = sum(sum(t.values()) for t in todo.values())
+    _note(f"esamp eval: {', '.join(r.name for r in runs)}; baseline + {len(cells)} "
+          f"cell{'s' if len(cells) != 1 else ''} x n={base_sampling.n}; output in {out}/")
+    for run in runs:
+        t = todo[run.name]
+        done = len(run.problems) * len(arms) - sum(t.values())
+        new = f"; new cells here: {', '.join(added[run.name])}" if records[run.name] and added[run.name] else ""
+        if not sum(t.values()):
+            _note(f"  {run.name}: {len(run.problems)} problems; all {done} groups done")
+            continue
+        _note(f"  {run.name}: {len(run.problems)} problems; to sample: baseline {t[BASELINE]} groups "
+              f"(once, shared by every cell), cells {sum(t.values()) - t[BASELINE]} groups"
+              + (f"; {done} groups already done, resuming{new}" if done else ""))
 
     started = time.perf_counter()
-    print(f"esamp eval: {name}, {len(problems)} problems x 2 arms x n={args.n}, output in {out}/"
-          + (f" ({len(problems) * 2 - todo} groups already done, resuming)" if records else ""),
-          file=sys.stderr, flush=True)
-    env = None
-    if todo:
-        graders = Graders()
-        try:
-            graders.prepare(p.kind for p in problems)
-            measure = _diversity_measure(args.no_diversity or args.n < 2)
-            from esamp.engines import create_engine
-
-            engine = create_engine(args.engine, model=args.model, **_engine_options(args))
-            try:
-                env = _environment(engine)
-                print(f"engine {env['engine']} ({env['model']} on {env['device']}) ready",
-                      file=sys.stderr, flush=True)
-                parallel = args.parallel or (1 if env["engine"] == "reference" else 16)
-                records = run_groups(problems, engine, settings, out, graders, measure,
-                                     _progress(args.quiet, started), parallel=parallel)
-            finally:
-                engine.close()
-        finally:
-            graders.close()
-    _write_report(out, problems, records, settings, env, time.perf_counter() - started)
+    if total:
+        _sample(args, runs, cells, todo, engine_name, total, started, out)
+    _write_report(out, runs, args)
     return 0
 
 
-def _engine_options(args) -> dict:
+def _sample(args, runs, cells, todo, engine_name, total, started, out) -> None:
+    from esamp.eval.matrix import BASELINE, engine_groups
+    from esamp.eval.runner import Graders, SessionLog, run_groups
+
+    command = "esamp " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    session = SessionLog(out, command, started)
+    graders = Graders()
+    try:
+        graders.prepare(p.kind for run in runs for p in run.problems)
+        measure = _diversity_measure(args.no_diversity or min(r.settings.n for r in runs) < 2)
+        from esamp import engines
+
+        groups = engine_groups(cells)
+        progress = _progress(args.quiet, started, total, session.update)
+        for index, (config, members) in enumerate(groups):
+            arms = ([BASELINE] if index == 0 else []) + [c.name for c in members]
+            if not any(todo[run.name][arm] for run in runs for arm in arms):
+                continue
+            if len(groups) > 1:
+                wide = ", ".join(f"{k} {getattr(config, k)}" for k in ("optimizer", "lr", "rank",
+                                                                         "source_layer", "target_layer"))
+                _note(f"engine {index + 1} of {len(groups)} ({wide}): {', '.join(arms)}")
+            options = _engine_options(args, engine_name)
+            # An engine starts on its own defaults (EsampConfig()) unless the cells or --slots
+            # change an engine-wide setting.
+            if config.engine_settings() != EsampConfig().engine_settings():
+                options["esamp"] = config
+            engine = engines.create_engine(engine_name, model=args.model, **options)
+            try:
+                env = _environment(engine)
+                session.update(environment=env)
+                _note(f"engine {env['engine']} ({env['model']} on {env['device']}) ready")
+                parallel = _parallel(args, env["engine"], config.slots)
+                for run in runs:
+                    if any(todo[run.name][arm] for arm in arms):
+                        run_groups(run.problems, engine, run.settings, run.folder, graders, measure, progress,
+                                   parallel=parallel, arms=arms, engine_config=config)
+            finally:
+                engine.close()
+        session.update(finished=True)
+    finally:
+        session.update(finished=session.entry["finished"])
+        graders.close()
+
+
+def _parallel(args, engine: str, slots: int) -> int:
+    """Groups in flight: never more than the Distiller bank holds (each cell's group takes a slot)."""
+    parallel = args.parallel or DEFAULT_PARALLEL.get(engine, 1)
+    if parallel > slots:
+        _note(f"note: --parallel {parallel} is more than the {slots} Distiller slots; running {slots} "
+              f"groups at once (start with --slots {parallel} for more)")
+        parallel = slots
+    return parallel
+
+
+def _engine_options(args, name: str) -> dict:
     """Engine-specific keyword arguments: --threads reaches the reference engine only."""
     if not args.threads:
         return {}
-    if args.threads < 1:
-        from esamp.errors import ConfigError
-
-        raise ConfigError(f"--threads {args.threads} must be at least 1", hint="e.g. --threads 1")
-    name = args.engine
     if name == "auto":
         import esamp.engines as engines
 
@@ -201,30 +400,41 @@ def _diversity_measure(off: bool):
     return measure
 
 
-def _write_report(out: Path, problems, records, settings, env: dict | None, wall: float) -> None:
-    """Write report.json and report.md. Wall time adds up every session that ran in ``out``."""
-    from esamp.eval.report import render_markdown, summarize
+def _write_report(out: Path, runs, args) -> None:
+    """report.json, report.md, the PNG plots and report.html in ``out``; wall time adds up every
+    session that sampled there."""
+    from esamp.eval import plots
+    from esamp.eval.html import markdown_to_html
+    from esamp.eval.report import render_run_markdown, summarize
+    from esamp.eval.runner import read_records, read_sessions
 
-    summary = summarize(problems, records, settings)
-    meta_path = out / "sessions.json"
-    sessions = json.loads(meta_path.read_text()) if meta_path.exists() else []
-    if env is not None:  # a session that generated something
-        sessions.append({
-            "wall_seconds": round(wall, 1),
-            "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "command": "esamp " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
-            "environment": env,
-        })
-        meta_path.write_text(json.dumps(sessions, indent=2) + "\n")
-    last = sessions[-1] if sessions else {}
+    summaries = [summarize(run.problems, read_records(run.folder), run.settings) for run in runs]
+    sessions = read_sessions(out)
+    last = next((s for s in reversed(sessions) if s.get("environment")), {})
     meta = {
         "command": last.get("command"),
-        "environment": last.get("environment") or _environment_from_settings(settings),
-        "wall_seconds": sum(s["wall_seconds"] for s in sessions),
+        "environment": last.get("environment") or _environment_from_settings(runs[0].settings),
+        "wall_seconds": round(sum(s.get("wall_seconds", 0.0) for s in sessions), 1),
         "sessions": len(sessions),
     }
-    (out / "report.json").write_text(json.dumps({**summary, "meta": meta}, indent=2) + "\n")
-    markdown = render_markdown(summary, meta)
-    (out / "report.md").write_text(markdown)
+    if len(summaries) == 1:
+        report = {**summaries[0], "meta": meta}
+    else:
+        report = {"tasks": {s["task"]: s for s in summaries}, "meta": meta}
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    images, problem = plots.write_plots(summaries, out)
+    if problem:
+        _note(f"note: no plots ({problem})")
+    markdown = render_run_markdown(summaries, meta, images)
+    (out / "report.md").write_text(markdown, encoding="utf-8")
+    (out / "report.html").write_text(markdown_to_html(markdown, out), encoding="utf-8")
     print(markdown)
-    print(f"report: {out / 'report.md'} and {out / 'report.json'}", file=sys.stderr)
+    if not args.quiet:
+        try:
+            charts = plots.terminal_charts(summaries, colour=sys.stderr.isatty())
+        except ImportError:  # plotext comes with esamp; a bare environment may lack it
+            charts = "(no terminal charts: plotext is not installed)"
+        if charts:
+            print(charts, file=sys.stderr)
+    files = ["report.md", "report.json", "report.html"] + sorted(f for t in images.values() for f in t.values())
+    _note(f"report in {out}/: " + ", ".join(files))

@@ -132,6 +132,9 @@ class Embedder:
         except ImportError:
             raise EsampError("sentence-transformers is not installed",
                              hint="pip install 'esamp[eval]'") from None
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # a "Loading weights" bar would break the progress lines
         return SentenceTransformer(str(path), device=self.device, local_files_only=True)
 
     def encode(self, texts: Sequence[str]) -> np.ndarray:

@@ -24,7 +24,8 @@ from esamp.errors import EsampError
 # -- answer extraction (pure) ----------------------------------------------------------------
 
 _ANSWER_IS = re.compile(r"(?:final answer|answer)\s*(?:is|:|=)\s*:?\s*|####\s*", re.IGNORECASE)
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
+# A minus sign counts only where no word runs into it: "base-10" and "20-dollar" hold 10 and 20.
+_NUMBER = re.compile(r"(?:(?<![\w-])-)?(?:\d[\d,]*(?:\.\d+)?(?:/\d+)?|\.\d+)")
 _CLAUSE_END = re.compile(r"(?<!\d)\.(?!\d)|\.(?=\s|$)|, |;|\n| which | because | since ")
 _WORD_2 = re.compile(r"[A-Za-z]{2,}")
 _LATEX_COMMAND = re.compile(r"\\[A-Za-z]+")
@@ -81,9 +82,49 @@ def stated_answer(value: str) -> str | None:
     return _clean_number(numbers[0]) if numbers else None
 
 
-def extract_answer(text: str) -> str | None:
+# The result of an equation: "= 12", "equals 12", "is equal to 12", and "7 times 8 is 56".
+_OPERATOR = r"(?:times|multiplied by|divided by|plus|minus|over|[-+*/x×÷])"
+_RESULT = re.compile(
+    r"(?:=|\bequals\b|\bis equal to\b|"
+    rf"{_NUMBER.pattern}\s*{_OPERATOR}\s*{_NUMBER.pattern}\s+(?:is|makes|gives)"
+    r"(?:\s+(?:actually|just|simply|exactly|indeed))?)"
+    r"\s*\$?\s*(" + _NUMBER.pattern + ")",
+    re.IGNORECASE,
+)
+
+
+def _value(token: str) -> float | str:
+    try:
+        return float(token)
+    except ValueError:
+        return token
+
+
+def final_number(text: str, question: str | None = None) -> str | None:
+    """The number a reply ends on, read as a person would.
+
+    Usually the last number. But a reply that states a result and then restates the question
+    ("6 * 5 = 30. So there are 30 eggs in 5 boxes.", "9 * 9 = 81. This answers 9 times 9.")
+    ends on a number copied from the question: when every number after the last equation's
+    result is that result again or a number of ``question``, the result is the answer.
+    """
+    last = last_number(text)
+    if question is None or last is None:
+        return last
+    results = list(_RESULT.finditer(text))
+    if not results:
+        return last
+    result = results[-1]
+    value = _clean_number(result.group(1))
+    given = {_value(_clean_number(n)) for n in _NUMBER.findall(question)} | {_value(value)}
+    after = [_value(_clean_number(n)) for n in _NUMBER.findall(text[result.end():])]
+    return value if all(n in given for n in after) else last
+
+
+def extract_answer(text: str, question: str | None = None) -> str | None:
     """The answer a reply gives: the last ``\\boxed{}``; else what the last "answer is" (or
-    "####") states; else the last number in the text; else None."""
+    "####") states; else the number it ends on (``final_number``: the last number, or the last
+    equation's result when only numbers from ``question`` follow it); else None."""
     boxed = last_boxed(text)
     if boxed:
         return boxed
@@ -92,7 +133,7 @@ def extract_answer(text: str) -> str | None:
         stated = stated_answer(text[anchors[-1].end():])
         if stated:
             return stated
-    return last_number(text)
+    return final_number(text, question)
 
 
 _FENCE = re.compile(r"```[ \t]*(?:python|py|Python)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)
@@ -184,8 +225,8 @@ class MathChecker:
             return False, "timeout"
         return bool(reply.get("ok")), reply.get("error") or ""
 
-    def check(self, gold: str, reply_text: str) -> MathVerdict:
-        extracted = extract_answer(reply_text)
+    def check(self, gold: str, reply_text: str, question: str | None = None) -> MathVerdict:
+        extracted = extract_answer(reply_text, question)
         if extracted is None:
             return MathVerdict(False, None, "no answer")
         ok, note = self.equivalent(gold, extracted)

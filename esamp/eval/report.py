@@ -2,33 +2,63 @@
 
 Everything here is a pure function of the records and settings (the bootstrap is seeded), so a
 resumed run reports exactly what an uninterrupted one would.
+
+A task's summary (``summarize``) holds every arm's metrics, and for each cell its deltas against
+the baseline (cell minus baseline, paired bootstrap over problems) and its per-problem shifts.
+With one cell, ``deltas`` also sits at the top of the summary, the shape of single-cell reports.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Mapping, Sequence
 
+from esamp.eval.matrix import BASELINE, SINGLE, format_value
 from esamp.eval.passk import pass_at_k
-from esamp.eval.runner import ARMS, EvalSettings
+from esamp.eval.runner import EvalSettings
 from esamp.eval.stats import paired_bootstrap
 from esamp.eval.tasks import Problem
 
 DIVERSITY_KEYS = ("vendi", "cosine_distance", "distinct_1", "distinct_2")
+METRIC_NAMES = {"vendi": "Vendi", "cosine_distance": "cosine distance", "distinct_1": "distinct-1",
+                "distinct_2": "distinct-2"}
+
+
+def metric_name(metric: str) -> str:
+    return METRIC_NAMES.get(metric, metric)
+
+
+def arm_label(arm: str) -> str:
+    return "ESamp" if arm == SINGLE else arm
+
+
+# -- numbers ---------------------------------------------------------------------------------
+
+
+def shifts(graded: Sequence[Problem], records, arm: str) -> dict:
+    """How the problems' correct counts moved from the baseline to ``arm``."""
+    out = {"up": 0, "down": 0, "gained": 0, "lost": 0, "same": 0}
+    for p in graded:
+        b, e = records[(p.id, BASELINE)]["correct"], records[(p.id, arm)]["correct"]
+        out["up" if e > b else "down" if e < b else "same"] += 1
+        out["gained"] += b == 0 and e > 0
+        out["lost"] += b > 0 and e == 0
+    return out
 
 
 def summarize(problems: Sequence[Problem], records: dict[tuple[str, str], dict],
               settings: EvalSettings, resamples: int = 10_000) -> dict:
-    """Per-arm metrics, ESamp-minus-baseline deltas with paired bootstrap intervals, and the
-    per-problem table. Only problems that both arms finished count."""
-    both = [p for p in problems if all((p.id, arm) in records for arm in ARMS)]
-    graded = [p for p in both if records[(p.id, "baseline")]["correct"] is not None]
-    diverse = [p for p in both if records[(p.id, "baseline")].get("diversity")]
+    """Per-arm metrics, each cell's deltas against the baseline with paired bootstrap intervals,
+    and the per-problem table. Only problems that every arm finished count."""
+    arms = settings.arms
+    both = [p for p in problems if all((p.id, arm) in records for arm in arms)]
+    graded = [p for p in both if records[(p.id, BASELINE)]["correct"] is not None]
+    diverse = [p for p in both if records[(p.id, BASELINE)].get("diversity")]
     n = settings.n
 
     per_arm: dict[str, dict] = {}
     series: dict[str, dict[str, list[float]]] = {}  # metric -> arm -> per-problem values
-    for arm in ARMS:
+    for arm in arms:
         recs = [records[(p.id, arm)] for p in both]
         info: dict = {
             "samples": sum(len(r["texts"]) for r in recs),
@@ -40,6 +70,7 @@ def summarize(problems: Sequence[Problem], records: dict[tuple[str, str], dict],
         if graded:
             correct = [records[(p.id, arm)]["correct"] for p in graded]
             info["correct"] = sum(correct)
+            info["graded_samples"] = n * len(graded)
             info["solved_any"] = sum(c > 0 for c in correct)
             for k in settings.ks:
                 values = [pass_at_k(n, c, k) for c in correct]
@@ -52,36 +83,62 @@ def summarize(problems: Sequence[Problem], records: dict[tuple[str, str], dict],
                 info[key] = sum(values) / len(values)
         per_arm[arm] = info
 
-    deltas = {
-        metric: paired_bootstrap(arms["baseline"], arms["esamp"], resamples=resamples,
-                                 seed=settings.seed).to_dict()
-        for metric, arms in series.items()
-    }
+    cells = {}
+    for cell in settings.cells:
+        cells[cell.name] = {
+            "settings": cell.record(),
+            "deltas": {metric: paired_bootstrap(by_arm[BASELINE], by_arm[cell.name], resamples=resamples,
+                                                seed=settings.seed).to_dict()
+                       for metric, by_arm in series.items()},
+            "shifts": shifts(graded, records, cell.name) if graded else None,
+        }
 
     rows = []
     for p in both:
         row = {"id": p.id, "kind": p.kind}
-        for arm in ARMS:
+        for arm in arms:
             r = records[(p.id, arm)]
-            row[arm] = {"correct": r["correct"], "tokens": sum(r["tokens"]),
-                        "diversity": r.get("diversity")}
+            row[arm] = {"correct": r["correct"], "tokens": sum(r["tokens"]), "diversity": r.get("diversity")}
         rows.append(row)
-    return {
+    summary = {
+        "task": settings.task,
         "settings": settings.to_dict(),
         "problems": {"asked": len(problems), "finished": len(both), "graded": len(graded),
                      "with_diversity": len(diverse)},
         "arms": per_arm,
-        "deltas": deltas,
+        "cells": cells,
         "per_problem": rows,
     }
+    if len(cells) == 1:
+        summary["deltas"] = next(iter(cells.values()))["deltas"]
+    return summary
+
+
+def headline_metrics(summary: dict) -> list[str]:
+    """The metrics of the one-line-per-cell table: pass@1, pass@(largest k), Vendi, distinct-2
+    for graded tasks; the diversity measures for the others."""
+    base = summary["arms"][BASELINE]
+    passes = [f"pass@{k}" for k in summary["settings"]["ks"] if f"pass@{k}" in base]
+    if passes:
+        picked = list(dict.fromkeys([passes[0], passes[-1]])) + ["vendi", "distinct_2"]
+    else:
+        picked = list(DIVERSITY_KEYS)
+    return [m for m in picked if m in base]
+
+
+def excludes_zero(delta: dict) -> bool:
+    low, high = delta["low"], delta["high"]
+    return not (math.isnan(low) or math.isnan(high)) and (low > 0 or high < 0)
 
 
 # -- terminal chart --------------------------------------------------------------------------
 
 
 def ascii_chart(ks: Sequence[int], lines: dict[str, Sequence[float]], height: int = 20,
-                marks: str = "bE") -> str:
+                marks: str | None = None) -> str:
     """A text chart of pass@k (0..1, y) against k (x), one mark per arm; '*' where they meet."""
+    if marks is None:
+        marks = "bE" if len(lines) <= 2 else "b" + "ABCDEFGHIJKLMNOPQRSTUVWXYZ"[: len(lines) - 1]
     cols = [6 * i for i in range(len(ks))]
     width = cols[-1] + 1 if cols else 1
     grid = [[" "] * width for _ in range(height + 1)]
@@ -101,7 +158,7 @@ def ascii_chart(ks: Sequence[int], lines: dict[str, Sequence[float]], height: in
             axis[col + j] = ch
     out.append("      " + "".join(axis).rstrip() + "   k")
     legend = "   ".join(f"{m} = {name}" for m, name in zip(marks, lines))
-    out.append(f"      {legend}   * = both")
+    out.append(f"      {legend}   * = more than one")
     return "\n".join(out)
 
 
@@ -118,60 +175,228 @@ def _signed(value: float, digits: int = 3) -> str:
     return "n/a" if value is None or math.isnan(value) else f"{value:+.{digits}f}"
 
 
-def render_markdown(summary: dict, meta: dict) -> str:
+def _delta_text(d: dict, bold: bool = True) -> str:
+    text = f"{_signed(d['delta'])} [{_signed(d['low'])}, {_signed(d['high'])}]"
+    return f"**{text}**" if bold and excludes_zero(d) else text
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence], align: Sequence[str] | None = None) -> list[str]:
+    align = align or ["---"] + ["---:"] * (len(header) - 1)
+    return (["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
+            + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
+
+
+def _varying(cells: Mapping[str, dict]) -> tuple[list[str], dict]:
+    """The settings that differ between cells, and those all cells share."""
+    records = [c["settings"] for c in cells.values()]
+    keys = list(records[0])
+    varying = [k for k in keys if any(r.get(k) != records[0].get(k) for r in records)]
+    return varying, {k: records[0][k] for k in keys if k not in varying}
+
+
+def _settings_lines(summary: dict, both: str = "every arm") -> list[str]:
     s = summary["settings"]
-    arms = summary["arms"]
-    lines = [f"# esamp eval: {s['task']}", ""]
+    cells = summary["cells"]
+    varying, shared = _varying(cells)
+    shared_text = ", ".join(f"{'distiller_seed' if k == 'seed' else k} {format_value(v)}"
+                            for k, v in shared.items() if k != "enabled")
+    lines = [
+        f"- n = {s['n']} samples per problem and arm; T {s['temperature']}, top-p {s['top_p']}, "
+        f"min-p {s['min_p']}, top-k {s['top_k']}, max tokens {s['max_tokens']}; seed {s['seed']} "
+        f"(each problem's seed is shared by {both})",
+    ]
+    if list(cells) == [SINGLE]:
+        lines.append(f"- ESamp: {shared_text}; baseline: plain sampling with the same filters")
+    else:
+        lines.append(f"- {len(cells)} ESamp cells varying {', '.join(varying) or 'nothing'}; every cell: "
+                     f"{shared_text}")
+        lines.append("- baseline: plain sampling with the same filters, sampled once per problem and "
+                     "compared with every cell")
+    return lines
+
+
+def render_header(title: str, summaries: Sequence[dict], meta: dict) -> list[str]:
+    lines = [f"# {title}", ""]
     if meta.get("command"):
         lines += ["```", meta["command"], "```", ""]
     env = meta.get("environment", {})
-    lines += [
-        f"- engine: {env.get('engine', s['engine'])}, model: {env.get('model', s['model'])}, "
-        f"device: {env.get('device', '?')}",
-        f"- n = {s['n']} samples per problem and arm; T {s['temperature']}, top-p {s['top_p']}, "
-        f"min-p {s['min_p']}, top-k {s['top_k']}, max tokens {s['max_tokens']}; seed {s['seed']} "
-        "(each problem's seed is shared by both arms)",
-        f"- ESamp: beta {s['beta']}, mix '{s['mix']}'; baseline: plain sampling with the same filters",
-        f"- problems: {summary['problems']['finished']} of {summary['problems']['asked']} finished, "
-        f"{summary['problems']['graded']} graded",
-    ]
+    s = summaries[0]["settings"]
+    lines.append(f"- engine: {env.get('engine', s['engine'])}, model: {env.get('model', s['model'])}, "
+                 f"device: {env.get('device', '?')}")
+    if len(summaries) == 1:
+        both = "both arms" if len(summaries[0]["cells"]) == 1 else "every arm"
+        lines += _settings_lines(summaries[0], both)
+        p = summaries[0]["problems"]
+        lines.append(f"- problems: {p['finished']} of {p['asked']} finished, {p['graded']} graded")
+    else:
+        lines.append("- tasks: " + ", ".join(f"{x['task']} ({x['problems']['finished']} problems)" for x in summaries))
     if env.get("versions"):
         lines.append("- versions: " + ", ".join(f"{k} {v}" for k, v in env["versions"].items()))
     if meta.get("wall_seconds") is not None:
-        lines.append(f"- wall time: {meta['wall_seconds']:.0f} s in all (generation: baseline "
-                     f"{arms['baseline']['seconds']:.0f} s, ESamp {arms['esamp']['seconds']:.0f} s)")
-    lines += ["", "## Results", "",
-              "Δ is ESamp minus baseline; the interval is a 95% paired bootstrap over problems.", "",
-              "| metric | baseline | ESamp | Δ | 95% interval |", "|---|---:|---:|---:|---|"]
-    for metric, d in summary["deltas"].items():
-        lines.append(f"| {metric} | {_fmt(d['baseline'])} | {_fmt(d['esamp'])} | "
-                     f"{_signed(d['delta'])} | [{_signed(d['low'])}, {_signed(d['high'])}] |")
-    for key, label in (("tokens_per_s", "tokens/s (generation)"), ("tokens", "tokens generated"),
-                       ("stopped_by_length", "samples cut at max tokens")):
-        lines.append(f"| {label} | {arms['baseline'][key]} | {arms['esamp'][key]} | | |")
+        generation = {}
+        for x in summaries:
+            for arm, info in x["arms"].items():
+                generation[arm] = generation.get(arm, 0.0) + info["seconds"]
+        base = generation.pop(BASELINE, 0.0)
+        cells = sum(generation.values())
+        sessions = meta.get("sessions") or 1
+        lines.append(f"- wall time: {meta['wall_seconds']:.0f} s in all over {sessions} session"
+                     f"{'s' if sessions != 1 else ''} (generation: baseline {base:.0f} s, "
+                     f"{'ESamp' if list(generation) == [SINGLE] else 'cells'} {cells:.0f} s)")
+    return lines
 
-    pass_keys = [f"pass@{k}" for k in s["ks"] if f"pass@{k}" in arms["baseline"]]
+
+def render_task(summary: dict, images: Mapping[str, str] | None = None, level: int = 2) -> list[str]:
+    """The sections of one task: cells against the baseline, totals, all metrics, pass@k,
+    the quality–diversity plane, per-problem shifts."""
+    h = "#" * level
+    s = summary["settings"]
+    arms = summary["arms"]
+    cells = summary["cells"]
+    names = list(cells)
+    single = names == [SINGLE]
+    images = images or {}
+    n = s["n"]
+    lines: list[str] = []
+    metrics = headline_metrics(summary)
+
+    if not single:
+        lines += ["", f"{h} Cells against the baseline", "",
+                  "Δ is the cell minus the baseline with its 95% paired bootstrap interval over problems; "
+                  "**bold**: the interval excludes 0.", ""]
+        header = ["arm"]
+        for m in metrics:
+            header += [metric_name(m), f"Δ {metric_name(m)}"]
+        rows = [[BASELINE] + sum(([_fmt(arms[BASELINE][m]), "—"] for m in metrics), [])]
+        for name in names:
+            d = cells[name]["deltas"]
+            rows.append([name] + sum(([_fmt(arms[name][m]), _delta_text(d[m])] for m in metrics), []))
+        lines += _table(header, rows)
+
+    # Totals: what the arms produced, correct samples included.
+    lines += ["", f"{h} {'Results' if single else 'Totals'}", ""]
+    if single:
+        lines += ["Δ is ESamp minus baseline; the interval is a 95% paired bootstrap over problems.", ""]
+        d = cells[SINGLE]["deltas"]
+        rows = [[metric_name(m), _fmt(x["baseline"]), _fmt(x["esamp"]), _signed(x["delta"]),
+                 f"[{_signed(x['low'])}, {_signed(x['high'])}]"] for m, x in d.items()]
+        extra = _totals(summary, [BASELINE, SINGLE])
+        rows += [[label, *values, "", ""] for label, values in extra]
+        lines += _table(["metric", "baseline", "ESamp", "Δ", "95% interval"], rows,
+                        ["---", "---:", "---:", "---:", "---"])
+    else:
+        extra = _totals(summary, [BASELINE] + names)
+        lines += _table(["arm"] + [label for label, _ in extra],
+                        [[arm] + [values[i] for _, values in extra] for i, arm in enumerate([BASELINE] + names)])
+        lines += ["", f"{h} Every metric", "",
+                  "Each cell's Δ against the baseline [95% interval]; **bold**: the interval excludes 0.", ""]
+        metric_keys = list(cells[names[0]]["deltas"])
+        rows = [[metric_name(m), _fmt(arms[BASELINE][m])] + [_delta_text(cells[c]["deltas"][m]) for c in names]
+                for m in metric_keys]
+        lines += _table(["metric", "baseline"] + names, rows)
+
+    pass_keys = [f"pass@{k}" for k in s["ks"] if f"pass@{k}" in arms[BASELINE]]
     if pass_keys:
-        chart = ascii_chart(s["ks"], {arm: [arms[arm][k] for k in pass_keys] for arm in ARMS})
-        lines += ["", "## Pass@k against k", "", "```", chart, "```"]
-        graded_rows = [r for r in summary["per_problem"] if r["baseline"]["correct"] is not None]
-        moved = [r for r in graded_rows if r["baseline"]["correct"] != r["esamp"]["correct"]]
-        up = sum(r["esamp"]["correct"] > r["baseline"]["correct"] for r in moved)
-        lines += ["", "## Per problem (correct of n)", "",
-                  f"{len(moved)} of {len(graded_rows)} problems moved: {up} up, {len(moved) - up} down.", "",
-                  "| problem | baseline | ESamp | shift |", "|---|---:|---:|---|"]
-        n = s["n"]
-        for r in graded_rows:
-            b, e = r["baseline"]["correct"], r["esamp"]["correct"]
-            shift = "" if b == e else f"{b}/{n} → {e}/{n}"
-            lines.append(f"| {r['id']} | {b}/{n} | {e}/{n} | {shift} |")
-    div_rows = [r for r in summary["per_problem"] if r["baseline"]["diversity"]]
+        lines += ["", f"{h} Pass@k against k", ""]
+        if "passk" in images:
+            lines.append(f"![pass@k against k, every arm]({images['passk']})")
+        if single:  # a text chart stays readable with two lines only; the PNG has every cell
+            chart = ascii_chart(s["ks"], {arm: [arms[arm][k] for k in pass_keys] for arm in arms})
+            lines += ([""] if "passk" in images else []) + ["```", chart, "```"]
+    if "plane" in images:
+        graded = bool(pass_keys)
+        lines += ["", f"{h} {'Quality against diversity' if graded else 'Diversity by two measures'}", "",
+                  (f"Each cell's Δpass@{s['ks'][-1]} (up) against its ΔVendi (right), with 95% intervals; "
+                   "a cell up and to the right helps on both." if graded else
+                   "Each cell's Δdistinct-2 (up) against its ΔVendi (right), with 95% intervals; "
+                   "up and to the right is more diverse by both measures."), "",
+                  f"![quality against diversity]({images['plane']})"]
+
+    if pass_keys:
+        graded_rows = [r for r in summary["per_problem"] if r[BASELINE]["correct"] is not None]
+        lines += ["", f"{h} Per problem (correct of n)", ""]
+        if single:
+            moved = [r for r in graded_rows if r[BASELINE]["correct"] != r[SINGLE]["correct"]]
+            up = sum(r[SINGLE]["correct"] > r[BASELINE]["correct"] for r in moved)
+            sh = cells[SINGLE]["shifts"]
+            lines += [f"{len(moved)} of {len(graded_rows)} problems moved: {up} up, {len(moved) - up} down; "
+                      f"{sh['gained']} went from 0/{n} to at least 1/{n}, {sh['lost']} the other way.", ""]
+        else:
+            lines += _table(["cell", "up", "down", f"0/{n} → ≥1/{n}", f"≥1/{n} → 0/{n}", "same"],
+                            [[c, cells[c]["shifts"]["up"], cells[c]["shifts"]["down"], cells[c]["shifts"]["gained"],
+                              cells[c]["shifts"]["lost"], cells[c]["shifts"]["same"]] for c in names])
+            lines.append("")
+        if "shifts" in images:
+            lines += [f"![per-problem shifts]({images['shifts']})", ""]
+        if single:
+            rows = []
+            for r in graded_rows:
+                b, e = r[BASELINE]["correct"], r[SINGLE]["correct"]
+                rows.append([r["id"], f"{b}/{n}", f"{e}/{n}", "" if b == e else f"{b}/{n} → {e}/{n}"])
+            lines += _table(["problem", "baseline", "ESamp", "shift"], rows, ["---", "---:", "---:", "---"])
+        else:
+            rows = []
+            for r in graded_rows:
+                b = r[BASELINE]["correct"]
+                row = [r["id"], f"{b}/{n}"]
+                for c in names:
+                    e = r[c]["correct"]
+                    row.append(f"{e}/{n}" + ("" if e == b else f" ({e - b:+d})"))
+                rows.append(row)
+            lines += _table(["problem", BASELINE] + names, rows)
+    div_rows = [r for r in summary["per_problem"] if r[BASELINE]["diversity"]]
     if div_rows and not pass_keys:
-        lines += ["", "## Per prompt: Vendi score (effective distinct samples of n)", "",
-                  "| prompt | baseline | ESamp | Δ |", "|---|---:|---:|---:|"]
-        for r in div_rows:
-            b, e = r["baseline"]["diversity"]["vendi"], r["esamp"]["diversity"]["vendi"]
-            lines.append(f"| {r['id']} | {b:.2f} | {e:.2f} | {e - b:+.2f} |")
+        lines += ["", f"{h} Per prompt: Vendi score (effective distinct samples of n)", ""]
+        if "shifts" in images:
+            lines += [f"![Vendi per prompt]({images['shifts']})", ""]
+        if single:
+            rows = []
+            for r in div_rows:
+                b, e = r[BASELINE]["diversity"]["vendi"], r[SINGLE]["diversity"]["vendi"]
+                rows.append([r["id"], f"{b:.2f}", f"{e:.2f}", f"{e - b:+.2f}"])
+            lines += _table(["prompt", "baseline", "ESamp", "Δ"], rows)
+        else:
+            rows = [[r["id"]] + [f"{r[a]['diversity']['vendi']:.2f}" for a in [BASELINE] + names] for r in div_rows]
+            lines += _table(["prompt", BASELINE] + names, rows)
+    return lines
+
+
+def _totals(summary: dict, arms: Sequence[str]) -> list[tuple[str, list]]:
+    """Rows of totals (label, one value per arm)."""
+    info = summary["arms"]
+    rows: list[tuple[str, list]] = []
+    base = info[BASELINE]
+    if "correct" in base:
+        rows.append((f"correct samples (of {base['graded_samples']})", [info[a]["correct"] for a in arms]))
+        rows.append((f"problems solved at least once (of {summary['problems']['graded']})",
+                     [info[a]["solved_any"] for a in arms]))
+    rows.append(("samples cut at max tokens", [info[a]["stopped_by_length"] for a in arms]))
+    rows.append(("tokens generated", [info[a]["tokens"] for a in arms]))
+    rows.append(("tokens/s (generation)", [info[a]["tokens_per_s"] for a in arms]))
+    return rows
+
+
+def render_markdown(summary: dict, meta: dict, images: Mapping[str, str] | None = None) -> str:
+    """The report of one task."""
+    lines = render_header(f"esamp eval: {summary['settings']['task']}", [summary], meta)
+    lines += render_task(summary, images, level=2)
+    if meta.get("notes"):
+        lines += ["", "## Notes", ""] + [f"- {note}" for note in meta["notes"]]
+    return "\n".join(lines) + "\n"
+
+
+def render_run_markdown(summaries: Sequence[dict], meta: dict,
+                        images: Mapping[str, Mapping[str, str]] | None = None) -> str:
+    """The report of several tasks: one header, then a section per task."""
+    if len(summaries) == 1:
+        return render_markdown(summaries[0], meta, (images or {}).get(summaries[0]["task"]))
+    title = "esamp eval: " + ", ".join(s["task"] for s in summaries)
+    lines = render_header(title, summaries, meta)
+    for summary in summaries:
+        p = summary["problems"]
+        lines += ["", f"## {summary['task']}", "", *_settings_lines(summary),
+                  f"- problems: {p['finished']} of {p['asked']} finished, {p['graded']} graded"]
+        lines += render_task(summary, (images or {}).get(summary["task"]), level=3)
     if meta.get("notes"):
         lines += ["", "## Notes", ""] + [f"- {note}" for note in meta["notes"]]
     return "\n".join(lines) + "\n"

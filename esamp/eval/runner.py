@@ -1,9 +1,12 @@
-"""Run both arms, baseline and ESamp, over the same problems with the same seeds.
+"""Run the arms of an evaluation, the baseline and each cell, over the same problems and seeds.
 
-Every finished prompt group (one problem, one arm, n samples) is graded at once and appended as
-one JSON line to ``samples.jsonl`` in the output folder, with its texts, verdicts and diversity.
+An arm is ``baseline`` (ESamp off) or a cell (``esamp.eval.matrix``): one prompt group per
+problem and arm, n samples each. Every finished group is graded at once and appended as one JSON
+line to ``samples.jsonl`` in the task's output folder, with its texts, verdicts and diversity.
 A later run with the same settings reads that file and skips what is done, so an interrupted
-evaluation resumes where it stopped and ends with the same records as one that never stopped.
+evaluation resumes where it stopped, per group and so per cell, and ends with the same records as
+one that never stopped. Cells can be added to a finished folder: only the new cells are sampled,
+against the baseline already there.
 """
 
 from __future__ import annotations
@@ -12,54 +15,107 @@ import json
 import os
 import time
 import zlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from esamp.core.config import EsampConfig, SamplingConfig, make_config
-from esamp.errors import EngineError, EsampError
+from esamp.errors import ConfigError, EngineError, EsampError
+from esamp.eval.matrix import BASELINE, SINGLE, Cell
 from esamp.eval.tasks import Problem
 
-ARMS = ("baseline", "esamp")
+ARMS = (BASELINE, SINGLE)  # the arms of a run without --matrix
 RECORDS = "samples.jsonl"
 SETTINGS = "run.json"
+SESSIONS = "sessions.json"
+# Where esamp eval's defaults differ from the sampling model's (SamplingConfig): more samples and
+# longer replies, since Pass@k over a handful of short samples says little.
+EVAL_DEFAULTS = {"n": 8, "max_tokens": 256}
+# Settings that change no sample: a resumed run may change them.
+REPORT_ONLY = frozenset({"ks"})
 
 
-@dataclass
+def default_ks(n: int) -> list[int]:
+    """1, 2, 4, ... up to n, and n itself."""
+    return sorted({2**i for i in range(7) if 2**i <= n} | {n})
+
+
 class EvalSettings:
-    """Everything that decides the samples; a resumed run must match it exactly."""
+    """Everything that decides one task's samples: the problems, the sampling, the cells.
 
-    task: str
-    problem_ids: list[str]
-    n: int = 8
-    ks: list[int] = field(default_factory=lambda: [1, 4, 8])
-    beta: float = 0.8
-    mix: str = "paper"
-    seed: int = 0
-    max_tokens: int = 256
-    temperature: float = 0.8
-    top_p: float = 0.95
-    top_k: int = 0
-    min_p: float = 0.1
-    engine: str = "reference"
-    model: str | None = None
+    ``sampling`` holds n, max_tokens, the filters and the base seed (each problem's seed derives
+    from it). Sampling fields may also be given one by one (``n=4``); for a run with one cell,
+    so may its ESamp settings (``beta=0.3``). A resumed run must match exactly, ``ks`` aside.
+    """
+
+    def __init__(self, task: str, problem_ids: Sequence[str], ks: Sequence[int] | None = None,
+                 cells: Sequence[Cell] | None = None, engine: str = "reference", model: str | None = None,
+                 sampling: SamplingConfig | None = None, **values: Any) -> None:
+        steering = {k: values.pop(k) for k in list(values) if k in EsampConfig.model_fields}
+        if sampling is None:
+            sampling = make_config(SamplingConfig, **{**EVAL_DEFAULTS, **values})
+        elif values:
+            raise TypeError(f"pass sampling settings in sampling=, not as {sorted(values)}")
+        if cells is None:
+            cells = [Cell(SINGLE, make_config(EsampConfig, **steering))]
+        elif steering:
+            raise TypeError(f"pass ESamp settings in cells=, not as {sorted(steering)}")
+        names = [c.name for c in cells]
+        if len(set(names)) != len(names) or BASELINE in names:
+            raise ConfigError(f"cell names must be unique and not {BASELINE!r}: {names}",
+                              hint="list every matrix value once")
+        self.task = task
+        self.problem_ids = list(problem_ids)
+        self.base_sampling = sampling
+        self.cells = list(cells)
+        self.ks = list(ks) if ks else default_ks(sampling.n)
+        self.engine = engine
+        self.model = model
+
+    @property
+    def n(self) -> int:
+        return self.base_sampling.n
+
+    @property
+    def seed(self) -> int:
+        return self.base_sampling.seed
+
+    @property
+    def max_tokens(self) -> int:
+        return self.base_sampling.max_tokens
+
+    @property
+    def arms(self) -> list[str]:
+        return [BASELINE] + [c.name for c in self.cells]
+
+    def cell(self, name: str) -> Cell:
+        return next(c for c in self.cells if c.name == name)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {
+            "task": self.task,
+            "problem_ids": self.problem_ids,
+            **self.base_sampling.model_dump(),
+            "ks": self.ks,
+            "engine": self.engine,
+            "model": self.model,
+            "cells": {c.name: c.record() for c in self.cells},
+        }
 
     def sampling(self, problem_id: str) -> SamplingConfig:
-        return make_config(SamplingConfig, n=self.n, temperature=self.temperature, top_p=self.top_p,
-                           top_k=self.top_k, min_p=self.min_p, max_tokens=self.max_tokens,
-                           seed=problem_seed(self.seed, problem_id))
+        """The sampling of one problem: its own seed, shared by every arm."""
+        return self.base_sampling.model_copy(update={"seed": problem_seed(self.seed, problem_id)})
 
-    def esamp_config(self, arm: str) -> EsampConfig:
-        if arm == "baseline":
-            return EsampConfig(enabled=False)
-        return make_config(EsampConfig, enabled=True, beta=self.beta, mix=self.mix)
+    def esamp_config(self, arm: str, engine: EsampConfig | None = None) -> EsampConfig:
+        """The ESamp settings a group of ``arm`` starts with: the cell's own, or ESamp off on the
+        settings of the engine it runs on."""
+        if arm == BASELINE:
+            return (engine or self.cells[0].config).model_copy(update={"enabled": False})
+        return self.cell(arm).config
 
 
 def problem_seed(seed: int, problem_id: str) -> int:
-    """The sampling seed of one problem: the same for both arms, stable under --limit."""
+    """The sampling seed of one problem: the same for every arm, stable under --limit."""
     return (seed * 1_000_003 + zlib.crc32(problem_id.encode())) % (2**31 - 1)
 
 
@@ -70,26 +126,85 @@ class ResumeMismatch(EsampError):
     """The output folder holds a run with other settings."""
 
 
-def prepare_out_dir(out: Path, settings: EvalSettings) -> None:
-    """Create ``out`` with its settings file, or check that an existing one matches."""
-    out.mkdir(parents=True, exist_ok=True)
+def check_writable(out: Path, flag: str = "--out") -> None:
+    """Fail now, before any sampling, when ``out`` cannot hold the run's files."""
+    hint = f"pass {flag} a folder you can write to"
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{flag} {out} is a file, not a folder", hint=hint)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"cannot create {flag} {out}: {exc.strerror or exc}", hint=hint) from None
+    probe = out / f".esamp-write-test-{os.getpid()}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"cannot write into {flag} {out}: {exc.strerror or exc}", hint=hint) from None
+
+
+def _legacy(theirs: dict) -> dict:
+    """A settings file from before cells were recorded: its one ESamp arm as the cell ``esamp``
+    (then a run took ESamp's defaults for all but beta and mix)."""
+    if "cells" in theirs:
+        return theirs
+    theirs = dict(theirs)
+    steering = {k: theirs.pop(k) for k in ("beta", "mix") if k in theirs}
+    record = EsampConfig(**steering).model_dump()
+    theirs["cells"] = {SINGLE: {k: v for k, v in record.items() if k != "slots"}}
+    return theirs
+
+
+def _differences(mine: dict, theirs: dict) -> list[str]:
+    """Keys both dicts hold with other values (a key one side lacks was added later, with the
+    default of its time)."""
+    return sorted(k for k in set(mine) & set(theirs) if mine[k] != theirs[k])
+
+
+def prepare_out_dir(out: Path, settings: EvalSettings, write: bool = True) -> list[str]:
+    """Create ``out`` with its settings file, or check that the one there matches.
+
+    The shared settings (problems, sampling, engine, model) must match; a cell already recorded
+    must have the same settings; new cells are added (``write=False``: only check). Returns the
+    names of the cells new here.
+    """
+    check_writable(out)
     path = out / SETTINGS
     mine = settings.to_dict()
+    new = [c.name for c in settings.cells]
     if path.exists():
         try:
-            theirs = json.loads(path.read_text())["settings"]
-        except (ValueError, KeyError):
+            theirs = _legacy(json.loads(path.read_text(encoding="utf-8"))["settings"])
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
             raise ResumeMismatch(f"{path} is not an esamp eval settings file",
                                  hint="choose another --out folder") from None
-        differ = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+        shared = {k: v for k, v in mine.items() if k != "cells" and k not in REPORT_ONLY}
+        differ = _differences(shared, {k: v for k, v in theirs.items() if k != "cells"})
         if differ:
             raise ResumeMismatch(
                 f"{out} holds a run with other settings ({', '.join(differ)} differ)",
                 hint="rerun with the same settings to resume it, or pass a new --out folder",
             )
-        return
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"settings": mine}, indent=2) + "\n")
+        recorded = theirs.get("cells", {})
+        for name, cell in mine["cells"].items():
+            if name in recorded:
+                differ = _differences(cell, recorded[name])
+                if differ:
+                    was = ", ".join(f"{k} {recorded[name][k]!r} there, {cell[k]!r} now" for k in differ)
+                    raise ResumeMismatch(
+                        f"{out} holds the cell {name} with other settings ({was})",
+                        hint="rerun with the same settings, or pass a new --out folder",
+                    )
+        new = [name for name in mine["cells"] if name not in recorded]
+        mine = {**theirs, **mine, "cells": {**recorded, **mine["cells"]}}
+    if write:
+        _write_json(path, {"settings": mine})
+    return new
+
+
+def _write_json(path: Path, data) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
     os.replace(tmp, path)
 
 
@@ -179,15 +294,19 @@ Progress = Callable[[dict, int, int], None]
 
 def run_groups(problems: Sequence[Problem], engine, settings: EvalSettings, out: Path,
                grade: Grade, measure: Measure, progress: Progress | None = None,
-               parallel: int = 1) -> dict[tuple[str, str], dict]:
-    """Generate, grade and record every (problem, arm) group not yet in ``out``.
+               parallel: int = 1, arms: Sequence[str] | None = None,
+               engine_config: EsampConfig | None = None) -> dict[tuple[str, str], dict]:
+    """Generate, grade and record every (problem, arm) group of ``arms`` not yet in ``out``.
 
-    Up to ``parallel`` groups run at once (the vLLM engine batches them; the reference engine
-    steps them one after another). Returns all records, old and new.
+    Arms run one after another (all problems of one, then the next), so an interrupted matrix
+    leaves whole cells done. Up to ``parallel`` groups run at once (the vLLM engine batches them;
+    the reference engine steps them one after another). ``engine_config`` is the engine's own
+    ESamp settings, which the baseline's groups run on. Returns all records, old and new.
     """
     records = read_records(out)
-    todo = [(p, arm) for p in problems for arm in ARMS if (p.id, arm) not in records]
-    total, done = len(problems) * len(ARMS), len(problems) * len(ARMS) - len(todo)
+    arms = list(arms if arms is not None else settings.arms)
+    todo = [(p, arm) for arm in arms for p in problems if (p.id, arm) not in records]
+    total, done = len(problems) * len(arms), len(problems) * len(arms) - len(todo)
     running: dict[str, _Running] = {}
     queue = list(todo)
     try:
@@ -195,7 +314,7 @@ def run_groups(problems: Sequence[Problem], engine, settings: EvalSettings, out:
             while queue and len(running) < max(1, parallel):
                 problem, arm = queue.pop(0)
                 key = engine.start(problem.prompt, settings.sampling(problem.id),
-                                   settings.esamp_config(arm), group=group_key(problem, arm))
+                                   settings.esamp_config(arm, engine_config), group=group_key(problem, arm))
                 running[key] = _Running(problem, arm, [""] * settings.n, [None] * settings.n,
                                         [0] * settings.n, time.perf_counter())
             for event in engine.step():
@@ -228,6 +347,11 @@ def run_groups(problems: Sequence[Problem], engine, settings: EvalSettings, out:
     return records
 
 
+def missing(problems: Sequence[Problem], records: dict, arms: Iterable[str]) -> dict[str, int]:
+    """How many groups of each arm are still to sample."""
+    return {arm: sum((p.id, arm) not in records for p in problems) for arm in arms}
+
+
 def _record(g: _Running, settings: EvalSettings, grade: Grade, measure: Measure) -> dict:
     seconds = time.perf_counter() - g.started
     verdicts = grade(g.problem, g.texts)
@@ -244,6 +368,42 @@ def _record(g: _Running, settings: EvalSettings, grade: Grade, measure: Measure)
         "correct": None if verdicts is None else sum(bool(v["correct"]) for v in verdicts),
         "diversity": measure(g.texts),
     }
+
+
+# -- sessions --------------------------------------------------------------------------------
+
+
+class SessionLog:
+    """``sessions.json``: one entry per session that sampled, with its command, engine and wall
+    time. The entry is written when the session starts and its time updated after every group,
+    so a session that is interrupted or killed still counts."""
+
+    def __init__(self, folder: Path, command: str, started: float) -> None:
+        self.path = folder / SESSIONS
+        self.started = started
+        self.entries = read_sessions(folder)
+        self.entry = {"started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                      "wall_seconds": 0.0, "finished": False, "command": command, "environment": None}
+        self.entries.append(self.entry)
+        self.update()
+
+    def update(self, environment: dict | None = None, finished: bool = False) -> None:
+        if environment is not None:
+            self.entry["environment"] = environment
+        self.entry["wall_seconds"] = round(time.perf_counter() - self.started, 1)
+        self.entry["finished"] = finished
+        _write_json(self.path, self.entries)
+
+
+def read_sessions(folder: Path) -> list[dict]:
+    path = folder / SESSIONS
+    if not path.exists():
+        return []
+    try:
+        entries = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        raise EsampError(f"{path} is not valid JSON", hint="delete it (only the wall-time record is lost)") from None
+    return entries if isinstance(entries, list) else []
 
 
 # -- graders as one callable -----------------------------------------------------------------
@@ -286,7 +446,7 @@ class Graders:
         if problem.kind == "math":
             out = []
             for text in texts:
-                v = self.math.check(problem.answer, text)
+                v = self.math.check(problem.answer, text, problem.prompt)
                 out.append({"correct": v.correct, "extracted": v.extracted, "note": v.note})
             return out
         if problem.kind == "code":

@@ -129,23 +129,25 @@ def parse_problem(row: object, where: str) -> Problem:
     def bad(message: str, hint: str) -> TaskError:
         return TaskError(f"{where}: {message}", hint=hint)
 
-    fmt = ('each line is one JSON object like {"id": "q1", "prompt": "...", "answer": "42"} '
-           'or {"id": "f1", "prompt": "...", "tests": "assert f(1) == 2", "kind": "code"}')
     if not isinstance(row, dict):
-        raise bad(f"expected a JSON object, got {type(row).__name__}", fmt)
+        raise bad(f"expected a JSON object, got {type(row).__name__}", LINE_FORMAT)
     unknown = set(row) - JSONL_FIELDS
     if unknown:
         raise bad(f"unknown field(s) {sorted(unknown)}", "allowed fields: " + ", ".join(sorted(JSONL_FIELDS)))
     if "id" not in row or not isinstance(row["id"], (str, int)) or isinstance(row["id"], bool) \
             or str(row["id"]).strip() == "":
-        raise bad("missing or empty 'id' (a string or an integer)", fmt)
+        raise bad("missing or empty 'id' (a string or an integer)", LINE_FORMAT)
     if not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
-        raise bad("missing or empty 'prompt' (a string)", fmt)
+        raise bad("missing or empty 'prompt' (a string)", LINE_FORMAT)
     for key, types in (("answer", (str, int, float)), ("tests", str), ("code_prefix", str),
                        ("entry_point", str)):
         value = row.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, types)):
-            raise bad(f"'{key}' must be a string", fmt)
+            raise bad(f"'{key}' must be a string", LINE_FORMAT)
+    for key in ("id", "prompt", "answer", "tests", "code_prefix", "entry_point"):
+        value = row.get(key)
+        if isinstance(value, str):
+            _check_characters(value, key, bad)
     answer = None if row.get("answer") is None else str(row["answer"])
     tests = row.get("tests")
     kind = row.get("kind") or ("math" if answer is not None else "code" if tests else "open")
@@ -160,30 +162,85 @@ def parse_problem(row: object, where: str) -> Problem:
                    entry_point=row.get("entry_point"))
 
 
+LINE_FORMAT = ('each line is one JSON object like {"id": "q1", "prompt": "...", "answer": "42"} '
+               'or {"id": "f1", "prompt": "...", "tests": "assert f(1) == 2", "kind": "code"}')
+
+
+def _check_characters(value: str, key: str, bad) -> None:
+    """A string that JSON accepts but no tokenizer does: an escaped lone surrogate ("\\udcff")."""
+    for i, ch in enumerate(value):
+        if "\ud800" <= ch <= "\udfff":
+            raise bad(f"'{key}' holds the escape \\u{ord(ch):04x} at character {i + 1}, half of a "
+                      "surrogate pair and not a character",
+                      "write the character itself in UTF-8, or its full surrogate pair")
+
+
+MAX_REPORTED = 20  # bad lines listed in one error; a file with more is likely not JSONL at all
+
+
+def _json_error(exc: json.JSONDecodeError, text: str) -> str:
+    """Where and why one line is not JSON, at the column where parsing stopped (1-based)."""
+    where = f"column {exc.pos + 1}"
+    if exc.pos >= len(text.rstrip()):
+        return (f"{where}: not valid JSON, the line ends inside an object or string "
+                f"({exc.msg.lower()}): a closing brace, bracket or quote is missing")
+    return f"{where}: not valid JSON ({exc.msg.lower()})"
+
+
 def load_jsonl(path: str | Path) -> list[Problem]:
-    """Problems from a JSONL file, one object per line; blank lines are skipped. Errors name the
-    file and the line."""
+    """Problems from a JSONL file, one object per line; blank lines are skipped.
+
+    Every bad line is reported (up to ``MAX_REPORTED``) in one error naming the file, the line
+    and, for text that is not JSON or not UTF-8, the column, so a file is fixed in one pass.
+    """
     path = Path(path)
     if not path.is_file():
         raise TaskError(f"task file {str(path)!r} does not exist", hint="check the path to --task-file")
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise TaskError(f"cannot read task file {str(path)!r}: {exc.strerror}",
+                        hint="check the file's permissions") from None
     problems: list[Problem] = []
     seen: dict[str, int] = {}
-    with path.open(encoding="utf-8") as fh:
-        for number, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            where = f"{path.name} line {number}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise TaskError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})",
-                                hint="each line must be one complete JSON object") from None
+    errors: list[tuple[str, str]] = []  # (message, hint)
+    for number, raw in enumerate(data.split(b"\n"), start=1):
+        raw = raw.rstrip(b"\r")
+        where = f"{path.name} line {number}"
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            errors.append((f"{where}, column {exc.start + 1}: byte 0x{raw[exc.start]:02x} is not UTF-8 text",
+                           "save the file as UTF-8 (e.g. iconv -f LATIN1 -t UTF-8)"))
+            continue
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            errors.append((f"{where}, {_json_error(exc, line)}",
+                           "each line must be one complete JSON object"))
+            continue
+        try:
             problem = parse_problem(row, where)
-            if problem.id in seen:
-                raise TaskError(f"{where}: id {problem.id!r} already used on line {seen[problem.id]}",
-                                hint="give every problem its own id")
-            seen[problem.id] = number
-            problems.append(problem)
+        except TaskError as exc:
+            errors.append((exc.message, exc.hint))
+            continue
+        if problem.id in seen:
+            errors.append((f"{where}: id {problem.id!r} already used on line {seen[problem.id]}",
+                           "give every problem its own id"))
+            continue
+        seen[problem.id] = number
+        problems.append(problem)
+    if errors:
+        if len(errors) == 1:
+            raise TaskError(*errors[0])
+        shown = [message for message, _ in errors[:MAX_REPORTED]]
+        more = len(errors) - len(shown)
+        tail = [f"... and {more} more"] if more else []
+        hints = list(dict.fromkeys(h for _, h in errors[:MAX_REPORTED]))
+        raise TaskError(f"{path.name} has {len(errors)} bad lines:\n    " + "\n    ".join(shown + tail),
+                        hint="; ".join(hints))
     if not problems:
         raise TaskError(f"task file {path.name} has no problems", hint="add one JSON object per line")
     return problems

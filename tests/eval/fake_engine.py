@@ -1,7 +1,7 @@
 """A tiny deterministic engine with the real protocol, for fast runner tests.
 
 Each sample's reply is "The answer is X ." with X drawn from the group's seed, the sample index
-and whether ESamp is on, emitted one word per step. ``interrupt_at_step`` raises
+and the group's steering (off, or on with its beta and mix), emitted one word per step. ``interrupt_at_step`` raises
 KeyboardInterrupt inside ``step`` to imitate Ctrl-C in the middle of a run.
 """
 
@@ -15,8 +15,11 @@ from esamp.events import DoneEvent, ReadyEvent, TokenEvent
 class FakeEngine:
     name = "fake"
 
-    def __init__(self, choices=("1", "2", "3"), interrupt_at_step: int | None = None) -> None:
+    def __init__(self, choices=("1", "2", "3"), interrupt_at_step: int | None = None, esamp=None) -> None:
         self.choices = choices
+        self.esamp = esamp  # the engine-wide settings it was created with
+        self.steerings: list = []  # the ESamp settings of every group started
+        self.most_at_once = 0  # the most groups running at one time
         self.interrupt_at_step = interrupt_at_step
         self.steps = 0
         self.groups: dict[str, dict] = {}
@@ -31,13 +34,16 @@ class FakeEngine:
         key = group or f"g{len(self.started)}"
         assert key not in self.groups
         steered = bool(esamp and esamp.enabled)
+        self.steerings.append(esamp)
+        style = f"{esamp.beta}-{esamp.mix}" if steered else "off"
         words = []
         for sample in range(sampling.n):
-            rng = random.Random(f"{sampling.seed}-{steered}-{sample}")
+            rng = random.Random(f"{sampling.seed}-{style}-{sample}")
             filler = rng.choice(["Well,", "So", "Hmm,", "Then"])
             words.append([filler, "the", "answer", "is", rng.choice(self.choices), "."])
         self.groups[key] = {"words": words, "pos": [0] * sampling.n}
         self.started.append(key)
+        self.most_at_once = max(self.most_at_once, len(self.groups))
         return key
 
     def step(self):

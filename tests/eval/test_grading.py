@@ -1,5 +1,7 @@
 import importlib.util
+import json
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -71,3 +73,41 @@ def test_math_checker_kills_a_stuck_check():
         m._spawn()  # already started, so the first-call grace period does not apply
         verdict = m.check("1", "\\boxed{1}")
     assert not verdict.correct and verdict.note == "timeout"
+
+
+# -- replies a person grades differently from "the last number" --------------------------------
+
+FIXTURE = Path(__file__).parent / "fixtures" / "math_replies.jsonl"
+REPLIES = [json.loads(line) for line in FIXTURE.read_text(encoding="utf-8").splitlines()]
+
+
+@pytest.mark.parametrize("case", REPLIES, ids=[f"{c['gold']}-{c['note'][:30]}" for c in REPLIES])
+def test_labelled_replies_are_read_as_a_person_reads_them(case):
+    """Real replies of the embedded model on `arith`, each labelled with the answer a person
+    reads in it: a result followed by a restatement of the question counts as the result; a
+    remainder or a later wrong statement still counts against the reply."""
+    assert extract_answer(case["reply"], case["question"]) == case["answer"]
+
+
+def test_the_fixture_holds_both_kinds():
+    assert sum(c["correct"] for c in REPLIES) >= 5 and sum(not c["correct"] for c in REPLIES) >= 5
+
+
+@pytest.mark.parametrize("text, question, expected", [
+    ("9 * 9 = 81\n\nThis answers 9 times 9.", None, "9"),  # no question: the last number, as before
+    ("6 * 5 = 30. So there are 30 eggs in 5 boxes.", "6 boxes of 5 eggs: how many eggs?", "30"),
+    ("3 * 4 = 12. She pays with 20 and gets 8 back.", "4 notebooks at 3 dollars, paid with 20", "8"),
+    ("9 * 1 = 9.", "What is 9 times 1?", "9"),  # the answer may itself be a number of the question
+    ("11 times 11 is equivalent to 121 in base-10.", "What is 11 times 11?", "10"),  # no minus sign
+    ("It is 20-dollar bills.", None, "20"),
+])
+def test_final_number(text, question, expected):
+    assert extract_answer(text, question) == expected
+
+
+@needs_math_verify
+def test_labelled_replies_through_the_checker():
+    with MathChecker() as m:
+        for case in REPLIES:
+            verdict = m.check(case["gold"], case["reply"], case["question"])
+            assert verdict.correct == case["correct"], case

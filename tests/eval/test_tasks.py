@@ -110,3 +110,28 @@ def test_kind_is_inferred(tmp_path):
     ])
     assert [(p.id, p.kind, p.answer) for p in load_jsonl(path)] == [
         ("1", "math", "3"), ("2", "code", None), ("3", "open", None)]
+
+
+def test_every_bad_line_is_reported_up_to_a_limit(tmp_path):
+    from esamp.eval.tasks import MAX_REPORTED
+
+    lines = [json.dumps({"id": "ok", "prompt": "fine", "answer": "1"})]
+    lines += [f'{{"id": "q{i}", "prompt": "x"' for i in range(MAX_REPORTED + 5)]  # no closing brace
+    with pytest.raises(TaskError) as err:
+        load_jsonl(_write(tmp_path, lines))
+    text = str(err.value)
+    assert f"has {MAX_REPORTED + 5} bad lines" in text and "... and 5 more" in text
+    assert f"line 2, column {len(lines[1]) + 1}: not valid JSON" in text
+    assert f"line {MAX_REPORTED + 1}, column" in text and f"line {MAX_REPORTED + 2}," not in text
+
+
+def test_text_that_is_not_utf8_or_holds_a_lone_surrogate(tmp_path):
+    path = tmp_path / "tasks.jsonl"
+    path.write_bytes(b'{"id": "a", "prompt": "ok", "answer": "1"}\n{"id": "b", "prompt": "\xff"}\n')
+    with pytest.raises(TaskError, match=r"tasks.jsonl line 2, column 24: byte 0xff is not UTF-8 text"):
+        load_jsonl(path)
+    path.write_text('{"id": "a", "prompt": "ok \\udcff", "answer": "1"}\n')
+    with pytest.raises(TaskError, match=r"line 1: 'prompt' holds the escape \\udcff at character 4"):
+        load_jsonl(path)
+    path.write_text('{"id": "a", "prompt": "ok \\ud83d\\ude00", "answer": "1"}\n')  # a full pair is fine
+    assert load_jsonl(path)[0].prompt == "ok \U0001F600"

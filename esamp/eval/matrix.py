@@ -1,0 +1,126 @@
+"""The cells of ``esamp eval``: sets of ESamp settings, each compared with one shared baseline.
+
+A cell is one complete ``EsampConfig``. ``--matrix beta=0.4,0.8 mix=paper,unsharpened`` makes the
+cross product of the listed values (four cells), each over the settings given by the other flags;
+without ``--matrix`` there is one cell, named ``esamp``. The baseline (ESamp off) is sampled once
+per problem and every cell is compared with it on the same seeds, so k cells cost k + 1 arms.
+
+Matrix keys are of two sorts (``esamp.core.config``):
+
+- per-group steering (``Steering``: beta, mix, train, train_rows): cells that differ only there
+  share one engine, each prompt group carrying its own ``Steering``;
+- engine-wide settings (optimizer, lr, rank, tap layers): fixed when an engine starts, so each
+  distinct combination gets its own engine (``engine_groups``), started one after another.
+
+Values are validated by the settings models themselves, so a bad one names the key and its
+allowed range exactly as ``esamp generate`` would.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence
+
+from esamp.core.config import ENGINE_FIELDS, EsampConfig, Steering, make_config
+from esamp.errors import ConfigError
+
+BASELINE = "baseline"
+SINGLE = "esamp"  # the name of the one cell of a run without --matrix
+
+STEERING_KEYS = tuple(k for k in Steering.model_fields if k != "enabled")
+ENGINE_KEYS = ("optimizer", "lr", "rank", "source_layer", "target_layer")
+MATRIX_KEYS = STEERING_KEYS + ENGINE_KEYS
+# Bank capacity changes no sample, so it is not part of what a cell is.
+NOT_RECORDED = frozenset({"slots"})
+
+
+@dataclass(frozen=True)
+class Cell:
+    name: str
+    config: EsampConfig
+
+    @property
+    def steering(self) -> Steering:
+        return self.config.steering()
+
+    @property
+    def engine_key(self) -> tuple:
+        return tuple(getattr(self.config, k) for k in ENGINE_FIELDS)
+
+    def record(self) -> dict[str, Any]:
+        """What run.json stores of this cell: every setting that can change a sample."""
+        return self.config.model_dump(exclude=set(NOT_RECORDED))
+
+
+def format_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+def _split(text: str, origin: str) -> tuple[str, list[str]]:
+    key, sep, values = text.partition("=")
+    key = key.strip().replace("-", "_")
+    if not sep or not key:
+        raise ConfigError(f"{origin} {text!r} is not KEY=VALUE[,VALUE...]",
+                          hint="write it like --matrix beta=0.4,0.8,1.2 mix=paper,unsharpened")
+    parts = [v.strip() for v in values.split(",")]
+    if not all(parts):
+        raise ConfigError(f"{origin} {text!r} has an empty value",
+                          hint="separate values with single commas, e.g. beta=0.4,0.8")
+    return key, parts
+
+
+def parse_axes(items: Sequence[str], origin: str = "--matrix") -> dict[str, list]:
+    """``["beta=0.4,0.8", "mix=paper"]`` as ``{"beta": ["0.4", "0.8"], "mix": ["paper"]}`` (raw)."""
+    axes: dict[str, list] = {}
+    for item in items:
+        key, values = _split(item, origin)
+        if key in axes:
+            raise ConfigError(f"{origin} names {key} twice", hint=f"list every value of {key} once: {key}=A,B")
+        axes[key] = values
+    return axes
+
+
+def validate_axes(axes: Mapping[str, Iterable], base: EsampConfig, origin: str = "--matrix") -> dict[str, list]:
+    """Each key checked against ``MATRIX_KEYS`` and each value against its settings field."""
+    out: dict[str, list] = {}
+    for key, raw_values in axes.items():
+        if key not in MATRIX_KEYS:
+            raise ConfigError(f"{origin}: unknown key {key!r}",
+                              hint="matrix keys: " + ", ".join(MATRIX_KEYS))
+        raw_values = list(raw_values) if isinstance(raw_values, (list, tuple)) else [raw_values]
+        if not raw_values:
+            raise ConfigError(f"{origin} {key} lists no values", hint=f"e.g. {key}=A,B")
+        values = []
+        for raw in raw_values:
+            cfg = make_config(EsampConfig, {key: f"{origin} {key}"}, **{**base.model_dump(), key: raw})
+            value = getattr(cfg, key)
+            if value in values:
+                raise ConfigError(f"{origin} {key} lists {format_value(value)} twice",
+                                  hint="list every value once")
+            values.append(value)
+        out[key] = values
+    return out
+
+
+def build_cells(axes: Mapping[str, Sequence], base: EsampConfig) -> list[Cell]:
+    """The cross product of ``axes`` over ``base``; without axes, the one cell ``esamp``."""
+    if not axes:
+        return [Cell(SINGLE, base)]
+    keys = list(axes)
+    cells = []
+    for combo in itertools.product(*(axes[k] for k in keys)):
+        values = dict(zip(keys, combo))
+        name = ",".join(f"{k}={format_value(v)}" for k, v in values.items())
+        cells.append(Cell(name, make_config(EsampConfig, **{**base.model_dump(), **values})))
+    return cells
+
+
+def engine_groups(cells: Sequence[Cell]) -> list[tuple[EsampConfig, list[Cell]]]:
+    """Cells grouped by their engine-wide settings, in order of first appearance: one engine each."""
+    groups: dict[tuple, list[Cell]] = {}
+    for cell in cells:
+        groups.setdefault(cell.engine_key, []).append(cell)
+    return [(members[0].config, members) for members in groups.values()]
