@@ -24,6 +24,8 @@ from esamp.core.config import EsampConfig, SamplingConfig, add_flags, from_flags
 from esamp.errors import ConfigError
 from esamp.eval.runner import EVAL_DEFAULTS, EvalSettings
 
+from esamp.threads import add_threads_flag, check_threads, threads_option
+
 HELP = "Pass@k and semantic diversity, ESamp cells against one baseline, offline"
 
 SAMPLING_FLAGS = ["n", "max_tokens", "seed", "temperature", "top_p", "top_k", "min_p"]
@@ -70,8 +72,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     engine.add_argument("--parallel", type=int, default=None,
                         help="prompt groups in flight at once (default: 1 on the reference engine, 16 on "
                         "vLLM; at most --slots)")
-    engine.add_argument("--threads", type=int, default=None,
-                        help="CPU threads for the reference engine (default: all cores)")
+    add_threads_flag(engine)
 
     output = p.add_argument_group("output")
     output.add_argument("--out", default=None, metavar="DIR",
@@ -270,8 +271,8 @@ def run(args: argparse.Namespace) -> int:
     cells = build_cells(axes, base)
     if args.parallel is not None and args.parallel < 1:
         raise ConfigError(f"--parallel {args.parallel} must be at least 1", hint="e.g. --parallel 4")
-    if args.threads is not None and args.threads < 1:
-        raise ConfigError(f"--threads {args.threads} must be at least 1", hint="e.g. --threads 1")
+    if args.threads is not None:
+        check_threads(args.threads)  # also a value from the matrix file
     engine_name = args.engine or "auto"
 
     tasks = _tasks(args, data.get("task", {}), data.get("_name"), base_sampling)
@@ -377,13 +378,7 @@ def _parallel(args, engine: str, slots: int) -> int:
 
 def _engine_options(args, name: str) -> dict:
     """Engine-specific keyword arguments: --threads reaches the reference engine only."""
-    if not args.threads:
-        return {}
-    if name == "auto":
-        import esamp.engines as engines
-
-        name = "vllm" if engines.vllm_usable() else "reference"
-    return {"threads": args.threads} if name == "reference" else {}
+    return threads_option(name, args.threads)
 
 
 def _diversity_measure(off: bool):
