@@ -14,9 +14,8 @@ is what the seams cost by themselves, before any Distiller or steering work.
 
 ``--logits`` chooses what the dummy model's next-token distributions look like:
 
-- ``flat``: vLLM's dummy weights as they are. Near-uniform logits keep about 138,000 candidates
-  per row under min-p 0.1 and top-p 0.95: ESamp's worst case (d and the mix over almost the
-  whole vocabulary).
+- ``flat``: vLLM's dummy weights as they are. Near-uniform logits keep almost the whole
+  vocabulary under the default filters: ESamp's worst case (d and the mix over every token).
 - ``realistic``: the LM head's rows are rescaled (through the worker extension, on every side
   alike) so that the model's distributions have the candidate count and entropy of a real
   model's: token v's row is multiplied by s·(r_v + 1)^−α, r_v a seeded random rank, with (α, s)

@@ -1,18 +1,14 @@
 """CPU threads of the reference engine: how many, and how OpenMP's idle threads wait.
 
-Measured with ``benchmarks/threads.py`` on a 2-core CPU (the embedded SmolLM2-135M, 4 samples ×
-48 tokens, ``benchmarks/results/threads-cpu.json``; README, "Threads"):
-
-- idle, a second thread gains little or nothing: the model is small and a decode step is many
-  short operations, each of which the threads must meet at the end of;
-- with one other busy process, two threads under OpenMP's default wait policy fall from ≈55 to
-  ≈3 tok/s, while one thread keeps ≈55: a thread that finished its share spins (≈7 ms in torch's
-  libgomp) waiting for a sibling that another process has taken the core from.
+Measured with ``benchmarks/threads.py`` on a 2-core CPU (``benchmarks/results/threads-cpu.json``;
+README, "Threads"): on an idle machine a second thread gains little on the embedded model, whose
+decode step is many short operations the threads must meet at the end of; when another process
+holds a core, two threads under OpenMP's default wait policy collapse (a thread that finished
+its share spins, waiting for a sibling that lost its core), while one thread keeps its speed.
 
 Hence one thread by default, and ``--threads N`` for a machine known to be idle or a larger model.
 OpenMP's passive wait policy (threads sleep at once instead of spinning) keeps N > 1 from
-collapsing under load (≈35 instead of ≈3 tok/s) at a cost when idle, and changes nothing for one
-thread; esamp's commands ask for it unless ``OMP_WAIT_POLICY`` is already set. libgomp reads the
+collapsing under load, at a cost when idle, and changes nothing for one thread; esamp's commands ask for it unless ``OMP_WAIT_POLICY`` is already set. libgomp reads the
 variable once, when torch loads it: set after ``import torch`` it does nothing, so the commands
 set it first thing, and worker processes started with ``spawn`` inherit it.
 """

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from esamp.core.mixes import MIXES
 from esamp.core.config import EsampConfig, SamplingConfig, add_flags, from_flags, make_config
 from esamp.errors import ConfigError
 from esamp.eval.runner import EVAL_DEFAULTS, EvalSettings
@@ -50,7 +51,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     what.add_argument("--limit", type=int, metavar="L", help="only the first L problems of each task")
     what.add_argument("--matrix", nargs="+", metavar="KEY=V,V",
                       help="ESamp cells: the cross product of the listed values, e.g. "
-                      "--matrix beta=0.4,0.8,1.2 mix=paper,unsharpened; keys: beta, mix, train, "
+                      f"--matrix beta=0.4,0.8,1.2 mix={','.join(MIXES)}; keys: beta, mix, train, "
                       "train_rows (per group), optimizer, lr, rank, source_layer, target_layer (one engine "
                       "per value); without it, one ESamp arm")
     what.add_argument("--matrix-file", metavar="FILE.toml",

@@ -22,6 +22,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
+from esamp.core.mixes import MIXES
 from esamp.core.config import ENGINE_FIELDS, EsampConfig, Steering, make_config
 from esamp.errors import ConfigError
 
@@ -64,7 +65,7 @@ def _split(text: str, origin: str) -> tuple[str, list[str]]:
     key = key.strip().replace("-", "_")
     if not sep or not key:
         raise ConfigError(f"{origin} {text!r} is not KEY=VALUE[,VALUE...]",
-                          hint="write it like --matrix beta=0.4,0.8,1.2 mix=paper,unsharpened")
+                          hint=f"write it like --matrix beta=0.4,0.8,1.2 mix={','.join(MIXES)}")
     parts = [v.strip() for v in values.split(",")]
     if not all(parts):
         raise ConfigError(f"{origin} {text!r} has an empty value",
