@@ -8,9 +8,10 @@ its share spins, waiting for a sibling that lost its core), while one thread kee
 
 Hence one thread by default, and ``--threads N`` for a machine known to be idle or a larger model.
 OpenMP's passive wait policy (threads sleep at once instead of spinning) keeps N > 1 from
-collapsing under load, at a cost when idle, and changes nothing for one thread; esamp's commands ask for it unless ``OMP_WAIT_POLICY`` is already set. libgomp reads the
-variable once, when torch loads it: set after ``import torch`` it does nothing, so the commands
-set it first thing, and worker processes started with ``spawn`` inherit it.
+collapsing under load, at a cost when idle, and changes nothing for one thread; esamp's commands
+ask for it unless ``OMP_WAIT_POLICY`` is already set. libgomp reads the variable once, when torch
+loads it: set after ``import torch`` it does nothing, so the commands set it first thing, and
+worker processes started with ``spawn`` inherit it.
 """
 
 from __future__ import annotations
