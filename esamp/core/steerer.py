@@ -125,18 +125,25 @@ class Steerer:
         self._filter, self._mix = filter, mix
         self.graphs = graphs or GraphCache(enabled=False)
 
-    def distill(self, plan: StepPlan, x: torch.Tensor, y: torch.Tensor, normalize=None):
+    def distill(self, plan: StepPlan, x: torch.Tensor, y: torch.Tensor, normalize=None,
+                head_input: torch.Tensor | None = None):
         """(ŷ [R, H] fp32, e [R], per-slot loss of the training slots or None).
 
         ``normalize(x, y) -> (x, y)``, when given, turns the engine's raw taps into the Distiller's
-        inputs inside the step (so a graphed step launches nothing else per tap).
+        inputs inside the step. ``head_input`` ([R', H], the rows the engine runs its LM head on)
+        makes ŷ come back stacked under them, ``[head_input; ŷ]`` in their dtype, ready for one
+        head pass that gives both logits and d. Either way a graphed step launches nothing else.
         """
-        def step(gx, gy):
+        def step(gx, gy, *head):
             if normalize is not None:
                 gx, gy = normalize(gx, gy)
-            return self.bank.step(gx, gy, plan.layout, plan.training)
+            prediction, errors, losses = self.bank.step(gx, gy, plan.layout, plan.training)
+            if head:
+                prediction = torch.cat([head[0], prediction.to(head[0].dtype)])
+            return prediction, errors, losses
 
-        return self.graphs.run(plan.key, step, x, y, keep=plan)
+        inputs = (x, y) if head_input is None else (x, y, head_input)
+        return self.graphs.run((plan.key, head_input is not None), step, *inputs, keep=plan)
 
     def filter(self, plan: StepPlan, logits: torch.Tensor) -> torch.Tensor:
         """z̃ = z/T with −∞ outside C, in place on ``logits`` ([R, V], fp32)."""

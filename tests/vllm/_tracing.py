@@ -14,8 +14,9 @@ TRACER = "_tracing:TracingProcessor"
 class TracingProcessor(EsampLogitsProcessor):
     traces: list[dict] = []  # every steered step, oldest first (tests clear it)
 
-    def distill(self, plan, source, target, normalize=None):
-        prediction = super().distill(plan, source, target, normalize)
+    def distill(self, plan, source, target, normalize=None, hidden=None):
+        out = super().distill(plan, source, target, normalize, hidden)
+        prediction = out if hidden is None else out[hidden.shape[0]:].float()
         if normalize is not None:
             source, target = normalize(source, target)
         ctx = self._ctx
@@ -25,7 +26,7 @@ class TracingProcessor(EsampLogitsProcessor):
             source=source.float().clone(), target=target.float().clone(), prediction=prediction.clone(),
             errors=ctx.errors.clone(),
             losses=dict(zip(self._loss_groups(plan), ctx.losses.tolist())) if ctx.losses is not None else {})
-        return prediction
+        return out
 
     def take_distiller_logits(self, d):
         super().take_distiller_logits(d)

@@ -74,13 +74,14 @@ class _TapMixin:
         STATE.taps_put += 1
         # The raw residual rows go to the processor, which normalises them inside its (graphed)
         # Distiller step: no launch of ours per tap.
-        prediction = processor.distill(plan, aux[:, self.esamp_aux_layers.index(src)],
-                                       aux[:, self.esamp_aux_layers.index(tgt)], self.esamp_tap_norms)
+        source, target = aux[:, self.esamp_aux_layers.index(src)], aux[:, self.esamp_aux_layers.index(tgt)]
         if self._esamp_plain_head():
             # One GEMM over [h; ŷ]: the head's weights are read once for the logits and d = W·ŷ.
-            both = super().compute_logits(torch.cat([hidden, prediction.to(hidden.dtype)]))
+            # The Distiller step stacks ŷ under h itself (inside its graph).
+            both = super().compute_logits(processor.distill(plan, source, target, self.esamp_tap_norms, hidden))
             processor.take_distiller_logits(both[rows:])
             return both[:rows]
+        prediction = processor.distill(plan, source, target, self.esamp_tap_norms)
         # A head that post-processes its logits (soft cap, scale): d from the dense weight.
         logits = super().compute_logits(hidden)
         head = self.esamp_lm_head()

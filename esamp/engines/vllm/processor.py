@@ -325,13 +325,15 @@ class EsampLogitsProcessor(LogitsProcessor):
                                 tuple((r.steering.mix, r.steering.beta) + tuple(r.filters.model_dump().values())
                                       for _, r, _ in steered)))
 
-    def distill(self, plan: _Plan, source: torch.Tensor, target: torch.Tensor, normalize=None) -> torch.Tensor:
-        """ŷ [n, H] for the plan's steered rows, from their tapped rows (in the plan's order).
+    def distill(self, plan: _Plan, source: torch.Tensor, target: torch.Tensor, normalize=None,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """ŷ [n, H] for the plan's steered rows, from their tapped rows (in the plan's order);
+        with ``hidden`` (the LM head's input rows), ``[hidden; ŷ]`` for one head pass.
         ``normalize(source, target) -> (x, y)``: the taps' norms, run inside the Distiller step."""
         t0 = time.perf_counter()
         graphs = self.steerer.graphs
         replays = graphs.replays
-        prediction, errors, losses = self.steerer.distill(plan.steered, source, target, normalize)
+        prediction, errors, losses = self.steerer.distill(plan.steered, source, target, normalize, hidden)
         spent = time.perf_counter() - t0
         self._ctx = _Distilled(plan, errors, losses, graphs.replays > replays, spent)
         self.host_seconds += spent

@@ -45,6 +45,9 @@ class RecordStore:
         self._lock = threading.Lock()  # a server's side channel reads from another thread
         self.dropped = 0
         self.loss: float | None = None  # moving mean of the training groups' losses (for operators)
+        # Pinned host buffers (by size) and CUDA events, reused: a steady step allocates nothing.
+        self._buffers: dict[int, list[torch.Tensor]] = collections.defaultdict(list)
+        self._events: list = []
 
     @staticmethod
     def pack(errors: torch.Tensor, candidates: torch.Tensor, losses: torch.Tensor | None) -> torch.Tensor:
@@ -59,11 +62,12 @@ class RecordStore:
         """Queue one step's record (of the ``keep`` groups' rows, or all) from its ``pack``ed
         values, whose copy to the host starts now (a replayed graph's output is read before the
         next replay overwrites it: the copy is queued on the same stream)."""
-        cuda = self.device.type == "cuda"
-        packed = packed.to("cpu", non_blocking=cuda)
         event = None
-        if cuda:
-            event = torch.cuda.Event()
+        if self.device.type == "cuda":
+            free = self._buffers[packed.numel()]
+            host = free.pop() if free else torch.empty(packed.numel(), dtype=torch.float32, pin_memory=True)
+            packed = host.copy_(packed, non_blocking=True)
+            event = self._events.pop() if self._events else torch.cuda.Event()
             event.record()
         with self._lock:
             self._in_flight.append(_Step(step, groups, samples, generated, loss_groups, keep, packed, event,
@@ -76,6 +80,9 @@ class RecordStore:
             s = self._in_flight.popleft()
             n = len(s.groups)
             values = s.packed.tolist()
+            if s.event is not None:
+                self._buffers[s.packed.numel()].append(s.packed)
+                self._events.append(s.event)
             loss = dict(zip(s.loss_groups, values[2 * n:]))
             if loss:
                 mean = sum(loss.values()) / len(loss)
