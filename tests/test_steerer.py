@@ -22,7 +22,7 @@ def test_plan_carries_each_rows_settings():
     assert plan.temperature.flatten().tolist() == pytest.approx([1.0, 0.8, 0.8, 0.8])  # greedy: 1
     assert plan.a.flatten().tolist() == [1.5, 1.5, 1.0, 1.0] and plan.b.flatten().tolist() == [0.5, 0.5, 1.0, 1.0]
     assert plan.top_k.tolist() == [5, 0, 0, 0] and plan.top_k_or_vocab.tolist() == [5, V, V, V]
-    assert plan.key == ((0, 0, 2, 2), (True, True, True, False))  # "group": one row of slot 2 trains
+    assert plan.key == hash(((0, 0, 2, 2), (True, True, True, False)))  # "group": one row of slot 2 trains
     assert plan.layout.slots == (0, 2)
 
 

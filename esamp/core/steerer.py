@@ -64,7 +64,7 @@ class StepPlan:
     log_min_p: torch.Tensor | None  # [R, 1] log min_p (−∞ where off): min-p in logit space
     a: torch.Tensor  # [R, 1] weight of z̃ in the mix
     b: torch.Tensor  # [R, 1] weight of d
-    key: tuple  # (slot per row, rows that train): equal keys run the same Distiller step
+    key: int  # hash of (slot per row, rows that train): equal keys run the same Distiller step
     top_k_or_vocab: torch.Tensor | None  # [R] top-k with the vocabulary size where off (vLLM's form)
 
     @classmethod
@@ -95,7 +95,8 @@ class StepPlan:
             log_min_p=on([[math.log(x.min_p) if x.min_p > 0 else -math.inf] for x in f])
             if any(x.min_p > 0 for x in f) else None,
             a=a.to(device, non_blocking=True), b=b.to(device, non_blocking=True),
-            key=(tuple(slots), tuple(trains)),
+            # An int: a graph lookup per step hashes it for free (a long tuple would be re-hashed).
+            key=hash((tuple(slots), tuple(trains))),
             top_k_or_vocab=on([k if 0 < k < vocab else vocab for k in top_k], torch.long)
             if vocab and any(0 < k < vocab for k in top_k) else None,
         )

@@ -25,7 +25,7 @@ class TracingProcessor(EsampLogitsProcessor):
             filters=[r.filters for r in plan.members], steering=[r.steering for r in plan.members],
             source=source.float().clone(), target=target.float().clone(), prediction=prediction.clone(),
             errors=ctx.errors.clone(),
-            losses=dict(zip(self._loss_groups(plan), ctx.losses.tolist())) if ctx.losses is not None else {})
+            losses=dict(zip(plan.loss_groups, ctx.losses.tolist())) if ctx.losses is not None else {})
         return out
 
     def take_distiller_logits(self, d):

@@ -141,7 +141,8 @@ class _Plan:
     recorded: set[str] | None  # groups whose records are kept (None: every group's)
     plain_idx: torch.Tensor | None  # rows that only get their own filters
     plain: StepPlan | None
-    shape: tuple  # what the steered rows' kernels read: equal shapes run the same filter and mix
+    shape: int  # hash of what the steered rows' kernels read: equal shapes run the same filter and mix
+    loss_groups: list[str]  # the group of each training slot, in the order the losses come
 
 
 @dataclass
@@ -321,9 +322,11 @@ class EsampLogitsProcessor(LogitsProcessor):
                          outputs=[r.output_ids for _, r, _ in steered],
                          recorded=None if self.record_all else {r.group for _, r, _ in steered if r.records},
                          plain_idx=idx(plain) if plain else None, plain=pplan,
-                         shape=(tuple(i for i, _, _ in steered), splan.key if splan else None,
-                                tuple((r.steering.mix, r.steering.beta) + tuple(r.filters.model_dump().values())
-                                      for _, r, _ in steered)))
+                         shape=hash((tuple(i for i, _, _ in steered), splan.key if splan else None,
+                                     tuple((r.steering.mix, r.steering.beta) + tuple(r.filters.model_dump().values())
+                                           for _, r, _ in steered))),
+                         loss_groups=self._training_groups(splan, [s for _, _, s in steered],
+                                                           [r.group for _, r, _ in steered]))
 
     def distill(self, plan: _Plan, source: torch.Tensor, target: torch.Tensor, normalize=None,
                 hidden: torch.Tensor | None = None) -> torch.Tensor:
@@ -371,7 +374,7 @@ class EsampLogitsProcessor(LogitsProcessor):
         # Every steered step leaves a record (its losses feed the counters even when no reader
         # wants its rows).
         self.records.push(self.step, plan.groups, plan.samples, [len(o) for o in plan.outputs], packed,
-                          self._loss_groups(plan) if ctx.losses is not None else [], keep=plan.recorded)
+                          plan.loss_groups if ctx.losses is not None else [], keep=plan.recorded)
         spent = time.perf_counter() - t0
         self.host_seconds += spent
         if ctx.replayed:  # a steady step: what ESamp costs the host per step once warmed up
@@ -397,10 +400,12 @@ class EsampLogitsProcessor(LogitsProcessor):
             logits.index_copy_(0, idx, out)
 
     @staticmethod
-    def _loss_groups(plan: _Plan) -> list[str]:
+    def _training_groups(splan: StepPlan | None, slots: list[int], groups: list[str]) -> list[str]:
         """The group of each training slot, in the order the losses come."""
-        by_slot = dict(zip(plan.steered.key[0], plan.groups))
-        return [by_slot[s] for s in plan.steered.training.slots]
+        if splan is None or splan.training is None:
+            return []
+        by_slot = dict(zip(slots, groups))
+        return [by_slot[s] for s in splan.training.slots]
 
     # -- results -----------------------------------------------------------------------------
 

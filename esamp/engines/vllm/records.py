@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 RETAIN_SECONDS = 300.0
+COLLECT_AFTER = 64  # records waiting before a step turns the oldest into plain ones itself
 
 
 @dataclass
@@ -72,7 +73,8 @@ class RecordStore:
         with self._lock:
             self._in_flight.append(_Step(step, groups, samples, generated, loss_groups, keep, packed, event,
                                          time.monotonic()))
-            self._collect()  # whatever has arrived meanwhile, so nothing piles up unread
+            if len(self._in_flight) > COLLECT_AFTER:
+                self._collect()  # nobody is reading (a server): keep what waits bounded
 
     def _collect(self) -> None:
         """Turn records whose copies have finished into plain step records (under the lock)."""
