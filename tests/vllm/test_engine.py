@@ -258,7 +258,10 @@ def test_loss_falls_and_port_hits_count_steered_rows(engine):
     losses = losses_of(trace, keys[0])  # one per engine step
     assert len(losses) >= 20 and any(e.loss is not None for e in steps)
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5
-    assert sum(e.port_hits for e in steps) == rows == p.counters["port_hits"] - before.get("port_hits", 0)
+    # The processor counts every steered row. The client counts a row when its record reaches a
+    # group still running: the record of a group's last step may arrive after the group ended.
+    assert rows == p.counters["port_hits"] - before.get("port_hits", 0)
+    assert rows - 4 <= sum(e.port_hits for e in steps) <= rows
 
 
 def test_abort_frees_the_slot(engine):
@@ -311,9 +314,10 @@ def test_graphed_distiller_gives_what_the_eager_one_gives(engine):
         return [tokens_of(events, keys[0], i) for i in range(4)], losses_of(trace, keys[0])
 
     graphs = p.steerer.graphs
-    before = graphs.captures
+    before, failures, replays = graphs.captures, graphs.failures, graphs.replays
     graphed = run()
-    assert graphs.captures > before and not graphs.failures and graphs.replays
+    # (captures > before: the first run of this shape captures unless an earlier test left it cached)
+    assert graphs.captures + len(graphs.graphs) > before and graphs.failures == failures and graphs.replays > replays
     graphs.enabled = False
     try:
         eager = run()
