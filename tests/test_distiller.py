@@ -56,13 +56,13 @@ def test_groups_never_share_state_and_a_freed_slot_starts_fresh():
     for k in bank.params:
         assert not torch.equal(bank.params[k][a], fresh[k][a]) or k == "b"
         assert torch.equal(bank.params[k][b], fresh[k][b]), f"training group a moved group b's {k}"
-    assert bank.steps[a] == 5 and bank.steps[b] == 0
+    assert bank.store.steps[a] == 5 and bank.store.steps[b] == 0
     bank.free("a")
     for k in bank.params:
         assert torch.equal(bank.params[k][a], fresh[k][a])
-        if k in bank.exp_avg:
-            assert not bank.exp_avg[k][a].any() and not bank.exp_avg_sq[k][a].any()
-    assert bank.steps[a] == 0
+        if k in bank.store.exp_avg:
+            assert not bank.store.exp_avg[k][a].any() and not bank.store.exp_avg_sq[k][a].any()
+    assert bank.store.steps[a] == 0
     assert bank.allocate("c") == a  # the freed slot is handed out again, fresh
 
 
@@ -141,4 +141,4 @@ def test_only_training_slots_step():
                            Training.of(slots, trains))
     assert loss.shape == (1,)
     assert torch.equal(bank.store.flat[0], before[0]) and not torch.equal(bank.store.flat[1], before[1])
-    assert bank.steps.tolist()[:2] == [0, 1]
+    assert bank.store.steps.tolist()[:2] == [0, 1]

@@ -202,10 +202,6 @@ class DistillerBank:
         """One optimizer step on every slot in ``layout``; returns the per-slot loss [U] (before)."""
         return self._train(x, y, layout)[2]
 
-    def predict_and_train(self, x: torch.Tensor, y: torch.Tensor, layout: RowLayout):
-        """(ŷ, e, per-slot loss) for a step whose rows all train."""
-        return self._train(x, y, layout)
-
     def step(self, x: torch.Tensor, y: torch.Tensor, layout: RowLayout, training: Training | None):
         """One Distiller step: (ŷ [R, H], e [R], loss of each training slot, or None).
 
@@ -248,17 +244,3 @@ class DistillerBank:
             grads = torch.autograd.grad(loss.sum(), [p[k] for k in self.PARAMS])
         self.store.update(layout.slots, dict(zip(self.PARAMS, grads)), self.optimizer, self.lr)
         return prediction.detach(), err.detach(), loss.detach()
-
-    # -- views for tests and inspection ------------------------------------------------------
-
-    @property
-    def exp_avg(self) -> dict[str, torch.Tensor]:
-        return self.store.exp_avg
-
-    @property
-    def exp_avg_sq(self) -> dict[str, torch.Tensor]:
-        return self.store.exp_avg_sq
-
-    @property
-    def steps(self) -> torch.Tensor:
-        return self.store.steps
