@@ -31,6 +31,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--beta", type=float, default=0.8, help="ESamp strength for the ESamp arm (default 0.8)")
     p.add_argument("--mix", default="paper", choices=["paper", "unsharpened"], help="ESamp logit mix")
     p.add_argument("--engine", default="auto", choices=["auto", "reference", "vllm"])
+    p.add_argument("--server", default=None, metavar="URL",
+                   help="run the arms against an esamp serve endpoint (replaces --engine; --parallel groups "
+                   "in flight, default 16)")
     p.add_argument("--model", default=None, help="model path or name (default: the embedded SmolLM2-135M)")
     p.add_argument("--seed", type=int, default=0, help="base sampling seed (default 0)")
     p.add_argument("--max-tokens", type=int, default=256, help="tokens per sample (default 256)")
@@ -131,7 +134,8 @@ def run(args: argparse.Namespace) -> int:
 
     settings = EvalSettings(task=name, problem_ids=[p.id for p in problems], n=args.n, ks=ks,
                             beta=args.beta, mix=args.mix, seed=args.seed, max_tokens=args.max_tokens,
-                            temperature=args.temperature, engine=args.engine, model=args.model)
+                            temperature=args.temperature, engine="server" if args.server else args.engine,
+                            model=args.model)
     settings.sampling(problems[0].id)  # validate the sampling settings before loading anything
     settings.esamp_config("esamp")
     out = Path(args.out or f"esamp-eval/{name}-n{args.n}-seed{args.seed}")
@@ -155,7 +159,8 @@ def run(args: argparse.Namespace) -> int:
             measure = _diversity_measure(args.no_diversity or args.n < 2)
             from esamp.engines import create_engine
 
-            engine = create_engine(args.engine, model=args.model, **_engine_options(args))
+            engine = create_engine(settings.engine, model=args.model,
+                                   **({"url": args.server} if args.server else _engine_options(args)))
             try:
                 env = _environment(engine)
                 print(f"engine {env['engine']} ({env['model']} on {env['device']}) ready",
