@@ -192,7 +192,7 @@ class ServerEngine(VllmEngine):
             body.update(prompt=prompt)
         try:
             return list(self.request_json("POST", "/tokenize", body)["tokens"])
-        except EngineError as exc:
+        except (ConfigError, EngineError) as exc:  # the server's refusal (400) or failure
             text = exc.message.lower()
             if chat and "chat template" in text:  # a model without one: the prompt as plain text
                 return self._tokenize(prompt, chat=False)

@@ -291,3 +291,22 @@ def test_esamp_eval_runs_against_the_server(server, tmp_path):
     assert sorted((r["problem"], r["arm"]) for r in records) == [(p, a) for p in "ab" for a in ("baseline", "esamp")]
     again = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)  # resumes: nothing to do
     assert again.returncode == 0 and json.loads((out / "report.json").read_text())["meta"]["sessions"] == 1
+
+
+def test_the_serving_bench_measures_attached_servers(server, tmp_path):
+    """benchmarks/serve_bench.py end to end on running servers (here the same one as both sides:
+    the mechanics, not a measurement)."""
+    out = tmp_path / "bench.json"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serve_bench.py"), "--model", "embedded",
+                           "--baseline-url", server.url, "--esamp-url", server.url, "--workloads", "2xn2x8",
+                           "--trials", "2", "--json", str(out)],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert {"command", "commit", "device", "versions", "servers", "esamp"} <= set(result)
+    (workload,) = result["workloads"]
+    assert workload["name"] == "2xn2x8" and len(workload["trials"]) == 4
+    assert all(t["tokens"] == 2 * 2 * 8 for t in workload["trials"])
+    steered = [t["rows_steered_by_rank"]["0"] for t in workload["trials"] if t["side"] == "esamp"]
+    assert all(rows >= 2 * 2 * 8 for rows in steered)  # every sampled token was a steered row
+    assert workload["ratio"]["min"] <= workload["ratio"]["median"] <= workload["ratio"]["max"]
