@@ -14,8 +14,9 @@ settings of its own. It does three things:
    request land on different ranks, each with its own Distiller bank). An ESamp group is one
    Distiller slot, so the middleware pins the whole request to one rank with vLLM's
    ``X-data-parallel-rank`` header: the rank with the fewest samples in flight through this API
-   server. Requests that name the same ``esamp_group`` while one of them runs share a rank. A
-   request that already carries the header keeps it.
+   server (several API server processes each balance their own requests). Requests that name the
+   same ``esamp_group`` while one of them runs share a rank. A request that already carries the
+   header keeps it.
 3. **Serves every rank's side channel:** ``GET /esamp/metrics`` (Prometheus text, samples
    labelled ``rank``), ``GET /esamp/records?group=G[,G...]`` (the groups' novelty records from
    every rank, taken: a record is handed out once) and ``GET /esamp/config`` (the server's ESamp
@@ -28,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import random
 from dataclasses import asdict, dataclass
 from urllib.parse import parse_qs, quote
 
@@ -102,7 +104,10 @@ class EsampMiddleware:
         self._looked = False
         self.load: dict[int, int] = {}  # rank → samples in flight pinned there by this API server
         self.groups: dict[str, list[int]] = {}  # client group → [rank, requests in flight]
-        self._turn = itertools.count()  # where ties between equally loaded ranks start
+        # Where ties between equally loaded ranks start. vLLM may run several API server processes
+        # (with --data-parallel-size, vllm serve starts one per rank), each with a middleware of
+        # its own: starting at random keeps them from all sending their first group to rank 0.
+        self._turn = itertools.count(random.randrange(1 << 16))
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http":
@@ -110,7 +115,7 @@ class EsampMiddleware:
             if path == "/esamp" or path.startswith("/esamp/"):
                 await self._route(scope, send)
                 return
-            if scope["method"] == "POST" and path in GENERATE_PATHS:
+            if scope["method"] == "POST" and path in GENERATE_PATHS and _is_json(scope):
                 await self._generate(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -270,6 +275,12 @@ def _replay(body: bytes, receive):
         return await receive()
 
     return replay
+
+
+def _is_json(scope) -> bool:
+    """A JSON body (anything else vLLM refuses itself, with its own status)."""
+    kind = next((v for k, v in scope["headers"] if k.lower() == b"content-type"), b"")
+    return b"json" in kind.lower()
 
 
 def _error(code: int, message: str, param: str | None = None) -> dict:

@@ -310,3 +310,45 @@ def test_the_serving_bench_measures_attached_servers(server, tmp_path):
     steered = [t["rows_steered_by_rank"]["0"] for t in workload["trials"] if t["side"] == "esamp"]
     assert all(rows >= 2 * 2 * 8 for rows in steered)  # every sampled token was a steered row
     assert workload["ratio"]["min"] <= workload["ratio"]["median"] <= workload["ratio"]["max"]
+
+
+def test_the_dashboard_attaches_to_the_server(server, tmp_path):
+    """esamp-tui --server URL, headless: panes stream from the API with novelty heat, charts get the
+    Distiller's loss, the status bar names the server."""
+    pytest.importorskip("textual")
+    import asyncio
+
+    from esamp.core.config import SamplingConfig
+    from esamp.gpu import GIB, MemorySample
+    from esamp_tui.__main__ import build_parser
+    from esamp_tui.app import EsampApp
+    from esamp_tui.options import Options
+
+    class Memory:
+        def sample(self):
+            return MemorySample("host", 3 * GIB, 8 * GIB, note="test", time=time.time())
+
+        def close(self):
+            pass
+
+    args = build_parser().parse_args(["--server", server.url, "-n", "2", "--max-tokens", "8"])
+    assert args.server == server.url
+    options = Options(engine="server", engine_options={"url": server.url}, prompt="Name a colour.", log_file="",
+                      sampling=SamplingConfig(n=2, max_tokens=8))
+
+    async def scenario():
+        app = EsampApp(options, memory_sampler=Memory(), theme_dir=tmp_path, speed_file=tmp_path / "speed.json")
+        async with app.run_test(size=(120, 36)) as pilot:
+            screen = app.main_screen
+            deadline = time.monotonic() + 120
+            while not (screen.record.groups and all(g.finished for g in screen.record.groups.values())):
+                assert screen.controller.failed is None, screen.controller.failed
+                assert time.monotonic() < deadline, "the run did not finish"
+                await pilot.pause(0.05)
+            assert screen.status.engine == "server" and screen.status.model == MODEL
+            group = screen.record.groups["r1-on"]
+            for sample in group.samples:
+                assert sample.tokens and all(t.novelty is not None for t in sample.tokens[:-1])
+            assert any(p.loss is not None for p in screen.record.metrics)
+
+    asyncio.run(scenario())

@@ -60,8 +60,9 @@ class FakeVllm:
         await send({"type": "http.response.body", "body": b"{}"})
 
 
-async def call(middleware, app, method, path, body=b"", headers=(), query=b""):
-    scope = {"type": "http", "method": method, "path": path, "query_string": query, "headers": list(headers),
+async def call(middleware, app, method, path, body=b"", headers=(), query=b"", json_body=True):
+    headers = [*headers, *([(b"content-type", b"application/json")] if json_body else [])]
+    scope = {"type": "http", "method": method, "path": path, "query_string": query, "headers": headers,
              "app": app}
     chunks = [body[i:i + 7] for i in range(0, len(body), 7)] or [b""]  # a body in several messages
     messages = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1} for i, c in enumerate(chunks)]
@@ -204,3 +205,6 @@ def test_one_rank_needs_no_pinning_and_refusals_never_reach_vllm(monkeypatch):
         assert run(call(middleware, app, "POST", "/v1/completions", raw))[0] == 200
         assert app.seen[-1][1] == raw
     assert run(call(middleware, app, "GET", "/v1/models"))[0] == 200  # everything else passes through
+    refused = completion(stream=True, repetition_penalty=1.2)  # not sent as JSON: vLLM's own answer (415)
+    assert run(call(middleware, app, "POST", "/v1/completions", refused, json_body=False))[0] == 200
+    assert app.seen[-1][1] == refused
