@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import queue
 import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 from urllib.parse import quote, urlsplit
 
@@ -45,6 +46,7 @@ from esamp.engines.vllm.engine import VllmEngine, _reason, _VllmGroup
 from esamp.errors import ConfigError, EngineError, PromptError
 from esamp.events import Event
 
+API_KEY_ENV = "ESAMP_API_KEY"
 START_TIMEOUT = 120.0  # until the server answers a request's headers (it tokenises first)
 # After a group's stream has ended, how long its last records may take before its remaining tokens
 # go out without novelty (a rank whose side channel does not answer would otherwise hold them).
@@ -87,7 +89,8 @@ class ServerEngine(VllmEngine):
                  api_key: str | None = None, poll_interval: float = 0.05, timeout: float = START_TIMEOUT) -> None:
         """``url``: the server (``http://host:port``). ``model``: a served model name (default:
         the server's first). ``esamp``: only its steering is used, as the default for groups
-        started without one; the engine-wide settings (taps, slots, ...) are the server's."""
+        started without one; the engine-wide settings (taps, slots, ...) are the server's.
+        ``api_key``: for a server started with ``--api-key`` (default: ``$ESAMP_API_KEY``)."""
         EngineBase.__init__(self, None)
         if not url:
             raise ConfigError("the server engine needs the server's address",
@@ -97,7 +100,7 @@ class ServerEngine(VllmEngine):
             raise ConfigError(f"--server {url!r}: not an http(s) address", hint="e.g. --server http://127.0.0.1:8000")
         self.url = f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/')}"
         self._parts = parts
-        self.api_key = api_key
+        self.api_key = api_key or os.environ.get(API_KEY_ENV) or None
         self.timeout = timeout
         self.poll_interval = poll_interval
         self.client = uuid.uuid4().hex[:8]  # this client's prefix for its group keys on the server
@@ -232,6 +235,8 @@ class ServerEngine(VllmEngine):
             data = response.read()
             conn.close()
             raise _server_error(response.status, data, "the request")
+        if conn.sock is not None:  # a request may wait in vLLM's queue for long before its first token
+            conn.sock.settimeout(None)
         g.conn = conn
         threading.Thread(target=self._read_stream, args=(g, response), name=f"esamp-stream-{g.key}",
                          daemon=True).start()
