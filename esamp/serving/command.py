@@ -66,8 +66,6 @@ DP = ("--data-parallel-size", "-dp")
 MULTI_NODE = ("--headless", "--data-parallel-start-rank", "--data-parallel-size-local", "--data-parallel-address",
               "--data-parallel-hybrid-lb", "--data-parallel-external-lb", "--nnodes", "--node-rank")
 JSON_OPTIONS = ("--additional-config", "--hf-overrides", "--override-generation-config")
-FLAGS = ("--enforce-eager", "--skip-tokenizer-init", "--headless", "--data-parallel-hybrid-lb",
-         "--data-parallel-external-lb")  # options that take no value
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -148,7 +146,7 @@ def build(args, passthrough: list[str]) -> Plan:
     architecture = es.esamp_architecture(base)
     layers = int(config["num_hidden_layers"])
 
-    ranks = int(_value(rest, DP) or 1)
+    ranks = _int(_value(rest, DP) or "1", DP[0])
     if ranks < 1:
         raise ConfigError(f"--data-parallel-size={ranks}: must be at least 1", hint="e.g. --data-parallel-size 2")
     channel_port = args.channel_port if args.channel_port is not None else free_ports(ranks, CHANNEL_HOST)
@@ -222,10 +220,11 @@ def build(args, passthrough: list[str]) -> Plan:
         env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")
         env["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     channels = f"127.0.0.1:{channel_port}" + (f"..{channel_port + ranks - 1}" if ranks > 1 else "")
+    port = _value(rest, ("--port",)) or "8000"  # vLLM's default
     notes.append(f"{resolved.name} with ESamp ({architecture}, taps {additional[es.KEY]['source_layer']}→"
                  f"{additional[es.KEY]['target_layer']}, {esamp.slots} slots per rank, β {esamp.beta}, mix "
-                 f"{esamp.mix}); rank side channels on {channels}; ESamp routes /esamp/metrics, "
-                 "/esamp/records?group=G, /esamp/config")
+                 f"{esamp.mix}); OpenAI API on port {port} (/v1/...), ESamp on /esamp/metrics, "
+                 f"/esamp/records?group=G, /esamp/config; rank side channels on {channels}")
     return Plan(command, env, notes)
 
 

@@ -112,6 +112,7 @@ def test_vllm_neutral_defaults_when_asked():
     (("--model", "other"), ["two models"]),
     (("--data-parallel-size", "2", "--channel-port", "65535"), ["--channel-port=65535"]),
     (("--served-model-name",), ["needs a value"]),
+    (("-dp", "two"), ["--data-parallel-size='two'"]),
 ])
 def test_what_esamp_serve_refuses_says_why_and_what_to_do(argv, words):
     with pytest.raises(ConfigError) as err:
