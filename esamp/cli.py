@@ -18,6 +18,7 @@ SUBCOMMANDS = {
     "generate": "esamp.generate",
     "bench": "esamp.bench",
     "eval": "esamp.eval.cli",
+    "serve": "esamp.serving.command",
 }
 
 
@@ -54,7 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     prefer_passive_wait()  # before anything loads torch (see esamp.threads)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # A command that passes the options it does not know to another program (esamp serve → vLLM)
+    # gets them as ``args.passthrough``; for every other command they are an error, as before.
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "_passthrough", False):
+        parser.error("unrecognized arguments: " + " ".join(unknown))
+    args.passthrough = unknown
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2

@@ -42,6 +42,8 @@ def configure(p: argparse.ArgumentParser) -> None:
                    "(default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--engine", choices=ENGINE_NAMES, default="reference",
                    help="reference (transformers, CPU) or vllm; auto = vllm when CUDA and vLLM exist")
+    p.add_argument("--server", default=None, metavar="URL",
+                   help="generate on an esamp serve endpoint (http://HOST:PORT) instead of a local engine")
     add_threads_flag(p)
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--json", action="store_true", help="one JSON event per line on stdout")
@@ -83,6 +85,8 @@ def run(args) -> int:
 def _load(args, esamp: EsampConfig):
     """The engine, or an ``EsampError`` that says which model could not be loaded and why."""
     try:
+        if args.server:
+            return engines.create_engine("server", model=args.model, esamp=esamp, url=args.server)
         return engines.create_engine(args.engine, model=args.model, esamp=esamp,
                                      **threads_option(args.engine, args.threads))
     except (EsampError, KeyboardInterrupt):
@@ -159,7 +163,8 @@ class _TextOutput:
 
 def _generate(args, sampling: SamplingConfig, esamp: EsampConfig, out) -> int:
     if not args.json:
-        print(f"loading {args.model or 'the embedded default model'} ...", file=sys.stderr)
+        print(f"connecting to {args.server} ..." if args.server else
+              f"loading {args.model or 'the embedded default model'} ...", file=sys.stderr)
     engine = _load(args, esamp)
     ready = engine.ready
     if not args.json:

@@ -31,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="HF directory, .gguf file or a name in the local HF cache (default: embedded SmolLM2-135M)")
     p.add_argument("--engine", default="reference", choices=ENGINE_NAMES,
                    help="reference (CPU, default), vllm, or auto (vLLM when CUDA and vLLM are present)")
+    p.add_argument("--server", default=None, metavar="URL",
+                   help="attach to a running esamp serve endpoint (http://HOST:PORT) instead of starting an "
+                        "engine; --model then names a served model")
     p.add_argument("--prompt", default=None, help="run this prompt at start")
     p.add_argument("--theme", default=None, help="theme name (dark, light, high-contrast or your own)")
     add_threads_flag(p)
@@ -47,8 +50,11 @@ def main(argv: list[str] | None = None) -> int:
         from esamp_tui.options import Options
         from esamp_tui.theming import check_theme, load_themes
 
-        options = Options.from_args(args, engine=args.engine, model=args.model, prompt=args.prompt,
-                                    theme=args.theme, engine_options=threads_option(args.engine, args.threads))
+        # --server: the session's worker runs the client of the served endpoint (esamp.engines.server)
+        engine = "server" if args.server else args.engine
+        engine_options = {"url": args.server} if args.server else threads_option(args.engine, args.threads)
+        options = Options.from_args(args, engine=engine, model=args.model, prompt=args.prompt,
+                                    theme=args.theme, engine_options=engine_options)
         if args.theme is not None:
             check_theme(args.theme, *load_themes())
     except EsampError as exc:

@@ -1,4 +1,5 @@
-"""Engines: the reference engine (transformers, CPU, the oracle) and the vLLM engine."""
+"""Engines: the reference engine (transformers, CPU, the oracle), the vLLM engine, and the client of
+a served endpoint (``server``: ``esamp serve`` behind vLLM's OpenAI API)."""
 
 import os
 
@@ -8,7 +9,9 @@ ENGINE_NAMES = ("auto", "reference", "vllm")
 
 
 def create_engine(name: str = "reference", model: str | None = None, esamp=None, **kwargs) -> Engine:
-    """Build an engine by name. ``auto`` picks vLLM when CUDA and vLLM are present."""
+    """Build an engine by name. ``auto`` picks vLLM when CUDA and vLLM are present. ``server`` is a
+    client of an ``esamp serve`` endpoint: ``create_engine("server", url="http://host:port")``
+    (``model`` then names a served model, default the server's first)."""
     from esamp.errors import ConfigError
 
     if name == "auto":
@@ -29,8 +32,12 @@ def create_engine(name: str = "reference", model: str | None = None, esamp=None,
                 "or use --engine reference",
             ) from None
         return VllmEngine(model=model, esamp=esamp, **kwargs)
+    if name == "server":
+        from esamp.engines.server import ServerEngine
+
+        return ServerEngine(model=model, esamp=esamp, **kwargs)
     raise ConfigError(
-        f"unknown engine {name!r}", hint="choose one of: " + ", ".join(ENGINE_NAMES)
+        f"unknown engine {name!r}", hint="choose one of: " + ", ".join(ENGINE_NAMES) + " (or --server URL)"
     )
 
 

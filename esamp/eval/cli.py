@@ -36,7 +36,7 @@ ENGINE_FLAGS = ["slots"]
 TASK_OVERRIDES = ("limit", "max_tokens", "temperature", "top_p", "top_k", "min_p")
 FILE_KEYS = ("tasks", "task_files", "limit", "k", "engine", "model", "threads", "parallel", "out",
              "no_diversity", *SAMPLING_FLAGS, *ESAMP_FLAGS, *ENGINE_FLAGS, "matrix", "task")
-DEFAULT_PARALLEL = {"reference": 1, "vllm": 16}
+DEFAULT_PARALLEL = {"reference": 1, "vllm": 16, "server": 16}
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -68,6 +68,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     engine = p.add_argument_group("engine")
     engine.add_argument("--engine", default=None, choices=["auto", "reference", "vllm"],
                         help="auto (default): vLLM when CUDA and vLLM are present, else the reference engine")
+    engine.add_argument("--server", default=None, metavar="URL",
+                        help="run the arms against an esamp serve endpoint (replaces --engine; --parallel "
+                        "groups in flight)")
     engine.add_argument("--model", default=None, help="model path or name (default: the embedded SmolLM2-135M)")
     add_flags(engine, EsampConfig, ENGINE_FLAGS)
     engine.add_argument("--parallel", type=int, default=None,
@@ -274,7 +277,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--parallel {args.parallel} must be at least 1", hint="e.g. --parallel 4")
     if args.threads is not None:
         check_threads(args.threads)  # also a value from the matrix file
-    engine_name = args.engine or "auto"
+    engine_name = "server" if getattr(args, "server", None) else (args.engine or "auto")
 
     tasks = _tasks(args, data.get("task", {}), data.get("_name"), base_sampling)
     ks = parse_ks(args.k, base_sampling.n) if args.k else None
@@ -378,7 +381,10 @@ def _parallel(args, engine: str, slots: int) -> int:
 
 
 def _engine_options(args, name: str) -> dict:
-    """Engine-specific keyword arguments: --threads reaches the reference engine only."""
+    """Engine-specific keyword arguments: --threads reaches the reference engine only, --server the
+    served endpoint's client."""
+    if name == "server":
+        return {"url": args.server}
     return threads_option(name, args.threads)
 
 

@@ -103,7 +103,10 @@ def start(processor, settings: dict, vllm_config) -> Channel | None:
     port = settings.get("port")
     if not port:
         return None
-    rank = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
+    # vLLM keeps a dense model's engine cores at data_parallel_rank 0 and their real place in
+    # data_parallel_index (vLLM 0.20 v1/engine/core.py); older configs only have the rank.
+    parallel = vllm_config.parallel_config
+    rank = int(getattr(parallel, "data_parallel_index", None) or getattr(parallel, "data_parallel_rank", 0) or 0)
     try:
         return Channel(processor, settings.get("host", "127.0.0.1"), int(port) + rank, rank)
     except OSError as exc:  # taken (another worker of this rank serves it), or not allowed

@@ -1,0 +1,376 @@
+"""``ServerEngine``: the engine protocol as a client of a served endpoint (``esamp serve``).
+
+``create_engine("server", url="http://host:port")``. A group is one streaming ``/v1/completions``
+request with ``n`` samples: sample i is choice i (a seeded request's child i has seed + i, which
+is how the server's processor numbers its samples), the steering travels in ``vllm_xargs`` (the
+flat payload of ``esamp.core.payload``) with the group's own key (``esamp_group``, prefixed with
+this client's id so two clients never share a group) and ``esamp_records: "on"``, and the
+per-token novelty comes from ``GET /esamp/records?group=...`` (every data-parallel rank's side
+channel, taken: each record once).
+
+Events are the library engines' (``esamp.events``): the records say which engine step sampled
+which (sample, generation index), exactly as the in-process vLLM engine's drain does, so the
+bookkeeping that turns records and tokens into events is ``VllmEngine``'s own (this class
+inherits it: ``_file``, ``_advance``, ``_feed``, ``_finish_ready``). A token is released once its
+step's record is back (its novelty is the error of the step where it was the input), or, for a
+sample the server could not steer, once the sample ended and every record has been read.
+
+Text comes from the server (its detokenizer, as every OpenAI client sees it); token ids from
+``return_token_ids``. When the server merges several tokens into one streamed chunk (a client that
+reads slowly), the chunk's text goes with its last token. Prompts are tokenised by the server
+(``/tokenize``, with the chat template unless ``chat=False``); a model served without a
+tokenizer (the dummy presets) takes token ids.
+
+HTTP is the standard library's (one connection per group, read by a thread of its own), so a
+client needs nothing beyond esamp's own dependencies.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import queue
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Sequence
+from urllib.parse import quote, urlsplit
+
+from esamp.core.config import EsampConfig, Steering, make_config
+from esamp.core import payload as pl
+from esamp.engines.base import EngineBase, Group, StepStats, check_prompt_text, encode_prompt
+from esamp.engines.vllm.engine import VllmEngine, _reason, _VllmGroup
+from esamp.errors import ConfigError, EngineError, PromptError
+from esamp.events import Event
+
+API_KEY_ENV = "ESAMP_API_KEY"
+START_TIMEOUT = 120.0  # until the server answers a request's headers (it tokenises first)
+# After a group's stream has ended, how long its last records may take before its remaining tokens
+# go out without novelty (a rank whose side channel does not answer would otherwise hold them).
+RECORD_GRACE = 3.0
+
+
+class _ServerText:
+    """Stands in for a sample's detokenizer in ``GroupStream``: the server's text, token by token."""
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []  # one per token received, in order
+        self.read = 0
+
+    def add(self, count: int, text: str) -> None:
+        if count:
+            self.texts += [""] * (count - 1) + [text]
+        elif text and len(self.texts) > self.read:  # text the server held back, now released
+            self.texts[-1] += text
+
+    def push(self, token_id: int) -> str:
+        text = self.texts[self.read] if self.read < len(self.texts) else ""
+        self.read += 1
+        return text
+
+
+@dataclass
+class _ServedGroup(_VllmGroup):
+    server_group: str = ""
+    conn: Any = None
+    cancelled: bool = False
+    closed_at: float | None = None  # when its stream ended
+
+
+class ServerEngine(VllmEngine):
+    """A served ESamp endpoint as an engine (see the module docstring)."""
+
+    name = "server"
+
+    def __init__(self, url: str | None = None, model: str | None = None, esamp: EsampConfig | None = None, *,
+                 api_key: str | None = None, poll_interval: float = 0.05, timeout: float = START_TIMEOUT) -> None:
+        """``url``: the server (``http://host:port``). ``model``: a served model name (default:
+        the server's first). ``esamp``: only its steering is used, as the default for groups
+        started without one; the engine-wide settings (taps, slots, ...) are the server's.
+        ``api_key``: for a server started with ``--api-key`` (default: ``$ESAMP_API_KEY``)."""
+        EngineBase.__init__(self, None)
+        if not url:
+            raise ConfigError("the server engine needs the server's address",
+                              hint="pass --server http://HOST:PORT (a server started with esamp serve)")
+        parts = urlsplit(url if "://" in url else f"http://{url}")
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ConfigError(f"--server {url!r}: not an http(s) address", hint="e.g. --server http://127.0.0.1:8000")
+        self.url = f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/')}"
+        self._parts = parts
+        self.api_key = api_key or os.environ.get(API_KEY_ENV) or None
+        self.timeout = timeout
+        self.poll_interval = poll_interval
+        self.client = uuid.uuid4().hex[:8]  # this client's prefix for its group keys on the server
+        self.plain = False
+        self._inbox: queue.Queue = queue.Queue()
+        self._last_poll = 0.0
+        self.counters: dict = {}
+
+        info = self._server_info()
+        served = self.request_json("GET", "/v1/models").get("data") or []
+        names = [m.get("id") for m in served]
+        if model is not None and model not in names:
+            raise ConfigError(f"the server does not serve {model!r}", hint="it serves: " + ", ".join(map(str, names)))
+        self.model_id = model or (names[0] if names else info["model"])
+        entry = next((m for m in served if m.get("id") == self.model_id), {})
+        self.config_info = info
+        server_esamp = make_config(EsampConfig, **info["esamp"])
+        self.esamp = server_esamp if esamp is None else \
+            make_config(EsampConfig, **{**server_esamp.model_dump(), **esamp.steering().model_dump()})
+        self.context = int(entry.get("max_model_len") or info.get("max_model_len") or 0)
+        self.hidden, self.num_layers = int(info.get("hidden_size", 0)), int(info.get("num_layers", 0))
+        self.ranks = int(info.get("ranks", 1))
+        self.tokenizer = None
+        self.stop_ids = set()
+        self.model_name = self.model_id
+        self.device_name = f"server {parts.netloc}" + (f", {self.ranks} ranks" if self.ranks > 1 else "")
+        self._loaded()
+
+    # -- HTTP --------------------------------------------------------------------------------
+
+    def _connection(self, timeout: float) -> http.client.HTTPConnection:
+        kind = http.client.HTTPSConnection if self._parts.scheme == "https" else http.client.HTTPConnection
+        return kind(self._parts.hostname, self._parts.port, timeout=timeout)
+
+    def _headers(self) -> dict:
+        headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        return headers
+
+    def request_json(self, method: str, path: str, body: dict | None = None, timeout: float = 30.0) -> dict:
+        """One request; the JSON answer, or an ``EngineError`` with the server's own reason."""
+        conn = self._connection(timeout)
+        try:
+            conn.request(method, self._parts.path.rstrip("/") + path,
+                         body=None if body is None else json.dumps(body), headers=self._headers())
+            response = conn.getresponse()
+            status, data = response.status, response.read()
+        except OSError as exc:
+            raise EngineError(f"no answer from the server at {self.url}: {exc}",
+                              hint="is it running? start one with esamp serve MODEL --port PORT") from None
+        finally:
+            conn.close()
+        if status != 200:
+            raise _server_error(status, data, f"{method} {path}")
+        try:
+            return json.loads(data)
+        except ValueError:
+            raise EngineError(f"{method} {path}: the server's answer is not JSON",
+                              hint=f"is {self.url} an esamp serve endpoint?") from None
+
+    def _server_info(self) -> dict:
+        try:
+            return self.request_json("GET", "/esamp/config")
+        except EngineError as exc:
+            if getattr(exc, "status", None) in (404, 503):
+                raise EngineError(f"{self.url} serves no ESamp ({exc.message})",
+                                  hint="start the server with esamp serve MODEL (README, \"Serving ESamp with "
+                                       "vLLM\")") from None
+            raise
+
+    def info(self) -> dict:
+        return self.request_json("GET", "/esamp/config")
+
+    # -- admission ---------------------------------------------------------------------------
+
+    def steering_of(self, steering: Steering | None) -> Steering:
+        """A group's steering. Engine-wide settings belong to the server, so an ``EsampConfig``
+        given here contributes its steering only."""
+        return self.esamp.steering() if steering is None else steering.steering()
+
+    def encode(self, prompt: str | Sequence[int], chat: bool = True) -> list[int]:
+        if isinstance(prompt, str):
+            check_prompt_text(prompt)
+            ids = self._tokenize(prompt, chat)
+        else:
+            ids = prompt
+        return encode_prompt(None, ids, False, self.context)  # its checks: empty, longer than the context
+
+    def _tokenize(self, prompt: str, chat: bool) -> list[int]:
+        body: dict = {"model": self.model_id}
+        if chat:
+            body.update(messages=[{"role": "user", "content": prompt}], add_generation_prompt=True)
+        else:
+            body.update(prompt=prompt)
+        try:
+            return list(self.request_json("POST", "/tokenize", body)["tokens"])
+        except (ConfigError, EngineError) as exc:  # the server's refusal (400) or failure
+            text = exc.message.lower()
+            if chat and "chat template" in text:  # a model without one: the prompt as plain text
+                return self._tokenize(prompt, chat=False)
+            if "tokenizer" in text:
+                raise PromptError(f"{self.model_id} is served without a tokenizer: give the prompt as token ids",
+                                  hint="pass a list of token ids, or serve a model with a tokenizer") from None
+            raise
+
+    def _admit(self, group: Group) -> _ServedGroup:
+        g = _ServedGroup(**vars(group))
+        s = g.sampling
+        g.arrived = [[] for _ in range(s.n)]
+        g.fed = [0] * s.n
+        g.server_group = f"{self.client}-{g.key}"
+        g.stream.detok = [_ServerText() for _ in range(s.n)]  # the server's text, not a local detokenizer
+        # Steered: every steering setting explicitly (not the server's defaults), its group, and
+        # its records kept for this client. Off: plain sampling, no Distiller, no records.
+        xargs = pl.encode(g.steering, group=g.server_group, records=True) if g.steered else {pl.PREFIX: "off"}
+        body = {"model": self.model_id, "prompt": g.prompt_ids, "n": s.n, "max_tokens": g.max_new,
+                "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "min_p": s.min_p,
+                "ignore_eos": s.ignore_eos, "stream": True, "return_token_ids": True, "vllm_xargs": xargs}
+        if s.seed is not None:
+            body["seed"] = s.seed
+        conn = self._connection(self.timeout)
+        try:
+            conn.request("POST", self._parts.path.rstrip("/") + "/v1/completions", body=json.dumps(body),
+                         headers={**self._headers(), "Accept": "text/event-stream"})
+            response = conn.getresponse()
+        except OSError as exc:
+            conn.close()
+            raise EngineError(f"the server at {self.url} did not take the request: {exc}",
+                              hint="is it still running? the other groups keep going") from None
+        if response.status != 200:
+            data = response.read()
+            conn.close()
+            raise _server_error(response.status, data, "the request")
+        if conn.sock is not None:  # a request may wait in vLLM's queue for long before its first token
+            conn.sock.settimeout(None)
+        g.conn = conn
+        threading.Thread(target=self._read_stream, args=(g, response), name=f"esamp-stream-{g.key}",
+                         daemon=True).start()
+        return g
+
+    def _read_stream(self, g: _ServedGroup, response) -> None:
+        """The group's server-sent events → the inbox (this thread), until [DONE] or the end."""
+        put = self._inbox.put
+        try:
+            for raw in response:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    error = chunk["error"]
+                    put(("error", g.key, error.get("message", str(error)) if isinstance(error, dict) else str(error)))
+                    break
+                for choice in chunk.get("choices", ()):
+                    put(("tokens", g.key, choice["index"], list(choice.get("token_ids") or ()),
+                         choice.get("text") or "", choice.get("finish_reason"), choice.get("stop_reason")))
+        except Exception as exc:  # a broken connection, or one we closed to abort
+            if not g.cancelled:
+                put(("error", g.key, f"the stream from the server broke: {type(exc).__name__}: {exc}"))
+        finally:
+            put(("closed", g.key))
+            try:
+                g.conn.close()
+            except Exception:
+                pass
+
+    def _cancel(self, g: _ServedGroup) -> None:
+        """Close the group's connection: the server aborts its requests when the client goes."""
+        g.cancelled = True
+        sock = getattr(g.conn, "sock", None)
+        try:
+            if sock is not None:
+                sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def _release(self, g: _ServedGroup) -> None:
+        """Nothing to give back: the server frees an idle group's Distiller slot itself."""
+
+    def _shutdown(self) -> None:
+        pass
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def drain(self) -> dict:
+        """The running steered groups' records from every rank of the server (taken)."""
+        keys = {g.server_group: key for key, g in self.groups.items() if g.steered}
+        if not keys:
+            return {"steps": [], "pending": 0, "unreachable": []}
+        out = self.request_json("GET", "/esamp/records?group=" + quote(",".join(sorted(keys)), safe=","))
+        for rec in out["steps"]:  # the server's group keys back to this client's
+            rec["rows"] = [(keys.get(r[0], r[0]), *r[1:]) for r in rec["rows"]]
+            rec["loss"] = {keys.get(k, k): v for k, v in rec["loss"].items()}
+        return out
+
+    def _collect(self) -> list[tuple]:
+        """What the streams delivered since the last step (waiting briefly when nothing has)."""
+        items = []
+        try:
+            items.append(self._inbox.get(timeout=self.poll_interval if self.groups else 0))
+            while True:
+                items.append(self._inbox.get_nowait())
+        except queue.Empty:
+            pass
+        return items
+
+    def step(self) -> list[Event]:
+        tokens = 0
+        failed: dict[str, str] = {}
+        for kind, key, *rest in self._collect():
+            g = self.groups.get(key)
+            if g is None:
+                continue
+            if kind == "tokens":
+                sample, ids, text, finish, stop = rest
+                g.arrived[sample].extend(ids)
+                g.stream.detok[sample].add(len(ids), text)
+                tokens += len(ids)
+                if finish is not None:
+                    g.final[sample] = _reason(finish)
+                    # Ended by a stop token (not a stop string): the token is in the ids and, as in
+                    # the library engines, not shown. Stop tokens end a sample, so it is the last.
+                    if finish == "stop" and (stop is None or isinstance(stop, int)) and g.arrived[sample]:
+                        g.stream.stop_ids = g.stream.stop_ids | {g.arrived[sample][-1]}
+            elif kind == "error":
+                failed[key] = rest[0]
+            elif kind == "closed":
+                g.closed_at = time.monotonic()
+                for sample in range(g.sampling.n):  # a stream that ended without finishing a sample
+                    g.final.setdefault(sample, "abort" if g.cancelled else "error")
+        stats = StepStats(tokens=tokens, rows=tokens)
+        all_back = False
+        now = time.perf_counter()
+        if any(g.steered for g in self.groups.values()) and now - self._last_poll >= self.poll_interval:
+            self._last_poll = now
+            drained = self.drain()  # read after the tokens above: every record of theirs is in it
+            for rec in drained["steps"]:
+                self._file(rec, stats)
+            all_back = drained.get("pending", 0) == 0 and not drained.get("unreachable")
+        events: list[Event] = []
+        for key in list(self.groups):
+            g = self.groups[key]
+            if key in failed:
+                events += self._failed(g, EngineError(failed[key]))
+                continue
+            overdue = g.closed_at is not None and time.monotonic() - g.closed_at > RECORD_GRACE
+            try:
+                events += self._advance(g, all_back or overdue)
+            except Exception as exc:  # one failing group must not take the others down
+                events += self._failed(g, exc)
+                continue
+            if g.stream.done:
+                self._finished(g)
+        return events + self._step_event(stats)
+
+
+def _server_error(status: int, data: bytes, what: str) -> EngineError:
+    """The server's refusal as an error a user can act on (its message says what to change)."""
+    try:
+        error = json.loads(data).get("error")
+        message = error.get("message") if isinstance(error, dict) else str(error)
+    except (ValueError, AttributeError):
+        message = data.decode(errors="replace")[:300] or f"HTTP {status}"
+    kind = ConfigError if status == 400 else EngineError
+    err = kind(f"the server refused {what} (HTTP {status}): {message}",
+               hint="change the setting the message names" if status == 400
+               else "check the server's log; esamp serve prints where it listens")
+    err.status = status
+    return err

@@ -1,0 +1,23 @@
+"""ESamp behind vLLM's own OpenAI-compatible server (README, "Serving ESamp with vLLM").
+
+There is no server of ours: ``esamp serve`` assembles ``vllm serve``'s options and hands the
+process over to vLLM. What ESamp adds rides on vLLM's public seams:
+
+- ``command``: ``esamp serve MODEL [vLLM options]``: resolves the model as every esamp command
+  does, writes the engine-wide settings into ``--additional-config``, chooses the model class
+  (``--hf-overrides``), the logits processor, the worker extension and this package's middleware,
+  caps ``--max-num-seqs`` to the Distiller bank, sets ``ESAMP_SERVE`` (every request is an ESamp
+  group unless it says ``{"esamp": "off"}``) and execs vLLM's server.
+- ``middleware``: an ASGI middleware vLLM loads with ``--middleware``. It refuses a request ESamp
+  cannot serve with an OpenAI-style 400 before a stream starts, keeps the n samples of a request on
+  one data-parallel rank, and serves ``GET /esamp/metrics``, ``GET /esamp/records?group=G`` and
+  ``GET /esamp/config`` from every rank's side channel (``esamp.engines.vllm.channel``).
+- ``admission``: the request check the middleware runs (the engine's own ``settings.prepare``).
+- ``metrics``: every rank's counters as one Prometheus text.
+
+The client side is ``esamp.engines.server.ServerEngine`` (``create_engine("server", url=...)``),
+which ``esamp generate --server``, ``esamp eval --server`` and ``esamp-tui --server`` use.
+"""
+
+MIDDLEWARE = "esamp.serving.middleware.EsampMiddleware"
+ROUTES = ("/esamp/metrics", "/esamp/records?group=G", "/esamp/config")

