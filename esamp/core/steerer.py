@@ -40,6 +40,7 @@ class SteeredRow:
     slot: int
     steering: Steering
     filters: Filters
+    may_train: bool = True  # False holds this row's training back (its group is not all there yet)
 
 
 def device_tensor(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -78,7 +79,7 @@ class StepPlan:
         slots = [r.slot for r in rows]
         trains, seen = [], set()
         for r in rows:  # train_rows "group": the group's first row in this step trains
-            trains.append(r.steering.train and (r.steering.train_rows == "all" or r.slot not in seen))
+            trains.append(r.may_train and r.steering.train and (r.steering.train_rows == "all" or r.slot not in seen))
             seen.add(r.slot)
         training = Training.of(slots, trains) if distill else None
         f = [r.filters for r in rows]

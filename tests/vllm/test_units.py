@@ -207,3 +207,20 @@ def test_one_processor_works_when_esamp_is_also_named(monkeypatch):
     monkeypatch.setattr(es, "processor_installed", lambda: False)
     named_only = config([es.PROCESSOR])
     assert module._takes_turn(named_only, module.EsampLogitsProcessor)
+
+
+@pytest.mark.vllm
+def test_a_group_trains_once_all_its_samples_have_arrived():
+    """A served request's children reach the engine one after another: the group's Distiller
+    trains from the step where all n have been in a batch (and then on, whoever has finished)."""
+    from esamp.core.config import Filters, Steering
+    from esamp.engines.vllm.processor import _Groups, _Row
+
+    groups = _Groups(None)
+    rows = [_Row("g", s, Steering(), Filters(), [], records=False, n=3) for s in range(3)]
+    for r in rows[:2]:
+        groups.arrived(r)
+    assert not groups.complete(rows[0])
+    groups.arrived(rows[2])
+    assert all(groups.complete(r) for r in rows)
+    assert groups.complete(_Row("h", 0, Steering(), Filters(), [], records=False, n=None))

@@ -125,6 +125,7 @@ class _Row:
     output_ids: list[int]  # the request's generated ids (a live list): its length is the
     # generation index of the token sampled this step
     records: bool
+    n: int | None  # samples in the row's group, when the request said
 
 
 @dataclass
@@ -168,6 +169,7 @@ class _Groups:
     def __init__(self, bank: DistillerBank | None) -> None:
         self.bank = bank
         self.last_seen: dict[str, int] = {}
+        self.samples_seen: dict[str, set[int]] = collections.defaultdict(set)
         self.arrivals: dict[str, dict[int, tuple[list[int], int]]] = collections.defaultdict(dict)
         self.live: set[str] = set()
 
@@ -193,8 +195,18 @@ class _Groups:
         self.last_seen[group] = step
         return bank.allocate(group)
 
+    def arrived(self, row: "_Row") -> None:
+        self.samples_seen[row.group].add(row.sample)
+
+    def complete(self, row: "_Row") -> bool:
+        """Whether every sample of the row's group has been in a batch. A served request's n
+        children reach the engine one after another; training waits for all of them, so the
+        Distiller's first steps see the whole group, as in the library engine."""
+        return row.n is None or len(self.samples_seen[row.group]) >= row.n
+
     def release(self, group: str) -> bool:
         self.arrivals.pop(group, None)
+        self.samples_seen.pop(group, None)
         self.last_seen.pop(group, None)
         if self.bank is not None and group in self.bank.groups:
             self.bank.free(group)
@@ -281,7 +293,7 @@ class EsampLogitsProcessor(LogitsProcessor):
             sample = self.groups.sample_of(group, output_ids)
         steering = payload.steering_over(self.config) if self.config is not None else None
         return _Row(group, sample, steering, payload.filters, output_ids,
-                    records=self.record_all or bool(payload.records))
+                    records=self.record_all or bool(payload.records), n=payload.n)
 
     # -- the step ----------------------------------------------------------------------------
 
@@ -313,7 +325,10 @@ class EsampLogitsProcessor(LogitsProcessor):
                 order = [i for i, _, _ in chosen]
                 return None if order == list(range(rows)) else device_tensor(order, torch.long, self.device)
 
-            splan = StepPlan.build([SteeredRow(s, r.steering, r.filters) for _, r, s in steered],
+            for _, r, _ in steered:
+                self.groups.arrived(r)
+            complete = {id(r): self.groups.complete(r) for _, r, _ in steered}
+            splan = StepPlan.build([SteeredRow(s, r.steering, r.filters, complete[id(r)]) for _, r, s in steered],
                                    self.device, vocab=self.vocab) if steered else None
             pplan = StepPlan.build([SteeredRow(-1, Steering(enabled=False), r.filters) for _, r, _ in plain],
                                    self.device, vocab=self.vocab, distill=False) if plain else None
