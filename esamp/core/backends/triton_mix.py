@@ -3,7 +3,7 @@
 ``mix_and_count`` reads the filtered logits z̃ [R, V] (fp32, −∞ outside C) and the Distiller
 logits d [R, V] (the LM head's dtype) once, writes z' over z̃, and counts the finite entries of
 each row. Unfused that is three passes over [R, V] (a multiply, a multiply-add, a comparison and
-a sum); the README's "Where the time goes" has what each costs.
+a sum); benchmarks/README.md ("Where the time goes") has what each costs.
 The same arithmetic in PyTorch ops serves the CPU and any tensor Triton cannot take; a test
 holds the two equal.
 
