@@ -10,8 +10,8 @@ The screen never sees a process, a pipe or a thread. It calls ``start``/``restar
   the backend could not be started).
 
 The backend is anything with ``esamp.session.Backend``'s methods, built by ``backend_factory``
-from a ``SessionSpec``: a worker process (``Session``) today; a client of a served endpoint can
-plug in the same way. Messages carry the generation of the backend they came from, so a batch
+from a ``SessionSpec``: a worker process (``Session``), which runs the in-process engines or, with
+``--server``, the client of a served endpoint (``esamp.engines.server``). Messages carry the generation of the backend they came from, so a batch
 from an engine that was replaced meanwhile is dropped (``current``).
 """
 
