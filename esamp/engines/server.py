@@ -10,8 +10,8 @@ channel, taken: each record once).
 
 Events are the library engines' (``esamp.events``): the records say which engine step sampled
 which (sample, generation index), exactly as the in-process vLLM engine's drain does, so the
-bookkeeping that turns records and tokens into events is ``VllmEngine``'s own (this class
-inherits it: ``_file``, ``_advance``, ``_feed``, ``_finish_ready``). A token is released once its
+bookkeeping that turns records and tokens into events is the in-process engine's
+(``esamp.engines.recorded``). A token is released once its
 step's record is back (its novelty is the error of the step where it was the input), or, for a
 sample the server could not steer, once the sample ended and every record has been read.
 
@@ -41,8 +41,8 @@ from urllib.parse import quote, urlsplit
 
 from esamp.core.config import EsampConfig, Steering, make_config
 from esamp.core import payload as pl
-from esamp.engines.base import EngineBase, Group, StepStats, check_prompt_text, encode_prompt
-from esamp.engines.vllm.engine import VllmEngine, _reason, _VllmGroup
+from esamp.engines.base import Group, StepStats, check_prompt_text, encode_prompt
+from esamp.engines.recorded import RecordedEngine, RecordedGroup, finish_reason
 from esamp.errors import ConfigError, EngineError, PromptError
 from esamp.events import Event
 
@@ -73,14 +73,14 @@ class _ServerText:
 
 
 @dataclass
-class _ServedGroup(_VllmGroup):
+class _ServedGroup(RecordedGroup):
     server_group: str = ""
     conn: Any = None
     cancelled: bool = False
     closed_at: float | None = None  # when its stream ended
 
 
-class ServerEngine(VllmEngine):
+class ServerEngine(RecordedEngine):
     """A served ESamp endpoint as an engine (see the module docstring)."""
 
     name = "server"
@@ -91,7 +91,7 @@ class ServerEngine(VllmEngine):
         the server's first). ``esamp``: only its steering is used, as the default for groups
         started without one; the engine-wide settings (taps, slots, ...) are the server's.
         ``api_key``: for a server started with ``--api-key`` (default: ``$ESAMP_API_KEY``)."""
-        EngineBase.__init__(self, None)
+        super().__init__(None)
         if not url:
             raise ConfigError("the server engine needs the server's address",
                               hint="pass --server http://HOST:PORT (a server started with esamp serve)")
@@ -104,7 +104,6 @@ class ServerEngine(VllmEngine):
         self.timeout = timeout
         self.poll_interval = poll_interval
         self.client = uuid.uuid4().hex[:8]  # this client's prefix for its group keys on the server
-        self.plain = False
         self._inbox: queue.Queue = queue.Queue()
         self._last_poll = 0.0
         self.counters: dict = {}
@@ -324,7 +323,7 @@ class ServerEngine(VllmEngine):
                 g.stream.detok[sample].add(len(ids), text)
                 tokens += len(ids)
                 if finish is not None:
-                    g.final[sample] = _reason(finish)
+                    g.final[sample] = finish_reason(finish)
                     # Ended by a stop token (not a stop string): the token is in the ids and, as in
                     # the library engines, not shown. Stop tokens end a sample, so it is the last.
                     if finish == "stop" and (stop is None or isinstance(stop, int)) and g.arrived[sample]:

@@ -8,28 +8,23 @@ token of every running request), then drains the ESamp processor's step records 
 ``collective_rpc``.
 
 Events follow the reference engine exactly (``GroupStream``): a token is released one engine
-step after it was sampled, with the Distiller error of the step where it was the input. The
-records say which engine step produced which (sample, generation index), so tokens are fed to
-``GroupStream`` one engine step at a time, in the same order the reference engine uses: first
-the novelties of the step's input tokens, then its new tokens. If a record is not back yet (its
-device copy is still running), its tokens wait; nothing is guessed.
+step after it was sampled, with the Distiller error of the step where it was the input; the
+bookkeeping that pairs tokens with step records is ``esamp.engines.recorded``'s.
 """
 
 from __future__ import annotations
 
 import gc
 import json
-import math
 import os
 import time
-from collections import defaultdict
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from esamp.core.config import EsampConfig
 from esamp.core.distiller import bank_full
 from esamp.engines import cuda_available
-from esamp.engines.base import EngineBase, Group, StepStats, stop_token_ids
+from esamp.engines.base import Group, StepStats, stop_token_ids
+from esamp.engines.recorded import RecordedEngine, RecordedGroup, finish_reason
 from esamp.engines.vllm import settings as es
 from esamp.errors import ConfigError, EngineError
 from esamp.events import Event
@@ -39,17 +34,7 @@ EXTENSION = "esamp.engines.vllm.extension.EsampWorkerExtension"
 GGUF_MODES = ("convert", "native")
 
 
-@dataclass
-class _VllmGroup(Group):
-    request_ids: list[str] = field(default_factory=list)
-    arrived: list[list[int]] = field(default_factory=list)  # sample → token ids received from vLLM
-    fed: list[int] = field(default_factory=list)  # sample → tokens handed to GroupStream
-    final: dict[int, str] = field(default_factory=dict)  # sample → vLLM finish reason
-    records: dict[int, list[tuple[int, int, float]]] = field(default_factory=lambda: defaultdict(list))
-    latest: dict[tuple[int, int], int] = field(default_factory=dict)  # (sample, gen idx) → step
-
-
-class VllmEngine(EngineBase):
+class VllmEngine(RecordedEngine):
     name = "vllm"
 
     def __init__(
@@ -146,14 +131,14 @@ class VllmEngine(EngineBase):
 
     # -- admission ---------------------------------------------------------------------------
 
-    def _admit(self, group: Group) -> _VllmGroup:
+    def _admit(self, group: Group) -> RecordedGroup:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         steered = group.steered and not self.plain
         if steered and sum(1 for g in self.groups.values() if g.steered) >= self.esamp.slots:
             raise bank_full(self.esamp.slots)
-        g = _VllmGroup(**{**vars(group), "steering": group.steering.model_copy(update={"enabled": steered})})
+        g = RecordedGroup(**{**vars(group), "steering": group.steering.model_copy(update={"enabled": steered})})
         s = g.sampling
         g.arrived = [[] for _ in range(s.n)]
         g.fed = [0] * s.n
@@ -173,18 +158,18 @@ class VllmEngine(EngineBase):
             g.request_ids.append(internal if isinstance(internal, str) else rid)
         return g
 
-    def _forget_requests(self, g: _VllmGroup) -> None:
+    def _forget_requests(self, g: RecordedGroup) -> None:
         for sample, internal in enumerate(g.request_ids):
             self.by_request.pop(internal, None)
             self.by_request.pop(f"{g.key}/{sample}", None)
 
-    def _cancel(self, g: _VllmGroup) -> None:
+    def _cancel(self, g: RecordedGroup) -> None:
         self._forget_requests(g)
         unfinished = [rid for s, rid in enumerate(g.request_ids) if s not in g.final]
         if unfinished:
             self.engine.abort_request(unfinished)
 
-    def _release(self, g: _VllmGroup) -> None:
+    def _release(self, g: RecordedGroup) -> None:
         self._forget_requests(g)
         if g.steered:
             self.release.append(g.key)
@@ -227,7 +212,7 @@ class VllmEngine(EngineBase):
                 g.arrived[sample].extend(c.token_ids)
                 tokens += len(c.token_ids)
                 if c.finish_reason is not None or out.finished:
-                    g.final[sample] = _reason(c.finish_reason)
+                    g.final[sample] = finish_reason(c.finish_reason)
             if out.finished and sample not in g.final:
                 g.final[sample] = "stop"
         stats = StepStats(tokens=tokens, rows=tokens)
@@ -258,87 +243,3 @@ class VllmEngine(EngineBase):
             if g.stream.done:
                 self._finished(g)
         return events + self._step_event(stats)
-
-    def _file(self, rec: dict, stats: StepStats) -> None:
-        """Sort one engine step's record into its groups."""
-        per_group: dict[str, list[float]] = defaultdict(list)
-        for group, sample, gen_idx, error, cands in rec["rows"]:
-            g = self.groups.get(group)
-            if g is None or not g.steered:
-                continue
-            g.records[rec["step"]].append((sample, gen_idx, error))
-            g.latest[(sample, gen_idx)] = rec["step"]  # a later prefill chunk supersedes
-            per_group[group].append(cands)
-            stats.port_hits += 1
-        for cands in per_group.values():
-            stats.candidates.append(sum(cands) / len(cands))
-        stats.losses.extend(v for v in rec["loss"].values() if math.isfinite(v))
-
-    def _advance(self, g: _VllmGroup, all_back: bool) -> list[Event]:
-        events: list[Event] = []
-        if not g.steered:
-            # One engine step per call: every new token is this step's (delta outputs).
-            unit = [(s, g.fed[s], g.arrived[s][g.fed[s]], None)
-                    for s in range(g.sampling.n) if g.fed[s] < len(g.arrived[s])]
-            while unit:
-                events += self._feed(g, unit, steered=False)
-                unit = [(s, g.fed[s], g.arrived[s][g.fed[s]], None)
-                        for s in range(g.sampling.n) if g.fed[s] < len(g.arrived[s])]
-            return events + self._finish_ready(g)
-        for step in sorted(g.records):
-            rows = [(s, k, e) for s, k, e in g.records[step] if g.latest.get((s, k)) == step]
-            unit, waiting = [], False
-            for s, k, e in sorted(rows):
-                if k < g.fed[s]:
-                    continue  # already fed (duplicate)
-                if k < len(g.arrived[s]):
-                    unit.append((s, k, g.arrived[s][k], e))
-                elif s not in g.final:
-                    waiting = True
-            if waiting:
-                break
-            del g.records[step]
-            if unit:
-                events += self._feed(g, unit, steered=True)
-        # Samples that ended with tokens no record will ever cover (a row the processor could not
-        # steer: counted in its counters). Only once every engine step has reported back.
-        for s in range(g.sampling.n):
-            if not all_back or s not in g.final:
-                continue
-            if not any(s == r[0] for rows in g.records.values() for r in rows):
-                while g.fed[s] < len(g.arrived[s]):
-                    events += self._feed(g, [(s, g.fed[s], g.arrived[s][g.fed[s]], None)], steered=True)
-        return events + self._finish_ready(g)
-
-    def _feed(self, g: _VllmGroup, unit: list[tuple[int, int, int, float | None]], steered: bool) -> list[Event]:
-        """One engine step of a group: release the inputs' novelty, then take the new tokens."""
-        events: list[Event] = []
-        inputs = [(s, e) for s, k, _, e in unit if k >= 1]
-        known = [(s, e) for s, e in inputs if e is not None and math.isfinite(e)]
-        unknown = [s for s, e in inputs if not (e is not None and math.isfinite(e))]
-        if steered and known:
-            events += g.stream.novelties([s for s, _ in known], [e for _, e in known])
-        if unknown or (inputs and not steered):
-            events += g.stream.novelties(unknown or [s for s, _ in inputs], None)
-        for s, k, token, _ in unit:
-            g.fed[s] = k + 1
-            if s in g.stream.finished:
-                continue
-            if g.stream.sampled(s, token):
-                events += g.stream.finish(s, "stop")
-            elif s in g.final and g.fed[s] >= len(g.arrived[s]):
-                events += g.stream.finish(s, g.final[s])
-        return events
-
-    def _finish_ready(self, g: _VllmGroup) -> list[Event]:
-        events: list[Event] = []
-        for s, reason in g.final.items():
-            if s not in g.stream.finished and g.fed[s] >= len(g.arrived[s]):
-                events += g.stream.finish(s, reason)
-        return events
-
-
-def _reason(finish_reason: str | None) -> str:
-    if finish_reason in ("stop", "length", "abort"):
-        return finish_reason
-    return "error" if finish_reason else "stop"
