@@ -3,7 +3,7 @@ a served endpoint (``server``: ``esamp serve`` behind vLLM's OpenAI API)."""
 
 import os
 
-from esamp.engines.base import Engine, GroupStream, RateMeter
+from esamp.engines.base import Engine
 
 ENGINE_NAMES = ("auto", "reference", "vllm")
 

@@ -396,6 +396,24 @@ class EngineBase:
     def step(self) -> list[Event]:
         raise NotImplementedError
 
+    def _advance_groups(self, advance, stats: StepStats) -> list[Event]:
+        """``advance(group) -> events`` for every running group, then the step's ``StepEvent``.
+
+        A group that raises ends with an error event and the others keep running; a group whose
+        samples are all done is forgotten and gives its slot back.
+        """
+        events: list[Event] = []
+        for key in list(self.groups):
+            g = self.groups[key]
+            try:
+                events += advance(g)
+            except Exception as exc:  # one failing group must not take the others down
+                events += self._failed(g, exc)
+                continue
+            if g.stream.done:
+                self._finished(g)
+        return events + self._step_event(stats)
+
     def _step_event(self, stats: StepStats) -> list[Event]:
         """The step's ``StepEvent`` (none when the step decoded nothing)."""
         if not (stats.rows or stats.port_hits):

@@ -193,15 +193,5 @@ class ReferenceEngine(EngineBase):
 
     def step(self) -> list[Event]:
         """Advance every running group by one token."""
-        events: list[Event] = []
         stats = StepStats()
-        for key in list(self.groups):
-            g = self.groups[key]
-            try:
-                events += self._step_group(g, stats)
-            except Exception as exc:  # one failing group must not take the others down
-                events += self._failed(g, exc)
-                continue
-            if g.stream.done:
-                self._finished(g)
-        return events + self._step_event(stats)
+        return self._advance_groups(lambda g: self._step_group(g, stats), stats)

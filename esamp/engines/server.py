@@ -343,21 +343,13 @@ class ServerEngine(RecordedEngine):
             for rec in drained["steps"]:
                 self._file(rec, stats)
             all_back = drained.get("pending", 0) == 0 and not drained.get("unreachable")
-        events: list[Event] = []
-        for key in list(self.groups):
-            g = self.groups[key]
-            if key in failed:
-                events += self._failed(g, EngineError(failed[key]))
-                continue
+        def advance(g: _ServedGroup) -> list[Event]:
+            if g.key in failed:
+                raise EngineError(failed[g.key])
             overdue = g.closed_at is not None and time.monotonic() - g.closed_at > RECORD_GRACE
-            try:
-                events += self._advance(g, all_back or overdue)
-            except Exception as exc:  # one failing group must not take the others down
-                events += self._failed(g, exc)
-                continue
-            if g.stream.done:
-                self._finished(g)
-        return events + self._step_event(stats)
+            return self._advance(g, all_back or overdue)
+
+        return self._advance_groups(advance, stats)
 
 
 def _server_error(status: int, data: bytes, what: str) -> EngineError:

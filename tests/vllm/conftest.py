@@ -7,7 +7,6 @@ with a 2 GiB KV cache; on a CUDA machine it runs with CUDA graphs on.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

@@ -232,14 +232,4 @@ class VllmEngine(RecordedEngine):
                 time.sleep(0.0005)  # records still on their way back from the device
         elif not outputs:
             time.sleep(0.001)
-        events: list[Event] = []
-        for key in list(self.groups):
-            g = self.groups[key]
-            try:
-                events += self._advance(g, all_back)
-            except Exception as exc:  # one failing group must not take the others down
-                events += self._failed(g, exc)
-                continue
-            if g.stream.done:
-                self._finished(g)
-        return events + self._step_event(stats)
+        return self._advance_groups(lambda g: self._advance(g, all_back), stats)
