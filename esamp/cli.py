@@ -39,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser.add_argument("--version", action="version", version=f"esamp {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.commands = {}  # name → its parser, so an error shows that command's usage
     for name, module_name in SUBCOMMANDS.items():
         try:
             module = importlib.import_module(module_name)
@@ -49,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=module.HELP, description=module.HELP)
         module.configure(p)
         p.set_defaults(_run=module.run)
+        parser.commands[name] = p
     return parser
 
 
@@ -59,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     # gets them as ``args.passthrough``; for every other command they are an error, as before.
     args, unknown = parser.parse_known_args(argv)
     if unknown and not getattr(args, "_passthrough", False):
-        parser.error("unrecognized arguments: " + " ".join(unknown))
+        command = parser.commands.get(args.command, parser)
+        command.error("unrecognized arguments: " + " ".join(unknown))
     args.passthrough = unknown
     if not getattr(args, "_run", None):
         parser.print_help()

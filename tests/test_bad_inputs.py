@@ -53,6 +53,8 @@ CASES = [
     ("eval -n 0", EVAL + ["-n", "0", "--out", "{tmp}/e-n0"], "-n"),
     ("eval no task", ["esamp", "eval"], "--task"),
     ("eval unknown task", ["esamp", "eval", "--task", "nope"], "nope"),
+    ("eval a task as an argument", ["esamp", "eval", "arith"], "esamp eval --help"),
+    ("generate unknown flag", GEN + ["hi", "--betta", "1"], "esamp generate --help"),
     ("eval missing task file", ["esamp", "eval", "--task-file", "{tmp}/missing.jsonl"], "missing.jsonl"),
     ("tui -n 9", TUI + ["-n", "9"], "1 to 8 samples"),
     ("tui --beta -1", TUI + ["--beta", "-1"], "--beta=-1.0"),
