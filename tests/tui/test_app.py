@@ -397,7 +397,7 @@ async def test_bad_user_theme_is_reported_with_its_reason(make_app, tmp_path):
     (themes / "broken.toml").write_text('name = "broken"\n[colors]\nprimary = "not-a-colour"\n')
     app = make_app(theme_dir=themes, theme="broken")
     async with app.run_test(size=SIZE) as pilot:
-        await pilot.pause(0.2)
+        await wait_for(pilot, lambda: len(app._notifications) >= 2, what="both theme toasts")
         assert app.theme == "dark"
         messages = [n.message for n in app._notifications]
         assert any("broken.toml was skipped" in m and "not-a-colour" in m for m in messages)
@@ -416,7 +416,10 @@ async def test_slow_run_is_flagged_against_this_machines_record(make_app, tmp_pa
         await wait_for(pilot, lambda: screen.status.notice, what="the slow notice")
         assert screen.status.notice.startswith("slow: ") and "usually 10,000" in screen.status.notice
         assert "slow:" in str(screen.status.render())
-        assert any("--threads 1" not in n.message and "far slower" in n.message for n in app._notifications)
+        # notify() posts a message: the toast lands a moment after the status line changes.
+        await wait_for(pilot, lambda: any("far slower" in n.message for n in app._notifications),
+                       what="the slow toast")
+        assert all("--threads 1" not in n.message for n in app._notifications)
         await wait_for(pilot, lambda: run_finished(screen) and not screen.status.notice, what="the run to end")
         await wait_for(pilot, lambda: len(json.loads(record.read_text())["fake · scripted · cpu"]
                                           ["4 rows, ESamp on"]) == 2, what="this run to be recorded")
