@@ -408,13 +408,16 @@ def _write_report(out: Path, runs, args) -> None:
     from esamp.eval import plots
     from esamp.eval.html import markdown_to_html
     from esamp.eval.report import render_run_markdown, summarize
-    from esamp.eval.runner import read_records, read_sessions
+    from esamp.eval.runner import read_records, read_sessions, with_recorded_cells
 
-    summaries = [summarize(run.problems, read_records(run.folder), run.settings) for run in runs]
+    summaries = [summarize(run.problems, read_records(run.folder), with_recorded_cells(run.settings, run.folder))
+                 for run in runs]
     sessions = read_sessions(out)
     last = next((s for s in reversed(sessions) if s.get("environment")), {})
     meta = {
         "command": last.get("command"),
+        # every command that sampled here, once each: a folder's cells may come from several runs
+        "commands": list(dict.fromkeys(s["command"] for s in sessions if s.get("command"))),
         "environment": last.get("environment") or _environment_from_settings(runs[0].settings),
         "wall_seconds": round(sum(s.get("wall_seconds", 0.0) for s in sessions), 1),
         "sessions": len(sessions),

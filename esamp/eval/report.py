@@ -217,8 +217,9 @@ def _settings_lines(summary: dict, both: str = "every arm") -> list[str]:
 
 def render_header(title: str, summaries: Sequence[dict], meta: dict) -> list[str]:
     lines = [f"# {title}", ""]
-    if meta.get("command"):
-        lines += ["```", meta["command"], "```", ""]
+    commands = meta.get("commands") or ([meta["command"]] if meta.get("command") else [])
+    if commands:
+        lines += ["```", *commands, "```", ""]
     env = meta.get("environment", {})
     s = summaries[0]["settings"]
     lines.append(f"- engine: {env.get('engine', s['engine'])}, model: {env.get('model', s['model'])}, "

@@ -11,6 +11,7 @@ against the baseline already there.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import time
@@ -200,6 +201,22 @@ def prepare_out_dir(out: Path, settings: EvalSettings, write: bool = True) -> li
     if write:
         _write_json(path, {"settings": mine})
     return new
+
+
+def with_recorded_cells(settings: EvalSettings, out: Path) -> EvalSettings:
+    """``settings`` with every cell the folder holds: earlier runs' cells (they share this run's
+    baseline and sampling, which ``prepare_out_dir`` checked) in the order they were added, then
+    this run's. A report of the folder covers them all."""
+    path = out / SETTINGS
+    if not path.exists():
+        return settings
+    recorded = _legacy(json.loads(path.read_text(encoding="utf-8"))["settings"]).get("cells", {})
+    mine = {c.name: c for c in settings.cells}
+    cells = [mine.get(name) or Cell(name, make_config(EsampConfig, **record)) for name, record in recorded.items()]
+    cells += [c for name, c in mine.items() if name not in recorded]
+    merged = copy.copy(settings)
+    merged.cells = cells
+    return merged
 
 
 def _write_json(path: Path, data) -> None:

@@ -178,6 +178,29 @@ def test_interrupted_session_counts_and_resume_samples_only_what_is_missing(tmp_
 
 
 @needs_math_verify
+def test_a_second_matrix_into_the_same_folder_reports_every_cell_against_one_baseline(tmp_path, engines,
+                                                                                     monkeypatch):
+    out = tmp_path / "out"
+    base = ["eval", "--task-file", str(task_file(tmp_path)), "-n", "2", "--engine", "reference",
+            "--no-diversity", "--quiet", "--out", str(out)]
+
+    def esamp(*argv):
+        monkeypatch.setattr(sys, "argv", ["esamp", *argv])  # the command a session records
+        return main(list(argv))
+
+    assert esamp(*base, "--matrix", "mix=paper,unsharpened") == 0
+    # Adam at its learning rate, then SGD at its own: the second run samples its cells only.
+    assert esamp(*base, "--matrix", "mix=paper,unsharpened", "optimizer=sgd", "lr=0.1") == 0
+    assert not any("baseline" in key for key in engines[-1][0].started)
+    report = json.loads((out / "report.json").read_text())
+    assert list(report["cells"]) == ["mix=paper", "mix=unsharpened",
+                                     "mix=paper,optimizer=sgd,lr=0.1", "mix=unsharpened,optimizer=sgd,lr=0.1"]
+    assert len(report["meta"]["commands"]) == 2
+    text = (out / "report.md").read_text()
+    assert "4 ESamp cells varying" in text and "--matrix mix=paper,unsharpened optimizer=sgd lr=0.1" in text
+
+
+@needs_math_verify
 def test_regrade_rewrites_every_task_folder_without_sampling(tmp_path, engines, monkeypatch, capsys):
     out = tmp_path / "out"
     argv = ["eval", "--task-file", str(task_file(tmp_path, "a")), "--task-file", str(task_file(tmp_path, "b")),
