@@ -4,7 +4,9 @@ Two engines stay loaded side by side: the baseline is plain vLLM (the model's ow
 settings, CUDA graphs as configured), the other is the ESamp engine. Trials alternate
 (base, esamp, esamp, base, ...) on identical token-id prompts and sampling settings, every
 sample runs to exactly its token budget (``ignore_eos``), and each trial is timed from the first
-request to the last token. Workloads are ``PxL`` (P prompts × L tokens, n=1), ``PxnNxL``
+request to the last token. A workload whose one pass is shorter than ``--min-trial-seconds`` runs
+several rounds back to back in every trial, the same number on every side (sized by one untimed
+pass of the baseline), so short trials do not drown the ratio in noise. Workloads are ``PxL`` (P prompts × L tokens, n=1), ``PxnNxL``
 (P prompts × n=N samples × L tokens), or a preset's name (``fair``: the published runtime's
 workload and settings, 8 prompts × n=16 × 256 tokens, top-p 1.0, min-p 0.05, β 0.1).
 
@@ -61,6 +63,11 @@ PRESETS: dict[str, dict] = {
                  steering=dict(beta=0.1)),
 }
 LOGITS = ("flat", "realistic")
+# A timed trial repeats its workload, back to back, until it lasts about this long (the same number
+# of rounds on every side): a 16x64 pass of a 0.5B model takes ~0.2 s on an H200, where one-pass
+# trials spread by ±15%.
+MIN_TRIAL_SECONDS = 1.0
+MAX_ROUNDS = 100
 # The embedded SmolLM2-135M-Instruct's next-token distributions, per preset's filters: the target
 # of --logits realistic (benchmarks/results/logit-profile-cpu.json, benchmarks/logit_profile.py).
 REAL_MODEL = {"default": dict(candidates=2.96, entropy=1.26), "fair": dict(candidates=4.51, entropy=1.26)}
@@ -113,6 +120,9 @@ def configure(parser) -> None:
                         help="comma-separated: flat (dummy weights as they are: the worst case) and/or "
                              "realistic (the head rescaled to a real model's candidate count and entropy)")
     parser.add_argument("--trials", type=int, default=3, help="timed trials per side and workload")
+    parser.add_argument("--min-trial-seconds", type=float, default=MIN_TRIAL_SECONDS,
+                        help="repeat a short workload within each trial until it lasts about this long, "
+                             "the same rounds on every side (0: one pass; default: %(default)s)")
     parser.add_argument("--prompt-len", type=int, default=32, help="prompt length in tokens")
     parser.add_argument("--eager", action="store_true", help="every side without CUDA graphs")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None,
@@ -167,26 +177,35 @@ def _prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(100, vocab - 100) for _ in range(length)] for _ in range(count)]
 
 
-def run_trial(engine, prompts, n: int, tokens: int, sampling_kw: dict, steering) -> dict:
-    """Run every prompt as a group of n samples to ``tokens`` tokens; time and count."""
+def rounds_for(one_pass_seconds: float, min_seconds: float) -> int:
+    """How many back-to-back passes of a workload make a trial of at least ``min_seconds``."""
+    if min_seconds <= 0 or one_pass_seconds >= min_seconds:
+        return 1
+    return min(MAX_ROUNDS, math.ceil(min_seconds / max(one_pass_seconds, 1e-6)))
+
+
+def run_trial(engine, prompts, n: int, tokens: int, sampling_kw: dict, steering, rounds: int = 1) -> dict:
+    """Run every prompt as a group of n samples to ``tokens`` tokens, ``rounds`` times back to
+    back (each round starts when the last finished); time and count the whole."""
     from esamp.core.config import SamplingConfig
 
     sampling = SamplingConfig(n=n, max_tokens=tokens, **sampling_kw)
     c0 = time.process_time()
     t0 = time.perf_counter()
-    for p in prompts:
-        engine.start(p, sampling, steering)
     produced, losses, port_hits, cands = 0, [], 0, []
-    while engine.has_unfinished():
-        for ev in engine.step():
-            if ev.type == "done":
-                produced += ev.tokens
-            elif ev.type == "step":
-                port_hits += ev.port_hits
-                if ev.loss is not None:
-                    losses.append(ev.loss)
-                if ev.port_hits:
-                    cands.append(ev.candidates)
+    for _ in range(rounds):
+        for p in prompts:
+            engine.start(p, sampling, steering)
+        while engine.has_unfinished():
+            for ev in engine.step():
+                if ev.type == "done":
+                    produced += ev.tokens
+                elif ev.type == "step":
+                    port_hits += ev.port_hits
+                    if ev.loss is not None:
+                        losses.append(ev.loss)
+                    if ev.port_hits:
+                        cands.append(ev.candidates)
     seconds = time.perf_counter() - t0
     client = time.process_time() - c0
     engine.drain()  # release the groups' slots before the next trial
@@ -439,6 +458,9 @@ def _run(args, loaded: list) -> int:
                           hint="use --logits flat, --logits realistic or --logits flat,realistic")
     if args.trials < 1:
         raise ConfigError(f"--trials={args.trials}: at least 1 trial is needed", hint="use --trials 3")
+    if not 0 <= args.min_trial_seconds <= 600:
+        raise ConfigError(f"--min-trial-seconds={args.min_trial_seconds}: a trial's length is 0 to 600 s",
+                          hint=f"use e.g. {MIN_TRIAL_SECONDS} (0: one pass per trial)")
     if args.gpu_memory_utilization is not None and not 0 < args.gpu_memory_utilization < 1:
         raise ConfigError(f"--gpu-memory-utilization={args.gpu_memory_utilization}: a share of the GPU per "
                           "engine is between 0 and 1", hint="use e.g. 0.42 (two engines) or 0.28 (three, with --floor)")
@@ -515,20 +537,31 @@ def _run(args, loaded: list) -> int:
             name = workload_name(preset_name, (P, n, L))
             prompts = _prompts(P, args.prompt_len, vocab, seed=P * 1000 + n * 10 + L)
             trial_sides = [(side, eng, steering if on else off) for side, eng, on in sides]
+            warm = []
             for _, eng, st in trial_sides:  # warm-up: one short pass per side at the workload's shape
-                run_trial(eng, prompts, n, min(L, 16), sampling_kw, st)
+                warm.append(run_trial(eng, prompts, n, min(L, 16), sampling_kw, st)["seconds"])
+            rounds = 1
+            if args.min_trial_seconds > 0 and warm[0] * L / min(L, 16) < 4 * args.min_trial_seconds:
+                # Maybe short (a first pass can be slow): one untimed full pass of the baseline sizes
+                # the trials.
+                one = run_trial(trial_sides[0][1], prompts, n, L, sampling_kw, trial_sides[0][2])["seconds"]
+                rounds = rounds_for(one, args.min_trial_seconds)
+                if rounds > 1:
+                    print(f"  {mode:>9} {name:>18}: one pass takes {one:.2f} s; {rounds} rounds per trial",
+                          flush=True)
             trials = []
             for t in range(args.trials):
                 order = list(trial_sides)
                 if t % 2:
                     order.reverse()
                 for side, eng, st in order:
-                    r = run_trial(eng, prompts, n, L, sampling_kw, st)
-                    r.update(side=side, trial=t)
+                    r = run_trial(eng, prompts, n, L, sampling_kw, st, rounds=rounds)
+                    r.update(side=side, trial=t, rounds=rounds)
                     trials.append(r)
                     print(f"  {mode:>9} {name:>18} trial {t} {side:>8}: {r['tok_s']:>10.1f} tok/s  "
                           f"(client cpu {r['client_cpu_share']:.0%})", flush=True)
-            results.append(_summary(mode, preset_name, name, (P, n, L), sampling_kw, beta, trials))
+            results.append(dict(_summary(mode, preset_name, name, (P, n, L), sampling_kw, beta, trials),
+                                rounds=rounds))
         if mode == "realistic":
             _scale_heads(sides, None)  # back to the dummy weights for the next mode
     counters = steer.drain().get("counters", {})

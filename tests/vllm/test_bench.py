@@ -22,7 +22,7 @@ def test_bench_runs_three_sides_and_writes_its_json(tmp_path):
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_CPU_KVCACHE_SPACE="1")
     cmd = [sys.executable, "-m", "esamp.cli", "bench", "--model", str(resolved.hf_dir()),
            "--workloads", "2xn2x6", "--trials", "2", "--floor", "--max-model-len", "256",
-           "--logits", "flat,realistic", "--json", str(out)]
+           "--logits", "flat,realistic", "--min-trial-seconds", "0.5", "--json", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "floor (ESamp engine, ESamp off)" in proc.stdout
@@ -35,13 +35,51 @@ def test_bench_runs_three_sides_and_writes_its_json(tmp_path):
     assert "realistic logits: head rows" in proc.stdout
     sides = [t["side"] for t in w["trials"]]
     assert sides == ["baseline", "floor", "esamp", "esamp", "floor", "baseline"]
-    assert all(t["tokens"] == 2 * 2 * 6 for t in w["trials"])
+    rounds = w["rounds"]  # one pass is far below 0.5 s here: each trial repeats it
+    assert rounds > 1 and all(t["rounds"] == rounds for t in w["trials"])
+    assert all(t["tokens"] == 2 * 2 * 6 * rounds for t in w["trials"])
     assert w["ratio_min"] <= w["ratio_median"] <= w["ratio_max"]
     assert w["floor_ratio_min"] <= w["floor_ratio_median"] <= w["floor_ratio_max"]
     for t in w["trials"]:
         steered = t["side"] == "esamp"
         assert (t["port_hits"] > 0) == steered and (t["loss_count"] > 0) == steered, t
-    assert w["port_hits"] == [2 * 2 * 6] * 2
+    assert w["port_hits"] == [2 * 2 * 6 * rounds] * 2
+
+
+def test_short_workloads_repeat_within_a_trial():
+    """Rounds make a trial last at least the asked time; every round runs the whole workload."""
+    from esamp.bench import MAX_ROUNDS, rounds_for, run_trial
+    from esamp.core.config import Steering
+
+    assert rounds_for(0.2, 1.0) == 5 and rounds_for(0.3, 1.0) == 4
+    assert rounds_for(2.0, 1.0) == 1 and rounds_for(0.2, 0) == 1
+    assert rounds_for(0.0, 1.0) == MAX_ROUNDS
+
+    class Scripted:
+        """Each group yields one step and a done event of its tokens."""
+
+        def __init__(self):
+            self.running, self.started, self.drained = [], 0, 0
+
+        def start(self, prompt, sampling, steering):
+            self.running.append(sampling.n * sampling.max_tokens)
+            self.started += 1
+
+        def has_unfinished(self):
+            return bool(self.running)
+
+        def step(self):
+            from types import SimpleNamespace as NS
+            tokens = self.running.pop()
+            return [NS(type="step", port_hits=tokens, loss=0.5, candidates=2.0), NS(type="done", tokens=tokens)]
+
+        def drain(self):
+            self.drained += 1
+
+    engine = Scripted()
+    r = run_trial(engine, [[1, 2], [3, 4]], 2, 6, {}, Steering(), rounds=3)
+    assert engine.started == 6 and engine.drained == 1
+    assert r["tokens"] == 3 * 2 * 2 * 6 and r["port_hits"] == r["tokens"] and r["loss_count"] == 6
 
 
 def test_realistic_calibration_matches_its_target():
