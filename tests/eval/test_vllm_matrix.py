@@ -34,6 +34,7 @@ def test_matrix_on_the_vllm_engine(tmp_path):
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
+    assert proc.stdout.startswith("# esamp eval"), proc.stdout[:500]  # the report, not vLLM's log
     report = json.loads((out / "report.json").read_text())
     assert report["meta"]["environment"]["engine"] == "vllm"
     assert list(report["cells"]) == ["beta=0.4,mix=paper", "beta=0.4,mix=unsharpened",

@@ -66,6 +66,11 @@ class VllmEngine(RecordedEngine):
             # off: it measured best on small shared machines.
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        # vLLM logs INFO lines to stdout, where esamp's commands print their results (samples,
+        # JSON events, reports): its log goes to stderr, warnings and errors only, unless the
+        # environment asks otherwise. Set before vLLM is imported; its engine cores inherit it.
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         try:
             from vllm import LLM
         except ImportError as exc:
@@ -142,6 +147,8 @@ class VllmEngine(RecordedEngine):
         s = g.sampling
         g.arrived = [[] for _ in range(s.n)]
         g.fed = [0] * s.n
+        # vLLM's renderer turns token ids into engine inputs (raw prompts are deprecated there).
+        prompts = self.engine.renderer.render_cmpl([{"prompt_token_ids": g.prompt_ids} for _ in range(s.n)])
         for sample in range(s.n):
             # The request's own filters go on the params; the processor's validate_params moves
             # them into the payload and hands vLLM neutral ones (as for a served request).
@@ -152,7 +159,7 @@ class VllmEngine(RecordedEngine):
                 output_kind=RequestOutputKind.DELTA, detokenize=False,
                 extra_args=es.request_payload(g.key, sample, g.steering, s) if steered else None)
             rid = f"{g.key}/{sample}"
-            internal = self.engine.add_request(rid, {"prompt_token_ids": g.prompt_ids}, params)
+            internal = self.engine.add_request(rid, prompts[sample], params)
             for name in {rid, internal if isinstance(internal, str) else rid}:
                 self.by_request[name] = (g.key, sample)
             g.request_ids.append(internal if isinstance(internal, str) else rid)
