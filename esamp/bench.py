@@ -537,9 +537,8 @@ def _run(args, loaded: list) -> int:
             name = workload_name(preset_name, (P, n, L))
             prompts = _prompts(P, args.prompt_len, vocab, seed=P * 1000 + n * 10 + L)
             trial_sides = [(side, eng, steering if on else off) for side, eng, on in sides]
-            warm = []
-            for _, eng, st in trial_sides:  # warm-up: one short pass per side at the workload's shape
-                warm.append(run_trial(eng, prompts, n, min(L, 16), sampling_kw, st)["seconds"])
+            warm = [run_trial(eng, prompts, n, min(L, 16), sampling_kw, st)["seconds"]
+                    for _, eng, st in trial_sides]  # warm-up: one short pass per side at the workload's shape
             rounds = 1
             if args.min_trial_seconds > 0 and warm[0] * L / min(L, 16) < 4 * args.min_trial_seconds:
                 # Maybe short (a first pass can be slow): one untimed full pass of the baseline sizes

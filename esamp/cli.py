@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from esamp.errors import EsampError
@@ -54,6 +55,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def quiet_vllm_log() -> None:
+    """vLLM logs INFO lines to stdout, where esamp's commands print their results (samples, JSON
+    events, reports, the bench table): send its log to stderr, warnings and errors only, unless
+    the environment says otherwise. Before vLLM is imported; its engine cores inherit it. Not for
+    a command that runs vLLM's own program (esamp serve keeps vLLM's server log)."""
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
 def main(argv: list[str] | None = None) -> int:
     prefer_passive_wait()  # before anything loads torch (see esamp.threads)
     parser = build_parser()
@@ -64,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         command = parser.commands.get(args.command, parser)
         command.error("unrecognized arguments: " + " ".join(unknown))
     args.passthrough = unknown
+    if not getattr(args, "_passthrough", False):
+        quiet_vllm_log()
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2
@@ -76,8 +88,6 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # e.g. `esamp generate ... --json | head`
-        import os
-
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
 

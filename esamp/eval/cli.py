@@ -415,7 +415,6 @@ def _write_report(out: Path, runs, args) -> None:
     sessions = read_sessions(out)
     last = next((s for s in reversed(sessions) if s.get("environment")), {})
     meta = {
-        "command": last.get("command"),
         # every command that sampled here, once each: a folder's cells may come from several runs
         "commands": list(dict.fromkeys(s["command"] for s in sessions if s.get("command"))),
         "environment": last.get("environment") or _environment_from_settings(runs[0].settings),

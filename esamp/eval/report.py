@@ -217,9 +217,8 @@ def _settings_lines(summary: dict, both: str = "every arm") -> list[str]:
 
 def render_header(title: str, summaries: Sequence[dict], meta: dict) -> list[str]:
     lines = [f"# {title}", ""]
-    commands = meta.get("commands") or ([meta["command"]] if meta.get("command") else [])
-    if commands:
-        lines += ["```", *commands, "```", ""]
+    if meta.get("commands"):
+        lines += ["```", *meta["commands"], "```", ""]
     env = meta.get("environment", {})
     s = summaries[0]["settings"]
     lines.append(f"- engine: {env.get('engine', s['engine'])}, model: {env.get('model', s['model'])}, "

@@ -45,7 +45,7 @@ def test_every_view_is_written_for_a_matrix(tmp_path):
             data = (tmp_path / name).read_bytes()
             assert data.startswith(PNG) and len(data) > 5000, name
 
-    markdown = render_run_markdown(summaries, {"command": "esamp eval ..."}, images)
+    markdown = render_run_markdown(summaries, {"commands": ["esamp eval ..."]}, images)
     page = markdown_to_html(markdown, tmp_path)
     assert page.count("data:image/png;base64,") == 5
     assert page.startswith("<!DOCTYPE html>") and "<h2>sums</h2>" in page and "<table>" in page

@@ -66,11 +66,6 @@ class VllmEngine(RecordedEngine):
             # off: it measured best on small shared machines.
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-        # vLLM logs INFO lines to stdout, where esamp's commands print their results (samples,
-        # JSON events, reports): its log goes to stderr, warnings and errors only, unless the
-        # environment asks otherwise. Set before vLLM is imported; its engine cores inherit it.
-        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         try:
             from vllm import LLM
         except ImportError as exc:
