@@ -22,7 +22,7 @@ import torch
 
 
 def main() -> int:
-    from esamp.bench import PRESETS
+    from esamp.commands.bench.workloads import PRESETS
     from esamp.core import intervention as iv
     from esamp.engines.reference import ReferenceEngine
     from esamp.eval.builtin_sets import ARITH, OPEN

@@ -30,7 +30,10 @@ def main() -> int:
     ap.add_argument("--side", choices=("baseline", "esamp"), default="esamp")
     args = ap.parse_args()
 
-    from esamp.bench import _prompts, parse_workload, run_trial
+    from esamp.commands.bench.trials import run_trial
+    from esamp.commands.bench import workloads
+    from esamp.commands.bench.workloads import parse_workload
+    from esamp.engines.vllm.bench_extension import BENCH_EXTENSION
     from esamp.core.config import EsampConfig
     from esamp.engines.vllm.engine import VllmEngine
 
@@ -39,9 +42,10 @@ def main() -> int:
     esamp = EsampConfig()
     side = args.side
     engine = VllmEngine(model=args.model, esamp=esamp, plain=side == "baseline", ignore_eos=True,
-                        max_model_len=2048, gpu_memory_utilization=0.42, max_num_seqs=max(16, P * n))
+                        max_model_len=2048, gpu_memory_utilization=0.42, max_num_seqs=max(16, P * n),
+                        llm_kwargs={"worker_extension_cls": BENCH_EXTENSION})
     vocab = int(json.loads((engine.resolved.hf_dir() / "config.json").read_text())["vocab_size"])
-    prompts = _prompts(P, 32, vocab, seed=1)
+    prompts = workloads.prompts(P, 32, vocab, seed=1)
     es = None if side == "baseline" else esamp
     run_trial(engine, prompts, n, min(L, 16), sampling_kw, es)
     profile = cProfile.Profile()

@@ -111,7 +111,10 @@ def main() -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from esamp.bench import _prompts, parse_workload, run_trial
+    from esamp.commands.bench.trials import run_trial
+    from esamp.commands.bench import workloads
+    from esamp.commands.bench.workloads import parse_workload
+    from esamp.engines.vllm.bench_extension import BENCH_EXTENSION
     from esamp.core.config import EsampConfig
     from esamp.engines.vllm.engine import VllmEngine
 
@@ -120,15 +123,17 @@ def main() -> int:
     esamp = EsampConfig()
     es = esamp.steering().model_copy(update={"enabled": args.side == "esamp"})
     engine = VllmEngine(model=args.model, esamp=esamp, plain=args.side == "baseline", ignore_eos=True,
-                        max_model_len=2048, gpu_memory_utilization=0.42, max_num_seqs=max(16, P * n))
+                        max_model_len=2048, gpu_memory_utilization=0.42, max_num_seqs=max(16, P * n),
+                        llm_kwargs={"worker_extension_cls": BENCH_EXTENSION})
     vocab = int(json.loads((engine.resolved.hf_dir() / "config.json").read_text())["vocab_size"])
     if args.logits == "realistic":
-        from esamp.bench import PRESETS, REAL_MODEL, calibrate_head
+        from esamp.commands.bench.calibrate import REAL_MODEL, calibrate_head
+        from esamp.commands.bench.workloads import PRESETS
 
         sigma = engine.engine.collective_rpc("esamp_head_sigma")[0]
         cal = calibrate_head(sigma, REAL_MODEL["default"], PRESETS["default"]["sampling"])
         engine.engine.collective_rpc("esamp_scale_head", args=(cal.pop("factors"),))
-    prompts = _prompts(P, 32, vocab, seed=P * 1000 + n * 10 + L)
+    prompts = workloads.prompts(P, 32, vocab, seed=P * 1000 + n * 10 + L)
     run_trial(engine, prompts, n, min(L, 16), sampling_kw, es)
 
     cuda = torch.cuda.is_available()

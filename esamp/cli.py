@@ -17,7 +17,7 @@ from esamp.threads import prefer_passive_wait
 
 SUBCOMMANDS = {
     "generate": "esamp.generate",
-    "bench": "esamp.bench",
+    "bench": "esamp.commands.bench",
     "eval": "esamp.eval.cli",
     "serve": "esamp.serving.command",
 }

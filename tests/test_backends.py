@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from esamp.core import intervention as iv
-from esamp.core.distiller import DistillerBank, RowLayout, Training
+from esamp.core.distiller import DistillerBank, RowLayout
 
 CUDA = torch.cuda.is_available()
 
@@ -59,8 +59,7 @@ def test_one_pass_step_equals_predict_then_train():
             want_pred = a.predict(x, layout)
             want_loss = a.train_step(x, y, layout)
             with torch.inference_mode():
-                pred, err, loss = b.step(x, y, RowLayout.from_slots([1, 0, 1]),
-                                         Training.of([1, 0, 1], [True] * 3))
+                pred, err, loss = b.step(x, y, RowLayout.from_slots([1, 0, 1]))
             torch.testing.assert_close(pred, want_pred)
             assert torch.equal(loss, want_loss)
             torch.testing.assert_close(err, DistillerBank.row_error(want_pred, y))
@@ -106,20 +105,19 @@ def test_graphed_step_equals_eager_steps_even_as_the_first_cuda_work():
     code = (
         "import torch\n"
         "from esamp.core.backends.graphs import GraphCache\n"
-        "from esamp.core.distiller import DistillerBank, RowLayout, Training\n"
+        "from esamp.core.distiller import DistillerBank, RowLayout\n"
         "dev = torch.device('cuda')\n"
         "banks = [DistillerBank(64, rank=8, slots=4, device=dev, seed=2) for _ in range(2)]\n"
         "for bank in banks:\n"
         "    [bank.allocate(g) for g in 'abc']\n"
         "slots = [0, 0, 2, 1, 2]\n"
-        "layouts = [RowLayout.from_slots(slots).to(lambda t: t.to(dev)) for _ in banks]\n"
-        "train = Training.of(slots, [True] * 5)\n"
+        "layouts = [RowLayout.from_slots(slots, device=dev) for _ in banks]\n"
         "cache = GraphCache(after=1)\n"
         "gen = torch.Generator(device=dev).manual_seed(0)\n"
         "for i in range(6):\n"
         "    x = torch.randn(5, 64, device=dev, generator=gen); y = torch.randn(5, 64, device=dev, generator=gen)\n"
-        "    want = banks[0].step(x, y, layouts[0], train)\n"
-        "    got = cache.run('k', lambda gx, gy: banks[1].step(gx, gy, layouts[1], train), x, y)\n"
+        "    want = banks[0].step(x, y, layouts[0])\n"
+        "    got = cache.run('k', lambda gx, gy: banks[1].step(gx, gy, layouts[1]), x, y)\n"
         "    for w, g in zip(want, got):\n"
         "        torch.testing.assert_close(g, w)\n"
         "torch.testing.assert_close(banks[1].store.flat, banks[0].store.flat)\n"

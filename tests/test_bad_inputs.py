@@ -77,7 +77,8 @@ CASES = [
     ("generate --slots 0", GEN + ["hi", "--slots", "0"], "--slots=0"),
     ("eval --slots 0", EVAL + ["--slots", "0", "--out", "{tmp}/e-s0"], "--slots=0"),
     ("bench --slots 0", BENCH + ["--slots", "0"], "--slots=0"),
-    ("bench --slots below the workload", BENCH + ["--slots", "8", "--model", "qwen2.5-0.5b:dummy"], "--slots=8"),
+    ("bench --slots below the workload", BENCH + ["--slots", "8", "--model", "qwen2.5-0.5b:dummy", "--workloads",
+                                                  "16x64"], "--slots=8"),
     ("tui --slots 0", TUI + ["--slots", "0"], "--slots=0"),
     # -- prompts that are not text, or empty to the model -------------------------------------
     ("generate invalid UTF-8 prompt", GEN + [BAD_UTF8], "not valid UTF-8"),
@@ -98,7 +99,7 @@ CASES = [
     ("eval task file \\udcff escape", ["esamp", "eval", "--task-file", "{task_surrogate}", "--out", "{tmp}/e-s"], "line 1"),
     ("eval task file, every bad line", ["esamp", "eval", "--task-file", "{task_many_bad}", "--out", "{tmp}/e-m"], "line 4"),
     # -- bench ---------------------------------------------------------------------------------
-    ("bench 7B on 12 GiB of RAM", BENCH, "qwen2.5-0.5b:dummy"),
+    ("bench 7B on 12 GiB of RAM", BENCH + ["--model", "qwen2.5-7b:dummy"], "qwen2.5-0.5b:dummy"),
     ("bench --floor on 12 GiB of RAM", BENCH + ["--model", "qwen2.5-0.5b:dummy", "--floor"], "third engine"),
     ("bench --trials 0", BENCH + ["--trials", "0"], "--trials"),
     ("bench --min-trial-seconds -1", BENCH + ["--min-trial-seconds", "-1"], "--min-trial-seconds=-1"),
@@ -152,10 +153,10 @@ def _tripwire(*_args, **_kwargs):
 
 def _run_esamp(argv: list[str], monkeypatch, capsys, guard: bool) -> tuple[int | str, str]:
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # main() sets it; keep this process unchanged
-    import esamp.bench
+    import esamp.commands.bench.memory
     import esamp.engines.vllm.engine as vllm_engine
 
-    monkeypatch.setattr(esamp.bench, "_memory_source", lambda: ("ram", 16 * GIB, 12 * GIB))
+    monkeypatch.setattr(esamp.commands.bench.memory, "_memory_source", lambda: ("ram", 16 * GIB, 12 * GIB))
     monkeypatch.setattr(vllm_engine, "VllmEngine", _tripwire)
     if guard:
         import transformers

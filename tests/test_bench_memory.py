@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from esamp import bench
+from esamp.commands.bench import memory as bench
 from esamp.errors import EngineError
 
 GIB = 1024 ** 3

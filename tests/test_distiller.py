@@ -13,10 +13,30 @@ def _bank(**kw):
 
 def test_layout_places_rows_in_their_slot_blocks():
     lay = RowLayout.from_slots([5, 2, 5, 5, 2])
-    assert lay.active.tolist() == [5, 2]
-    assert lay.row_slot.tolist() == [0, 1, 0, 0, 1]
-    assert lay.row_pos.tolist() == [0, 0, 1, 2, 1]
-    assert lay.width == 3
+    assert lay.units.tolist() == [5, 2] and lay.slots == (5, 2) and lay.shape == (2, 3)
+    assert lay.gather.tolist() == [0, 2, 3, 1, 4, 5]  # cell (u, w) reads row gather[u·W + w]; 5: the zero row
+    assert lay.cell.tolist() == [0, 3, 1, 2, 4]
+    assert lay.weight.tolist() == [1, 1, 1, 1, 1, 0] and lay.training == (0, 1)
+
+
+def test_a_padded_layout_steps_exactly_like_the_tight_one():
+    """Padding the block (more units on the scratch slot, wider rows on the zero row) changes no
+    prediction, error, loss or parameter beyond rounding: what lets one captured step serve many
+    batches."""
+    x, y = torch.randn(5, H), torch.randn(5, H)
+    tight, padded = _bank(), _bank()
+    for bank in (tight, padded):
+        bank.allocate("a"), bank.allocate("b")
+    slots = [1, 0, 1, 1, 0]
+    a = tight.step(x, y, RowLayout.from_slots(slots))
+    lay = RowLayout.from_slots(slots, units=4, width=4, scratch=padded.scratch)
+    b = padded.step(x, y, lay)
+    torch.testing.assert_close(b[0][:5], a[0])
+    torch.testing.assert_close(b[1][:5], a[1])
+    torch.testing.assert_close(b[2][:2], a[2])
+    assert not b[2][2:].any()
+    torch.testing.assert_close(padded.store.flat, tight.store.flat)  # (other GEMM shapes: rounding)
+    assert torch.equal(tight.store.steps, padded.store.steps)
 
 
 def test_predict_shapes_and_layer_norm_output():
@@ -104,23 +124,19 @@ def test_the_lowest_free_slot_goes_first_so_groups_started_together_are_consecut
     bank.free("b")
     bank.free("a")
     assert [bank.allocate(g) for g in "de"] == [0, 1]
-    flat = bank.store
-    assert flat.rows((0, 1, 2), torch.tensor([0, 1, 2])).data_ptr() == flat.flat.data_ptr()  # read in place
-    assert flat.rows((1, 0), torch.tensor([1, 0])).data_ptr() != flat.flat.data_ptr()  # gathered
+    assert bank.scratch == 4 and bank.scratch not in bank.groups.values()
 
 
 def test_train_rows_group_trains_on_the_chosen_rows_only():
-    """A step whose Training weights one row per group equals a step on those rows alone, and
-    still predicts every row."""
-    from esamp.core.distiller import Training
-
+    """A step that trains on one row per group equals a step on those rows alone, and still
+    predicts every row."""
     x, y = torch.randn(6, H), torch.randn(6, H)
     slots = [0, 0, 0, 1, 1, 1]
     trains = [True, False, False, True, False, False]
     masked, alone = _bank(), _bank()
     for bank in (masked, alone):
         bank.allocate("a"), bank.allocate("b")
-    pred, err, loss = masked.step(x, y, RowLayout.from_slots(slots), Training.of(slots, trains))
+    pred, err, loss = masked.step(x, y, RowLayout.from_slots(slots, trains))
     keep = [0, 3]
     alone.train_step(x[keep], y[keep], RowLayout.from_slots([0, 1]))
     for k in DistillerBank.PARAMS:
@@ -130,15 +146,14 @@ def test_train_rows_group_trains_on_the_chosen_rows_only():
 
 
 def test_only_training_slots_step():
-    """A slot whose rows do not train (its group has training off) is not touched."""
-    from esamp.core.distiller import Training
-
+    """A slot whose rows do not train (its group has training off) is not touched; its unit
+    reports a loss of 0."""
     bank = _bank()
     bank.allocate("a"), bank.allocate("b")
     before = bank.store.flat.clone()
     slots, trains = [0, 1, 1], [False, True, True]
-    _, _, loss = bank.step(torch.randn(3, H), torch.randn(3, H), RowLayout.from_slots(slots),
-                           Training.of(slots, trains))
-    assert loss.shape == (1,)
+    layout = RowLayout.from_slots(slots, trains)
+    _, _, loss = bank.step(torch.randn(3, H), torch.randn(3, H), layout)
+    assert loss.shape == (2,) and layout.training == (1,) and loss[0] == 0 and loss[1] > 0
     assert torch.equal(bank.store.flat[0], before[0]) and not torch.equal(bank.store.flat[1], before[1])
     assert bank.store.steps.tolist()[:2] == [0, 1]

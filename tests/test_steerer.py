@@ -1,4 +1,5 @@
-"""The steering step: plans built from settings, and the reference path equal to the core's functions."""
+"""The steering step: plans built from settings, fixed-address plans, and the reference path
+equal to the core's functions."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 from esamp.core import intervention as iv
 from esamp.core.config import Filters, Steering
 from esamp.core.distiller import DistillerBank
-from esamp.core.steerer import SteeredRow, Steerer, StepPlan
+from esamp.core.steerer import PlanBuffers, SteeredRow, Steerer, StepPlan, bucket
 
 H, V = 16, 300
 
@@ -17,20 +18,63 @@ def test_plan_carries_each_rows_settings():
     rows = [SteeredRow(0, Steering(beta=0.5, mix="paper"), Filters(temperature=0.0, top_k=5)),
             SteeredRow(0, Steering(beta=0.5, mix="paper"), Filters()),
             SteeredRow(2, Steering(beta=1.0, mix="unsharpened", train_rows="group"), Filters(min_p=0.0)),
-            SteeredRow(2, Steering(beta=1.0, mix="unsharpened", train_rows="group"), Filters())]
-    plan = StepPlan.build(rows, vocab=V)
-    assert plan.temperature.flatten().tolist() == pytest.approx([1.0, 0.8, 0.8, 0.8])  # greedy: 1
-    assert plan.a.flatten().tolist() == [1.5, 1.5, 1.0, 1.0] and plan.b.flatten().tolist() == [0.5, 0.5, 1.0, 1.0]
-    assert plan.top_k.tolist() == [5, 0, 0, 0] and plan.top_k_or_vocab.tolist() == [5, V, V, V]
-    assert plan.key == hash(((0, 0, 2, 2), (True, True, True, False)))  # "group": one row of slot 2 trains
-    assert plan.layout.slots == (0, 2)
+            SteeredRow(2, Steering(beta=1.0, mix="unsharpened", train_rows="group"), Filters()),
+            SteeredRow(-1, Steering(beta=1.0), Filters(top_p=0.5))]  # only filtered
+    plan = StepPlan.build(rows, steered=4)
+    assert plan.temperature.tolist() == pytest.approx([1.0, 0.8, 0.8, 0.8, 0.8])  # greedy: 1
+    assert plan.a.tolist() == [1.5, 1.5, 1.0, 1.0, 1.0] and plan.b.tolist() == [0.5, 0.5, 1.0, 1.0, 0.0]
+    assert plan.top_k.tolist() == [5, 0, 0, 0, 0]
+    assert plan.min_p.tolist() == pytest.approx([0.1, 0.1, 0.0, 0.1, 0.1])
+    assert plan.layout.slots == (0, 2) and plan.layout.shape == (2, 2)
+    # "group": one row of slot 2 trains
+    assert plan.layout.weight.tolist() == [1, 1, 1, 0] and plan.key == ((2, 2), True)
 
 
 def test_no_training_plan_and_filter_only_plan():
     rows = [SteeredRow(1, Steering(train=False), Filters())] * 3
-    assert StepPlan.build(rows).training is None
-    plain = StepPlan.build(rows, distill=False)
-    assert plain.layout is None and plain.training is None
+    assert StepPlan.build(rows).layout.training == ()
+    plain = StepPlan.build(rows, steered=0)
+    assert plain.layout is None and plain.steered == 0 and plain.b.tolist() == [0.0] * 3
+
+
+def test_plans_on_buffers_keep_their_addresses_and_pad_to_buckets():
+    """Two different batches of one bucketed shape give plans whose tensors sit at the same
+    addresses (a captured step reads them there); the block is padded with the scratch slot."""
+    buffers = PlanBuffers(rows=16, units=8, width=4, device=torch.device("cpu"), scratch=9)
+    one = StepPlan.build([SteeredRow(s, Steering(), Filters()) for s in (3, 3, 5)], index=[0, 2, 1], buffers=buffers)
+    assert one.layout.shape == (2, 2) and one.layout.units.tolist() == [3, 5]
+    ptrs = [t.data_ptr() for t in (one.layout.units, one.layout.gather, one.layout.cell, one.layout.weight, one.a)]
+    two = StepPlan.build([SteeredRow(s, Steering(beta=2.0), Filters()) for s in (0, 7, 7)], index=[1, 0, 2],
+                         buffers=buffers)
+    assert [t.data_ptr() for t in (two.layout.units, two.layout.gather, two.layout.cell, two.layout.weight,
+                                   two.a)] == ptrs
+    assert two.layout.units.tolist() == [0, 7] and two.a.tolist() == [3.0] * 3 and two.index.tolist() == [1, 0, 2]
+    three = StepPlan.build([SteeredRow(s, Steering(), Filters()) for s in (0, 1, 2)], index=[0, 1, 2], buffers=buffers)
+    assert three.layout.shape == (4, 1) and three.layout.units.tolist() == [0, 1, 2, 9]
+    assert three.layout.gather.tolist() == [0, 1, 2, 16]  # padding reads the zero row
+    assert [bucket(n) for n in (1, 2, 3, 5, 64, 65)] == [1, 2, 4, 8, 64, 128]
+    shapes = [p.layout.shape for p in StepPlan.shapes(buffers, 8)]
+    assert shapes == [(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (8, 1)]
+
+
+def test_a_plan_on_buffers_steps_like_a_plain_plan():
+    """Padded, fixed-address plans give the Distiller step and the filter-and-mix of plain plans."""
+    torch.manual_seed(0)
+    banks = [DistillerBank(H, rank=4, slots=4, seed=1) for _ in range(2)]
+    for bank in banks:
+        bank.allocate("g"), bank.allocate("h")
+    rows = [SteeredRow(s, Steering(beta=0.8), Filters()) for s in (0, 1, 1)]
+    plain = StepPlan.build(rows)
+    buffers = PlanBuffers(rows=8, units=4, width=4, device=torch.device("cpu"), scratch=banks[1].scratch)
+    fixed = StepPlan.build(rows, index=[0, 1, 2], buffers=buffers)
+    x, y = torch.randn(3, H), torch.randn(3, H)
+    want = Steerer(banks[0]).distill(plain, x, y)
+    taps_x, taps_y = torch.zeros(9, H), torch.zeros(9, H)
+    taps_x[:3], taps_y[:3] = x, y
+    got = Steerer(banks[1]).distill(fixed, taps_x, taps_y)
+    torch.testing.assert_close(got[0][:3], want[0])
+    torch.testing.assert_close(got[1][:3], want[1])
+    torch.testing.assert_close(got[2][:2], want[2])
 
 
 def test_reference_steerer_equals_the_core_functions():
@@ -39,7 +83,7 @@ def test_reference_steerer_equals_the_core_functions():
     bank.allocate("g")
     steerer = Steerer(bank)
     rows = [SteeredRow(0, Steering(beta=0.8), Filters(top_k=30, top_p=0.9, min_p=0.05))] * 3
-    plan = StepPlan.build(rows, vocab=V)
+    plan = StepPlan.build(rows)
     x, y, z = torch.randn(3, H), torch.randn(3, H), torch.randn(3, V) * 3
     W = torch.randn(V, H)
     want_pred = bank.predict(x, plan.layout)
@@ -51,7 +95,15 @@ def test_reference_steerer_equals_the_core_functions():
     d = pred @ W.T
     full, counts = steerer.mix(plan, scaled.clone(), d)
     at, counts_at = steerer.mix_at_candidates(plan, scaled.clone(), pred, W)
-    want = iv.steer(z / 0.8, mask, pred, W, plan.a, plan.b)
+    a, b = plan.a.reshape(-1, 1), plan.b.reshape(-1, 1)
+    want = iv.steer(z / 0.8, mask, pred, W, a, b)
     torch.testing.assert_close(full, want)
     torch.testing.assert_close(at, want)
     assert torch.equal(counts, mask.sum(-1)) and torch.equal(counts_at, mask.sum(-1))
+    # the engine path: rows picked from a bigger batch, filtered and mixed in place
+    batch = torch.randn(5, V)
+    batch[[3, 1, 4]] = z
+    fixed = StepPlan.build(rows, index=[3, 1, 4])
+    got_counts = steerer.filter_and_mix(fixed, batch, d)
+    torch.testing.assert_close(batch[[3, 1, 4]], want)
+    assert got_counts.tolist() == mask.sum(-1).tolist()

@@ -17,14 +17,17 @@ it starts and gives it back, re-initialised, when it ends; a full bank is an err
 (``BankFullError``), never a reuse of another group's slot.
 
 A step lays its rows out as a [U, W, H] block (U slots present, W rows of the widest slot), so
-every slot's products are one batched matmul and no parameter is copied per row. A and G are
-stored side by side as one [H, 2r] block ``AG``: one matmul gives x·A and x·G together.
-How the parameters are stored and updated (one flat buffer, a fused optimizer) is
-``esamp.core.backends.flat``.
+every slot's products are one batched matmul. The block may be padded past what its rows need:
+the slots and rows are device tensors of the layout, so a step of one (U, W) shape is the same
+sequence of kernels whichever groups hold which slots (what lets a captured CUDA graph serve every
+batch of that shape). A and G are stored side by side as one [H, 2r] block ``AG``: one matmul
+gives x·A and x·G together. How the parameters are stored and updated (one flat buffer with a
+scratch slot for padding, one optimizer kernel) is ``esamp.core.backends.flat``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from dataclasses import dataclass
 
@@ -40,61 +43,72 @@ LN_EPS = 1e-5
 
 @dataclass(frozen=True)
 class RowLayout:
-    """Where each row of a step sits in the [U, W, H] slot block. Built fresh for every batch."""
+    """Where each row of a step sits in the [U, W, H] slot block. Built when the batch changes.
 
-    active: torch.Tensor  # [U] slot ids present in this step
-    row_slot: torch.Tensor  # [R] index into ``active`` for each row
-    row_pos: torch.Tensor  # [R] position of the row inside its slot's block
-    width: int  # W: rows of the widest slot in this step
-    slots: tuple[int, ...]  # ``active`` as host ints
+    Block row u holds the rows of slot ``units[u]``; cell (u, w) reads input row ``gather[u·W + w]``.
+    A layout may be padded to a larger shape than its rows need (fixed shapes let one captured step
+    serve many batches): padded units name the bank's scratch slot and padded cells read the zero
+    row, which the step supplies, and neither trains.
+    """
+
+    units: torch.Tensor  # [U] slot of each block row (padding: the scratch slot)
+    gather: torch.Tensor  # [U·W] input row of each cell (padding: ``zero_row``)
+    cell: torch.Tensor  # [R] the cell of each row
+    weight: torch.Tensor  # [U·W] fp32, 1 where the cell's row trains this step
+    width: int  # W
+    zero_row: int  # the input row index that reads as zeros
+    slots: tuple[int, ...]  # the real slots, in unit order (host ints)
+    training: tuple[int, ...]  # the units that take an optimizer step, in unit order
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.units.numel(), self.width
 
     @classmethod
-    def from_slots(cls, slots: list[int], device: torch.device | str = "cpu") -> "RowLayout":
-        """Layout for rows whose slots are ``slots`` (host ints, in row order)."""
+    def from_slots(cls, slots: list[int], trains: list[bool] | None = None, *, units: int | None = None,
+                   width: int | None = None, scratch: int = -1, zero_row: int | None = None,
+                   device: torch.device | str = "cpu") -> "RowLayout":
+        """The layout of rows whose slots are ``slots`` (host ints, in row order); ``trains``
+        (default: every row) says which rows the optimizer step learns from. ``units`` and
+        ``width`` pad the block (``scratch``: the bank's scratch slot); ``zero_row`` defaults to
+        the row after the last (the step appends a zero row)."""
         order: dict[int, int] = {}
-        counts: list[int] = []
-        row_slot, row_pos = [], []
-        for s in slots:
+        cells: list[list[int]] = []
+        for row, s in enumerate(slots):
             u = order.setdefault(s, len(order))
-            if u == len(counts):
-                counts.append(0)
-            row_slot.append(u)
-            row_pos.append(counts[u])
-            counts[u] += 1
+            if u == len(cells):
+                cells.append([])
+            cells[u].append(row)
+        need_u, need_w = len(cells), max((len(c) for c in cells), default=1)
+        U = need_u if units is None else units
+        W = need_w if width is None else width
+        if U < need_u or W < need_w:
+            raise ValueError(f"a [{U}, {W}] block cannot hold {need_u} slots of up to {need_w} rows")
+        if U > need_u and scratch < 0:
+            raise ValueError("padding units needs the bank's scratch slot")
+        zero = len(slots) if zero_row is None else zero_row
+        trains = [True] * len(slots) if trains is None else list(trains)
+        gather = [zero] * (U * W)
+        weight = [0.0] * (U * W)
+        cell = [0] * len(slots)
+        for u, rows in enumerate(cells):
+            for w, row in enumerate(rows):
+                gather[u * W + w] = row
+                weight[u * W + w] = 1.0 if trains[row] else 0.0
+                cell[row] = u * W + w
+        training = tuple(u for u, rows in enumerate(cells) if any(trains[r] for r in rows))
+        slot_list = list(order)
 
-        def t(values):
-            return torch.tensor(values, dtype=torch.long, device=device)
+        def t(values, dtype=torch.long):
+            return torch.tensor(values, dtype=dtype, device=device)
 
-        return cls(t(list(order)), t(row_slot), t(row_pos), max(counts, default=0), tuple(order))
+        return cls(t(slot_list + [scratch] * (U - need_u)), t(gather), t(cell), t(weight, torch.float32),
+                   W, zero, tuple(slot_list), training)
 
     def to(self, move) -> "RowLayout":
         """The same layout with its tensors moved by ``move`` (e.g. a non-blocking device copy)."""
-        return RowLayout(move(self.active), move(self.row_slot), move(self.row_pos), self.width, self.slots)
-
-
-@dataclass(frozen=True)
-class Training:
-    """Which rows train in a step. The loss of a slot is the mean error of its training rows."""
-
-    slots: tuple[int, ...]  # slots that take an optimizer step, in the order their losses come
-    rows: torch.Tensor | None = None  # [T] the rows that train, when not every row does
-    layout: RowLayout | None = None  # those rows' own layout
-
-    @classmethod
-    def of(cls, slots: list[int], trains: list[bool]) -> "Training | None":
-        """From each row's slot and whether it trains (host lists, in row order); None when no
-        row trains. Host tensors: move them with ``to``."""
-        if not any(trains):
-            return None
-        if all(trains):
-            return cls(tuple(dict.fromkeys(slots)))
-        rows = [i for i, t in enumerate(trains) if t]
-        layout = RowLayout.from_slots([slots[i] for i in rows])
-        return cls(layout.slots, torch.tensor(rows, dtype=torch.long), layout)
-
-    def to(self, move) -> "Training":
-        return Training(self.slots, None if self.rows is None else move(self.rows),
-                        None if self.layout is None else self.layout.to(move))
+        return dataclasses.replace(self, units=move(self.units), gather=move(self.gather), cell=move(self.cell),
+                                   weight=move(self.weight))
 
 
 def init_slot(hidden: int, rank: int, seed: int, slot: int) -> dict[str, torch.Tensor]:
@@ -141,12 +155,16 @@ class DistillerBank:
         H, r = hidden, rank
         shapes = {"AG": (H, 2 * r), "b": (r,), "B": (r, H), "ln_w": (H,), "ln_b": (H,)}
         self.store = FlatParameters({k: shapes[k] for k in self.PARAMS}, slots, self.device)
-        self.params = dict(self.store.params)  # name → [S, ...] views, plus A and G
+        self.params = dict(self.store.params)  # name → [S + 1, ...] views, plus A and G
         self.params["A"], self.params["G"] = self.params["AG"][..., :r], self.params["AG"][..., r:]
         self._groups: dict[str, int] = {}
         self._free: list[int] = list(range(slots))  # a min-heap: the lowest free slot goes first
-        for s in range(slots):
-            self.store.reset(s, init_slot(H, r, seed, s))
+        self.store.initialise([init_slot(H, r, seed, s) for s in range(slots + 1)])  # + the scratch slot
+
+    @property
+    def scratch(self) -> int:
+        """The slot that pads fixed-shape steps (never handed to a group, never trained)."""
+        return self.store.scratch
 
     # -- slots -------------------------------------------------------------------------------
 
@@ -160,8 +178,7 @@ class DistillerBank:
         return len(self._free)
 
     def allocate(self, group: str) -> int:
-        """The slot of ``group``, taking the lowest free one on first sight (so groups that start
-        together hold consecutive slots, which a step reads in place)."""
+        """The slot of ``group``, taking the lowest free one on first sight."""
         if group in self._groups:
             return self._groups[group]
         if not self._free:
@@ -174,73 +191,68 @@ class DistillerBank:
         """Release ``group``'s slot and re-initialise it, so the next holder starts fresh."""
         slot = self._groups.pop(group, None)
         if slot is not None:
-            self.store.reset(slot, init_slot(self.hidden, self.rank, self.seed, slot))
+            self.store.reset(slot)
             heapq.heappush(self._free, slot)
-
-    def slot_of(self, group: str) -> int:
-        return self._groups[group]
 
     # -- compute -----------------------------------------------------------------------------
 
-    def _forward(self, x: torch.Tensor, layout: RowLayout, p: dict[str, torch.Tensor]) -> torch.Tensor:
-        """ŷ [R, H] (fp32) for rows ``x`` through the active slots' parameters ``p``."""
-        block = x.new_zeros(layout.active.numel(), layout.width, self.hidden)
-        block[layout.row_slot, layout.row_pos] = x
-        return forward(block, p, self.rank)[layout.row_slot, layout.row_pos]
+    def _blocks(self, x: torch.Tensor, layout: RowLayout, normalize=None):
+        """The [U·W, H] source block of ``x`` (rows, plus the zero row when ``x`` lacks it)."""
+        if x.shape[0] == layout.zero_row:
+            x = F.pad(x, (0, 0, 0, 1))
+        return x.index_select(0, layout.gather)
 
-    def _active(self, layout: RowLayout) -> torch.Tensor:
-        return self.store.rows(layout.slots, layout.active)
+    def _forward(self, block: torch.Tensor, layout: RowLayout, p: dict[str, torch.Tensor]) -> torch.Tensor:
+        U, W = layout.shape
+        return forward(block.view(U, W, self.hidden), p, self.rank).view(U * W, self.hidden)
 
     @torch.no_grad()
     def predict(self, x: torch.Tensor, layout: RowLayout) -> torch.Tensor:
         """ŷ [R, H] in fp32 for source rows ``x`` [R, H]."""
-        return self._forward(x.float(), layout, self.store.named(self._active(layout)))
+        block = self._blocks(x, layout).float()
+        p = self.store.named(self.store.gather(layout.units))
+        return self._forward(block, layout, p).index_select(0, layout.cell)
 
     row_error = staticmethod(row_error)
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor, layout: RowLayout) -> torch.Tensor:
-        """One optimizer step on every slot in ``layout``; returns the per-slot loss [U] (before)."""
-        return self._train(x, y, layout)[2]
+        """One optimizer step on the layout's training units; returns their loss (before the step)."""
+        loss = self.step(x, y, layout)[2]
+        return loss[list(layout.training)]
 
-    def step(self, x: torch.Tensor, y: torch.Tensor, layout: RowLayout, training: Training | None):
-        """One Distiller step: (ŷ [R, H], e [R], loss of each training slot, or None).
+    def step(self, x: torch.Tensor, y: torch.Tensor, layout: RowLayout, normalize=None):
+        """One Distiller step: (ŷ [R, H] fp32, e [R], loss [U] per unit or None).
 
-        ŷ and e come from the parameters before this step's update (what steers this step).
-        When every row trains, one forward pass serves both them and the update; when only some
-        do (``train_rows="group"``), every row is predicted and only those rows are trained on.
+        ŷ and e come from the parameters before this step's update (what steers this step). The
+        units in ``layout.training`` take one optimizer step on the mean error of their training
+        rows (the loss of the other units is 0). ``normalize(x, y) -> (x, y)`` turns raw taps into
+        the Distiller's inputs, applied to the gathered rows (a zero row stays zero under a norm).
+        A fixed sequence of kernels for a given layout shape: it can be captured as a CUDA graph
+        and replayed for any layout of that shape.
         """
-        if training is None:
-            prediction = self.predict(x, layout)
-            return prediction, row_error(prediction, y), None
-        if training.rows is None:
-            return self._train(x, y, layout)
-        prediction = self.predict(x, layout)
-        rows = training.rows
-        loss = self._train(x.index_select(0, rows), y.index_select(0, rows), training.layout)[2]
-        return prediction, row_error(prediction, y), loss
-
-    def _train(self, x: torch.Tensor, y: torch.Tensor, layout: RowLayout):
-        """One optimizer step on every slot of ``layout`` with all its rows: (ŷ, e, per-slot loss).
-
-        Slots are disjoint, so the gradient of the summed per-slot losses gives each slot
-        exactly its own gradient.
-        """
+        bx, by = self._blocks(x, layout), self._blocks(y, layout)
+        if normalize is not None:
+            bx, by = normalize(bx, by)
+        if not layout.training:
+            with torch.no_grad():
+                prediction = self._forward(bx.float(), layout, self.store.named(self.store.gather(layout.units)))
+                err = row_error(prediction, by)
+                return prediction.index_select(0, layout.cell), err.index_select(0, layout.cell), None
         with torch.inference_mode(False), torch.enable_grad():
             # Tensors made under inference mode (vLLM's sampler, the reference engine's forward)
-            # cannot take part in autograd: clone the taps and the layout outside that mode.
-            x, y = x.detach().float().clone(), y.detach().float().clone()
-            layout = RowLayout(*(t.clone() for t in (layout.active, layout.row_slot, layout.row_pos)),
-                               layout.width, layout.slots)
-            # Each parameter's [U, ...] view of the live rows is a leaf: autograd writes its
+            # cannot be saved for backward: the gathered blocks and the weights are fresh copies.
+            bx, by = bx.float().clone(), by.float().clone()
+            weight = layout.weight.clone().view(layout.shape)
+            # Each parameter's [U, ...] view of the gathered rows is a leaf: autograd writes its
             # gradient straight into a [U, ...] tensor.
-            rows = self._active(layout).detach()
+            rows = self.store.gather(layout.units)
             p = {k: self.store.view(rows, k).requires_grad_(True) for k in self.PARAMS}
-            prediction = self._forward(x, layout, p)
-            err = row_error(prediction, y)  # [R]
-            U = layout.active.numel()
-            total = torch.zeros(U, device=err.device).index_add(0, layout.row_slot, err)
-            count = torch.zeros(U, device=err.device).index_add(0, layout.row_slot, torch.ones_like(err))
-            loss = total / count
+            prediction = self._forward(bx, layout, p)
+            err = row_error(prediction, by)  # [U·W]
+            counts = weight.sum(dim=1)
+            loss = (err.view(layout.shape) * weight).sum(dim=1) / counts.clamp(min=1.0)
             grads = torch.autograd.grad(loss.sum(), [p[k] for k in self.PARAMS])
-        self.store.update(layout.slots, dict(zip(self.PARAMS, grads)), self.optimizer, self.lr)
-        return prediction.detach(), err.detach(), loss.detach()
+        self.store.update(layout.units, counts, {k: g.contiguous() for k, g in zip(self.PARAMS, grads)},
+                          self.optimizer, self.lr)
+        prediction, err = prediction.detach(), err.detach()
+        return prediction.index_select(0, layout.cell), err.index_select(0, layout.cell), loss.detach()

@@ -8,19 +8,21 @@
 3. ``mix``: z' = a·z̃ − b·d on C, with d = W_lm·ŷ the Distiller logits and (a, b) from the row's
    mix and β (``esamp.core.mixes``). Engines then sample from z' as they would from z̃.
 
-An engine describes its steered rows once per batch shape as a ``StepPlan`` (each row's slot and
-settings, as device tensors) and calls the three steps every decode step. The PyTorch functions
-of ``esamp.core`` are the reference; faster backends plug into each step and tests hold each one
-equal to the reference:
+An engine describes its steered rows once per batch as a ``StepPlan`` (each row's slot and
+settings, as device tensors) and runs the steps every decode step. The PyTorch functions of
+``esamp.core`` are the reference; faster backends do the same work and tests hold each one equal
+to the reference:
 
-- distill: ``backends.graphs.GraphCache`` replays the step as a CUDA graph;
-- filter: the vLLM engine passes vLLM's own top-k/top-p functions, so C is what vLLM keeps;
-- mix: ``backends.triton_mix.mix_and_count`` is the mix and the candidate count in one pass.
+- distill: ``backends.graphs.GraphCache`` replays the step as a CUDA graph. A plan built on
+  ``PlanBuffers`` keeps every tensor at a fixed address and pads its block to a bucketed
+  [U, W] shape, so one graph per shape serves every batch and every assignment of groups to
+  slots; ``Steerer.prepare`` captures the common shapes before the first request.
+- filter and mix: ``backends.triton_filter.filter_and_mix`` does both in four passes over the
+  logits (no sort of the vocabulary), on rows picked by index where they lie.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -28,9 +30,10 @@ import torch
 
 from esamp.core import intervention as iv
 from esamp.core.backends.graphs import GraphCache
+from esamp.core.backends.triton_filter import FilterWorkspace, filter_and_mix
 from esamp.core.backends.triton_mix import mix_and_count
 from esamp.core.config import Filters, Steering
-from esamp.core.distiller import DistillerBank, RowLayout, Training
+from esamp.core.distiller import DistillerBank, RowLayout
 
 
 @dataclass(frozen=True)
@@ -51,109 +54,215 @@ def device_tensor(values, dtype: torch.dtype, device: torch.device) -> torch.Ten
     return t.pin_memory().to(device, non_blocking=True)
 
 
+def bucket(n: int) -> int:
+    """The padded size of a block dimension: the next power of two."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+class PlanBuffers:
+    """Fixed device buffers a plan's tensors are views of, for up to ``rows`` rows, ``units``
+    slots per step and ``width`` rows per slot: a plan built here keeps its tensors at the same
+    addresses as every other plan of its shape (what a captured graph reads). Rebuilding a plan is
+    two small host-to-device copies, queued behind the work that read the previous one."""
+
+    def __init__(self, rows: int, units: int, width: int, device: torch.device, scratch: int) -> None:
+        self.rows, self.units, self.width = rows, units, width
+        self.cells = units * width
+        self.device, self.scratch = torch.device(device), scratch
+        # long: units | gather | cell | row index | top-k ; float: weight | T | min-p | top-p | a | b
+        self._long_spans = _spans(units=units, gather=self.cells, cell=self.cells, index=rows, top_k=rows)
+        self._float_spans = _spans(weight=self.cells, temperature=rows, min_p=rows, top_p=rows, a=rows, b=rows)
+        with torch.inference_mode(False):
+            self.longs = torch.zeros(self._long_spans["_end"], dtype=torch.long, device=self.device)
+            self.floats = torch.zeros(self._float_spans["_end"], dtype=torch.float32, device=self.device)
+        self.write({}, {})
+
+    def fits(self, rows: int, units: int, width: int) -> bool:
+        return rows <= self.rows and units <= self.units and width <= self.width
+
+    def view(self, name: str, size: int) -> torch.Tensor:
+        if name in self._long_spans:
+            return self.longs[self._long_spans[name]:][:size]
+        return self.floats[self._float_spans[name]:][:size]
+
+    def write(self, longs: dict[str, list[int]], floats: dict[str, list[float]]) -> None:
+        """Set every field: the named ones from their start, everything else to its idle value
+        (units: the scratch slot; gather: the zero row; weights 0: nothing trains)."""
+        for buffer, spans, values, dtype in ((self.longs, self._long_spans, longs, torch.long),
+                                             (self.floats, self._float_spans, floats, torch.float32)):
+            host = torch.zeros(spans["_end"], dtype=dtype)
+            if dtype == torch.long:
+                host[spans["units"]:spans["gather"]] = self.scratch
+                host[spans["gather"]:spans["cell"]] = self.rows
+            for name, items in values.items():
+                host[spans[name]:spans[name] + len(items)] = torch.tensor(items, dtype=dtype)
+            if self.device.type == "cuda":
+                host = host.pin_memory()
+            buffer.copy_(host, non_blocking=True)
+
+
+def _spans(**sizes: int) -> dict[str, int]:
+    out, offset = {}, 0
+    for name, size in sizes.items():
+        out[name] = offset
+        offset += size
+    out["_end"] = offset
+    return out
+
+
 @dataclass(frozen=True)
 class StepPlan:
-    """A batch of steered rows as device tensors. Built when the batch changes, reused after."""
+    """A batch of rows as device tensors: the first ``steered`` rows are steered (distilled and
+    mixed), the rest only filtered. Built when the batch changes, reused after."""
 
     rows: int
-    layout: RowLayout | None  # None for rows that are only filtered (``distill=False``)
-    training: Training | None
-    temperature: torch.Tensor  # [R, 1]; 1 for greedy rows (their argmax is what counts)
+    steered: int
+    layout: RowLayout | None  # the steered rows' block; None when no row is steered
+    temperature: torch.Tensor  # [R]; 1 for greedy rows (their argmax is what counts)
+    min_p: torch.Tensor  # [R], 0 = off
+    top_p: torch.Tensor  # [R], 1 = off
     top_k: torch.Tensor | None  # [R] long, 0 = off; None when no row uses top-k
-    top_p: torch.Tensor | None  # [R]; None when no row uses top-p
-    min_p: torch.Tensor | None  # [R]; None when no row uses min-p
-    log_min_p: torch.Tensor | None  # [R, 1] log min_p (−∞ where off): min-p in logit space
-    a: torch.Tensor  # [R, 1] weight of z̃ in the mix
-    b: torch.Tensor  # [R, 1] weight of d
-    key: int  # hash of (slot per row, rows that train): equal keys run the same Distiller step
-    top_k_or_vocab: torch.Tensor | None  # [R] top-k with the vocabulary size where off (vLLM's form)
+    a: torch.Tensor  # [R] weight of z̃ in the mix (1 for rows only filtered)
+    b: torch.Tensor  # [R] weight of d (0 for rows only filtered)
+    index: torch.Tensor | None = None  # [R] the engine's logits row of each row, when given
+
+    @property
+    def key(self) -> tuple:
+        """What the Distiller step's kernels depend on: equal keys replay the same graph."""
+        return (self.layout.shape, bool(self.layout.training)) if self.layout is not None else ()
 
     @classmethod
-    def build(cls, rows: Sequence[SteeredRow], device: torch.device | str = "cpu", *,
-              vocab: int | None = None, distill: bool = True) -> "StepPlan":
+    def build(cls, rows: Sequence[SteeredRow], device: torch.device | str = "cpu", *, steered: int | None = None,
+              index: Sequence[int] | None = None, buffers: PlanBuffers | None = None) -> "StepPlan":
+        """The plan of ``rows``, the first ``steered`` of them (default: all) steered and the rest
+        only filtered (their (a, b) = (1, 0) whatever their steering says); ``index``: each row's
+        logits row in the engine's batch. With ``buffers`` the block is padded to bucketed sizes
+        and every tensor is a view of them."""
         device = torch.device(device)
-
-        def on(values, dtype=torch.float32):
-            return device_tensor(values, dtype, device)
-
-        slots = [r.slot for r in rows]
+        n = len(rows)
+        s = n if steered is None else steered
+        slots = [r.slot for r in rows[:s]]
         trains, seen = [], set()
-        for r in rows:  # train_rows "group": the group's first row in this step trains
+        for r in rows[:s]:  # train_rows "group": the group's first row in this step trains
             trains.append(r.may_train and r.steering.train and (r.steering.train_rows == "all" or r.slot not in seen))
             seen.add(r.slot)
-        training = Training.of(slots, trains) if distill else None
         f = [r.filters for r in rows]
-        a, b = iv.mix_coefficients([(r.steering.mix, r.steering.beta) for r in rows])
+        a, b = iv.mix_coefficients([(r.steering.mix, r.steering.beta) for r in rows[:s]])
+        values = dict(temperature=[x.temperature if x.temperature > 0 else 1.0 for x in f],
+                      min_p=[x.min_p for x in f], top_p=[x.top_p for x in f],
+                      a=a.flatten().tolist() + [1.0] * (n - s), b=b.flatten().tolist() + [0.0] * (n - s))
         top_k = [x.top_k for x in f]
-        return cls(
-            rows=len(rows),
-            layout=RowLayout.from_slots(slots).to(lambda t: on(t.tolist(), t.dtype)) if distill else None,
-            training=None if training is None else training.to(lambda t: on(t.tolist(), t.dtype)),
-            temperature=on([[x.temperature if x.temperature > 0 else 1.0] for x in f]),
-            top_k=on(top_k, torch.long) if any(k > 0 for k in top_k) else None,
-            top_p=on([x.top_p for x in f]) if any(x.top_p < 1 for x in f) else None,
-            min_p=on([x.min_p for x in f]) if any(x.min_p > 0 for x in f) else None,
-            log_min_p=on([[math.log(x.min_p) if x.min_p > 0 else -math.inf] for x in f])
-            if any(x.min_p > 0 for x in f) else None,
-            a=a.to(device, non_blocking=True), b=b.to(device, non_blocking=True),
-            # An int: a graph lookup per step hashes it for free (a long tuple would be re-hashed).
-            key=hash((tuple(slots), tuple(trains))),
-            top_k_or_vocab=on([k if 0 < k < vocab else vocab for k in top_k], torch.long)
-            if vocab and any(0 < k < vocab for k in top_k) else None,
-        )
+        uses_top_k = any(k > 0 for k in top_k)
+        if buffers is None:
+            layout = RowLayout.from_slots(slots, trains, device=device) if s else None
+            return cls(rows=n, steered=s, layout=layout,
+                       **{k: torch.tensor(v, dtype=torch.float32).to(device) for k, v in values.items()},
+                       top_k=torch.tensor(top_k, dtype=torch.long).to(device) if uses_top_k else None,
+                       index=None if index is None else torch.tensor(list(index), dtype=torch.long).to(device))
+        longs: dict[str, list[int]] = {"top_k": top_k, "index": list(index) if index is not None else []}
+        layout = None
+        if s:
+            U, W = RowLayout.from_slots(slots, trains).shape
+            U, W = min(bucket(U), buffers.units), min(bucket(W), buffers.width)
+            host = RowLayout.from_slots(slots, trains, units=U, width=W, scratch=buffers.scratch,
+                                        zero_row=buffers.rows)
+            longs.update(units=host.units.tolist(), gather=host.gather.tolist(),
+                         cell=host.cell.tolist() + [0] * (U * W - s))
+            values["weight"] = host.weight.tolist()
+            layout = RowLayout(buffers.view("units", U), buffers.view("gather", U * W),
+                               buffers.view("cell", U * W), buffers.view("weight", U * W), W,
+                               buffers.rows, host.slots, host.training)
+        buffers.write(longs, values)
+        return cls(rows=n, steered=s, layout=layout, **{k: buffers.view(k, n) for k in values if k != "weight"},
+                   top_k=buffers.view("top_k", n) if uses_top_k else None,
+                   index=buffers.view("index", n) if index is not None else None)
+
+    @classmethod
+    def shapes(cls, buffers: PlanBuffers, cells: int) -> list["StepPlan"]:
+        """Plans of every bucketed block shape up to ``cells`` cells, on ``buffers``, whose units
+        are the scratch slot and whose rows train nothing: what ``Steerer.prepare`` captures."""
+        out = []
+        units = 1
+        while units <= buffers.units:
+            width = 1
+            while width <= buffers.width and units * width <= cells:
+                out.append(cls._idle(buffers, units, width))
+                width *= 2
+            units *= 2
+        return out
+
+    @classmethod
+    def _idle(cls, buffers: PlanBuffers, units: int, width: int) -> "StepPlan":
+        cells = units * width
+        layout = RowLayout(buffers.view("units", units), buffers.view("gather", cells), buffers.view("cell", cells),
+                           buffers.view("weight", cells), width, buffers.rows, (), (0,))
+        one = buffers.view("a", 1)
+        return cls(rows=0, steered=0, layout=layout, temperature=one, min_p=one, top_p=one, top_k=None, a=one, b=one)
 
 
 def reference_filter(scaled: torch.Tensor, plan: StepPlan) -> torch.Tensor:
-    """The core's candidate filter: −∞ outside C, in place."""
-    R, V = scaled.shape
+    """The core's candidate filter on z̃ [R, V]: −∞ outside C, in place."""
+    R = scaled.shape[0]
     mask = iv.candidate_mask(
-        scaled,
-        plan.top_k if plan.top_k is not None else torch.zeros(R, dtype=torch.long, device=scaled.device),
-        plan.top_p if plan.top_p is not None else torch.ones(R, device=scaled.device),
-        plan.min_p if plan.min_p is not None else torch.zeros(R, device=scaled.device))
+        scaled, plan.top_k if plan.top_k is not None else torch.zeros(R, dtype=torch.long, device=scaled.device),
+        plan.top_p, plan.min_p)
     return scaled.masked_fill_(~mask, iv.NEG_INF)
 
 
 Filter = Callable[[torch.Tensor, StepPlan], torch.Tensor]
-Mix = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 class Steerer:
     """Runs ESamp's step over a ``StepPlan``'s rows with the given backends."""
 
-    def __init__(self, bank: DistillerBank, *, filter: Filter = reference_filter, mix: Mix = mix_and_count,
+    def __init__(self, bank: DistillerBank, *, filter: Filter = reference_filter,
                  graphs: GraphCache | None = None) -> None:
         self.bank = bank
-        self._filter, self._mix = filter, mix
+        self._filter = filter
         self.graphs = graphs or GraphCache(enabled=False)
+        self._work: FilterWorkspace | None = None
+
+    # -- distill -----------------------------------------------------------------------------
 
     def distill(self, plan: StepPlan, x: torch.Tensor, y: torch.Tensor, normalize=None,
-                head_input: torch.Tensor | None = None):
-        """(ŷ [R, H] fp32, e [R], per-slot loss of the training slots or None).
+                out_dtype: torch.dtype | None = None):
+        """(ŷ, e, loss per unit or None) for the plan's rows, from their taps ``x`` and ``y``.
 
         ``normalize(x, y) -> (x, y)``, when given, turns the engine's raw taps into the Distiller's
-        inputs inside the step. ``head_input`` ([R', H], the rows the engine runs its LM head on)
-        makes ŷ come back stacked under them, ``[head_input; ŷ]`` in their dtype, ready for one
-        head pass that gives both logits and d. Either way a graphed step launches nothing else.
+        inputs inside the step; ``out_dtype`` casts ŷ inside it (e.g. to the LM head's dtype). For
+        a plan on ``PlanBuffers``, ``x`` and ``y`` are the engine's fixed tap buffers (the row
+        after the last one zero) and ŷ, e have a row per block cell, the plan's rows first; the
+        step runs as a CUDA graph per plan shape, reading its inputs where they are.
         """
-        def step(gx, gy, *head):
-            if normalize is not None:
-                gx, gy = normalize(gx, gy)
-            prediction, errors, losses = self.bank.step(gx, gy, plan.layout, plan.training)
-            if head:
-                prediction = torch.cat([head[0], prediction.to(head[0].dtype)])
+        def step(gx, gy):
+            prediction, errors, losses = self.bank.step(gx, gy, plan.layout, normalize)
+            if out_dtype is not None:
+                prediction = prediction.to(out_dtype)
             return prediction, errors, losses
 
-        inputs = (x, y) if head_input is None else (x, y, head_input)
-        return self.graphs.run((plan.key, head_input is not None), step, *inputs, keep=plan)
+        key = (plan.key, out_dtype, x.data_ptr(), y.data_ptr(), x.stride(0), y.stride(0))
+        return self.graphs.run(key, step, x, y)
+
+    def prepare(self, plans: Sequence[StepPlan], x: torch.Tensor, y: torch.Tensor, normalize=None,
+                out_dtype: torch.dtype | None = None) -> int:
+        """Capture the Distiller step of each plan's shape ahead of use (plans whose units are the
+        scratch slot and whose rows train nothing change no state). Returns the captures made."""
+        before = self.graphs.captures
+        for plan in plans:
+            if not self.graphs.enabled:
+                break
+            self.distill(plan, x, y, normalize, out_dtype)
+        return self.graphs.captures - before
+
+    # -- filter and mix ----------------------------------------------------------------------
 
     def filter(self, plan: StepPlan, logits: torch.Tensor) -> torch.Tensor:
         """z̃ = z/T with −∞ outside C, in place on ``logits`` ([R, V], fp32)."""
-        return self._filter(logits.div_(plan.temperature), plan)
+        return self._filter(logits.div_(plan.temperature.reshape(-1, 1)), plan)
 
     def mix(self, plan: StepPlan, scaled: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """z' = a·z̃ − b·d over the whole vocabulary, in place; also |C| per row."""
-        return self._mix(scaled, d, plan.a, plan.b)
+        return mix_and_count(scaled, d, plan.a.reshape(-1, 1), plan.b.reshape(-1, 1))
 
     def mix_at_candidates(self, plan: StepPlan, scaled: torch.Tensor, prediction: torch.Tensor,
                           lm_head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,4 +270,37 @@ class Steerer:
         mask = torch.isfinite(scaled)
         counts = mask.sum(dim=-1)
         width = int(counts.max()) if counts.numel() else 1  # one host read: the widest row's |C|
-        return iv.steer(scaled, mask, prediction, lm_head, plan.a, plan.b, width=width), counts
+        return iv.steer(scaled, mask, prediction, lm_head, plan.a.reshape(-1, 1), plan.b.reshape(-1, 1),
+                        width=width), counts
+
+    def filter_and_mix(self, plan: StepPlan, logits: torch.Tensor, d: torch.Tensor | None) -> torch.Tensor:
+        """Filter and mix the plan's rows of the engine's ``logits`` in place (rows ``plan.index``);
+        ``d`` holds the Distiller logits of the plan's first ``d.shape[0]`` rows, the rest are only
+        filtered. Returns |C| per row. Rows with top-k take the filter given to the constructor."""
+        if plan.top_k is not None:
+            scaled = self.filter(plan, logits.index_select(0, plan.index))
+            counts = torch.isfinite(scaled).sum(dim=-1).to(torch.int32)
+            if d is not None and d.shape[0]:
+                m = d.shape[0]
+                scaled[:m] = scaled[:m] * plan.a[:m].reshape(-1, 1) - plan.b[:m].reshape(-1, 1) * d.float()
+            logits.index_copy_(0, plan.index, scaled)
+            return counts
+        work = self._work
+        if work is not None and (work.rows < plan.rows or work.vocab != logits.shape[1]):
+            work = None  # (``reserve`` sizes it for the engine's batch)
+        return filter_and_mix(logits, plan.index, plan.temperature, plan.min_p, plan.top_p, plan.a, plan.b, d, work)
+
+    def reserve(self, rows: int, vocab: int, device: torch.device) -> None:
+        """Keep the filter's working buffers for up to ``rows`` rows at fixed addresses (a GPU)."""
+        if torch.device(device).type == "cuda":
+            self._work = FilterWorkspace(rows, vocab, torch.device(device))
+            self._overflows_seen = torch.zeros(1, dtype=torch.int32).pin_memory()
+
+    @property
+    def filter_overflows(self) -> int:
+        """Boundary bins kept whole (``triton_filter``), as of the previous call (never waits)."""
+        if self._work is None:
+            return 0
+        seen = int(self._overflows_seen[0])
+        self._overflows_seen.copy_(self._work.overflows, non_blocking=True)
+        return seen

@@ -23,14 +23,14 @@ def _bank_digest(worker) -> tuple[str, str, int]:
     """Runs inside each tensor-parallel worker (``collective_rpc`` with a function)."""
     import hashlib
 
-    from esamp.engines.vllm.state import STATE
+    from esamp.engines.vllm.exchange import exchange_for
 
-    processor = STATE.processor
-    store = processor.bank.store
+    steering = exchange_for(worker.vllm_config).steering
+    store = steering.bank.store
     digest = hashlib.sha256()
     for tensor in (store.flat, store.flat_m, store.flat_v):
         digest.update(tensor.detach().float().cpu().numpy().tobytes())
-    return digest.hexdigest(), repr(processor.records.loss), processor.step
+    return digest.hexdigest(), repr(steering.records.loss), steering.step_no
 
 
 def test_tensor_parallel_workers_keep_identical_distillers():

@@ -48,7 +48,8 @@ def test_bench_runs_three_sides_and_writes_its_json(tmp_path):
 
 def test_short_workloads_repeat_within_a_trial():
     """Rounds make a trial last at least the asked time; every round runs the whole workload."""
-    from esamp.bench import MAX_ROUNDS, rounds_for, run_trial
+    from esamp.commands.bench.trials import run_interleaved, run_trial
+    from esamp.commands.bench.workloads import MAX_ROUNDS, rounds_for
     from esamp.core.config import Steering
 
     assert rounds_for(0.2, 1.0) == 5 and rounds_for(0.3, 1.0) == 4
@@ -80,13 +81,32 @@ def test_short_workloads_repeat_within_a_trial():
     r = run_trial(engine, [[1, 2], [3, 4]], 2, 6, {}, Steering(), rounds=3)
     assert engine.started == 6 and engine.drained == 1
     assert r["tokens"] == 3 * 2 * 2 * 6 and r["port_hits"] == r["tokens"] and r["loss_count"] == 6
+    # Interleaved trials: every side runs the same passes, one side after the other (A B B A ...)
+    order = []
+
+    class Logged(Scripted):
+        def __init__(self, name):
+            super().__init__()
+            self.name = name
+
+        def start(self, prompt, sampling, steering):
+            if not self.running:
+                order.append(self.name)
+            super().start(prompt, sampling, steering)
+
+    a, b = Logged("a"), Logged("b")
+    records = run_interleaved([("a", a, Steering()), ("b", b, Steering())], [[1, 2]], 1, 4, {}, trials=2, rounds=3)
+    assert order == ["a", "b", "b", "a", "a", "b", "b", "a", "a", "b", "b", "a"]
+    assert [(r["side"], r["trial"]) for r in records] == [("a", 0), ("b", 0), ("b", 1), ("a", 1)]
+    assert all(r["tokens"] == 3 * 4 and len(r["pass_tok_s"]) == 3 for r in records)
 
 
 def test_realistic_calibration_matches_its_target():
     """The head profile found for a target |C| and entropy reproduces them in simulation."""
     import torch
 
-    from esamp.bench import PRESETS, _simulate, calibrate_head
+    from esamp.commands.bench.calibrate import _simulate, calibrate_head
+    from esamp.commands.bench.workloads import PRESETS
 
     sigma = (0.5 + torch.rand(5000, generator=torch.Generator().manual_seed(0))).tolist()
     target = dict(candidates=3.0, entropy=2.0)

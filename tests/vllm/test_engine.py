@@ -64,20 +64,24 @@ def reference(engine):
     ref.close()
 
 
-def processor():
-    from esamp.engines.vllm.state import STATE
+def exchange():
+    """The exchange of the module's engine (in this process: the tests run the engine core here)."""
+    from esamp.engines.vllm.exchange import live_exchanges
 
-    p = STATE.processor
-    assert p is not None, "the ESamp logits processor is not in this process"
-    assert type(p).__name__ == "TracingProcessor"
-    return p
+    found = [x for x in live_exchanges() if type(x.adapter).__name__ == "TracingProcessor"]
+    assert found, "the ESamp logits processor is not in this process"
+    return found[-1]
+
+
+def steering():
+    return exchange().steering
 
 
 class traced:
     """``with traced() as trace:`` — the steered steps the processor saw inside the block."""
 
     def __enter__(self) -> list[dict]:
-        self.p = processor()
+        self.p = steering()
         self.p.traces = []
         return self.p.traces
 
@@ -164,13 +168,12 @@ def test_processor_logits_equal_core_function(engine, mix):
     ``intervention.steer`` on the same inputs, and the Distiller logits the model's fused LM-head
     pass hands over are W·ŷ."""
     from esamp.core import intervention as iv
-    from esamp.engines.vllm.state import STATE
 
     with traced() as trace:
         collect(engine, {0: [dict(prompt=PROMPT_A, sampling=sampling(n=2, max_tokens=4, top_k=40),
                                   steering=steer(beta=0.8, mix=mix))]})
     assert trace
-    head = STATE.model.esamp_lm_head()
+    head = exchange().model.esamp_lm_head()
     for t in trace:
         f = t["filters"]
         scaled = iv.scale_logits(t["logits"], torch.tensor([x.temperature for x in f]))
@@ -244,12 +247,12 @@ def test_sequential_runs_share_no_state_and_slots_return(engine):
     assert first[1] == pytest.approx(again[1], rel=1e-5)
     state = engine.drain()
     assert state["free_slots"] == engine.esamp.slots and state["groups"] == []
-    assert state["counters"].get("stash_miss", 0) == 0
+    assert state["counters"].get("taps_missing", 0) == 0
     assert state["counters"].get("bank_full", 0) == 0
 
 
 def test_loss_falls_and_port_hits_count_steered_rows(engine):
-    p = processor()
+    p = steering()
     before = dict(p.counters)
     with traced() as trace:
         keys, events = collect(engine, {0: [dict(prompt=PROMPT_B, sampling=sampling(n=4, max_tokens=48, seed=5))]})
@@ -296,16 +299,16 @@ def test_cuda_graphs_are_on_and_taps_reach_every_step(engine):
     assert not engine.engine.vllm_config.model_config.enforce_eager
     collect(engine, {0: [dict(prompt=PROMPT_B, sampling=sampling(n=8, max_tokens=32))]})
     counters = engine.drain()["counters"]
-    assert counters.get("stash_miss", 0) == 0
+    assert counters.get("taps_missing", 0) == 0
     assert counters["port_hits"] > 0
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not cuda(), reason="needs a CUDA GPU")
 def test_graphed_distiller_gives_what_the_eager_one_gives(engine):
-    """Once a batch is steady its Distiller step is a CUDA-graph replay, with the same results;
-    a later run of the same shape (same slots, same rows) replays the kept graph, no new capture."""
-    p = processor()
+    """Every Distiller step of a group is a CUDA-graph replay from its first step, captured when
+    the engine started (no capture for a new group), with the results of eager steps."""
+    p = steering()
     s = sampling(n=4, max_tokens=24, seed=11)
 
     def run():
@@ -314,9 +317,11 @@ def test_graphed_distiller_gives_what_the_eager_one_gives(engine):
         return [tokens_of(events, keys[0], i) for i in range(4)], losses_of(trace, keys[0])
 
     graphs = p.steerer.graphs
-    before, failures, replays = graphs.captures, graphs.failures, graphs.replays
+    assert p.counters["graphs_prepared"] > 0
+    before, failures, replays, eager = graphs.captures, graphs.failures, graphs.replays, graphs.eager
     graphed = run()
-    assert graphs.captures > before and graphs.failures == failures and graphs.replays > replays
+    assert graphs.captures == before and graphs.eager == eager, "a new group paid a capture or an eager step"
+    assert graphs.failures == failures and graphs.replays > replays
     graphs.enabled = False
     try:
         eager = run()
@@ -349,7 +354,7 @@ def test_a_failed_graph_capture_falls_back_to_eager_steps(engine, monkeypatch):
     def refuse(*args, **kwargs):
         raise RuntimeError("capture refused by the test")
 
-    graphs = processor().steerer.graphs
+    graphs = steering().steerer.graphs
     graphs.graphs.clear()
     failures = graphs.failures
     monkeypatch.setattr(module, "_Graph", refuse)

@@ -108,7 +108,7 @@ def test_processor_filter_equals_core_candidate_mask(device):
         pytest.skip("needs a CUDA GPU")
     from esamp.core.config import Filters, Steering
     from esamp.core.steerer import SteeredRow, StepPlan
-    from esamp.engines.vllm.processor import vllm_filter
+    from esamp.engines.vllm.steering import vllm_filter
 
     gen = torch.Generator().manual_seed(3)
     moved = []
@@ -121,7 +121,7 @@ def test_processor_filter_equals_core_candidate_mask(device):
         want = iv.candidate_mask(z, k, p, m)
         plan = StepPlan.build([SteeredRow(-1, Steering(), Filters(temperature=1.0, top_k=int(k[r]), top_p=float(p[r]),
                                                                    min_p=float(m[r]))) for r in range(R)],
-                              device, vocab=V, distill=False)
+                              device, steered=0)
         got = vllm_filter(z.clone().to(device), plan).cpu()
         kept = torch.isfinite(got)
         assert torch.equal(got[kept], z[kept]), trial  # kept tokens keep their z̃
@@ -144,7 +144,7 @@ def test_processor_filter_equals_core_candidate_mask(device):
 
 
 def test_bench_workload_parsing():
-    from esamp.bench import parse_workload
+    from esamp.commands.bench.workloads import parse_workload
 
     assert parse_workload("16x64") == (16, 1, 64)
     assert parse_workload("32xn8x256") == (32, 8, 256)
@@ -182,31 +182,45 @@ def test_cuda_check_leaves_the_process_able_to_fork_cuda_users():
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
 
 
-@pytest.mark.vllm
-def test_one_processor_works_when_esamp_is_also_named(monkeypatch):
-    """With the entry point installed, vLLM builds our processor, then any named in
-    logits_processors: the last ESamp one built works, the others stay out of the way."""
+def test_the_adapter_built_last_is_the_live_one_and_finds_the_same_steering():
+    """vLLM may build several ESamp adapters for one engine (the entry point's and a named one, or
+    a rebuilt input batch): the last one works, the others stay out of the way, and all share
+    the engine's one ``EngineSteering`` (one Distiller bank)."""
     from types import SimpleNamespace
 
-    from esamp.engines.vllm import processor as module
+    from esamp.engines.vllm.exchange import exchange_for
 
-    class Config:  # a VllmConfig's shape: takes weak references, is not hashable
-        __hash__ = None
+    config = SimpleNamespace(instance_id="test-engine-1")
+    made = []
 
-        def __init__(self, named):
-            self.model_config = SimpleNamespace(logits_processors=named)
+    def make():
+        made.append(object())
+        return made[-1]
 
-    config = Config
+    first, second = object.__new__(type("A", (), {})), object.__new__(type("B", (), {}))
+    x = exchange_for(config)
+    assert x.attach_adapter(first, make) is made[0]
+    assert x.attach_adapter(second, make) is made[0] and len(made) == 1
+    assert x.is_live(second) and not x.is_live(first)
+    assert exchange_for(SimpleNamespace(instance_id="test-engine-1")) is x
+    assert exchange_for(SimpleNamespace(instance_id="test-engine-2")) is not x
 
-    monkeypatch.setattr(es, "processor_installed", lambda: True)
-    alone = config(None)
-    assert module._takes_turn(alone, module.EsampLogitsProcessor)
-    both = config(["_tracing:TracingProcessor"])
-    turns = [module._takes_turn(both, module.EsampLogitsProcessor) for _ in range(2)]
-    assert turns == [False, True]
-    monkeypatch.setattr(es, "processor_installed", lambda: False)
-    named_only = config([es.PROCESSOR])
-    assert module._takes_turn(named_only, module.EsampLogitsProcessor)
+
+def test_a_put_for_another_plan_is_a_step_mismatch():
+    """The exchange refuses to hand one step's taps to another step's rows."""
+    from types import SimpleNamespace
+
+    from esamp.engines.vllm.exchange import StepExchange, StepMismatch
+    from esamp.engines.vllm.steering import Handoff
+
+    x = StepExchange("k")
+    plan_a, plan_b = SimpleNamespace(), SimpleNamespace()
+    assert x.take(plan_a) is None  # nothing put: no taps this step
+    x._handoff = Handoff(plan_a, None, None, None, False, 0.0)
+    with pytest.raises(StepMismatch):
+        x.take(plan_b)
+    x._handoff = Handoff(plan_a, None, None, None, False, 0.0)
+    assert x.take(plan_a).plan is plan_a and x.take(plan_a) is None
 
 
 @pytest.mark.vllm
@@ -214,13 +228,13 @@ def test_a_group_trains_once_all_its_samples_have_arrived():
     """A served request's children reach the engine one after another: the group's Distiller
     trains from the step where all n have been in a batch (and then on, whoever has finished)."""
     from esamp.core.config import Filters, Steering
-    from esamp.engines.vllm.processor import _Groups, _Row
+    from esamp.engines.vllm.rows import Groups, RequestRow
 
-    groups = _Groups(None)
-    rows = [_Row("g", s, Steering(), Filters(), [], records=False, n=3) for s in range(3)]
+    groups = Groups(None)
+    rows = [RequestRow("g", s, Steering(), Filters(), [], records=False, n=3) for s in range(3)]
     for r in rows[:2]:
         groups.arrived(r)
     assert not groups.complete(rows[0])
     groups.arrived(rows[2])
     assert all(groups.complete(r) for r in rows)
-    assert groups.complete(_Row("h", 0, Steering(), Filters(), [], records=False, n=None))
+    assert groups.complete(RequestRow("h", 0, Steering(), Filters(), [], records=False, n=None))

@@ -1,32 +1,36 @@
-"""CUDA graphs of a steering step: capture once a batch shape is steady, replay from then on.
+"""CUDA graphs of a steering step: captured once per shape, replayed from then on.
 
 Speed machinery: a Distiller step is some seventy small kernels, bound by their launches on the
 host; replaying it as one graph costs a few microseconds of host time instead of milliseconds.
-The reference (eager) path is the same function called directly; a GPU test holds a replayed
-step equal to eager steps.
+The reference (eager) path is the same function called directly; GPU tests hold a replayed step
+equal to eager steps.
 
-``GraphCache.run(key, fn, *inputs)`` calls ``fn(*inputs)`` eagerly until the same ``key`` (a batch
-shape: the slot of every row, which rows train) has been seen ``after`` times in a row, then
-captures it and replays it for every later call with that key. Graphs are kept per key (``size``
-of them, least recently used first out), so a shape that comes back replays at once.
+``GraphCache.run(key, fn, *inputs)`` calls ``fn(*inputs)`` eagerly until the same ``key`` has
+been seen ``after`` times in a row, then captures it and replays it for every later call with
+that key. Graphs are kept per key (``size`` of them, least recently used first out), so a shape
+that comes back replays at once.
 
 Inputs are copied into the graph's own buffers before each replay, unless ``in_place=True``: then
-the graph reads and writes the caller's tensors where they are, and the caller must put their
-addresses into ``key`` (a tensor at another address is another graph). That is for inputs too
-large to copy every step, such as the sampler's logits, which PyTorch's allocator hands out at
-the same address step after step once a batch is steady.
+the graph reads and writes the caller's tensors where they are, and the caller puts their
+addresses into ``key`` (a tensor at another address is another graph). That serves fixed input
+buffers (the steering plan's, the engine's tap rows) and inputs too large to copy every step,
+such as the sampler's logits, which PyTorch's allocator hands out at the same address step after
+step once a batch is steady. With ``shared_pool=True`` the cache's graphs share one memory pool:
+they must then never run at the same time, and a graph's outputs are valid until the next replay
+of any graph of the cache.
 
-Every capture and every eager step before it runs on one side stream kept for captures. A capture
+Every capture, and the first eager call, runs on one side stream kept for captures. A capture
 needs the libraries it calls to be initialised on its stream beforehand (cuBLAS fails with
 CUBLAS_STATUS_NOT_INITIALIZED when a graph's first matmul meets a cold stream), which is what
-the eager steps on that stream do, as PyTorch's capture recipe prescribes. A capture that fails
-anyway turns graphs off for the rest of the run (``failures`` counts it); eager steps go on.
+the first eager call does, as PyTorch's capture recipe prescribes. A capture that fails anyway
+turns graphs off for the rest of the run (``failures`` counts it); eager steps go on.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import time
 from typing import Callable, Hashable
 
 import torch
@@ -49,8 +53,7 @@ class _Graph:
     """One captured call: static inputs in, static outputs back (overwritten by the next replay)."""
 
     def __init__(self, fn: Callable, inputs: tuple[torch.Tensor, ...], stream: torch.cuda.Stream,
-                 keep: object, in_place: bool = False) -> None:
-        self.keep = keep  # whatever the captured kernels read besides the inputs (layout tensors)
+                 in_place: bool = False, pool=None) -> None:
         # In place: no reference to the caller's tensors is kept (their memory must stay free to
         # be handed out again at the same address); the key names the addresses.
         self.inputs = () if in_place else tuple(t.clone() for t in inputs)
@@ -59,7 +62,7 @@ class _Graph:
         main = torch.cuda.current_stream()
         stream.wait_stream(main)
         with torch.cuda.stream(stream):
-            self.graph.capture_begin(capture_error_mode="thread_local")
+            self.graph.capture_begin(pool=pool, capture_error_mode="thread_local")
             try:
                 self.outputs = fn(*captured)
             finally:
@@ -75,17 +78,21 @@ class _Graph:
 
 class GraphCache:
     def __init__(self, enabled: bool = True, after: int = GRAPH_AFTER, size: int = GRAPH_CACHE,
-                 in_place: bool = False) -> None:
+                 in_place: bool = False, shared_pool: bool = False) -> None:
         self.enabled = enabled
         self.in_place = in_place
         self.after, self.size = after, size
+        self.shared_pool = shared_pool
         self.graphs: collections.OrderedDict[Hashable, _Graph] = collections.OrderedDict()
-        self.captures = self.failures = self.replays = 0
+        self.captures = self.failures = self.replays = self.eager = 0
+        self.capture_seconds = 0.0  # host time spent capturing (a cost paid once per shape)
         self._seen_key: Hashable = None
         self._seen = 0
         self._stream: torch.cuda.Stream | None = None
+        self._pool = None
+        self._warm = False
 
-    def run(self, key: Hashable, fn: Callable, *inputs: torch.Tensor, keep: object = None):
+    def run(self, key: Hashable, fn: Callable, *inputs: torch.Tensor):
         """``fn(*inputs)``, eagerly or by replaying the graph captured for ``key``."""
         if not self.enabled:
             return fn(*inputs)
@@ -97,20 +104,25 @@ class GraphCache:
         if key != self._seen_key:
             self._seen_key, self._seen = key, 0
         self._seen += 1
-        if self._seen <= self.after:
+        if self._seen <= self.after or not self._warm:
+            self.eager += 1
             return self._on_stream(fn, inputs)
         while len(self.graphs) >= self.size:
             self.graphs.popitem(last=False)  # the least recently used graph and its memory go
+        t0 = time.perf_counter()
         try:
             # Captured under the caller's inference mode: a step that needs autograd turns it off
             # itself (the Distiller's), and one that writes the sampler's logits in place needs it on.
-            graph = _Graph(fn, inputs, self.stream, keep, self.in_place)
+            if self.shared_pool and self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = _Graph(fn, inputs, self.stream, self.in_place, self._pool)
         except Exception as exc:  # an optimisation must never take the engine down
             self.enabled = False
             self.graphs.clear()
             self.failures += 1
             log.warning("ESamp: capturing a step as a CUDA graph failed (%s); continuing without graphs", exc)
             return fn(*inputs)
+        self.capture_seconds += time.perf_counter() - t0
         self.graphs[key] = graph
         self.captures += 1
         return graph.replay(inputs)
@@ -130,4 +142,5 @@ class GraphCache:
         main.wait_stream(self.stream)
         for t in _tensors(out):
             t.record_stream(main)  # allocated on the side stream, read on the main one
+        self._warm = True
         return out

@@ -124,6 +124,9 @@ class VllmEngine(RecordedEngine):
         self.stop_ids = set() if kind == "dummy" else stop_token_ids(config_dir, self.tokenizer)
         self.by_request: dict[str, tuple[str, int]] = {}
         self.release: list[str] = []
+        # Time to first token: seconds from a group's start to the first token vLLM sampled for it.
+        self._admitted: dict[str, float] = {}
+        self.first_token_seconds: list[float] = []
         self.counters: dict = {}
         self.free_slots = self.esamp.slots
         self.model_name, self.device_name = self.resolved.name, "cuda" if cuda else "cpu"
@@ -158,9 +161,11 @@ class VllmEngine(RecordedEngine):
             for name in {rid, internal if isinstance(internal, str) else rid}:
                 self.by_request[name] = (g.key, sample)
             g.request_ids.append(internal if isinstance(internal, str) else rid)
+        self._admitted[g.key] = time.perf_counter()
         return g
 
     def _forget_requests(self, g: RecordedGroup) -> None:
+        self._admitted.pop(g.key, None)
         for sample, internal in enumerate(g.request_ids):
             self.by_request.pop(internal, None)
             self.by_request.pop(f"{g.key}/{sample}", None)
@@ -213,6 +218,8 @@ class VllmEngine(RecordedEngine):
             for c in out.outputs:
                 g.arrived[sample].extend(c.token_ids)
                 tokens += len(c.token_ids)
+                if c.token_ids and g.key in self._admitted:
+                    self.first_token_seconds.append(time.perf_counter() - self._admitted.pop(g.key))
                 if c.finish_reason is not None or out.finished:
                     g.final[sample] = finish_reason(c.finish_reason)
             if out.finished and sample not in g.final:

@@ -1,32 +1,31 @@
 """Out-of-tree model classes with graph-safe taps: ``EsampLlamaForCausalLM``, ``EsampQwen2ForCausalLM``.
 
 They switch on vLLM's own auxiliary hidden-state outputs (the EAGLE-3 taps,
-``set_aux_hidden_state_layers``). In vLLM 0.20 through 0.30 the inner model collects, for each
-tapped k, ``hidden + residual`` *before* layer k runs (k = 0 is the embeddings): the residual
-stream entering layer k, before any norm. So the input of ``layers[i].input_layernorm`` is aux
-index i, and applying that module to the tapped rows gives exactly what the reference engine's
-forward hook on ``layers[i].input_layernorm`` sees. (vLLM's fused add+norm adds in the model
-dtype, so the two agree to bf16 rounding.)
+``set_aux_hidden_state_layers``). The inner model collects, for each tapped layer k,
+``hidden + residual`` *before* layer k runs (k = 0 is the embeddings): the residual stream
+entering layer k, before any norm, in increasing layer order and once per layer. So the input of
+``layers[i].input_layernorm`` is the tap of layer i, and applying that module to the tapped rows
+gives exactly what the reference engine's forward hook on ``layers[i].input_layernorm`` sees.
+(vLLM's fused add+norm adds in the model dtype, so the two agree to bf16 rounding.) Taps are
+found by layer id, never by the position vLLM stored them at.
 
-``forward`` returns ``cat([h, aux_0, aux_1], -1)``: tensors only, so the taps survive
-torch.compile and CUDA graphs (a forward hook would not fire under graph replay). The runner
-then gathers ``hidden_states[logits_indices]`` (one row per scheduled request, in logits-row
-order) and calls ``compute_logits``, which runs eagerly. It first asks the logits processor
-(``state.STATE``) which rows it steers this step; when none, it runs vLLM's own head on the
-first H columns (a view) and does nothing else. Otherwise it normalises the steered rows' two
-taps and hands them to the processor, which runs the Distiller and returns ŷ. The LM head then runs
-once on ``[h; ŷ]``: the first rows are the ordinary logits, the rest are the Distiller logits
-d = W·ŷ, which the processor takes for its mix. One GEMM reads the head's weights once for both,
-so d costs no extra pass over the [V, H] head (the decode-time LM head is bound by that read).
-A call with plain H-wide rows (warm-up, or a model built without taps) passes straight through.
+``forward`` returns ``cat([h, aux...], -1)``: tensors only, so the taps survive torch.compile and
+CUDA graphs (a forward hook would not fire under graph replay). The runner then gathers one row
+per scheduled request, in logits-row order, and calls ``compute_logits`` eagerly. That asks the
+engine's ``StepExchange`` for this step's plan; with nothing to steer it runs vLLM's own head on
+the first H columns (a view) and does nothing else. Otherwise it hands the tap columns to the
+exchange, which runs the Distiller step (the norms inside it) and returns ŷ; the LM head then runs
+once on ``[h; ŷ]``: the first rows are the logits, the rest are the Distiller logits d = W·ŷ,
+handed back to the exchange for the mix. One GEMM reads the head's weights once for both.
+A call with plain H-wide rows (a model built without taps) passes straight through.
 """
 
 from __future__ import annotations
 
 import torch
 
+from esamp.engines.vllm.exchange import exchange_for
 from esamp.engines.vllm.settings import engine_config
-from esamp.engines.vllm.state import STATE
 
 
 class _TapMixin:
@@ -43,10 +42,10 @@ class _TapMixin:
             if not (0 <= src < L and 0 <= tgt < L):
                 raise ValueError(f"ESamp tap layers ({src}, {tgt}) out of range for {L} layers")
             self.esamp_taps = (src, tgt)
-            # The inner model appends aux states in increasing layer order, once per layer.
-            self.esamp_aux_layers = tuple(sorted({src, tgt}))
+            self.esamp_aux_layers = tuple(sorted({src, tgt}))  # the order vLLM returns them in
             self.set_aux_hidden_state_layers(self.esamp_aux_layers)
-        STATE.set_model(self)
+        self.esamp_exchange = exchange_for(vllm_config)
+        self.esamp_exchange.attach_model(self)
 
     def forward(self, *args, **kwargs):
         out = super().forward(*args, **kwargs)
@@ -63,29 +62,25 @@ class _TapMixin:
         hidden = hidden_states[:, :H]  # a view: the LM head reads it in place on a GPU
         if not hidden.is_cuda:
             hidden = hidden.contiguous()  # vLLM's CPU GEMMs want contiguous rows
-        processor = STATE.processor
-        plan = processor.plan(rows) if processor is not None else None
-        if plan is None or plan.steered is None:
-            # Nothing to steer this step: not a kernel or a copy more than plain vLLM.
+        exchange = self.esamp_exchange
+        plan = exchange.begin(rows)
+        src, tgt = (self.esamp_aux_layers.index(layer) for layer in self.esamp_taps)
+        head_dtype = self.esamp_head_dtype(hidden)
+        if plan is None:
+            # Nothing to steer this step: not a kernel or a copy more than plain vLLM (the first
+            # such step, before any request, captures the Distiller's graphs).
+            exchange.warm_up(hidden_states[:, H:], src, tgt, self.esamp_tap_norms, head_dtype)
             return super().compute_logits(hidden)
-        tapped = hidden_states if plan.idx is None else hidden_states.index_select(0, plan.idx)
-        aux = tapped[:, H:].reshape(tapped.shape[0], len(self.esamp_aux_layers), H)
-        src, tgt = self.esamp_taps
-        STATE.taps_put += 1
-        # The raw residual rows go to the processor, which normalises them inside its (graphed)
-        # Distiller step: no launch of ours per tap.
-        source, target = aux[:, self.esamp_aux_layers.index(src)], aux[:, self.esamp_aux_layers.index(tgt)]
+        prediction = exchange.put_taps(plan, hidden_states[:, H:], src, tgt, self.esamp_tap_norms, head_dtype)
         if self._esamp_plain_head():
             # One GEMM over [h; ŷ]: the head's weights are read once for the logits and d = W·ŷ.
-            # The Distiller step stacks ŷ under h itself (inside its graph).
-            both = super().compute_logits(processor.distill(plan, source, target, self.esamp_tap_norms, hidden))
-            processor.take_distiller_logits(both[rows:])
+            both = super().compute_logits(torch.cat([hidden, prediction]))
+            exchange.put_distiller_logits(plan, both[rows:])
             return both[:rows]
-        prediction = processor.distill(plan, source, target, self.esamp_tap_norms)
         # A head that post-processes its logits (soft cap, scale): d from the dense weight.
         logits = super().compute_logits(hidden)
         head = self.esamp_lm_head()
-        processor.take_distiller_logits(prediction.to(head.dtype) @ head[: logits.shape[-1]].t())
+        exchange.put_distiller_logits(plan, prediction.to(head.dtype) @ head[: logits.shape[-1]].t())
         return logits
 
     def esamp_tap_norms(self, source: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,6 +89,10 @@ class _TapMixin:
         src, tgt = self.esamp_taps
         return (_first(layers[src].input_layernorm(source.contiguous())),
                 _first(layers[tgt].input_layernorm(target.contiguous())))
+
+    def esamp_head_dtype(self, hidden: torch.Tensor) -> torch.dtype:
+        """The dtype ŷ joins the LM head's input rows in."""
+        return hidden.dtype
 
     def _esamp_plain_head(self) -> bool:
         """True when ``compute_logits`` is exactly W·h (no soft cap, scale 1, hidden states in)."""

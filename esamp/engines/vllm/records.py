@@ -31,7 +31,7 @@ class _Step:
     groups: list[str]  # per row
     samples: list[int]
     generated: list[int]  # tokens each row's request had generated before this step
-    loss_groups: list[str]
+    loss_groups: list[str | None]  # per packed loss, its group (None: a unit that did not train)
     keep: set[str] | None  # groups whose rows are kept (None: all)
     packed: torch.Tensor  # host: errors [n] | candidates [n] | losses [len(loss_groups)]
     event: object  # CUDA event of the copy, or None (already on the host)
@@ -85,7 +85,7 @@ class RecordStore:
             if s.event is not None:
                 self._buffers[s.packed.numel()].append(s.packed)
                 self._events.append(s.event)
-            loss = dict(zip(s.loss_groups, values[2 * n:]))
+            loss = {g: v for g, v in zip(s.loss_groups, values[2 * n:]) if g is not None}
             if loss:
                 mean = sum(loss.values()) / len(loss)
                 self.loss = mean if self.loss is None else 0.9 * self.loss + 0.1 * mean

@@ -1,0 +1,285 @@
+"""The ``esamp bench`` command: options, the sides, the workloads, the report."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from esamp.commands.bench import calibrate, memory, provenance
+from esamp.commands.bench.trials import run_interleaved, run_trial
+from esamp.commands.bench.workloads import (CPU_TRIALS, CPU_WORKLOADS, MIN_TRIAL_SECONDS, PRESETS, parse_workloads,
+                                            prompts, rounds_for, workload_name)
+from esamp.core.config import EsampConfig, Filters, SamplingConfig, add_flags, from_flags
+from esamp.errors import ConfigError, EngineError, EsampError
+
+HELP = "measure ESamp's throughput against plain vLLM (interleaved trials, JSON result)"
+LOGITS = ("flat", "realistic")
+GPU_MODEL = "qwen2.5-7b:dummy"
+SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "seed")
+ESAMP_FLAGS = ("beta", "mix", "train_rows", "optimizer", "lr", "rank", "slots")
+# Unlike generate, the bench draws without per-request seeds unless asked (module docstring).
+SAMPLING_DEFAULTS = {"seed": None}
+
+
+def configure(parser) -> None:
+    parser.add_argument("--model", default=None,
+                        help=f"model spec (default: {GPU_MODEL}, random weights, on a GPU; the embedded model "
+                             "on a CPU)")
+    parser.add_argument("--workloads", default=None,
+                        help="comma-separated workloads: PxL, PxnNxL or a preset (fair) (default: "
+                             f"{','.join(PRESETS['default']['workloads'])} on a GPU, {','.join(CPU_WORKLOADS)} on a CPU)")
+    parser.add_argument("--preset", choices=[p for p in PRESETS if p != "default"], default=None,
+                        help="run only a preset's workload with its settings (fair: 8xn16x256, top-p 1.0, "
+                             "min-p 0.05, beta 0.1)")
+    parser.add_argument("--logits", default="flat",
+                        help="comma-separated: flat (dummy weights as they are: the worst case) and/or "
+                             "realistic (the head rescaled to a real model's candidate count and entropy)")
+    parser.add_argument("--trials", type=int, default=None,
+                        help=f"timed trials per side and workload (default: 3 on a GPU, {CPU_TRIALS} on a CPU)")
+    parser.add_argument("--min-trial-seconds", type=float, default=MIN_TRIAL_SECONDS,
+                        help="repeat a short workload within each trial until it lasts about this long, "
+                             "the same passes on every side, interleaved (0: one pass; default: %(default)s)")
+    parser.add_argument("--prompt-len", type=int, default=32, help="prompt length in tokens")
+    parser.add_argument("--eager", action="store_true", help="every side without CUDA graphs")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None,
+                        help="share of GPU memory for EACH engine (default: 0.42, or 0.28 with --floor)")
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    add_flags(parser, SamplingConfig, SAMPLING_FLAGS, defaults=SAMPLING_DEFAULTS)
+    add_flags(parser, EsampConfig, ESAMP_FLAGS)
+    parser.add_argument("--floor", action="store_true",
+                        help="also time the ESamp engine with ESamp off on every request (the seams' own cost)")
+    parser.add_argument("--json", dest="json_path", default=None,
+                        help="where to write the JSON result (default: benchmarks/results/bench-MODEL-DATE.json)")
+
+
+def run(args) -> int:
+    loaded: list = []  # engines started so far, closed here when anything fails
+    try:
+        return _run(args, loaded)
+    except BaseException as exc:
+        for eng in loaded:
+            try:
+                eng.close()
+            except Exception:
+                pass
+        if isinstance(exc, (EsampError, KeyboardInterrupt)) or not isinstance(exc, Exception):
+            raise
+        raise EngineError(
+            f"esamp bench stopped: {type(exc).__name__}: {exc}",
+            hint="vLLM's log above has the cause; on a CPU it is usually memory (an engine process "
+            "killed): try --model qwen2.5-0.5b:dummy, fewer --workloads, or a smaller "
+            "VLLM_CPU_KVCACHE_SPACE") from None
+
+
+def _say(text: str) -> None:
+    print(text, flush=True)
+
+
+def _run(args, loaded: list) -> int:
+    from esamp.engines import cuda_available
+
+    gpu = cuda_available()
+    workloads = parse_workloads(args.preset or args.workloads or ",".join(
+        PRESETS["default"]["workloads"] if gpu else CPU_WORKLOADS))
+    trials = args.trials if args.trials is not None else (3 if gpu else CPU_TRIALS)
+    model = args.model or (GPU_MODEL if gpu else None)
+    logits = [m.strip() for m in args.logits.split(",") if m.strip()]
+    bad = [m for m in logits if m not in LOGITS]
+    if bad or not logits:
+        raise ConfigError(f"--logits {args.logits}: unknown mode {', '.join(bad) or '(none)'}",
+                          hint="use --logits flat, --logits realistic or --logits flat,realistic")
+    if trials < 1:
+        raise ConfigError(f"--trials={trials}: at least 1 trial is needed", hint="use --trials 3")
+    if not 0 <= args.min_trial_seconds <= 600:
+        raise ConfigError(f"--min-trial-seconds={args.min_trial_seconds}: a trial's length is 0 to 600 s",
+                          hint=f"use e.g. {MIN_TRIAL_SECONDS} (0: one pass per trial)")
+    if args.gpu_memory_utilization is not None and not 0 < args.gpu_memory_utilization < 1:
+        raise ConfigError(f"--gpu-memory-utilization={args.gpu_memory_utilization}: a share of the GPU per "
+                          "engine is between 0 and 1", hint="use e.g. 0.42 (two engines) or 0.28 (three, with --floor)")
+    sampling = from_flags(args, SamplingConfig, SAMPLING_FLAGS, defaults=SAMPLING_DEFAULTS)
+    esamp = from_flags(args, EsampConfig, ESAMP_FLAGS)
+    given_filters = {f: getattr(sampling, f) for f in Filters.model_fields if getattr(args, f, None) is not None}
+    given_beta = getattr(args, "beta", None)
+    groups = max(p for _, (p, _, _) in workloads)
+    if esamp.slots < groups:
+        raise ConfigError(f"--slots={esamp.slots}: a workload runs {groups} prompt groups at once, one "
+                          "Distiller slot each", hint=f"use --slots {groups} or more, or fewer prompts per workload")
+    engines = 3 if args.floor else 2
+    max_seqs = max(p * n for _, (p, n, _) in workloads)
+    share = args.gpu_memory_utilization or (0.28 if args.floor else 0.42)
+    memory.check_memory(model, engines, share, rows=max(max_seqs, 16))
+
+    from esamp.engines.vllm.bench_extension import BENCH_EXTENSION
+    from esamp.engines.vllm.engine import VllmEngine
+
+    def load(side: str, **kw):
+        _say(f"loading the {side} engine ({'plain vLLM' if kw.get('plain') else 'vLLM with ESamp'})...")
+        t0 = time.perf_counter()
+        try:
+            loaded.append(VllmEngine(**kw))
+        except (EsampError, KeyboardInterrupt):
+            raise
+        except Exception as exc:  # vLLM's own start-up errors (memory, an unsupported model, ...)
+            raise EngineError(f"vLLM could not start {model or 'the embedded model'}: {type(exc).__name__}: {exc}",
+                              hint="see vLLM's log above; try --model qwen2.5-0.5b:dummy or a smaller "
+                              "--gpu-memory-utilization") from None
+        loads[side] = round(time.perf_counter() - t0, 1)
+        return loaded[-1]
+
+    common = dict(model=model, max_model_len=args.max_model_len, gpu_memory_utilization=share, ignore_eos=True,
+                  max_num_seqs=max(max_seqs, 16), enforce_eager=True if args.eager else None,
+                  llm_kwargs={"worker_extension_cls": BENCH_EXTENSION})
+    loads: dict[str, float] = {}
+    base = load("baseline", plain=True, **common)
+    steer = load("esamp", esamp=esamp, **common)
+    sides = [("baseline", base, False), ("esamp", steer, True)]
+    if args.floor:
+        sides.insert(1, ("floor", load("floor", esamp=esamp, **common), False))
+    vocab = 32000
+    try:
+        vocab = int(json.loads((base.resolved.hf_dir() / "config.json").read_text())["vocab_size"])
+    except Exception:
+        pass
+    results, calibration, interrupted = [], {}, False
+    try:
+        for mode in logits:
+            if mode == "realistic":
+                calibration = _calibrate(base, steer, sides, given_filters, args.prompt_len, vocab, esamp)
+            for preset_name, (P, n, L) in workloads:
+                results.append(_workload(mode, preset_name, (P, n, L), sides, given_filters, given_beta, sampling,
+                                         esamp, vocab, args, trials))
+            if mode == "realistic":
+                calibrate.scale_heads(sides, None)  # back to the dummy weights for the next mode
+    except KeyboardInterrupt:
+        interrupted = True
+        _say("interrupted: writing what was measured")
+    counters = steer.drain().get("counters", {})
+    report = dict(
+        command=" ".join(["esamp", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else " ".join(sys.argv),
+        commit=provenance.commit(), device=provenance.device(), versions=provenance.versions(), model=steer.model_name,
+        cuda_graphs=not args.eager, esamp=esamp.model_dump(), seed=sampling.seed, trials=trials,
+        prompt_len=args.prompt_len, load_seconds=loads, calibration=calibration,
+        peak_memory_bytes={side: _peak_memory(eng) for side, eng, _ in sides},
+        esamp_counters=counters,
+        host_ms_per_steady_step=round(counters["replay_host_ms"] / counters["replay_steps"], 4)
+        if counters.get("replay_steps") else None,
+        workloads=results, interrupted=interrupted, time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    )
+    for _, eng, _ in sides:
+        eng.close()
+    loaded.clear()
+    _print_table(report)
+    path = Path(args.json_path) if args.json_path else (
+        Path("benchmarks/results") / f"bench-{str(model or 'embedded').replace(':', '-').replace('/', '_')}-"
+        f"{time.strftime('%Y%m%d-%H%M%S')}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2))
+    _say(f"wrote {path}")
+    return 130 if interrupted else 0
+
+
+def _calibrate(base, steer, sides, given_filters, prompt_len, vocab, esamp) -> dict:
+    sigma = base.engine.collective_rpc("esamp_head_sigma")[0]
+    filt = {**PRESETS["default"]["sampling"], **given_filters}
+    target = calibrate.REAL_MODEL["default"]
+    cal = calibrate.calibrate_head(sigma, target, filt)
+    probe = prompts(16, prompt_len, vocab, seed=1)
+    factors, measured, multiplier = calibrate.refine_scale(steer, cal.pop("factors"), target["candidates"], probe,
+                                                           dict(filt, seed=None), esamp.steering())
+    calibrate.scale_heads(sides, factors)
+    _say(f"realistic logits: head rows × s·(rank+1)^−α with α={cal['alpha']}: simulated mean |C| "
+         f"{cal['candidates']}, entropy {cal['entropy']} nats; the model then keeps {measured} "
+         f"candidates on average (embedded model: {target})")
+    return dict(cal, scale=cal["scale"] * multiplier, simulated_scale=cal["scale"], target=calibrate.REAL_MODEL,
+                filters=filt, measured_candidates=measured)
+
+
+def _workload(mode, preset_name, shape, sides, given_filters, given_beta, sampling, esamp, vocab, args,
+              trials) -> dict:
+    P, n, L = shape
+    preset = PRESETS[preset_name]
+    sampling_kw = dict({**preset["sampling"], **given_filters}, seed=sampling.seed)
+    beta = given_beta if given_beta is not None else preset["steering"]["beta"]
+    steering = esamp.steering().model_copy(update={"beta": beta})
+    off = steering.model_copy(update={"enabled": False})
+    name = workload_name(preset_name, shape)
+    batch = prompts(P, args.prompt_len, vocab, seed=P * 1000 + n * 10 + L)
+    trial_sides = [(side, eng, steering if on else off) for side, eng, on in sides]
+    _say(f"  {mode:>9} {name:>18}: warming up")
+    warm = [run_trial(eng, batch, n, min(L, 16), sampling_kw, st)["seconds"] for _, eng, st in trial_sides]
+    rounds = 1
+    if args.min_trial_seconds > 0 and warm[0] * L / min(L, 16) < 4 * args.min_trial_seconds:
+        # Maybe short (a first pass can be slow): one untimed full pass of the baseline sizes the trials.
+        one = run_trial(trial_sides[0][1], batch, n, L, sampling_kw, trial_sides[0][2])["seconds"]
+        rounds = rounds_for(one, args.min_trial_seconds)
+    _say(f"  {mode:>9} {name:>18}: {trials} trials of {rounds} pass{'es' if rounds > 1 else ''} per side")
+
+    def show(r: dict) -> None:
+        ttft = f", first token {r['ttft_ms_median']:.1f} ms" if r.get("ttft_ms_median") is not None else ""
+        _say(f"  {mode:>9} {name:>18} trial {r['trial']} {r['side']:>8}: {r['tok_s']:>10.1f} tok/s  "
+             f"(client cpu {r['client_cpu_share']:.0%}{ttft})")
+
+    records = run_interleaved(trial_sides, batch, n, L, sampling_kw, trials, rounds, report=show)
+    return dict(summary(mode, preset_name, name, shape, sampling_kw, beta, records), rounds=rounds)
+
+
+def _peak_memory(engine) -> float | None:
+    try:
+        return engine.engine.collective_rpc("esamp_memory")[0]
+    except Exception:
+        return None
+
+
+def summary(mode, preset, name, shape, sampling_kw, beta, trials) -> dict:
+    P, n, L = shape
+    by = {side: [r["tok_s"] for r in trials if r["side"] == side] for side in ("baseline", "esamp", "floor")}
+    per_trial = {side: {r["trial"]: r for r in trials if r["side"] == side} for side in ("baseline", "esamp", "floor")}
+    ratios = [per_trial["esamp"][t]["tok_s"] / per_trial["baseline"][t]["tok_s"] for t in sorted(per_trial["esamp"])]
+    es_trials = [r for r in trials if r["side"] == "esamp"]
+    extra = {}
+    if by["floor"]:
+        floor_ratios = [per_trial["floor"][t]["tok_s"] / per_trial["baseline"][t]["tok_s"] for t in sorted(per_trial["floor"])]
+        extra = dict(floor_tok_s_median=statistics.median(by["floor"]),
+                     floor_ratio_median=round(statistics.median(floor_ratios), 4),
+                     floor_ratio_min=round(min(floor_ratios), 4), floor_ratio_max=round(max(floor_ratios), 4))
+    ttft = {side: [r["ttft_ms_median"] for r in trials if r["side"] == side and r.get("ttft_ms_median") is not None]
+            for side in ("baseline", "esamp")}
+    if ttft["baseline"] and ttft["esamp"]:
+        b, e = statistics.median(ttft["baseline"]), statistics.median(ttft["esamp"])
+        extra.update(ttft_ms_baseline=b, ttft_ms_esamp=e, ttft_ratio=round(e / b, 4) if b else None)
+    return dict(
+        logits=mode, preset=preset, workload=name, prompts=P, n=n, tokens=L, sampling=sampling_kw, beta=beta,
+        trials=trials, baseline_tok_s_median=statistics.median(by["baseline"]),
+        esamp_tok_s_median=statistics.median(by["esamp"]),
+        ratio_median=round(statistics.median(ratios), 4), ratio_min=round(min(ratios), 4),
+        ratio_max=round(max(ratios), 4),
+        ratio_of_medians=round(statistics.median(by["esamp"]) / statistics.median(by["baseline"]), 4),
+        loss_count=[r["loss_count"] for r in es_trials],
+        loss_first=[r["loss_first"] for r in es_trials], loss_last=[r["loss_last"] for r in es_trials],
+        port_hits=[r["port_hits"] for r in es_trials],
+        candidates_mean=[r["candidates_mean"] for r in es_trials],
+        **extra)
+
+
+def _print_table(report: dict) -> None:
+    print()
+    print(f"{'logits':>9} {'workload':>18} {'baseline tok/s':>15} {'esamp tok/s':>12} {'ratio':>7} "
+          f"{'(min..max)':>14} {'floor':>7} {'TTFT':>6} {'losses':>7} {'port hits':>10} {'mean |C|':>9}")
+    for r in report["workloads"]:
+        floor = f"{r['floor_ratio_median']:.3f}" if "floor_ratio_median" in r else "-"
+        ttft = f"{r['ttft_ratio']:.2f}" if r.get("ttft_ratio") else "-"
+        print(f"{r['logits']:>9} {r['workload']:>18} {r['baseline_tok_s_median']:>15.1f} "
+              f"{r['esamp_tok_s_median']:>12.1f} {r['ratio_median']:>7.3f} "
+              f"{r['ratio_min']:>6.3f}..{r['ratio_max']:<6.3f} {floor:>7} {ttft:>6} {r['loss_count'][-1]:>7} "
+              f"{r['port_hits'][-1]:>10} {r['candidates_mean'][-1]:>9.1f}")
+        if "floor_ratio_median" in r:
+            print(f"{'':>28} floor (ESamp engine, ESamp off): {r['floor_tok_s_median']:.1f} tok/s, ratio "
+                  f"{r['floor_ratio_median']:.3f} {r['floor_ratio_min']:.3f}..{r['floor_ratio_max']:.3f}")
+    if report.get("host_ms_per_steady_step") is not None:
+        print(f"processor host time per steady step: {report['host_ms_per_steady_step']} ms")
+    if report.get("interrupted"):
+        print("(interrupted: the table holds the workloads that finished)")
+    print(f"device: {report['device']}; vllm {report['versions']['vllm']}, torch {report['versions']['torch']}")

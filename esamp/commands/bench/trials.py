@@ -1,0 +1,89 @@
+"""Timed passes of a workload, and trials that interleave the sides round by round.
+
+A pass starts every prompt as a group of n samples and runs them to exactly their token budget
+(``ignore_eos``); it is timed from the first request to the last token. A trial of ``rounds``
+passes per side interleaves the sides pass by pass (A B B A A B ...), so whatever drifts during a
+trial (clocks, other processes) falls on every side alike; the trial's rate per side is its
+tokens over its seconds, and each trial gives one ESamp/baseline ratio.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+
+def run_trial(engine, prompts, n: int, tokens: int, sampling_kw: dict, steering, rounds: int = 1) -> dict:
+    """Run every prompt as a group of n samples to ``tokens`` tokens, ``rounds`` times back to
+    back (each round starts when the last finished); time and count the whole."""
+    from esamp.core.config import SamplingConfig
+
+    sampling = SamplingConfig(n=n, max_tokens=tokens, **sampling_kw)
+    first = getattr(engine, "first_token_seconds", None)
+    if first is not None:
+        first.clear()
+    c0 = time.process_time()
+    t0 = time.perf_counter()
+    produced, losses, port_hits, cands = 0, [], 0, []
+    for _ in range(rounds):
+        for p in prompts:
+            engine.start(p, sampling, steering)
+        while engine.has_unfinished():
+            for ev in engine.step():
+                if ev.type == "done":
+                    produced += ev.tokens
+                elif ev.type == "step":
+                    port_hits += ev.port_hits
+                    if ev.loss is not None:
+                        losses.append(ev.loss)
+                    if ev.port_hits:
+                        cands.append(ev.candidates)
+    seconds = time.perf_counter() - t0
+    client = time.process_time() - c0
+    engine.drain()  # release the groups' slots before the next pass
+    ttft = list(first) if first else []
+    # client_cpu_share near 1: this process (event bookkeeping), not the engine, set the pace
+    return dict(tokens=produced, seconds=round(seconds, 4), tok_s=round(produced / max(seconds, 1e-9), 2),
+                client_cpu_share=round(client / seconds, 3),
+                loss_count=len(losses), loss_first=losses[0] if losses else None,
+                loss_last=losses[-1] if losses else None, port_hits=port_hits,
+                candidates_mean=round(sum(cands) / len(cands), 2) if cands else 0.0,
+                ttft_ms=[round(1e3 * t, 2) for t in ttft])
+
+
+def run_interleaved(sides, prompts, n: int, tokens: int, sampling_kw: dict, trials: int, rounds: int,
+                    report=None) -> list[dict]:
+    """``trials`` trials of ``rounds`` passes per side, the sides interleaved pass by pass.
+    ``sides``: (name, engine, steering). ``report(record)`` sees each trial's record per side as
+    it completes. Returns one record per trial and side."""
+    out = []
+    for t in range(trials):
+        order = list(sides) if t % 2 == 0 else list(reversed(sides))
+        parts: dict[str, list[dict]] = {name: [] for name, _, _ in sides}
+        for r in range(rounds):
+            for name, engine, steering in (order if r % 2 == 0 else list(reversed(order))):
+                parts[name].append(run_trial(engine, prompts, n, tokens, sampling_kw, steering))
+        for name, _, _ in order:
+            record = dict(combine(parts[name]), side=name, trial=t, rounds=rounds)
+            out.append(record)
+            if report is not None:
+                report(record)
+    return out
+
+
+def combine(passes: list[dict]) -> dict:
+    """One trial's record from its passes: total tokens over total time, every count summed."""
+    tokens = sum(p["tokens"] for p in passes)
+    seconds = sum(p["seconds"] for p in passes)
+    losses = [p for p in passes if p["loss_count"]]
+    cands = [p["candidates_mean"] for p in passes if p["candidates_mean"]]
+    ttft = [t for p in passes for t in p["ttft_ms"]]
+    return dict(tokens=tokens, seconds=round(seconds, 4), tok_s=round(tokens / max(seconds, 1e-9), 2),
+                pass_tok_s=[p["tok_s"] for p in passes],
+                client_cpu_share=round(statistics.mean(p["client_cpu_share"] for p in passes), 3),
+                loss_count=sum(p["loss_count"] for p in passes),
+                loss_first=losses[0]["loss_first"] if losses else None,
+                loss_last=losses[-1]["loss_last"] if losses else None,
+                port_hits=sum(p["port_hits"] for p in passes),
+                candidates_mean=round(statistics.mean(cands), 2) if cands else 0.0,
+                ttft_ms_median=round(statistics.median(ttft), 2) if ttft else None)

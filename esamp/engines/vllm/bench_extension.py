@@ -1,0 +1,49 @@
+"""``EsampBenchExtension``: the worker extension plus what only ``esamp bench`` calls.
+
+``--logits realistic`` reshapes the dummy model's LM head so its next-token distributions look
+like a real model's (``esamp.bench``); peak memory goes into the bench's report.
+"""
+
+from __future__ import annotations
+
+from esamp.engines.vllm.extension import EsampWorkerExtension
+
+BENCH_EXTENSION = "esamp.engines.vllm.bench_extension.EsampBenchExtension"
+
+
+class EsampBenchExtension(EsampWorkerExtension):
+    def _esamp_head(self):
+        model = self.model_runner.model
+        vocab = int(self.model_runner.model_config.get_vocab_size())
+        return model.lm_head.weight, model.model.norm.weight, vocab
+
+    def esamp_head_sigma(self) -> list[float]:
+        """Per token v, the spread of its logit W_v·h over hidden states h = w ⊙ x̂ of the final
+        norm (x̂ with unit variance per dimension): σ_v = sqrt(Σ_i W_vi² w_i²)."""
+        import torch
+
+        weight, norm, vocab = self._esamp_head()
+        with torch.no_grad():
+            return (weight[:vocab].float().pow(2) @ norm.float().pow(2)).sqrt().cpu().tolist()
+
+    def esamp_scale_head(self, factors: list[float] | None) -> None:
+        """Multiply the LM head's rows by ``factors`` (one per token), in place, so that captured
+        CUDA graphs see it too; None restores the weights as loaded."""
+        import torch
+
+        weight, _, vocab = self._esamp_head()
+        with torch.no_grad():
+            if getattr(self, "_esamp_head_copy", None) is None:
+                self._esamp_head_copy = weight[:vocab].to("cpu", copy=True)
+            weight[:vocab].copy_(self._esamp_head_copy.to(weight.device))
+            if factors is None:
+                self._esamp_head_copy = None
+                return
+            f = torch.tensor(factors, dtype=torch.float32, device=weight.device).unsqueeze(1)
+            weight[:vocab].copy_((weight[:vocab].float() * f).to(weight.dtype))
+
+    def esamp_memory(self) -> int | None:
+        """Peak bytes the torch allocator held on this worker's GPU (None on the CPU)."""
+        import torch
+
+        return int(torch.cuda.max_memory_allocated()) if torch.cuda.is_available() else None

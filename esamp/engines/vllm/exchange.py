@@ -1,0 +1,132 @@
+"""``StepExchange``: where one engine's tap model and its live logits-processor adapter meet.
+
+vLLM builds the model class and the logits processor separately, in the process that runs the
+model, and calls them in this order every step: the adapter learns the batch (``update_state`` in
+vLLM's V1 interface), the model's ``compute_logits`` runs, then the adapter's ``apply`` on the
+sampler's logits. The exchange is the one object both hold; per step:
+
+1. model: ``begin(rows)``: the live adapter's plan for this step's logits rows, or None (nothing
+   to steer: the model runs its plain head);
+2. model: ``put_taps(plan, ...)``: the Distiller step on the steered rows' taps; the model then
+   runs its LM head once on ``[h; ŷ]`` and hands back d with ``put_distiller_logits``;
+3. adapter: ``take(plan)``: what the model put for this plan. A put for another plan is an error
+   (``StepMismatch``): vLLM called the seam in an order the exchange does not know, and steering
+   the wrong rows must never pass silently. Nothing put (a model class without taps) returns None.
+
+Both sides find their engine's exchange with ``exchange_for(vllm_config)`` (keyed by the engine's
+``instance_id``), and each keeps it alive while it lives; the registry holds weak references.
+The engine's ``EngineSteering`` hangs off the exchange, so an adapter rebuilt by vLLM (its input
+batch is re-made once the KV cache is sized) finds the same Distiller bank.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Callable
+
+import torch
+
+from esamp.engines.vllm.steering import BatchPlan, EngineSteering, Handoff
+
+_EXCHANGES: "weakref.WeakValueDictionary[str, StepExchange]" = weakref.WeakValueDictionary()
+
+
+class StepMismatch(RuntimeError):
+    """The model and the logits processor disagree about the step they are in."""
+
+
+def engine_key(vllm_config) -> str:
+    key = getattr(vllm_config, "instance_id", None)
+    return str(key) if key else f"config-{id(vllm_config)}"
+
+
+def exchange_for(vllm_config) -> "StepExchange":
+    """The exchange of the engine ``vllm_config`` describes (made on first use)."""
+    key = engine_key(vllm_config)
+    exchange = _EXCHANGES.get(key)
+    if exchange is None:
+        exchange = StepExchange(key)
+        _EXCHANGES[key] = exchange
+    return exchange
+
+
+def live_exchanges() -> list["StepExchange"]:
+    return list(_EXCHANGES.values())
+
+
+class StepExchange:
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.steering: EngineSteering | None = None
+        self._adapter = None  # weak reference to the adapter that works
+        self._model = None  # weak reference to the tap model
+        self._handoff: Handoff | None = None
+        self.taps_put = 0  # compute_logits calls that delivered taps
+
+    # -- set-up ------------------------------------------------------------------------------
+
+    def attach_adapter(self, adapter, make_steering: Callable[[], EngineSteering]) -> EngineSteering:
+        """Make ``adapter`` the one that works (the latest built; an earlier one stays out of the
+        way: ``is_live``) and return the engine's steering, made on first use."""
+        self._adapter = weakref.ref(adapter)
+        if self.steering is None:
+            self.steering = make_steering()
+        return self.steering
+
+    def is_live(self, adapter) -> bool:
+        return self._adapter is not None and self._adapter() is adapter
+
+    @property
+    def adapter(self):
+        return self._adapter() if self._adapter is not None else None
+
+    def attach_model(self, model) -> None:
+        self._model = weakref.ref(model)
+
+    @property
+    def model(self):
+        return self._model() if self._model is not None else None
+
+    # -- the model's side --------------------------------------------------------------------
+
+    def begin(self, rows: int) -> BatchPlan | None:
+        """A step with ``rows`` logits rows starts: the live adapter's plan, or None."""
+        self._handoff = None
+        adapter = self.adapter
+        if adapter is None or self.steering is None:
+            return None
+        plan = adapter.plan(rows)
+        return plan if plan is not None and plan.steered else None
+
+    def put_taps(self, plan: BatchPlan, aux: torch.Tensor, source: int, target: int, normalize,
+                 head_dtype: torch.dtype) -> torch.Tensor:
+        """The Distiller step on ``plan``'s steered rows (``aux``: every logits row's tap columns);
+        returns ŷ of those rows in ``head_dtype``, ready to stack under the head's input rows."""
+        handoff = self.steering.distill(plan, aux, source, target, normalize, head_dtype)
+        self._handoff = handoff
+        self.taps_put += 1
+        return handoff.prediction[:plan.steered]
+
+    def put_distiller_logits(self, plan: BatchPlan, d: torch.Tensor) -> None:
+        """d = W·ŷ [steered, V] for ``plan``'s steered rows."""
+        if self._handoff is None or self._handoff.plan is not plan:
+            raise StepMismatch("Distiller logits arrived for a step whose taps did not")
+        self._handoff.d = d
+
+    def warm_up(self, aux: torch.Tensor, source: int, target: int, normalize, head_dtype: torch.dtype) -> None:
+        """A plain step before any request (vLLM's start-up): capture the Distiller's graphs."""
+        if self.steering is not None and self.steering.bank is not None:
+            self.steering.prepare(aux, source, target, normalize, head_dtype)
+
+    # -- the adapter's side ------------------------------------------------------------------
+
+    def take(self, plan: BatchPlan) -> Handoff | None:
+        """What the model put for ``plan`` this step (None when no taps came)."""
+        handoff, self._handoff = self._handoff, None
+        if handoff is None:
+            return None
+        if handoff.plan is not plan:
+            raise StepMismatch("ESamp: the logits processor's rows are not the rows the model tapped this "
+                               "step; this vLLM calls its model and its logits processors in an order esamp "
+                               "does not support (see the supported versions in docs/vllm.md)")
+        return handoff

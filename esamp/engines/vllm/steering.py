@@ -1,0 +1,293 @@
+"""``EngineSteering``: ESamp inside one vLLM engine, whichever logits-processor adapter feeds it.
+
+It owns the engine's Distiller bank and the core ``Steerer``, builds a ``BatchPlan`` from the
+adapter's rows when the batch changes, runs the Distiller step on the rows the model tapped
+(``distill``), filters and mixes the sampler's logits (``apply``), keeps step records and
+counters, and frees groups. The model and the adapter meet through ``esamp.engines.vllm.exchange``.
+
+Speed: nothing here reads a device value on the host. A plan's tensors are views of fixed
+buffers (``PlanBuffers``) and its Distiller block is padded to bucketed shapes, so the Distiller
+step is one CUDA-graph replay per step whatever groups hold whatever slots; the graphs of the
+usual shapes are captured before the first request (``prepare``). The filter and mix are a second
+replay, in place on the sampler's logits. A new group costs a plan rebuild (host lists and two
+small copies), not a capture.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from esamp.core.backends.graphs import GraphCache
+from esamp.core.config import EsampConfig, SamplingConfig, Steering, bound
+from esamp.core.distiller import DistillerBank
+from esamp.core.steerer import PlanBuffers, SteeredRow, Steerer, StepPlan, bucket, reference_filter
+from esamp.engines.vllm.records import RecordStore
+from esamp.engines.vllm.rows import Groups, RequestRow
+
+DISTILL_GRAPHS = 64  # captured Distiller shapes kept (every bucketed shape of a 256-row batch is 39)
+APPLY_GRAPHS = 4  # captured filter-and-mix steps kept
+EXPIRE_EVERY = 1.0  # seconds between checks for records nobody read
+
+
+@dataclass
+class BatchPlan:
+    """One batch: which logits rows are steered (first in ``step``) or only filtered, and who they are."""
+
+    rows: int  # logits rows of the step
+    step: StepPlan
+    members: list[RequestRow]  # the steered rows, in plan order
+    tap_index: torch.Tensor | None  # the steered rows' logits rows, or None when that is every row in order
+    unit_groups: list[str | None]  # per Distiller unit, the group whose loss it reports (None: no training)
+    recorded: set[str] | None  # groups whose records are kept (None: every group's)
+
+    @property
+    def steered(self) -> int:
+        return self.step.steered
+
+
+@dataclass
+class Handoff:
+    """What the model's ``compute_logits`` produced for ``apply`` in the same step."""
+
+    plan: BatchPlan
+    prediction: torch.Tensor  # ŷ per block cell (the plan's rows first), in the LM head's dtype
+    errors: torch.Tensor  # e per block cell
+    losses: torch.Tensor | None  # per Distiller unit
+    replayed: bool  # the Distiller step was a graph replay
+    host_seconds: float
+    d: torch.Tensor | None = field(default=None)  # [steered, V] Distiller logits from the LM head
+
+
+def vllm_filter(scaled: torch.Tensor, plan: StepPlan) -> torch.Tensor:
+    """The request's own filters on z̃ for plans with top-k, as vLLM's sampler applies them: min-p
+    in logit space, then the top-k/top-p function vLLM's sampler calls on this device (its Triton
+    kernel on a GPU, the sort on a CPU); the core's filter where vLLM moved those functions."""
+    try:
+        from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p, apply_top_k_top_p_pytorch
+    except ImportError:  # pragma: no cover - depends on the installed vLLM
+        return reference_filter(scaled, plan)
+    floor = scaled.amax(dim=-1, keepdim=True) + plan.min_p.reshape(-1, 1).clamp(min=1e-38).log()
+    scaled.masked_fill_((scaled < floor) & (plan.min_p.reshape(-1, 1) > 0), float("-inf"))
+    k = None
+    if plan.top_k is not None:
+        k = torch.where(plan.top_k > 0, plan.top_k, torch.full_like(plan.top_k, scaled.shape[1]))
+    p = plan.top_p
+    if scaled.is_cuda:
+        return apply_top_k_top_p(scaled, k, p)
+    return apply_top_k_top_p_pytorch(scaled, k, p, allow_cpu_sync=True)
+
+
+class EngineSteering:
+    """ESamp in one engine (``config`` None: an engine without ESamp, whose ESamp-prepared
+    requests are filtered but never steered)."""
+
+    def __init__(self, config: EsampConfig | None, *, hidden: int, vocab: int, max_rows: int,
+                 device: torch.device, record_all: bool = True) -> None:
+        self.config, self.hidden, self.vocab = config, hidden, vocab
+        self.device = torch.device(device)
+        self.max_rows = max_rows
+        self.record_all = record_all
+        self.step_no = 0
+        self.counters: collections.Counter = collections.Counter()
+        self.host_seconds = self.replay_seconds = self.plan_seconds = 0.0
+        graphs = self.device.type == "cuda" and os.environ.get("ESAMP_CUDA_GRAPHS", "1") != "0"
+        bank = None
+        if config is not None:
+            with torch.inference_mode(False):
+                bank = DistillerBank(hidden, rank=config.rank, slots=config.slots, lr=config.lr,
+                                     optimizer=config.optimizer, device=self.device, seed=config.seed)
+        self.steerer = Steerer(bank, filter=vllm_filter, graphs=GraphCache(
+            enabled=graphs and bank is not None, after=0, size=DISTILL_GRAPHS, in_place=True, shared_pool=True)) \
+            if bank is not None else Steerer(None, filter=vllm_filter)
+        self.apply_graphs = GraphCache(enabled=graphs, after=1, size=APPLY_GRAPHS, in_place=True)
+        self.steerer.reserve(max_rows, vocab, self.device)
+        n_max = bound(SamplingConfig, "n", "le")
+        self.buffers = PlanBuffers(
+            max_rows, units=bucket(min(config.slots if config else 1, max_rows)),
+            width=bucket(min(n_max, max_rows)), device=self.device, scratch=bank.scratch if bank else 0)
+        self.groups = Groups(bank)
+        self.records = RecordStore(self.device)
+        self._taps: torch.Tensor | None = None  # [max_rows + 1, A·H] tapped rows (last row zero)
+        self._prepared = False
+        self._last_expire = time.monotonic()
+        self.forget_rows = None  # weak method of the live adapter: drops a released group's rows
+        self.channel = None
+
+    @property
+    def bank(self) -> DistillerBank | None:
+        return self.steerer.bank
+
+    # -- plans -------------------------------------------------------------------------------
+
+    def plan(self, rows: dict[int, RequestRow], n_logits: int) -> BatchPlan:
+        """The plan of a batch whose ESamp rows are ``rows`` (logits row → request row)."""
+        t0 = time.perf_counter()
+        step = self.step_no
+        self.groups.live = {r.group for r in rows.values()}
+        steered, plain = [], []
+        for index in sorted(i for i in rows if i < n_logits):
+            row = rows[index]
+            slot = None
+            if row.steering is not None and row.steering.enabled and self.bank is not None:
+                slot = self.groups.slot(row.group, step, self.counters)
+            (steered if slot is not None else plain).append((index, row, slot))
+        self.counters["slots_released"] += self.groups.release_idle(step)
+        for _, row, _ in steered:
+            self.groups.arrived(row)
+        quiet = Steering(enabled=False, beta=0.0)
+        spec = ([SteeredRow(s, r.steering, r.filters, self.groups.complete(r)) for _, r, s in steered]
+                + [SteeredRow(-1, quiet, r.filters) for _, r, _ in plain])
+        index = [i for i, _, _ in steered] + [i for i, _, _ in plain]
+        with torch.inference_mode(False):
+            plan = StepPlan.build(spec, self.device, steered=len(steered), index=index, buffers=self.buffers)
+        members = [r for _, r, _ in steered]
+        unit_groups: list[str | None] = []
+        if plan.layout is not None:
+            by_slot = {s: r.group for _, r, s in steered}
+            training = set(plan.layout.training)
+            unit_groups = [by_slot[s] if u in training else None for u, s in enumerate(plan.layout.slots)]
+            unit_groups += [None] * (plan.layout.shape[0] - len(unit_groups))
+        in_order = [i for i, _, _ in steered] == list(range(n_logits))
+        out = BatchPlan(rows=n_logits, step=plan, members=members,
+                        tap_index=None if in_order or not steered else plan.index[:len(steered)],
+                        unit_groups=unit_groups,
+                        recorded=None if self.record_all else {r.group for r in members if r.records})
+        self.counters["plan_builds"] += 1
+        self.plan_seconds += time.perf_counter() - t0
+        return out
+
+    # -- the step ----------------------------------------------------------------------------
+
+    def _tap_buffer(self, like: torch.Tensor) -> torch.Tensor:
+        if self._taps is None or self._taps.shape[1] != like.shape[1] or self._taps.dtype != like.dtype:
+            with torch.inference_mode(False):
+                self._taps = torch.zeros(self.max_rows + 1, like.shape[1], dtype=like.dtype, device=like.device)
+        return self._taps
+
+    def _views(self, taps: torch.Tensor, source: int, target: int) -> tuple[torch.Tensor, torch.Tensor]:
+        H = self.hidden
+        return taps[:, source * H:(source + 1) * H], taps[:, target * H:(target + 1) * H]
+
+    def prepare(self, aux: torch.Tensor, source: int, target: int, normalize, head_dtype: torch.dtype) -> None:
+        """Capture the Distiller step of every bucketed shape up to the batch's rows, before any
+        request (``aux``: any [rows, A·H] tap columns, for their width and dtype)."""
+        if self._prepared or not self.steerer.graphs.enabled or torch.cuda.is_current_stream_capturing():
+            return
+        self._prepared = True
+        x, y = self._views(self._tap_buffer(aux), source, target)
+        plans = StepPlan.shapes(self.buffers, bucket(self.max_rows))
+        t0 = time.perf_counter()
+        with torch.inference_mode(False):
+            self.buffers.write({}, {})  # every unit the scratch slot, nothing trains
+        self.steerer.distill(plans[0], x, y, normalize, head_dtype)  # warms the capture stream
+        self.counters["graphs_prepared"] = self.steerer.prepare(plans, x, y, normalize, head_dtype)
+        self.counters["prepare_ms"] = round(1e3 * (time.perf_counter() - t0), 1)
+
+    def distill(self, plan: BatchPlan, aux: torch.Tensor, source: int, target: int, normalize,
+                head_dtype: torch.dtype) -> Handoff:
+        """The Distiller step on the plan's steered rows. ``aux``: the model's tap columns of every
+        logits row ([rows, A·H]); ``source``/``target``: which H-wide column block is which tap."""
+        t0 = time.perf_counter()
+        graphs = self.steerer.graphs
+        replays = graphs.replays
+        taps = self._tap_buffer(aux)
+        s = plan.steered
+        if plan.tap_index is None:
+            taps[:s].copy_(aux)
+        else:
+            torch.index_select(aux, 0, plan.tap_index, out=taps[:s])
+        x, y = self._views(taps, source, target)
+        prediction, errors, losses = self.steerer.distill(plan.step, x, y, normalize, head_dtype)
+        spent = time.perf_counter() - t0
+        self.host_seconds += spent
+        return Handoff(plan, prediction, errors, losses, graphs.replays > replays, spent)
+
+    def apply(self, plan: BatchPlan, logits: torch.Tensor, handoff: Handoff | None) -> torch.Tensor:
+        """Filter every planned row of ``logits`` and mix the steered ones, in place; one step
+        record. ``handoff`` None: no taps reached this step, so nothing is steered (filters stay
+        exact; counted)."""
+        t0 = time.perf_counter()
+        self.step_no += 1
+        step, s = plan.step, plan.steered
+        steered = s > 0 and handoff is not None and handoff.d is not None
+        if s and not steered:
+            self.counters["taps_missing"] += 1
+        if not steered:
+            d = err = loss = None
+        else:
+            d, err, loss = handoff.d, handoff.errors, handoff.losses
+        inputs = tuple(t for t in (logits, d, err, loss) if t is not None)
+        key = (step.rows, s if steered else 0, loss is not None, tuple((t.data_ptr(), tuple(t.shape), t.stride(0))
+                                                                         for t in inputs))
+
+        def run(logits, *rest):
+            d_ = rest[0] if steered else None
+            counts = self.steerer.filter_and_mix(step, logits, d_)
+            if not steered:
+                return counts
+            return RecordStore.pack(rest[1][:s], counts[:s], rest[2] if loss is not None else None)
+
+        replays = self.apply_graphs.replays
+        packed = self.apply_graphs.run(key, run, *inputs)
+        if steered:
+            self.counters["port_hits"] += s
+            if loss is not None:
+                self.counters["train_steps"] += 1
+            m = plan.members
+            self.records.push(self.step_no, [r.group for r in m], [r.sample for r in m],
+                              [len(r.output_ids) for r in m], packed,
+                              plan.unit_groups if loss is not None else [], keep=plan.recorded)
+        now = time.monotonic()
+        if now - self._last_expire > EXPIRE_EVERY:
+            self._last_expire = now
+            self.records.expire(self.groups.live)
+        spent = time.perf_counter() - t0
+        self.host_seconds += spent
+        if steered and handoff.replayed and self.apply_graphs.replays > replays:
+            self.replay_seconds += spent + handoff.host_seconds  # a steady step's host cost
+            self.counters["replay_steps"] += 1
+        return logits
+
+    # -- groups and results ------------------------------------------------------------------
+
+    def release(self, group: str) -> bool:
+        """Free ``group``'s slot now (only the client knows a group is over)."""
+        forget = self.forget_rows() if self.forget_rows is not None else None
+        if forget is not None:
+            forget(group)
+        if self.groups.release(group):
+            self.counters["slots_freed"] += 1
+            return True
+        return False
+
+    def drain(self, release=(), groups: set[str] | None = None) -> dict:
+        """Finished step records (of ``groups``, or all) and counters; frees released groups."""
+        for group in release:
+            self.release(group)
+        steps, pending = self.records.take(groups)
+        self.records.expire(self.groups.live)
+        bank = self.bank
+        return {"steps": steps, "pending": pending, "counters": self.metrics(),
+                "free_slots": bank.free_slots if bank is not None else 0,
+                "groups": sorted(bank.groups) if bank is not None else []}
+
+    def metrics(self) -> dict:
+        """Counters for operators (``esamp.serving`` exposes them in the Prometheus format)."""
+        graphs, bank = self.steerer.graphs, self.bank
+        self.records.collect()
+        return dict(self.counters, steps=self.step_no, loss=self.records.loss,
+                    slots=bank.capacity if bank else 0, slots_free=bank.free_slots if bank else 0,
+                    slots_in_use=len(bank.groups) if bank else 0,
+                    graph_captures=graphs.captures, graph_replays=graphs.replays, graph_failures=graphs.failures,
+                    graph_eager=graphs.eager, capture_ms=round(1e3 * graphs.capture_seconds, 1),
+                    apply_graph_replays=self.apply_graphs.replays, apply_graph_failures=self.apply_graphs.failures,
+                    apply_graph_captures=self.apply_graphs.captures,
+                    filter_overflows=self.steerer.filter_overflows,
+                    records_dropped=self.records.dropped,
+                    host_ms=round(1e3 * self.host_seconds, 1), replay_host_ms=round(1e3 * self.replay_seconds, 1),
+                    plan_ms=round(1e3 * self.plan_seconds, 1))

@@ -1,0 +1,102 @@
+"""The fused filter-and-mix (``esamp.core.backends.triton_filter``) against the core's exact filter.
+
+The PyTorch twin runs everywhere; the Triton kernels run on a CUDA GPU, and in Triton's
+interpreter (on the CPU) wherever Triton is installed.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from esamp.core import intervention as iv
+from esamp.core.backends import triton_filter as tf
+
+CUDA = torch.cuda.is_available()
+
+
+def _case(seed: int, rows: int = 6, vocab: int = 9_000, ties: bool = False, flat: bool = False):
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows + 3, vocab, generator=gen) * (0.05 if flat else 1 + 4 * torch.rand(1, generator=gen))
+    if ties:  # bf16-valued logits, as a bf16 LM head gives them: many exact ties
+        logits = logits.to(torch.bfloat16).float()
+    logits[0, :10] = float("-inf")  # a row another processor masked
+    index = torch.randperm(rows + 3, generator=gen)[:rows]
+    temperature = 0.5 + torch.rand(rows, generator=gen)
+    min_p = torch.where(torch.rand(rows, generator=gen) < 0.3, torch.zeros(rows), 0.2 * torch.rand(rows, generator=gen))
+    top_p = torch.where(torch.rand(rows, generator=gen) < 0.25, torch.ones(rows), 0.5 + 0.5 * torch.rand(rows, generator=gen))
+    a = 1 + torch.rand(rows, generator=gen)
+    b = torch.rand(rows, generator=gen)
+    d = torch.randn(rows // 2, vocab, generator=gen).to(torch.bfloat16)
+    return logits, index, temperature, min_p, top_p, a, b, d
+
+
+def check_kernels(device: str) -> None:
+    """The kernels (``launch``) equal the reference on continuous logits, and keep whole tie
+    groups on bf16-valued ones."""
+    for seed in range(12):
+        ties = seed % 3 == 2
+        flat = seed == 5
+        logits, index, T, m, p, a, b, d = _case(seed, ties=ties, flat=flat)
+        want = logits.clone()
+        want_counts = tf.filter_and_mix_torch(want, index, T, m, p, a, b, d)
+        dev = [t.clone().to(device) for t in (logits, index, T, m, p, a, b, d)]
+        got_counts = tf.launch(*dev).cpu()
+        got = dev[0].cpu()
+        untouched = [r for r in range(logits.shape[0]) if r not in index.tolist()]
+        assert torch.equal(got[untouched], logits[untouched]), seed
+        kept_want, kept_got = torch.isfinite(want), torch.isfinite(got)
+        assert torch.equal(got_counts, kept_got[index].sum(-1).int()), seed
+        if ties or flat:
+            # a tie at the cut is kept whole, and only ties of the last kept value are added
+            assert (kept_got | ~kept_want).all(), seed
+            extra = kept_got & ~kept_want
+            for r in extra.any(-1).nonzero().flatten().tolist():
+                lowest_kept = logits[r][kept_want[r]].min()
+                assert (logits[r][extra[r]] == lowest_kept).all(), (seed, r)
+        else:
+            assert torch.equal(kept_got, kept_want), (seed, (kept_got != kept_want).sum())
+        both = kept_want & kept_got
+        torch.testing.assert_close(got[both], want[both], rtol=1e-5, atol=1e-4)
+    # A boundary bin with more survivors than it sorts is kept whole, and counted.
+    logits = torch.rand(1, 9_000) * 1e-4
+    index, one = torch.tensor([0]), torch.ones(1)
+    work = tf.FilterWorkspace(1, 9_000, torch.device(device))
+    counts = tf.launch(logits.to(device), index.to(device), one.to(device), (0.1 * one).to(device),
+                       (0.9 * one).to(device), one.to(device), 0 * one.to(device), None, work)
+    assert int(counts[0]) == 9_000 and int(work.overflows[0]) == 1
+
+
+def test_torch_twin_is_the_core_filter_and_mix():
+    """Listed rows are filtered (z/T on C) and the first ones mixed (a·z̃ − b·d); others untouched."""
+    logits, index, T, m, p, a, b, d = _case(1)
+    got = logits.clone()
+    counts = tf.filter_and_mix_torch(got, index, T, m, p, a, b, d)
+    z = logits[index] / T[:, None]
+    mask = iv.candidate_mask(z, torch.zeros(len(index), dtype=torch.long), p, m)
+    want = z.masked_fill(~mask, float("-inf"))
+    k = d.shape[0]
+    want[:k] = torch.where(mask[:k], iv.mix(z[:k], d.float(), a[:k, None], b[:k, None]), want[:k])
+    torch.testing.assert_close(got[index], want)
+    assert torch.equal(counts, mask.sum(-1).int())
+    rest = [r for r in range(len(logits)) if r not in index.tolist()]
+    assert torch.equal(got[rest], logits[rest])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_kernels_equal_the_reference_on_a_gpu():
+    check_kernels("cuda")
+
+
+def test_kernels_equal_the_reference_in_tritons_interpreter():
+    pytest.importorskip("triton")
+    code = "import sys; sys.path.insert(0, 'tests'); import test_filter_kernels as t; t.check_kernels('cpu')"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
