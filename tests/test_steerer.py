@@ -15,8 +15,8 @@ H, V = 16, 300
 
 
 def test_plan_carries_each_rows_settings():
-    rows = [SteeredRow(0, Steering(beta=0.5, mix="paper"), Filters(temperature=0.0, top_k=5)),
-            SteeredRow(0, Steering(beta=0.5, mix="paper"), Filters()),
+    rows = [SteeredRow(0, Steering(beta=0.5, mix="paper", train_rows="all"), Filters(temperature=0.0, top_k=5)),
+            SteeredRow(0, Steering(beta=0.5, mix="paper", train_rows="all"), Filters()),
             SteeredRow(2, Steering(beta=1.0, mix="unsharpened", train_rows="group"), Filters(min_p=0.0)),
             SteeredRow(2, Steering(beta=1.0, mix="unsharpened", train_rows="group"), Filters()),
             SteeredRow(-1, Steering(beta=1.0), Filters(top_p=0.5))]  # only filtered

@@ -23,6 +23,7 @@ to the reference:
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -34,6 +35,11 @@ from esamp.core.backends.triton_filter import FilterWorkspace, filter_and_mix
 from esamp.core.backends.triton_mix import mix_and_count
 from esamp.core.config import Filters, Steering
 from esamp.core.distiller import DistillerBank, RowLayout
+
+
+# ESAMP_FILTER=sort runs every plan through the constructor's filter (vLLM's top-k/top-p function in
+# the vLLM engine) and the separate mix, as before the fused kernels: for measuring them against it.
+FUSED_FILTER = os.environ.get("ESAMP_FILTER", "fused") != "sort"
 
 
 @dataclass(frozen=True)
@@ -277,7 +283,7 @@ class Steerer:
         """Filter and mix the plan's rows of the engine's ``logits`` in place (rows ``plan.index``);
         ``d`` holds the Distiller logits of the plan's first ``d.shape[0]`` rows, the rest are only
         filtered. Returns |C| per row. Rows with top-k take the filter given to the constructor."""
-        if plan.top_k is not None:
+        if plan.top_k is not None or not FUSED_FILTER:
             scaled = self.filter(plan, logits.index_select(0, plan.index))
             counts = torch.isfinite(scaled).sum(dim=-1).to(torch.int32)
             if d is not None and d.shape[0]:

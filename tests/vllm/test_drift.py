@@ -76,10 +76,10 @@ def test_model_runner_in_use_is_v1():
 
 
 def test_samplers_top_k_top_p_function_is_there():
-    """The processor filters with the function vLLM's sampler runs; a move must not go unseen."""
+    """Rows with top-k are filtered with the function vLLM's sampler runs; a move must not go unseen."""
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
-    from esamp.engines.vllm import processor
+    from esamp.engines.vllm import steering
 
     assert list(inspect.signature(apply_top_k_top_p).parameters)[:3] == ["logits", "k", "p"]
-    assert processor.vllm_top_k_top_p is apply_top_k_top_p
+    assert steering.vllm_top_k_top_p is apply_top_k_top_p

@@ -6,8 +6,8 @@ The reference (eager) path is the same function called directly; GPU tests hold 
 equal to eager steps.
 
 ``GraphCache.run(key, fn, *inputs)`` calls ``fn(*inputs)`` eagerly until the same ``key`` has
-been seen ``after`` times in a row, then captures it and replays it for every later call with
-that key. Graphs are kept per key (``size`` of them, least recently used first out), so a shape
+been seen ``after`` times (keys may alternate: the sampler's logits can come from two buffers in
+turn), then captures it and replays it for every later call with that key. Graphs are kept per key (``size`` of them, least recently used first out), so a shape
 that comes back replays at once.
 
 Inputs are copied into the graph's own buffers before each replay, unless ``in_place=True``: then
@@ -86,8 +86,7 @@ class GraphCache:
         self.graphs: collections.OrderedDict[Hashable, _Graph] = collections.OrderedDict()
         self.captures = self.failures = self.replays = self.eager = 0
         self.capture_seconds = 0.0  # host time spent capturing (a cost paid once per shape)
-        self._seen_key: Hashable = None
-        self._seen = 0
+        self._seen: dict[Hashable, int] = {}  # eager calls per key not captured yet
         self._stream: torch.cuda.Stream | None = None
         self._pool = None
         self._warm = False
@@ -101,10 +100,10 @@ class GraphCache:
             self.graphs.move_to_end(key)
             self.replays += 1
             return graph.replay(inputs)
-        if key != self._seen_key:
-            self._seen_key, self._seen = key, 0
-        self._seen += 1
-        if self._seen <= self.after or not self._warm:
+        if len(self._seen) > 256:  # keys that never came back
+            self._seen.clear()
+        seen = self._seen[key] = self._seen.get(key, 0) + 1
+        if seen <= self.after or not self._warm:
             self.eager += 1
             return self._on_stream(fn, inputs)
         while len(self.graphs) >= self.size:
@@ -124,6 +123,7 @@ class GraphCache:
             return fn(*inputs)
         self.capture_seconds += time.perf_counter() - t0
         self.graphs[key] = graph
+        self._seen.pop(key, None)
         self.captures += 1
         return graph.replay(inputs)
 

@@ -13,8 +13,9 @@ sampler's logits. The exchange is the one object both hold; per step:
    (``StepMismatch``): vLLM called the seam in an order the exchange does not know, and steering
    the wrong rows must never pass silently. Nothing put (a model class without taps) returns None.
 
-Both sides find their engine's exchange with ``exchange_for(vllm_config)`` (keyed by the engine's
-``instance_id``), and each keeps it alive while it lives; the registry holds weak references.
+Both sides find their engine's exchange with ``exchange_for(vllm_config)`` (keyed by the
+configuration object vLLM hands all of them), and each keeps it alive while it lives; the registry
+holds weak references.
 The engine's ``EngineSteering`` hangs off the exchange, so an adapter rebuilt by vLLM (its input
 batch is re-made once the KV cache is sized) finds the same Distiller bank.
 """
@@ -28,30 +29,36 @@ import torch
 
 from esamp.engines.vllm.steering import BatchPlan, EngineSteering, Handoff
 
-_EXCHANGES: "weakref.WeakValueDictionary[str, StepExchange]" = weakref.WeakValueDictionary()
+_EXCHANGES: dict[int, tuple] = {}  # id(vllm_config) → (weak reference to it, weak reference to its exchange)
 
 
 class StepMismatch(RuntimeError):
     """The model and the logits processor disagree about the step they are in."""
 
 
-def engine_key(vllm_config) -> str:
-    key = getattr(vllm_config, "instance_id", None)
-    return str(key) if key else f"config-{id(vllm_config)}"
-
-
 def exchange_for(vllm_config) -> "StepExchange":
-    """The exchange of the engine ``vllm_config`` describes (made on first use)."""
-    key = engine_key(vllm_config)
-    exchange = _EXCHANGES.get(key)
-    if exchange is None:
-        exchange = StepExchange(key)
-        _EXCHANGES[key] = exchange
+    """The exchange of the engine ``vllm_config`` describes (made on first use).
+
+    Keyed by the configuration object itself: vLLM hands the model, the logits processors and the
+    worker the same object, and may change its fields (an engine core renames its instance), so
+    nothing read from it would do."""
+    key = id(vllm_config)
+    config_ref, exchange_ref = _EXCHANGES.get(key, (None, None))
+    exchange = exchange_ref() if exchange_ref is not None else None
+    if exchange is None or config_ref() is not vllm_config:  # none yet, or an old config's id came back
+        exchange = StepExchange(str(key))
+        try:
+            ref = weakref.ref(vllm_config)
+        except TypeError:  # a configuration that takes no weak reference (tests): keep it alive
+            ref = (lambda config: lambda: config)(vllm_config)
+        _EXCHANGES[key] = (ref, weakref.ref(exchange))
+    for dead in [k for k, (c, x) in _EXCHANGES.items() if c() is None or x() is None]:
+        del _EXCHANGES[dead]
     return exchange
 
 
 def live_exchanges() -> list["StepExchange"]:
-    return list(_EXCHANGES.values())
+    return [x for _, ref in list(_EXCHANGES.values()) if (x := ref()) is not None]
 
 
 class StepExchange:

@@ -63,13 +63,18 @@ class Handoff:
     d: torch.Tensor | None = field(default=None)  # [steered, V] Distiller logits from the LM head
 
 
+try:  # the top-k/top-p functions vLLM's sampler calls (a drift canary holds them to the core's)
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p as vllm_top_k_top_p
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch as vllm_top_k_top_p_cpu
+except ImportError:  # pragma: no cover - depends on the installed vLLM
+    vllm_top_k_top_p = vllm_top_k_top_p_cpu = None
+
+
 def vllm_filter(scaled: torch.Tensor, plan: StepPlan) -> torch.Tensor:
     """The request's own filters on z̃ for plans with top-k, as vLLM's sampler applies them: min-p
     in logit space, then the top-k/top-p function vLLM's sampler calls on this device (its Triton
     kernel on a GPU, the sort on a CPU); the core's filter where vLLM moved those functions."""
-    try:
-        from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p, apply_top_k_top_p_pytorch
-    except ImportError:  # pragma: no cover - depends on the installed vLLM
+    if vllm_top_k_top_p is None:
         return reference_filter(scaled, plan)
     floor = scaled.amax(dim=-1, keepdim=True) + plan.min_p.reshape(-1, 1).clamp(min=1e-38).log()
     scaled.masked_fill_((scaled < floor) & (plan.min_p.reshape(-1, 1) > 0), float("-inf"))
@@ -78,8 +83,8 @@ def vllm_filter(scaled: torch.Tensor, plan: StepPlan) -> torch.Tensor:
         k = torch.where(plan.top_k > 0, plan.top_k, torch.full_like(plan.top_k, scaled.shape[1]))
     p = plan.top_p
     if scaled.is_cuda:
-        return apply_top_k_top_p(scaled, k, p)
-    return apply_top_k_top_p_pytorch(scaled, k, p, allow_cpu_sync=True)
+        return vllm_top_k_top_p(scaled, k, p)
+    return vllm_top_k_top_p_cpu(scaled, k, p, allow_cpu_sync=True)
 
 
 class EngineSteering:
