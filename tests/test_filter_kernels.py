@@ -62,8 +62,9 @@ def check_kernels(device: str) -> None:
             assert torch.equal(kept_got, kept_want), (seed, (kept_got != kept_want).sum())
         both = kept_want & kept_got
         torch.testing.assert_close(got[both], want[both], rtol=1e-5, atol=1e-4)
-    # A boundary bin with more survivors than it sorts is kept whole, and counted.
-    logits = torch.rand(1, 9_000) * 1e-4
+    # A tie group at the cut larger than what is sorted is kept whole (the tie rule), and counted.
+    logits = torch.zeros(1, 9_000)
+    logits[0, 5_000:] = -1e-3
     index, one = torch.tensor([0]), torch.ones(1)
     work = tf.FilterWorkspace(1, 9_000, torch.device(device))
     counts = tf.launch(logits.to(device), index.to(device), one.to(device), (0.1 * one).to(device),

@@ -302,6 +302,17 @@ class Steerer:
             self._work = FilterWorkspace(rows, vocab, torch.device(device))
             self._overflows_seen = torch.zeros(1, dtype=torch.int32).pin_memory()
 
+    def warm_filter(self, vocab: int, device: torch.device, d_dtype: torch.dtype) -> None:
+        """Run the filter-and-mix once on a dummy row, so its kernels are compiled before the first
+        request (a GPU compiles Triton kernels on first use: seconds, not to be paid by a user)."""
+        if self._work is None:
+            return
+        z = torch.zeros(1, vocab, device=device)
+        d = torch.zeros(1, vocab, device=device, dtype=d_dtype)
+        one = torch.ones(1, device=device)
+        filter_and_mix(z, torch.zeros(1, dtype=torch.long, device=device), one, 0.1 * one, 0.9 * one, one,
+                       0 * one, d, self._work)
+
     @property
     def filter_overflows(self) -> int:
         """Boundary bins kept whole (``triton_filter``), as of the previous call (never waits)."""

