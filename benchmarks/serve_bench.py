@@ -19,7 +19,8 @@ steered (or steered on one rank only) shows in the result.
     python benchmarks/serve_bench.py --model qwen2.5-7b:dummy --data-parallel-size 2 --json out-dp2.json
     python benchmarks/serve_bench.py --baseline-url http://127.0.0.1:8001 --esamp-url http://127.0.0.1:8000
 
-``--baseline-url`` / ``--esamp-url`` measure servers that are already running instead.
+``--baseline-url`` / ``--esamp-url`` measure servers that are already running instead; for servers
+started with ``--api-key``, set ``ESAMP_API_KEY`` (sent to both, as esamp's own clients do).
 Writes a JSON file with the command, commit, device, versions, both servers' command lines and
 start times, and every trial.
 """
@@ -42,6 +43,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+API_KEY_ENV = "ESAMP_API_KEY"
 
 from esamp.bench import _commit, _prompts, _versions, parse_workload  # noqa: E402
 from esamp.core.config import Filters  # noqa: E402
@@ -176,7 +178,9 @@ async def post(url: str, path: str, body: dict, timeout: float) -> dict:
     reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port or 80)), timeout)
     try:
         data = json.dumps(body).encode()
-        writer.write(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        key = os.environ.get(API_KEY_ENV)
+        auth = f"Authorization: Bearer {key}\r\n" if key else ""
+        writer.write(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n{auth}"
                      f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode() + data)
         await writer.drain()
         raw = await asyncio.wait_for(reader.read(), timeout)
@@ -236,9 +240,16 @@ def esamp_counters(url: str) -> dict:
     return out
 
 
+def get_json(url: str) -> dict:
+    """A GET with the API key of a keyed server (``ESAMP_API_KEY``), if set."""
+    key = os.environ.get(API_KEY_ENV)
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
+    with urllib.request.urlopen(request, timeout=30) as r:
+        return json.loads(r.read())
+
+
 def served_model(url: str) -> str:
-    with urllib.request.urlopen(url + "/v1/models", timeout=30) as r:
-        return json.loads(r.read())["data"][0]["id"]
+    return get_json(url + "/v1/models")["data"][0]["id"]
 
 
 def device() -> str:
@@ -270,7 +281,7 @@ def run(args) -> dict:
         started = [baseline, served]
     try:
         model = served_model(served.url)
-        config = json.loads(urllib.request.urlopen(served.url + "/esamp/config", timeout=30).read())
+        config = get_json(served.url + "/esamp/config")
         vocab = _vocab(args.model)
         result = {
             "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),

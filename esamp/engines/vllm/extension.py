@@ -25,6 +25,17 @@ class EsampWorkerExtension:
         out["active"] = steering.bank is not None
         return out
 
+    def esamp_release(self, groups: list[str]) -> int:
+        """Free the Distiller slots of ``groups`` (their requests have ended): the API server's
+        middleware calls it when a served request ends. Run between engine steps, as every
+        ``collective_rpc``; on every data-parallel rank (a group not on this rank is no-op)."""
+        processor = STATE.processor
+        if processor is None:
+            return 0
+        for group in groups:
+            processor.release(group)
+        return len(groups)
+
     def esamp_info(self) -> dict:
         """What is running: model class, taps, model runner, bank size (for canaries and the UI)."""
         exchange = self._esamp_exchange()
