@@ -182,8 +182,7 @@ class ServerEngine(RecordedEngine):
         except EngineError as exc:
             if getattr(exc, "status", None) in (404, 503):
                 raise EngineError(f"{self.url} serves no ESamp ({exc.message})",
-                                  hint="start the server with esamp serve MODEL (README, \"Serving ESamp with "
-                                       "vLLM\")") from None
+                                  hint="start the server with esamp serve MODEL (docs/serving.md)") from None
             raise
 
     def info(self) -> dict:

@@ -4,7 +4,7 @@ It assembles the options of ``vllm serve`` and replaces itself with vLLM's serve
 there is no server of ours. ``--dry-run`` prints the command (the equivalent plain ``vllm serve``
 line, with its environment) instead. Every option esamp does not know passes to vLLM unchanged.
 
-What it adds, and why (README, "Serving ESamp with vLLM"):
+What it adds, and why (docs/serving.md):
 
 - the model as every esamp command resolves it (embedded default, GGUF → its cached bf16
   directory, dummy-weight presets with ``--load-format dummy``, HF directories and HF-cache names),
@@ -41,7 +41,7 @@ port or an address this machine does not have is a clear error (exit status 2), 
 traceback after the model has loaded.
 
 Refused with a reason: tensor and pipeline parallelism (every tensor-parallel worker would run
-its own Distiller, and nothing keeps them identical; README, "Scale-out"), speculative decoding
+its own Distiller, and nothing keeps them identical; docs/serving.md, "Scale-out"), speculative decoding
 (vLLM takes no custom logits processor with it), and multi-node data parallelism (the API server
 reads each rank's side channel on this machine).
 """

@@ -55,6 +55,7 @@ from urllib.parse import parse_qs, quote
 from esamp.engines.vllm.channel import HOST, SECRET_HEADER, read_groups
 from esamp.engines.vllm.settings import CHANNEL_SECRET_ENV, ISSUED
 from esamp.core import payload as pl
+from esamp.serving import ROUTES
 from esamp.serving.admission import Refused, admit, surrogate, surrogate_message
 from esamp.serving.metrics import merge
 
@@ -70,7 +71,6 @@ RANK_HEADER = b"x-data-parallel-rank"  # vLLM reads it as X-data-parallel-rank
 CHANNEL_TIMEOUT = 5.0  # seconds to wait for a rank's channel (it answers from a thread of the engine core)
 WATCH_INTERVAL = 0.2  # seconds between looks at whether the server is stopping
 PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"
-ROUTES = ("/esamp/metrics", "/esamp/records?group=G", "/esamp/config")
 API_KEY_ENV = "VLLM_API_KEY"  # vLLM's own fallback for --api-key
 
 

@@ -51,6 +51,17 @@ def test_groups_stay_on_one_rank_and_spread_over_both(server):
     steered = {line.split('rank="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
                for line in body.decode().splitlines() if line.startswith("esamp_rows_steered_total{")}
     assert steered["0"] > 0 and steered["1"] > 0
+    # every request has ended: its slot is free on its rank, without waiting for engine steps
+    import time
+
+    deadline = time.monotonic() + 5
+    while True:
+        body = server.get("/esamp/metrics")[1].decode()
+        in_use = [float(line.rsplit(" ", 1)[1]) for line in body.splitlines() if line.startswith("esamp_slots_in_use{")]
+        if sum(in_use) == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert in_use == [0.0, 0.0]
 
 
 def test_the_client_engine_reads_novelty_from_both_ranks(server):

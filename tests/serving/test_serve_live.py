@@ -355,5 +355,10 @@ def test_the_dashboard_attaches_to_the_server(server, tmp_path):
             for sample in group.samples:
                 assert sample.tokens and all(t.novelty is not None for t in sample.tokens[:-1])
             assert any(p.loss is not None for p in screen.record.metrics)
+            # An ESamp-on run draws one rate (no "off" line) and at most n rows steered per step.
+            charts = screen.charts
+            assert charts.rate_on.points and not charts.rate_off.points
+            assert 1 <= max(v for _, v in charts.hits.points) <= 2
+            assert all(p.esamp and p.rows == p.port_hits for p in screen.record.metrics)
 
     asyncio.run(scenario())
