@@ -73,7 +73,7 @@ def admit(body: Mapping[str, Any], chat: bool | None = None) -> Admission:
     ``/invocations`` routes it); ``Refused`` if ESamp cannot serve it. A body vLLM itself will
     reject passes through for vLLM to answer."""
     _refuse_booleans(body)
-    _refuse_surrogates(body)
+    refuse_surrogates(body)
     try:
         request = _as_vllm_reads(body, ("messages" in body) if chat is None else chat)
     except _NotOurs:
@@ -99,10 +99,13 @@ def admit(body: Mapping[str, Any], chat: bool | None = None) -> Admission:
     prompts = _prompts(request)
     records = bool(payload.records)
     if records and prompts > 1:
-        raise Refused(f"esamp_records with {prompts} prompts in one request: each prompt is its own group, and "
-                      "records are read per request; send one prompt per request to read its records",
-                      param="prompt")
+        raise Refused(many_prompts_with_records(prompts), param="prompt")
     return Admission(steered=True, n=n, prompts=prompts, records=records)
+
+
+def many_prompts_with_records(prompts: int) -> str:
+    return (f"esamp_records with {prompts} prompts in one request: each prompt is its own group, and records are "
+            "read per request; send one prompt per request to read its records")
 
 
 def _value(request: Mapping[str, Any], name: str):
@@ -181,7 +184,8 @@ def surrogate(value: Any, where: str = "") -> tuple[str, int, str] | None:
     return None
 
 
-def _refuse_surrogates(body: Mapping[str, Any]) -> None:
+def refuse_surrogates(body: Mapping[str, Any]) -> None:
+    """``Refused`` naming the first lone surrogate in a body's text, if any."""
     found = surrogate(body)
     if found:
         raise Refused(surrogate_message(*found), param=found[0].split(".")[0].split("[")[0])

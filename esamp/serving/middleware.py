@@ -53,16 +53,21 @@ from dataclasses import asdict, dataclass
 from urllib.parse import parse_qs, quote
 
 from esamp.engines.vllm.channel import HOST, SECRET_HEADER, read_groups
-from esamp.engines.vllm.settings import CHANNEL_SECRET_ENV, ISSUED
+from esamp.engines.vllm.settings import CHANNEL_SECRET_ENV, ISSUED, SERVE_ENV
 from esamp.core import payload as pl
 from esamp.serving import ROUTES
-from esamp.serving.admission import Refused, admit, surrogate, surrogate_message
+from esamp.serving.admission import Refused, admit, many_prompts_with_records, refuse_surrogates
 from esamp.serving.metrics import merge
 
 log = logging.getLogger(__name__)
 
 GENERATE_PATHS = {"/v1/completions": False, "/v1/chat/completions": True, "/invocations": None}  # path → chat?
+# Other routes that generate with vllm_xargs: each request gets its group id and its slots freed at
+# its end too; their bodies are vLLM's to check (the engine's ``prepare`` refuses what ESamp cannot
+# serve, and any group a client names). Path → the field whose items are separate prompts.
+OTHER_GENERATE_PATHS = {"/v1/responses": None, "/v1/messages": None, "/v1/chat/completions/batch": "messages"}
 TEXT_PATHS = frozenset({"/tokenize"})  # other bodies whose text a tokenizer reads
+INSPECTED = frozenset({*GENERATE_PATHS, *OTHER_GENERATE_PATHS, *TEXT_PATHS})
 # Answer without the API key: load balancers' health checks and Prometheus scrapes. Neither
 # generates text nor shows a tenant's data (counters only). Everything else needs the key.
 OPEN = frozenset({"/health", "/ping", "/metrics", "/esamp/metrics"})
@@ -222,9 +227,12 @@ class EsampMiddleware:
             return
         path = scope["path"].removeprefix(scope.get("root_path", "") or "")
         if scope.get("method") != "OPTIONS" and not is_open(path):  # OPTIONS: CORS preflights, as vLLM
-            if self.keys is None:
-                self.keys = api_keys(scope.get("app"))
-            if self.keys and not authorised(scope, self.keys):
+            keys = self.keys
+            if keys is None:
+                keys = api_keys(scope.get("app"))
+                if scope.get("app") is not None:
+                    self.keys = keys  # vLLM's arguments are there from the first request on
+            if keys and not authorised(scope, keys):
                 await _unauthorised(kind, receive, send)
                 return
         if kind == "websocket":
@@ -233,7 +241,7 @@ class EsampMiddleware:
         if path == "/esamp" or path.startswith("/esamp/"):
             await self._route(scope, path, send)
             return
-        if scope["method"] == "POST" and (path in GENERATE_PATHS or path in TEXT_PATHS) and _is_json(scope):
+        if scope["method"] == "POST" and path in INSPECTED and _is_json(scope):
             await self._inspect(scope, path, receive, send)
             return
         await self._run(scope, receive, _Response(send))
@@ -306,16 +314,13 @@ class EsampMiddleware:
         if not isinstance(request, dict):
             await self._run(scope, _replay(body, receive), _Response(send))  # not a JSON object: vLLM answers it
             return
-        if path in TEXT_PATHS:
-            found = surrogate(request)
-            if found:
-                await _respond(send, 400, json.dumps(Refused(surrogate_message(*found), found[0]).body()),
-                               "application/json")
-                return
-            await self._run(scope, _replay(body, receive), _Response(send))
-            return
         try:
-            admission = admit(request, GENERATE_PATHS[path])
+            if path in TEXT_PATHS:
+                refuse_surrogates(request)
+                await self._run(scope, _replay(body, receive), _Response(send))
+                return
+            admission = admit(request, GENERATE_PATHS[path]) if path in GENERATE_PATHS else \
+                other_admission(request, OTHER_GENERATE_PATHS[path])
         except Refused as refused:
             await _respond(send, 400, json.dumps(refused.body()), "application/json")
             return
@@ -436,6 +441,32 @@ class EsampMiddleware:
             steps += [{**step, "rank": rank} for step in data.get("steps", [])]
         await _respond(send, 200, json.dumps({"steps": steps, "pending": pending, "unreachable": unreachable}),
                        "application/json")
+
+
+def other_admission(request: dict, prompts_field: str | None):
+    """A request on one of ``OTHER_GENERATE_PATHS``: steered unless it says ``esamp: off`` (or its
+    ``vllm_xargs`` is not a mapping: vLLM refuses that); text checked for lone surrogates."""
+    from esamp.serving.admission import Admission
+
+    from esamp.engines.vllm.settings import refuse_server_keys
+
+    refuse_surrogates(request)
+    xargs = request.get("vllm_xargs")
+    if isinstance(xargs, dict):
+        try:
+            refuse_server_keys(xargs)
+        except ValueError as exc:
+            raise Refused(str(exc), param="vllm_xargs") from None
+    off = isinstance(xargs, dict) and str(xargs.get(pl.PREFIX, "on")).lower() in ("off", "false", "0")
+    steered = bool(os.environ.get(SERVE_ENV)) and not off and (xargs is None or isinstance(xargs, dict))
+    items = request.get(prompts_field) if prompts_field else None
+    prompts = len(items) if isinstance(items, list) and items else 1
+    records = isinstance(xargs, dict) and str(xargs.get(pl.ROUTE_KEYS["records"], "off")).lower() in ("on", "true", "1")
+    if steered and records and prompts > 1:
+        raise Refused(many_prompts_with_records(prompts), param=prompts_field)
+    n = request.get("n")
+    return Admission(steered=steered, n=n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1,
+                     prompts=prompts, records=records)
 
 
 # -- ASGI plumbing -------------------------------------------------------------------------------

@@ -547,3 +547,28 @@ def test_a_dead_engine_ends_open_streams_too(monkeypatch):
 
     status, body = run(scenario())
     assert status == 200 and b"the engine stopped" in body and body.endswith(b"data: [DONE]\n\n")
+
+
+def test_other_generating_routes_get_server_groups_too(monkeypatch):
+    """``/v1/responses``, ``/v1/messages``, ``/v1/chat/completions/batch``: vLLM checks their bodies,
+    but each request still gets its group id (one group per conversation of a batch), a named
+    group is refused, and the slots are freed when the request ends."""
+    monkeypatch.setenv(es.SERVE_ENV, "1")
+    app = FakeVllm(1, 9)
+    middleware = EsampMiddleware(app)
+    status, _, headers = run(call(middleware, app, "POST", "/v1/responses",
+                                  json.dumps({"model": "tiny", "input": "hi"}).encode(), full=True))
+    group = headers[b"x-esamp-group"].decode()
+    assert status == 200 and xargs_of(app.seen[-1][1]) == {"esamp_group": group}
+    status, _, headers = run(call(middleware, app, "POST", "/v1/chat/completions/batch", json.dumps(
+        {"model": "tiny", "messages": [[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]]}).encode(),
+        full=True))
+    assert status == 200 and headers[b"x-esamp-group"]
+    for path in ("/v1/responses", "/v1/messages", "/v1/chat/completions/batch"):
+        status, body = run(call(middleware, app, "POST", path, json.dumps(
+            {"model": "tiny", "input": "hi", "vllm_xargs": {"esamp_group": group}}).encode()))
+        assert status == 400 and "set by the server" in json.loads(body)["error"]["message"], path
+    status, _, headers = run(call(middleware, app, "POST", "/v1/messages", json.dumps(
+        {"model": "tiny", "messages": [], "vllm_xargs": {"esamp": "off"}}).encode(), full=True))
+    assert status == 200 and b"x-esamp-group" not in headers
+    assert len(es.ISSUED) == 0

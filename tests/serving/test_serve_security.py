@@ -169,7 +169,10 @@ def test_slots_are_free_as_soon_as_requests_end_on_an_idle_server(server):
     results = []
 
     def one(i: int) -> None:
-        results.append(server.post("/v1/completions", completion(prompt=f"Story {i}:", n=2, max_tokens=12))[0])
+        if i == 0:  # a route of vLLM's own that the middleware does not read: its group is freed too
+            results.append(server.post("/v1/responses", {"model": MODEL, "input": "A story:", "max_output_tokens": 12})[0])
+        else:
+            results.append(server.post("/v1/completions", completion(prompt=f"Story {i}:", n=2, max_tokens=12))[0])
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
     for t in threads:

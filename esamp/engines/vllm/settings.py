@@ -165,15 +165,15 @@ ISSUED = IssuedGroups()
 _PREPARED: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
 
 
-def _served_refusals(extra: dict, payload) -> None:
-    """In a server: refuse what only the server may set (see the module docstring)."""
+def refuse_server_keys(extra) -> None:
+    """In a server: a ``ValueError`` for any key only the server may set (see the module docstring)."""
     engine_keys = sorted(k for k in extra if isinstance(k, str) and k in pl.KNOWN and k not in CLIENT_KEYS
                          and k != pl.ROUTE_KEYS["group"])
     if engine_keys:
         raise ValueError(f"vllm_xargs {', '.join(engine_keys)}: set by the server, not by a request; send the "
                          "request's own fields (temperature, top_p, top_k, min_p, seed, n) instead, and in "
                          "vllm_xargs only " + ", ".join(sorted(CLIENT_KEYS)))
-    if payload is not None and payload.group is not None:
+    if pl.ROUTE_KEYS["group"] in extra:
         raise ValueError(f"vllm_xargs {pl.ROUTE_KEYS['group']}: set by the server, not by a request (each request "
                          "is its own group); leave it out and read the group's id from the response's "
                          "X-Esamp-Group header")
@@ -197,7 +197,7 @@ def prepare(params) -> None:
             extra = {k: v for k, v in extra.items() if k != pl.ROUTE_KEYS["group"]}
             payload = pl.decode(extra)
             group = token  # claimed below, once the request is known to be steered
-        _served_refusals(extra, payload)
+        refuse_server_keys(extra)
     if payload is None and not served:
         return
     if payload is not None and payload.enabled is False:
