@@ -20,7 +20,8 @@ worker extension cannot gather every rank's counters or records. The API server
 (``esamp.serving``) reads each rank's channel and shows them together.
 
 The thread sleeps in ``select`` until a request comes, so an idle channel costs the engine
-nothing; a request reads the processor's counters and its lock-protected record store.
+nothing; a request reads the engine's ESamp counters and its lock-protected record store
+(``EngineSteering.metrics`` and ``drain``).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ SECRET_HEADER = "X-Esamp-Channel-Secret"
 MAX_GROUPS = 256  # groups one read may name
 MAX_GROUP_KEY = 128  # characters of one group key (the server's own ids are 26)
 
-# Counter name in the processor → (Prometheus name, type, help). Written once: the API server's
+# Counter name in the engine's metrics → (Prometheus name, type, help). Written once: the API server's
 # aggregate uses these names too.
 METRICS = {
     "port_hits": ("esamp_rows_steered_total", "counter", "Rows the Distiller steered (tapped rows delivered)"),
@@ -72,7 +73,7 @@ def prometheus(counters: dict, rank: int) -> str:
 
 
 class Channel:
-    def __init__(self, processor, host: str, port: int, rank: int, secret: str) -> None:
+    def __init__(self, steering, host: str, port: int, rank: int, secret: str) -> None:
         if not secret:
             raise ValueError("a side channel needs a secret")
         self.rank = rank
@@ -88,13 +89,13 @@ class Channel:
                     return
                 url = urlparse(self.path)
                 if url.path == "/metrics":
-                    self._send(200, prometheus(processor.metrics(), channel.rank), "text/plain; version=0.0.4")
+                    self._send(200, prometheus(steering.metrics(), channel.rank), "text/plain; version=0.0.4")
                 elif url.path == "/records":
                     groups = read_groups(parse_qs(url.query).get("group"))
                     if isinstance(groups, str):
                         self._send(400, json.dumps({"error": groups}), "application/json")
                         return
-                    out = processor.drain((), groups)
+                    out = steering.drain((), groups)
                     self._send(200, json.dumps({"rank": channel.rank, "steps": out["steps"],
                                                 "pending": out["pending"]}), "application/json")
                 else:
@@ -135,8 +136,10 @@ def read_groups(values: list[str] | None) -> set[str] | str:
     return groups
 
 
-def start(processor, settings: dict, vllm_config) -> Channel | None:
-    """The channel of this engine core, when ``esamp serve`` asked for one (``settings["port"]``)."""
+def start(steering, settings: dict, vllm_config) -> Channel | None:
+    """The channel of this engine core (``steering``: its ``EngineSteering``, or anything with its
+    ``metrics()`` and ``drain(release, groups)``), when ``esamp serve`` asked for one
+    (``settings["port"]``)."""
     port = settings.get("port")
     if not port:
         return None
@@ -150,7 +153,7 @@ def start(processor, settings: dict, vllm_config) -> Channel | None:
                     "vllm serve line of your own, set it to a random value)", rank, CHANNEL_SECRET_ENV)
         return None
     try:
-        return Channel(processor, settings.get("host", HOST), int(port) + rank, rank, secret)
+        return Channel(steering, settings.get("host", HOST), int(port) + rank, rank, secret)
     except OSError as exc:  # taken (another worker of this rank serves it), or not allowed
         log.warning("ESamp side channel of rank %d not started on port %s: %s", rank, int(port) + rank, exc)
         return None

@@ -29,12 +29,10 @@ class EsampWorkerExtension:
         """Free the Distiller slots of ``groups`` (their requests have ended): the API server's
         middleware calls it when a served request ends. Run between engine steps, as every
         ``collective_rpc``; on every data-parallel rank (a group not on this rank is no-op)."""
-        processor = STATE.processor
-        if processor is None:
+        steering = self._esamp_exchange().steering
+        if steering is None:
             return 0
-        for group in groups:
-            processor.release(group)
-        return len(groups)
+        return sum(steering.release(group) for group in groups)
 
     def esamp_info(self) -> dict:
         """What is running: model class, taps, model runner, bank size (for canaries and the UI)."""
