@@ -45,7 +45,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 API_KEY_ENV = "ESAMP_API_KEY"
 
-from esamp.bench import _commit, _prompts, _versions, parse_workload  # noqa: E402
+from esamp.commands.bench.provenance import commit, versions  # noqa: E402
+from esamp.commands.bench.workloads import parse_workload, prompts as make_prompts  # noqa: E402
 from esamp.core.config import Filters  # noqa: E402
 
 
@@ -285,7 +286,7 @@ def run(args) -> dict:
         vocab = _vocab(args.model)
         result = {
             "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
-            "commit": _commit(), "device": device(), "versions": _versions(), "model": args.model,
+            "commit": commit(), "device": device(), "versions": versions(), "model": args.model,
             "data_parallel_size": config["ranks"], "max_num_seqs": args.max_num_seqs, "esamp": config["esamp"],
             "servers": {s.name: {"url": s.url, "command": shlex.join(s.command) if s.command else None,
                                  "start_seconds": s.start_seconds} for s in (baseline, served)},
@@ -296,7 +297,7 @@ def run(args) -> dict:
         }
         for P, n, L in workloads:
             name = f"{P}x{L}" if n == 1 else f"{P}xn{n}x{L}"
-            prompts = _prompts(P, args.prompt_len, vocab, seed=0)
+            prompts = make_prompts(P, args.prompt_len, vocab, seed=0)
             for server in (baseline, served):  # warm-up: not timed
                 asyncio.run(trial(server.url, model, prompts, n, L, args.seed, args.trial_timeout))
             trials = []
