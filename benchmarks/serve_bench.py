@@ -19,7 +19,8 @@ steered (or steered on one rank only) shows in the result.
     python benchmarks/serve_bench.py --model qwen2.5-7b:dummy --data-parallel-size 2 --json out-dp2.json
     python benchmarks/serve_bench.py --baseline-url http://127.0.0.1:8001 --esamp-url http://127.0.0.1:8000
 
-``--baseline-url`` / ``--esamp-url`` measure servers that are already running instead.
+``--baseline-url`` / ``--esamp-url`` measure servers that are already running instead; for servers
+started with ``--api-key``, set ``ESAMP_API_KEY`` (sent to both, as esamp's own clients do).
 Writes a JSON file with the command, commit, device, versions, both servers' command lines and
 start times, and every trial.
 """
@@ -42,8 +43,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+API_KEY_ENV = "ESAMP_API_KEY"
 
-from esamp.bench import _commit, _prompts, _versions, parse_workload  # noqa: E402
+from esamp.commands.bench.provenance import commit, versions  # noqa: E402
+from esamp.commands.bench.workloads import parse_workload, prompts as make_prompts  # noqa: E402
 from esamp.core.config import Filters  # noqa: E402
 
 
@@ -176,7 +179,9 @@ async def post(url: str, path: str, body: dict, timeout: float) -> dict:
     reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port or 80)), timeout)
     try:
         data = json.dumps(body).encode()
-        writer.write(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        key = os.environ.get(API_KEY_ENV)
+        auth = f"Authorization: Bearer {key}\r\n" if key else ""
+        writer.write(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n{auth}"
                      f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode() + data)
         await writer.drain()
         raw = await asyncio.wait_for(reader.read(), timeout)
@@ -236,9 +241,16 @@ def esamp_counters(url: str) -> dict:
     return out
 
 
+def get_json(url: str) -> dict:
+    """A GET with the API key of a keyed server (``ESAMP_API_KEY``), if set."""
+    key = os.environ.get(API_KEY_ENV)
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
+    with urllib.request.urlopen(request, timeout=30) as r:
+        return json.loads(r.read())
+
+
 def served_model(url: str) -> str:
-    with urllib.request.urlopen(url + "/v1/models", timeout=30) as r:
-        return json.loads(r.read())["data"][0]["id"]
+    return get_json(url + "/v1/models")["data"][0]["id"]
 
 
 def device() -> str:
@@ -270,11 +282,11 @@ def run(args) -> dict:
         started = [baseline, served]
     try:
         model = served_model(served.url)
-        config = json.loads(urllib.request.urlopen(served.url + "/esamp/config", timeout=30).read())
+        config = get_json(served.url + "/esamp/config")
         vocab = _vocab(args.model)
         result = {
             "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
-            "commit": _commit(), "device": device(), "versions": _versions(), "model": args.model,
+            "commit": commit(), "device": device(), "versions": versions(), "model": args.model,
             "data_parallel_size": config["ranks"], "max_num_seqs": args.max_num_seqs, "esamp": config["esamp"],
             "servers": {s.name: {"url": s.url, "command": shlex.join(s.command) if s.command else None,
                                  "start_seconds": s.start_seconds} for s in (baseline, served)},
@@ -285,7 +297,7 @@ def run(args) -> dict:
         }
         for P, n, L in workloads:
             name = f"{P}x{L}" if n == 1 else f"{P}xn{n}x{L}"
-            prompts = _prompts(P, args.prompt_len, vocab, seed=0)
+            prompts = make_prompts(P, args.prompt_len, vocab, seed=0)
             for server in (baseline, served):  # warm-up: not timed
                 asyncio.run(trial(server.url, model, prompts, n, L, args.seed, args.trial_timeout))
             trials = []

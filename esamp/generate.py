@@ -168,8 +168,8 @@ def _generate(args, sampling: SamplingConfig, esamp: EsampConfig, out) -> int:
     engine = _load(args, esamp)
     ready = engine.ready
     if not args.json:
-        print(f"{ready.engine} engine, {ready.model} on {ready.device} (loaded in {ready.load_seconds:.1f} s)",
-              file=sys.stderr)
+        how = "connected" if ready.engine == "server" else f"loaded in {ready.load_seconds:.1f} s"
+        print(f"{ready.engine} engine, {ready.model} on {ready.device} ({how})", file=sys.stderr)
     text = _TextOutput(sampling.n, use_colour(out) and not args.json)
 
     def emit(events: list[Event]) -> None:

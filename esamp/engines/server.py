@@ -3,10 +3,15 @@
 ``create_engine("server", url="http://host:port")``. A group is one streaming ``/v1/completions``
 request with ``n`` samples: sample i is choice i (a seeded request's child i has seed + i, which
 is how the server's processor numbers its samples), the steering travels in ``vllm_xargs`` (the
-flat payload of ``esamp.core.payload``) with the group's own key (``esamp_group``, prefixed with
-this client's id so two clients never share a group) and ``esamp_records: "on"``, and the
-per-token novelty comes from ``GET /esamp/records?group=...`` (every data-parallel rank's side
-channel, taken: each record once).
+flat payload of ``esamp.core.payload``) with ``esamp_records: "on"``. The server names the
+group (an unguessable id, in the response's ``X-Esamp-Group`` header: no client can join or read
+another's group), and the per-token novelty comes from ``GET /esamp/records?group=ID`` (every
+data-parallel rank's side channel, taken: each record once).
+
+Step events follow the server's engine steps: every record (one engine step of one rank) becomes
+one ``StepEvent`` with this client's rows of that step (rows = port hits: every steered row
+samples one token) and a token rate on the server's clock; tokens of unsteered groups, which
+have no records, become one event per poll (rows: the samples that advanced).
 
 Events are the library engines' (``esamp.events``): the records say which engine step sampled
 which (sample, generation index), exactly as the in-process vLLM engine's drain does, so the
@@ -34,14 +39,13 @@ import queue
 import socket
 import threading
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any, Sequence
 from urllib.parse import quote, urlsplit
 
 from esamp.core.config import EsampConfig, Steering, make_config
 from esamp.core import payload as pl
-from esamp.engines.base import Group, StepStats, check_prompt_text, encode_prompt
+from esamp.engines.base import Group, RateMeter, StepStats, check_prompt_text, encode_prompt
 from esamp.engines.recorded import RecordedEngine, RecordedGroup, finish_reason
 from esamp.errors import ConfigError, EngineError, PromptError
 from esamp.events import Event
@@ -51,6 +55,17 @@ START_TIMEOUT = 120.0  # until the server answers a request's headers (it tokeni
 # After a group's stream has ended, how long its last records may take before its remaining tokens
 # go out without novelty (a rank whose side channel does not answer would otherwise hold them).
 RECORD_GRACE = 3.0
+GROUP_HEADER = "X-Esamp-Group"  # the server's id for a steered request's group
+
+
+class _ClockedRate:
+    """A ``RateMeter`` read at a given time (a record's time on the server's clock)."""
+
+    def __init__(self, meter: RateMeter, now: float | None) -> None:
+        self.meter, self.now = meter, now
+
+    def add(self, tokens: int) -> float:
+        return self.meter.add(tokens, now=self.now)
 
 
 class _ServerText:
@@ -103,8 +118,8 @@ class ServerEngine(RecordedEngine):
         self.api_key = api_key or os.environ.get(API_KEY_ENV) or None
         self.timeout = timeout
         self.poll_interval = poll_interval
-        self.client = uuid.uuid4().hex[:8]  # this client's prefix for its group keys on the server
         self._inbox: queue.Queue = queue.Queue()
+        self.server_rate = RateMeter()  # steered tokens per second, on the server's clock (record times)
         self._last_poll = 0.0
         self.counters: dict = {}
 
@@ -154,7 +169,7 @@ class ServerEngine(RecordedEngine):
         finally:
             conn.close()
         if status != 200:
-            raise _server_error(status, data, f"{method} {path}")
+            raise _server_error(status, data, f"{method} {path}", sent_key=bool(self.api_key))
         try:
             return json.loads(data)
         except ValueError:
@@ -167,8 +182,7 @@ class ServerEngine(RecordedEngine):
         except EngineError as exc:
             if getattr(exc, "status", None) in (404, 503):
                 raise EngineError(f"{self.url} serves no ESamp ({exc.message})",
-                                  hint="start the server with esamp serve MODEL (README, \"Serving ESamp with "
-                                       "vLLM\")") from None
+                                  hint="start the server with esamp serve MODEL (docs/serving.md)") from None
             raise
 
     def info(self) -> dict:
@@ -211,11 +225,10 @@ class ServerEngine(RecordedEngine):
         s = g.sampling
         g.arrived = [[] for _ in range(s.n)]
         g.fed = [0] * s.n
-        g.server_group = f"{self.client}-{g.key}"
         g.stream.detok = [_ServerText() for _ in range(s.n)]  # the server's text, not a local detokenizer
-        # Steered: every steering setting explicitly (not the server's defaults), its group, and
-        # its records kept for this client. Off: plain sampling, no Distiller, no records.
-        xargs = pl.encode(g.steering, group=g.server_group, records=True) if g.steered else {pl.PREFIX: "off"}
+        # Steered: every steering setting explicitly (not the server's defaults), and its records
+        # kept for this client (the server names the group). Off: plain sampling, no Distiller, no records.
+        xargs = pl.encode(g.steering, records=True) if g.steered else {pl.PREFIX: "off"}
         body = {"model": self.model_id, "prompt": g.prompt_ids, "n": s.n, "max_tokens": g.max_new,
                 "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "min_p": s.min_p,
                 "ignore_eos": s.ignore_eos, "stream": True, "return_token_ids": True, "vllm_xargs": xargs}
@@ -233,7 +246,14 @@ class ServerEngine(RecordedEngine):
         if response.status != 200:
             data = response.read()
             conn.close()
-            raise _server_error(response.status, data, "the request")
+            raise _server_error(response.status, data, "the request", sent_key=bool(self.api_key))
+        if g.steered:
+            g.server_group = response.getheader(GROUP_HEADER) or ""
+            if not g.server_group:
+                conn.close()
+                raise EngineError(f"the server at {self.url} did not name the request's ESamp group (no "
+                                  f"{GROUP_HEADER} header), so its novelty cannot be read",
+                                  hint="serve with esamp serve of this esamp version")
         if conn.sock is not None:  # a request may wait in vLLM's queue for long before its first token
             conn.sock.settimeout(None)
         g.conn = conn
@@ -311,7 +331,8 @@ class ServerEngine(RecordedEngine):
         return items
 
     def step(self) -> list[Event]:
-        tokens = 0
+        plain_tokens = 0
+        advanced: set[tuple[str, int]] = set()  # (group, sample) of unsteered groups that got tokens
         failed: dict[str, str] = {}
         for kind, key, *rest in self._collect():
             g = self.groups.get(key)
@@ -321,7 +342,9 @@ class ServerEngine(RecordedEngine):
                 sample, ids, text, finish, stop = rest
                 g.arrived[sample].extend(ids)
                 g.stream.detok[sample].add(len(ids), text)
-                tokens += len(ids)
+                if not g.steered and ids:
+                    plain_tokens += len(ids)
+                    advanced.add((key, sample))
                 if finish is not None:
                     g.final[sample] = finish_reason(finish)
                     # Ended by a stop token (not a stop string): the token is in the ids and, as in
@@ -334,34 +357,51 @@ class ServerEngine(RecordedEngine):
                 g.closed_at = time.monotonic()
                 for sample in range(g.sampling.n):  # a stream that ended without finishing a sample
                     g.final.setdefault(sample, "abort" if g.cancelled else "error")
-        stats = StepStats(tokens=tokens, rows=tokens)
+        steps: list[Event] = []
         all_back = False
         now = time.perf_counter()
         if any(g.steered for g in self.groups.values()) and now - self._last_poll >= self.poll_interval:
             self._last_poll = now
             drained = self.drain()  # read after the tokens above: every record of theirs is in it
-            for rec in drained["steps"]:
+            for rec in sorted(drained["steps"], key=lambda r: (r.get("time", 0.0), r.get("rank", 0), r["step"])):
+                stats = StepStats()
                 self._file(rec, stats)
+                if stats.port_hits:  # one engine step of one rank: this client's rows in it
+                    stats.tokens = stats.rows = stats.port_hits
+                    steps.append(self._event(stats, _ClockedRate(self.server_rate, rec.get("time"))))
             all_back = drained.get("pending", 0) == 0 and not drained.get("unreachable")
+        if plain_tokens:
+            steps.append(self._event(StepStats(tokens=plain_tokens, rows=len(advanced)), self.rate))
+
         def advance(g: _ServedGroup) -> list[Event]:
             if g.key in failed:
                 raise EngineError(failed[g.key])
             overdue = g.closed_at is not None and time.monotonic() - g.closed_at > RECORD_GRACE
             return self._advance(g, all_back or overdue)
 
-        return self._advance_groups(advance, stats)
+        return self._advance_groups(advance, StepStats()) + steps
+
+    def _event(self, stats: StepStats, rate) -> Event:
+        event = stats.event(self.step_count, rate)
+        self.step_count += 1
+        return event
 
 
-def _server_error(status: int, data: bytes, what: str) -> EngineError:
+def _server_error(status: int, data: bytes, what: str, sent_key: bool = False) -> EngineError:
     """The server's refusal as an error a user can act on (its message says what to change)."""
     try:
         error = json.loads(data).get("error")
         message = error.get("message") if isinstance(error, dict) else str(error)
     except (ValueError, AttributeError):
         message = data.decode(errors="replace")[:300] or f"HTTP {status}"
-    kind = ConfigError if status == 400 else EngineError
-    err = kind(f"the server refused {what} (HTTP {status}): {message}",
-               hint="change the setting the message names" if status == 400
-               else "check the server's log; esamp serve prints where it listens")
+    if status == 401:
+        err = EngineError(f"the server refused {what} (HTTP 401): " + (
+            f"it does not take the API key in {API_KEY_ENV}" if sent_key else "it needs an API key"),
+            hint=f"set {API_KEY_ENV} to the key the server was started with (esamp serve --api-key KEY)")
+    else:
+        kind = ConfigError if status == 400 else EngineError
+        err = kind(f"the server refused {what} (HTTP {status}): {message}",
+                   hint="change the setting the message names" if status == 400
+                   else "check the server's log; esamp serve prints where it listens")
     err.status = status
     return err

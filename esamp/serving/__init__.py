@@ -1,4 +1,4 @@
-"""ESamp behind vLLM's own OpenAI-compatible server (README, "Serving ESamp with vLLM").
+"""ESamp behind vLLM's own OpenAI-compatible server (docs/serving.md).
 
 There is no server of ours: ``esamp serve`` assembles ``vllm serve``'s options and hands the
 process over to vLLM. What ESamp adds rides on vLLM's public seams:
@@ -7,11 +7,15 @@ process over to vLLM. What ESamp adds rides on vLLM's public seams:
   does, writes the engine-wide settings into ``--additional-config``, chooses the model class
   (``--hf-overrides``), the logits processor, the worker extension and this package's middleware,
   caps ``--max-num-seqs`` to the Distiller bank, sets ``ESAMP_SERVE`` (every request is an ESamp
-  group unless it says ``{"esamp": "off"}``) and execs vLLM's server.
-- ``middleware``: an ASGI middleware vLLM loads with ``--middleware``. It refuses a request ESamp
-  cannot serve with an OpenAI-style 400 before a stream starts, keeps the n samples of a request on
-  one data-parallel rank, and serves ``GET /esamp/metrics``, ``GET /esamp/records?group=G`` and
-  ``GET /esamp/config`` from every rank's side channel (``esamp.engines.vllm.channel``).
+  group unless it says ``{"esamp": "off"}``) and the side channels' per-launch secret, listens on
+  127.0.0.1 unless told otherwise, tries the port before loading anything, and execs vLLM's server.
+- ``middleware``: an ASGI middleware vLLM loads with ``--middleware``, the outermost layer. It
+  checks ``--api-key`` on every route but the health checks and the counters, refuses a request
+  ESamp cannot serve with an OpenAI-style 400 before a stream starts, names each request's group
+  (the server's id, never a client's) and frees its slot when the request ends, keeps the n
+  samples of a request on one data-parallel rank, ends every open response when the server stops,
+  and serves ``GET /esamp/metrics``, ``GET /esamp/records?group=ID`` and ``GET /esamp/config``
+  from every rank's side channel (``esamp.engines.vllm.channel``).
 - ``admission``: the request check the middleware runs (the engine's own ``settings.prepare``).
 - ``metrics``: every rank's counters as one Prometheus text.
 
@@ -20,4 +24,4 @@ which ``esamp generate --server``, ``esamp eval --server`` and ``esamp-tui --ser
 """
 
 MIDDLEWARE = "esamp.serving.middleware.EsampMiddleware"
-ROUTES = ("/esamp/metrics", "/esamp/records?group=G", "/esamp/config")
+ROUTES = ("/esamp/metrics", "/esamp/records?group=ID", "/esamp/config")

@@ -8,6 +8,13 @@ The middleware therefore runs the very same ``prepare`` on the request body firs
 refusal as a 400 in the form vLLM uses for its own (``{"error": {"message", "type", "param",
 "code"}}``). What ``prepare`` accepts here, vLLM accepts later: it is one function.
 
+The body is read as vLLM reads it: through vLLM's own request model (``CompletionRequest``,
+``ChatCompletionRequest``), so a number sent as a string (``"n": "1000"``) is the number vLLM
+will see, and gets the answer the non-streaming request gets. A body vLLM's model refuses passes
+through for vLLM to answer (it does so before any stream opens). Two things vLLM would let through
+are refused here: ``true``/``false`` where a number belongs (vLLM would read ``"n": true`` as 1),
+and text with a lone UTF-16 surrogate (``"\\ud800"``), which no tokenizer can read.
+
 A request field left out is checked as vLLM's neutral value; the server's defaults for it (the
 model's ``generation_config.json``) are the server's choice and cannot be wrong per request
 (``esamp serve`` neutralises the one default ESamp cannot steer, a repetition penalty).
@@ -21,14 +28,17 @@ from types import SimpleNamespace
 from typing import Any, Mapping
 
 from esamp.core import payload as pl
-from esamp.core.config import Filters
+from esamp.core.config import Filters, Steering
+from esamp.errors import EsampError
 
-# What a request may put in vllm_xargs: the steering, whether to keep records, and its own group
-# key (a client that reads its records names its group). The rest is the server's to set.
-CLIENT_KEYS = frozenset({*pl.USER_KEYS, pl.ROUTE_KEYS["group"]})
 PENALTIES = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
 # vLLM's values for a field a request leaves out (before the server's defaults)
 NEUTRAL = {"n": 1, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": None, **PENALTIES}
+# request fields that are numbers (true/false there is refused), and the numeric ESamp keys
+NUMBERS = (*NEUTRAL, "max_tokens", "max_completion_tokens")
+NUMERIC_KEYS = tuple(key for name, key in pl.STEERING_KEYS.items()
+                     if Steering.model_fields[name].annotation in (int, float))
+NO_SEED = -1  # vLLM reads seed -1 as no seed
 
 
 @dataclass(frozen=True)
@@ -36,8 +46,9 @@ class Admission:
     """What the middleware needs to route a request."""
 
     steered: bool  # an ESamp group (prepared); False: ESamp off, or nothing for ESamp to check
-    n: int  # samples the request asks for
-    group: str | None = None  # the group key the client chose, if any
+    n: int  # samples the request asks for (per prompt)
+    prompts: int = 1  # prompts in the request: each is its own group
+    records: bool = False  # the request asked for its novelty records (esamp_records: on)
 
 
 class Refused(Exception):
@@ -54,56 +65,144 @@ class Refused(Exception):
 
 
 class _NotOurs(Exception):
-    """A field of the wrong type: vLLM's own request validation answers it, not us."""
+    """A body vLLM's own request validation answers (wrong types, missing fields): not ours to judge."""
 
 
-def _field(body: Mapping[str, Any], name: str):
-    value = body.get(name)
-    if value is None:
-        return NEUTRAL[name]
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _NotOurs(name)
-    return value
-
-
-def admit(body: Mapping[str, Any]) -> Admission:
-    """Check one ``/v1/completions`` or ``/v1/chat/completions`` body; ``Refused`` if ESamp cannot
-    serve it. A body vLLM itself will reject (wrong types) passes through for vLLM to answer."""
+def admit(body: Mapping[str, Any], chat: bool | None = None) -> Admission:
+    """Check one completion or chat-completion body (``chat``: which; None: by its fields, as
+    ``/invocations`` routes it); ``Refused`` if ESamp cannot serve it. A body vLLM itself will
+    reject passes through for vLLM to answer."""
+    _refuse_booleans(body)
+    refuse_surrogates(body)
     try:
-        fields = {name: _field(body, name) for name in NEUTRAL}
+        request = _as_vllm_reads(body, ("messages" in body) if chat is None else chat)
     except _NotOurs:
         return Admission(steered=False, n=1)
+    fields = {name: _value(request, name) for name in NEUTRAL}
     n = int(fields["n"])
-    xargs = body.get("vllm_xargs")
+    xargs = request.get("vllm_xargs")
     if xargs is None:
         xargs = {}
     if not isinstance(xargs, Mapping):
         return Admission(steered=False, n=n)
-    engine_keys = sorted(k for k in xargs if isinstance(k, str) and k in pl.KNOWN and k not in CLIENT_KEYS)
-    if engine_keys:
-        raise Refused(f"vllm_xargs {', '.join(engine_keys)}: set by the server, not by a request; send the "
-                      "request's own fields (temperature, top_p, top_k, min_p, seed, n) instead, and in "
-                      "vllm_xargs only " + ", ".join(sorted(CLIENT_KEYS)), param="vllm_xargs")
     params = SimpleNamespace(extra_args=dict(xargs), **fields)
     from esamp.engines.vllm.settings import prepare  # no vLLM import: the engine's own check
 
     try:
         prepare(params)
-    except ValueError as exc:
-        raise Refused(str(exc), _param(body, str(exc))) from None
-    payload = pl.decode(params.extra_args)
+        payload = pl.decode(params.extra_args)
+    except (ValueError, EsampError) as exc:
+        message = f"{exc.message} ({exc.hint})" if isinstance(exc, EsampError) and exc.hint else str(exc)
+        raise Refused(message, _param(body, message)) from None
     if payload is None or payload.filters is None:
         return Admission(steered=False, n=n)
-    client_group = xargs.get(pl.ROUTE_KEYS["group"])
-    return Admission(steered=True, n=n, group=None if client_group is None else str(client_group))
+    prompts = _prompts(request)
+    records = bool(payload.records)
+    if records and prompts > 1:
+        raise Refused(many_prompts_with_records(prompts), param="prompt")
+    return Admission(steered=True, n=n, prompts=prompts, records=records)
+
+
+def many_prompts_with_records(prompts: int) -> str:
+    return (f"esamp_records with {prompts} prompts in one request: each prompt is its own group, and records are "
+            "read per request; send one prompt per request to read its records")
+
+
+def _value(request: Mapping[str, Any], name: str):
+    value = request.get(name)
+    if value is None or (name == "seed" and value == NO_SEED):
+        return NEUTRAL[name]
+    return value
+
+
+def _as_vllm_reads(body: Mapping[str, Any], chat: bool) -> dict:
+    """The body's fields as vLLM's request model makes them (strings to numbers, ...)."""
+    try:
+        if chat:
+            from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest as model
+        else:
+            from vllm.entrypoints.openai.completion.protocol import CompletionRequest as model
+    except ImportError:  # outside vLLM (the middleware's own tests): numbers as sent
+        return _plain(body)
+    try:
+        request = model.model_validate(dict(body))
+    except Exception:  # vLLM answers it, with its own message, before any stream
+        raise _NotOurs from None
+    fields = {name: getattr(request, name, None) for name in NEUTRAL}
+    return {**fields, "vllm_xargs": request.vllm_xargs, "prompt": getattr(request, "prompt", None)}
+
+
+def _plain(body: Mapping[str, Any]) -> dict:
+    out = {}
+    for name in NEUTRAL:
+        value = body.get(name)
+        if isinstance(value, str):
+            try:
+                value = float(value) if any(c in value for c in ".eE") else int(value)
+            except ValueError:
+                raise _NotOurs from None
+        elif value is not None and not isinstance(value, (int, float)):
+            raise _NotOurs
+        out[name] = value
+    return {**out, "vllm_xargs": body.get("vllm_xargs"), "prompt": body.get("prompt")}
+
+
+def _prompts(request: Mapping[str, Any]) -> int:
+    """How many prompts a completion request holds (a chat request holds one)."""
+    prompt = request.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        return len(prompt)
+    return 1
+
+
+def _refuse_booleans(body: Mapping[str, Any]) -> None:
+    """``true``/``false`` where a number belongs (vLLM would take true as 1)."""
+    for name in NUMBERS:
+        if isinstance(body.get(name), bool):
+            raise Refused(f"{name}={str(body[name]).lower()}: a number is needed, not true/false", param=name)
+    xargs = body.get("vllm_xargs")
+    if isinstance(xargs, Mapping):
+        for key in NUMERIC_KEYS:
+            if isinstance(xargs.get(key), bool):
+                raise Refused(f"vllm_xargs {key}={str(xargs[key]).lower()}: a number is needed, not true/false",
+                              param="vllm_xargs")
+
+
+def surrogate(value: Any, where: str = "") -> tuple[str, int, str] | None:
+    """The first lone UTF-16 surrogate in a JSON value: (field, character position, the character)."""
+    if isinstance(value, str):
+        for i, ch in enumerate(value):
+            if "\ud800" <= ch <= "\udfff":
+                return where, i + 1, ch
+        return None
+    items = value.items() if isinstance(value, Mapping) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = surrogate(item, f"{where}.{key}" if where and isinstance(key, str) else
+                          f"{where}[{key}]" if where else str(key))
+        if found:
+            return found
+    return None
+
+
+def refuse_surrogates(body: Mapping[str, Any]) -> None:
+    """``Refused`` naming the first lone surrogate in a body's text, if any."""
+    found = surrogate(body)
+    if found:
+        raise Refused(surrogate_message(*found), param=found[0].split(".")[0].split("[")[0])
+
+
+def surrogate_message(field: str, position: int, ch: str) -> str:
+    return (f"{field}: character {position} is a lone UTF-16 surrogate (\\u{ord(ch):04x}), half of a character "
+            "that is not text on its own; send the whole character (a surrogate pair in JSON, or the character "
+            "itself in UTF-8), or drop it")
 
 
 def _param(body: Mapping[str, Any], message: str) -> str | None:
     """The request field a refusal is about, for the error's ``param``."""
     for name, neutral in PENALTIES.items():
-        if body.get(name) not in (None, neutral):
+        if body.get(name) not in (None, neutral) and "penalties" in message:
             return name
-    named = re.match(r"(?:invalid setting: )?([a-z_]+)=", message)
+    named = re.match(r"(?:invalid setting: )?(?:vllm_xargs )?([a-z_]+)[=:, ]", message)
     if named:
         name = named.group(1)
         if name.startswith(pl.PREFIX):

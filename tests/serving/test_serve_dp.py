@@ -32,11 +32,12 @@ def test_groups_stay_on_one_rank_and_spread_over_both(server):
     # data_parallel_rank 0 and their place in data_parallel_index).
     assert channels_up(server) == {"0": 1.0, "1": 1.0}
     ranks_of = {}
-    for group in ("dp-a", "dp-b", "dp-c", "dp-d"):
-        status, data = server.post("/v1/completions", dict(
+    for _ in range(4):
+        status, data, headers = server.request("POST", "/v1/completions", dict(
             model=MODEL, prompt="The sea", n=4, max_tokens=6, seed=1, ignore_eos=True,
-            vllm_xargs={"esamp_records": "on", "esamp_group": group}))
+            vllm_xargs={"esamp_records": "on"}))
         assert status == 200, data
+        group = headers["x-esamp-group"]
         status, body = server.get(f"/esamp/records?group={group}")
         records = json.loads(body)
         assert records["unreachable"] == []
@@ -50,6 +51,17 @@ def test_groups_stay_on_one_rank_and_spread_over_both(server):
     steered = {line.split('rank="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
                for line in body.decode().splitlines() if line.startswith("esamp_rows_steered_total{")}
     assert steered["0"] > 0 and steered["1"] > 0
+    # every request has ended: its slot is free on its rank, without waiting for engine steps
+    import time
+
+    deadline = time.monotonic() + 5
+    while True:
+        body = server.get("/esamp/metrics")[1].decode()
+        in_use = [float(line.rsplit(" ", 1)[1]) for line in body.splitlines() if line.startswith("esamp_slots_in_use{")]
+        if sum(in_use) == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert in_use == [0.0, 0.0]
 
 
 def test_the_client_engine_reads_novelty_from_both_ranks(server):

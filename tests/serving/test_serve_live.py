@@ -58,11 +58,13 @@ def metrics(server) -> dict[str, float]:
 
 
 def completion_ids(server, xargs: dict, prompt="The sea at night is", n=2, seed=7, max_tokens=16,
-                   **fields) -> list[list[int]]:
+                   headers: dict | None = None, **fields) -> list[list[int]]:
     body = dict(model=MODEL, prompt=prompt, n=n, seed=seed, max_tokens=max_tokens, return_token_ids=True,
                 ignore_eos=True, vllm_xargs=xargs, **{**FILTERS, **fields})
-    status, data = server.post("/v1/completions", body)
+    status, data, got = server.request("POST", "/v1/completions", body)
     assert status == 200, data
+    if headers is not None:
+        headers.update(got)
     choices = sorted(json.loads(data)["choices"], key=lambda c: c["index"])
     return [c["token_ids"] for c in choices]
 
@@ -73,18 +75,20 @@ def completion_ids(server, xargs: dict, prompt="The sea at night is", n=2, seed=
 def test_an_openai_client_n4_request_is_one_steered_group_with_a_record_for_every_token(server):
     client = openai_client(server)
     before = metrics(server)
-    reply = client.completions.create(
+    raw = client.completions.with_raw_response.create(
         model=MODEL, prompt="Name a new colour and describe it.", n=4, max_tokens=16, seed=11,
-        extra_body={"vllm_xargs": {"esamp_records": "on", "esamp_group": "openai-n4"}, "return_token_ids": True})
+        extra_body={"vllm_xargs": {"esamp_records": "on"}, "return_token_ids": True})
+    group = raw.headers["x-esamp-group"]  # the server names the group
+    reply = raw.parse()
     ids = {c.index: c.token_ids for c in reply.choices}
     assert sorted(ids) == [0, 1, 2, 3] and all(ids.values())
-    rows = take_records(server, "openai-n4")
-    assert {r[0] for r in rows} == {"openai-n4"}  # one group: the four samples share one Distiller slot
+    rows = take_records(server, group)
+    assert {r[0] for r in rows} == {group}  # one group: the four samples share one Distiller slot
     for sample, tokens in ids.items():
         # the step that sampled token k leaves the row with generation index k (its input's novelty)
         assert sorted({k for g, s, k, _, _ in rows if s == sample}) == list(range(len(tokens))), sample
     assert all(math.isfinite(e) and e > 0 and c >= 1 for _, _, _, e, c in rows)
-    assert take_records(server, "openai-n4") == []  # taken once
+    assert take_records(server, group) == []  # taken once
     after = metrics(server)
     assert after["esamp_rows_steered_total"] - before["esamp_rows_steered_total"] >= sum(map(len, ids.values()))
     assert after["esamp_bank_full_total"] == 0
@@ -100,13 +104,14 @@ def test_a_plain_request_is_steered_with_the_servers_defaults(server):
 
 def test_esamp_off_is_plain_sampling_and_beta_and_mix_take_effect(server):
     frozen = {"esamp_train": "off"}  # an untrained Distiller: the mix alone decides, run after run
-    off = completion_ids(server, {"esamp": "off", "esamp_group": "sw-off", "esamp_records": "on"})
+    headers: dict = {}
+    off = completion_ids(server, {"esamp": "off", "esamp_records": "on"}, headers=headers)
     zero = completion_ids(server, {"esamp_beta": 0, **frozen})
     strong = completion_ids(server, {"esamp_beta": 3, **frozen})
     unsharpened = completion_ids(server, {"esamp_beta": 3, "esamp_mix": "unsharpened", **frozen})
     assert zero == off  # β = 0 samples exactly like ESamp off: the request's own filters, once
     assert strong != off and unsharpened != strong
-    assert take_records(server, "sw-off") == []  # ESamp off: no Distiller, no records
+    assert "x-esamp-group" not in headers  # ESamp off: no group, no Distiller, no records
 
 
 @pytest.mark.parametrize("body, param, words", [
@@ -350,5 +355,10 @@ def test_the_dashboard_attaches_to_the_server(server, tmp_path):
             for sample in group.samples:
                 assert sample.tokens and all(t.novelty is not None for t in sample.tokens[:-1])
             assert any(p.loss is not None for p in screen.record.metrics)
+            # An ESamp-on run draws one rate (no "off" line) and at most n rows steered per step.
+            charts = screen.charts
+            assert charts.rate_on.points and not charts.rate_off.points
+            assert 1 <= max(v for _, v in charts.hits.points) <= 2
+            assert all(p.esamp and p.rows == p.port_hits for p in screen.record.metrics)
 
     asyncio.run(scenario())

@@ -1,19 +1,31 @@
 """The API server's ESamp middleware, as ASGI, against a stand-in for vLLM's app and two ranks' real
-side channels (``esamp.engines.vllm.channel.Channel`` over stand-in processors). No vLLM needed."""
+side channels (``esamp.engines.vllm.channel.Channel`` over stand-in processors). No engine needed:
+it runs in a few seconds."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import urllib.error
+import urllib.request
 from types import SimpleNamespace
 
 import pytest
 
 from esamp.core.config import EsampConfig
-from esamp.engines.vllm.channel import Channel
+from esamp.engines.vllm import settings as es
+from esamp.engines.vllm.channel import SECRET_HEADER, Channel
 from esamp.serving.command import free_ports
-from esamp.serving.middleware import EsampMiddleware
+from esamp.serving.middleware import OPEN, EsampMiddleware
 from esamp.serving.metrics import parse
+
+SECRET = "s3cret-for-the-test"
+
+
+@pytest.fixture(autouse=True)
+def _secret(monkeypatch):
+    monkeypatch.setenv(es.CHANNEL_SECRET_ENV, SECRET)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
 
 
 class FakeProcessor:
@@ -27,24 +39,58 @@ class FakeProcessor:
         return {"port_hits": 10 * (self.rank + 1), "steps": 3, "slots_in_use": 1, "slots_free": 7, "loss": 0.25}
 
     def drain(self, release, groups):
-        mine = [{**r, "rows": [x for x in r["rows"] if groups is None or x[0] in groups]} for r in self.records]
-        self.records = [{**r, "rows": [x for x in r["rows"] if groups is not None and x[0] not in groups]}
-                        for r in self.records]
+        assert groups, "a channel never takes every group's records"
+        mine = [{**r, "rows": [x for x in r["rows"] if x[0] in groups]} for r in self.records]
+        self.records = [{**r, "rows": [x for x in r["rows"] if x[0] not in groups]} for r in self.records]
         return {"steps": [r for r in mine if r["rows"]], "pending": 0}
 
 
-class FakeVllm:
-    """vLLM's app as the middleware sees it: answers 200 and remembers what reached it."""
+class FakeEngine:
+    """vLLM's engine client, as far as the middleware uses it: ``collective_rpc`` and ``errored``."""
 
-    def __init__(self, ranks: int, port: int | None, hold: asyncio.Event | None = None) -> None:
-        server = {"records_requested": True, "host": "127.0.0.1", "port": port} if port else None
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple]] = []
+        self.errored = False
+
+    async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        self.calls.append((method, args))
+        return [len(args[0])]
+
+
+class FakeVllm:
+    """vLLM's app as the middleware sees it: answers 200 (a stream when asked) and remembers what
+    reached it."""
+
+    def __init__(self, ranks: int, port: int | None, hold: asyncio.Event | None = None,
+                 api_key: list[str] | None = None, server=None) -> None:
+        server_cfg = {"records_requested": True, "host": "127.0.0.1", "port": port} if port else None
+        self.engine = FakeEngine()
         self.state = SimpleNamespace(vllm_config=SimpleNamespace(
-            additional_config={"esamp": EsampConfig(slots=8).model_dump(), **({"esamp_server": server} if server else {})},
+            additional_config={"esamp": EsampConfig(slots=8).model_dump(),
+                               **({"esamp_server": server_cfg} if server_cfg else {})},
             parallel_config=SimpleNamespace(data_parallel_size=ranks),
             model_config=SimpleNamespace(hf_config=SimpleNamespace(hidden_size=16, num_hidden_layers=2),
-                                         served_model_name=["tiny"], model="/models/tiny", max_model_len=256)))
+                                         served_model_name=["tiny"], model="/models/tiny", max_model_len=256)),
+            args=SimpleNamespace(api_key=api_key), engine_client=self.engine,
+            **({"server": server} if server is not None else {}))
         self.seen: list[tuple[dict, bytes]] = []
         self.hold = hold
+
+    @staticmethod
+    def prepare(body: bytes) -> None:
+        """What vLLM does with a request the middleware sent on: ``prepare`` for each prompt."""
+        try:
+            request = json.loads(body)
+            xargs = request.get("vllm_xargs")
+        except (ValueError, AttributeError):
+            return
+        if not xargs or "esamp_group" not in xargs:
+            return
+        prompts = request.get("prompt")
+        for _ in prompts if isinstance(prompts, list) else [prompts]:
+            es.prepare(SimpleNamespace(n=int(request.get("n", 1)), temperature=1.0, top_p=1.0, top_k=0, min_p=0.0,
+                                       seed=None, repetition_penalty=1.0, presence_penalty=0.0,
+                                       frequency_penalty=0.0, extra_args=dict(xargs)))
 
     async def __call__(self, scope, receive, send):
         body = b""
@@ -54,13 +100,21 @@ class FakeVllm:
             if not message.get("more_body"):
                 break
         self.seen.append((dict(scope), body))
+        self.prepare(body)
+        stream = b'"stream": true' in body
+        if stream:
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+            await send({"type": "http.response.body", "body": b'data: {"choices": []}\n\n', "more_body": True})
         if self.hold is not None:
             await self.hold.wait()
+        if stream:
+            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+            return
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"{}"})
 
 
-async def call(middleware, app, method, path, body=b"", headers=(), query=b"", json_body=True):
+async def call(middleware, app, method, path, body=b"", headers=(), query=b"", json_body=True, full=False):
     headers = [*headers, *([(b"content-type", b"application/json")] if json_body else [])]
     scope = {"type": "http", "method": method, "path": path, "query_string": query, "headers": headers,
              "app": app}
@@ -69,13 +123,18 @@ async def call(middleware, app, method, path, body=b"", headers=(), query=b"", j
     sent = []
 
     async def receive():
-        return messages.pop(0) if messages else {"type": "http.disconnect"}
+        if messages:
+            return messages.pop(0)
+        await asyncio.sleep(3600)  # the client stays connected
 
     async def send(message):
         sent.append(message)
 
     await middleware(scope, receive, send)
-    return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:])
+    status, content = sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:])
+    if full:
+        return status, content, dict(sent[0].get("headers", []))
+    return status, content
 
 
 def run(coro):
@@ -85,7 +144,7 @@ def run(coro):
 @pytest.fixture
 def ranks():
     port = free_ports(2)
-    channels = [Channel(FakeProcessor(r, {f"g{r}": 0.1 * (r + 1)}), "127.0.0.1", port + r, r) for r in range(2)]
+    channels = [Channel(FakeProcessor(r, {f"g{r}": 0.1 * (r + 1)}), "127.0.0.1", port + r, r, SECRET) for r in range(2)]
     yield port, channels
     for c in channels:
         try:
@@ -131,6 +190,39 @@ def test_records_come_from_every_rank_once(ranks):
     assert json.loads(body)["unreachable"] == [0]  # the client knows it has not seen everything
 
 
+def channel_get(port: int, path: str, secret: str | None) -> tuple[int, bytes]:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}",
+                                     headers={SECRET_HEADER: secret} if secret is not None else {})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read()
+
+
+def test_a_side_channel_answers_only_its_api_server_and_only_for_named_groups(ranks, monkeypatch):
+    port, channels = ranks
+    assert channels[0].server.server_address[0] == "127.0.0.1"  # loopback only
+    for secret in (None, "", "guess", SECRET + "x"):
+        for path in ("/metrics", "/records?group=g0"):
+            assert channel_get(port, path, secret)[0] == 403, (secret, path)
+    status, body = channel_get(port, "/records", SECRET)
+    assert status == 400 and b"name the groups" in body  # no "every group's records"
+    status, body = channel_get(port, "/records?group=" + ",".join(f"x{i}" for i in range(300)), SECRET)
+    assert status == 400 and b"at most" in body
+    assert channel_get(port, "/records?group=" + "y" * 200, SECRET)[0] == 400
+    status, body = channel_get(port, "/records?group=g0", SECRET)
+    assert status == 200 and json.loads(body)["steps"][0]["rows"][0][0] == "g0"
+    from esamp.engines.vllm import channel
+
+    monkeypatch.delenv(es.CHANNEL_SECRET_ENV)  # without the secret in its environment: no channel
+    config = SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_index=0))
+    assert channel.start(FakeProcessor(0, {}), {"port": free_ports(1)}, config) is None
+    app = FakeVllm(1, port)
+    status, body = run(call(EsampMiddleware(app), app, "GET", "/esamp/metrics"))
+    assert status == 503 and es.CHANNEL_SECRET_ENV in json.loads(body)["error"]["message"]
+
+
 def test_config_and_the_routes_errors(ranks):
     port, _ = ranks
     app = FakeVllm(2, port)
@@ -149,8 +241,161 @@ def test_config_and_the_routes_errors(ranks):
     assert app.seen == []  # none of these reached vLLM
 
 
+# -- the API key --------------------------------------------------------------------------------
+
+GUARDED = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
+           ("POST", "/invocations"), ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/docs"),
+           ("GET", "/openapi.json"), ("GET", "/redoc"), ("GET", "/load"), ("GET", "/version"),
+           ("POST", "/pooling"), ("POST", "/score"), ("POST", "/rerank"), ("POST", "/v1/responses"),
+           ("POST", "/inference/v1/generate"), ("POST", "/scale_elastic_ep"), ("GET", "/esamp/records"),
+           ("GET", "/esamp/config"), ("GET", "/a-route-vllm-adds-one-day")]
+
+
+@pytest.mark.parametrize("method, path", GUARDED)
+def test_with_an_api_key_every_route_but_health_and_metrics_needs_it(ranks, method, path):
+    port, _ = ranks
+    app = FakeVllm(1, port, api_key=["k1", "k2"])
+    middleware = EsampMiddleware(app)
+    body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 2}).encode()
+    for headers in ([], [(b"authorization", b"Bearer wrong")], [(b"authorization", b"Basic k1")],
+                    [(b"authorization", b"k1")]):
+        status, data, got = run(call(middleware, app, method, path, body, headers=headers, query=b"group=g0",
+                                     full=True))
+        error = json.loads(data)["error"]
+        assert status == 401 and error["code"] == 401 and "--api-key" in error["message"], (path, headers)
+        assert got[b"www-authenticate"] == b"Bearer"
+    assert app.seen == []  # nothing reached vLLM
+    for key in (b"k1", b"k2"):
+        status, _ = run(call(middleware, app, method, path, body, headers=[(b"authorization", b"Bearer " + key)],
+                             query=b"group=g0"))
+        assert status != 401, path
+
+
+@pytest.mark.parametrize("path", sorted(OPEN))
+def test_health_checks_and_counters_stay_open(ranks, path):
+    port, _ = ranks
+    app = FakeVllm(1, port, api_key=["k1"])
+    status, _ = run(call(EsampMiddleware(app), app, "GET", path))
+    assert status == 200
+
+
+def test_cors_preflights_and_servers_without_a_key_pass(ranks, monkeypatch):
+    port, _ = ranks
+    app = FakeVllm(1, port, api_key=["k1"])
+    assert run(call(EsampMiddleware(app), app, "OPTIONS", "/v1/completions"))[0] == 200
+    open_app = FakeVllm(1, port)
+    assert run(call(EsampMiddleware(open_app), open_app, "GET", "/v1/models"))[0] == 200
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")  # vLLM's own fallback for --api-key
+    env_app = FakeVllm(1, port)
+    middleware = EsampMiddleware(env_app)
+    assert run(call(middleware, env_app, "GET", "/v1/models"))[0] == 401
+    assert run(call(middleware, env_app, "GET", "/v1/models", headers=[(b"authorization", b"Bearer from-env")]))[0] == 200
+
+
+def test_a_websocket_without_the_key_is_closed():
+    app = FakeVllm(1, None, api_key=["k1"])
+    sent = []
+
+    async def receive():
+        return {"type": "websocket.connect"}
+
+    async def send(message):
+        sent.append(message)
+
+    run(EsampMiddleware(app)({"type": "websocket", "path": "/v1/realtime", "headers": [], "app": app}, receive, send))
+    assert sent == [{"type": "websocket.close", "code": 1008, "reason": "API key required"}] and app.seen == []
+
+
+# -- groups: the server's, one per request; freed when the request ends --------------------------
+
+
 def completion(**fields) -> bytes:
     return json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 4, **fields}).encode()
+
+
+def xargs_of(body: bytes) -> dict:
+    return json.loads(body).get("vllm_xargs") or {}
+
+
+def test_each_steered_request_gets_an_unguessable_group_of_its_own(monkeypatch):
+    monkeypatch.setenv(es.SERVE_ENV, "1")
+    app = FakeVllm(1, 9)
+    middleware = EsampMiddleware(app)
+    groups = []
+    for _ in range(2):
+        status, _, headers = run(call(middleware, app, "POST", "/v1/completions", completion(n=2), full=True))
+        group = xargs_of(app.seen[-1][1])["esamp_group"]
+        assert status == 200 and headers[b"x-esamp-group"].decode() == group
+        groups.append(group)
+    assert groups[0] != groups[1] and all(len(g) >= 24 for g in groups)
+    assert len(es.ISSUED) == 0  # nothing kept once the requests ended
+    assert app.engine.calls == [("esamp_release", ([groups[0]],)), ("esamp_release", ([groups[1]],))]
+    # ESamp off: no group, nothing to free
+    status, _, headers = run(call(middleware, app, "POST", "/v1/completions",
+                                  completion(vllm_xargs={"esamp": "off"}), full=True))
+    assert status == 200 and b"x-esamp-group" not in headers and "esamp_group" not in xargs_of(app.seen[-1][1])
+    assert len(app.engine.calls) == 2
+
+
+@pytest.mark.parametrize("xargs, words", [
+    ({"esamp_group": "someone-elses"}, ["esamp_group", "set by the server", "X-Esamp-Group"]),
+    ({"esamp_sample": 1}, ["esamp_sample", "set by the server"]),
+    ({"esamp_seed": 3, "esamp_n": 2}, ["esamp_n, esamp_seed"]),
+    ({"esamp_temperature": 0.5, "esamp_group": "x"}, ["esamp_temperature"]),
+])
+def test_a_request_cannot_name_or_join_a_group(monkeypatch, xargs, words):
+    monkeypatch.setenv(es.SERVE_ENV, "1")
+    app = FakeVllm(1, 9)
+    for path in ("/v1/completions", "/invocations"):
+        status, body = run(call(EsampMiddleware(app), app, "POST", path, completion(vllm_xargs=xargs)))
+        error = json.loads(body)["error"]
+        assert status == 400 and error["param"] == "vllm_xargs", path
+        for word in words:
+            assert word in error["message"], error["message"]
+    assert app.seen == []
+
+
+def test_the_engine_side_refuses_what_the_middleware_did_not_see(monkeypatch):
+    """Routes the middleware does not rewrite (``/v1/responses``, ...) reach ``prepare`` directly:
+    a group it did not issue, and every key the engine sets, are refused there too."""
+    monkeypatch.setenv(es.SERVE_ENV, "1")
+
+    class Params(SimpleNamespace):  # like vLLM's SamplingParams, it takes a weak reference
+        pass
+
+    def params(**extra):
+        return Params(n=2, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, seed=None,
+                               repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, extra_args=extra)
+
+    for extra in ({"esamp_group": "victim"}, {"esamp_sample": 0}, {"esamp_temperature": 0.5, "esamp_group": "v"}):
+        with pytest.raises(ValueError, match="set by the server"):
+            es.prepare(params(**extra))
+    token = es.ISSUED.issue()  # what the middleware writes: the request's own id, one group per prompt
+    first, second = params(esamp_group=token), params(esamp_group=token)
+    es.prepare(first)
+    es.prepare(second)
+    assert (first.extra_args["esamp_group"], second.extra_args["esamp_group"]) == (token, token + ".1")
+    before = dict(first.extra_args)
+    es.prepare(first)  # the same params again: unchanged
+    assert first.extra_args == before
+    assert es.ISSUED.end(token) == [token, token + ".1"] and token not in es.ISSUED
+    with pytest.raises(ValueError):
+        es.prepare(params(esamp_group=token))  # ended: no longer a group anyone may name
+    fresh = params()
+    es.prepare(fresh)
+    assert len(fresh.extra_args["esamp_group"]) == 32  # a route without the middleware: a random group
+
+
+def test_several_prompts_are_several_groups_and_records_need_one(monkeypatch):
+    monkeypatch.setenv(es.SERVE_ENV, "1")
+    app = FakeVllm(1, 9)
+    middleware = EsampMiddleware(app)
+    status, _, headers = run(call(middleware, app, "POST", "/v1/completions", completion(prompt=["a", "b"]), full=True))
+    group = headers[b"x-esamp-group"].decode()
+    assert status == 200 and app.engine.calls == [("esamp_release", ([group, group + ".1"],))]
+    status, body = run(call(middleware, app, "POST", "/v1/completions",
+                            completion(prompt=["a", "b"], vllm_xargs={"esamp_records": "on"})))
+    assert status == 400 and json.loads(body)["error"]["param"] == "prompt"
 
 
 def rank_of(scope) -> str | None:
@@ -158,7 +403,7 @@ def rank_of(scope) -> str | None:
 
 
 def test_a_group_goes_to_one_rank_and_groups_spread_over_ranks(monkeypatch):
-    monkeypatch.setenv("ESAMP_SERVE", "1")
+    monkeypatch.setenv(es.SERVE_ENV, "1")
 
     async def scenario():
         hold = asyncio.Event()
@@ -166,33 +411,82 @@ def test_a_group_goes_to_one_rank_and_groups_spread_over_ranks(monkeypatch):
         middleware = EsampMiddleware(app)
         first = asyncio.create_task(call(middleware, app, "POST", "/v1/completions", completion(n=4)))
         second = asyncio.create_task(call(middleware, app, "POST", "/v1/completions", completion(n=4)))
-        same = asyncio.create_task(call(middleware, app, "POST", "/v1/chat/completions",
-                                        completion(n=2, vllm_xargs={"esamp_group": "mine"})))
-        again = asyncio.create_task(call(middleware, app, "POST", "/v1/chat/completions",
-                                         completion(vllm_xargs={"esamp_group": "mine"})))
+        chat = asyncio.create_task(call(middleware, app, "POST", "/v1/chat/completions", json.dumps(
+            {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 2}).encode()))
         own = asyncio.create_task(call(middleware, app, "POST", "/v1/completions", completion(n=4),
                                        headers=[(b"X-Data-Parallel-Rank", b"1")]))
         off = asyncio.create_task(call(middleware, app, "POST", "/v1/completions",
                                        completion(n=4, vllm_xargs={"esamp": "off"})))
-        while len(app.seen) < 6:
+        while len(app.seen) < 5:
             await asyncio.sleep(0.01)
-        assert sum(middleware.load.values()) == 4 + 4 + 2 + 1 and min(middleware.load.values()) >= 4
+        assert sum(middleware.load.values()) == 4 + 4 + 2 and min(middleware.load.values()) >= 4
         hold.set()
-        await asyncio.gather(first, second, same, again, own, off)
+        await asyncio.gather(first, second, chat, own, off)
         return app.seen, middleware
 
     seen, middleware = run(scenario())
     ranks = [rank_of(scope) for scope, _ in seen]
     assert {ranks[0], ranks[1]} == {"0", "1"}  # two groups in flight: one on each rank
-    assert ranks[2] == ranks[3]  # the same esamp_group: the same rank
-    assert sum(1 for s, _ in seen if any(k.lower() == b"x-data-parallel-rank" for k, _ in s["headers"])) == 5
-    assert ranks[5] is None  # ESamp off: vLLM places it
-    assert seen[0][1] == completion(n=4)  # vLLM gets the body as sent
-    assert middleware.load == {0: 0, 1: 0} and middleware.groups == {}  # all returned
+    assert sum(1 for s, _ in seen if any(k.lower() == b"x-data-parallel-rank" for k, _ in s["headers"])) == 4
+    assert ranks[4] is None  # ESamp off: vLLM places it
+    sent = json.loads(seen[0][1])
+    assert {k: v for k, v in sent.items() if k != "vllm_xargs"} == json.loads(completion(n=4))  # as sent ...
+    assert list(sent["vllm_xargs"]) == ["esamp_group"]  # ... plus the server's group id
+    assert middleware.load == {0: 0, 1: 0}  # all returned
+
+
+# -- what is refused before vLLM sees it --------------------------------------------------------
+
+
+@pytest.mark.parametrize("fields, param, words", [
+    (dict(n="1000"), "n", ["n=1000", "64"]),  # a number as a string: what vLLM will read
+    (dict(presence_penalty="0.5"), "presence_penalty", ["penalties"]),
+    (dict(n=True), "n", ["n=true", "not true/false"]),
+    (dict(temperature=False), "temperature", ["temperature=false"]),
+    (dict(seed=True), "seed", ["seed=true"]),
+    (dict(vllm_xargs={"esamp_beta": True}), "vllm_xargs", ["esamp_beta=true"]),
+    (dict(vllm_xargs={"esamp_beta": "11"}), "vllm_xargs", ["esamp_beta=", "<= 10"]),
+    (dict(prompt="caf\udce9"), "prompt", ["prompt: character 4", "surrogate", "\\udce9"]),
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_refused_before_any_stream_opens(monkeypatch, fields, param, words, stream):
+    monkeypatch.setenv(es.SERVE_ENV, "1")
+    app = FakeVllm(1, 9)
+    status, body = run(call(EsampMiddleware(app), app, "POST", "/v1/completions",
+                            json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 4, "stream": stream,
+                                        **fields}).encode()))
+    error = json.loads(body)["error"]
+    assert status == 400 and error["param"] == param, error
+    for word in words:
+        assert word in error["message"], error["message"]
+    assert app.seen == []
+
+
+def test_seed_minus_one_is_no_seed_as_in_vllm(monkeypatch):
+    monkeypatch.setenv(es.SERVE_ENV, "1")
+    app = FakeVllm(1, 9)
+    middleware = EsampMiddleware(app)
+    for seed in (-1, -7, 0, 2**40):
+        assert run(call(middleware, app, "POST", "/v1/completions", completion(seed=seed, n=2)))[0] == 200, seed
+
+
+def test_text_a_tokenizer_cannot_read_is_refused_on_tokenize_and_chat(monkeypatch):
+    monkeypatch.setenv(es.SERVE_ENV, "1")
+    app = FakeVllm(1, 9)
+    middleware = EsampMiddleware(app)
+    status, body = run(call(middleware, app, "POST", "/tokenize", json.dumps(
+        {"model": "tiny", "prompt": "a\ud800b"}).encode()))
+    assert status == 400 and "character 2" in json.loads(body)["error"]["message"]
+    status, body = run(call(middleware, app, "POST", "/v1/chat/completions", json.dumps(
+        {"model": "tiny", "messages": [{"role": "user", "content": "\udfff"}]}).encode()))
+    error = json.loads(body)["error"]
+    assert status == 400 and error["param"] == "messages" and "messages[0].content" in error["message"]
+    assert app.seen == []
+    assert run(call(middleware, app, "POST", "/tokenize", json.dumps({"prompt": "caf\u00e9 \U0001f600"}).encode()))[0] == 200
 
 
 def test_one_rank_needs_no_pinning_and_refusals_never_reach_vllm(monkeypatch):
-    monkeypatch.setenv("ESAMP_SERVE", "1")
+    monkeypatch.setenv(es.SERVE_ENV, "1")
     app = FakeVllm(1, 9)
     middleware = EsampMiddleware(app)
     assert run(call(middleware, app, "POST", "/v1/completions", completion(n=4)))[0] == 200
@@ -208,3 +502,73 @@ def test_one_rank_needs_no_pinning_and_refusals_never_reach_vllm(monkeypatch):
     refused = completion(stream=True, repetition_penalty=1.2)  # not sent as JSON: vLLM's own answer (415)
     assert run(call(middleware, app, "POST", "/v1/completions", refused, json_body=False))[0] == 200
     assert app.seen[-1][1] == refused
+
+
+# -- the server stopping ------------------------------------------------------------------------
+
+
+def test_when_the_server_stops_every_open_response_ends_with_an_error(monkeypatch):
+    monkeypatch.setattr("esamp.serving.middleware.WATCH_INTERVAL", 0.02)
+    monkeypatch.setenv(es.SERVE_ENV, "1")
+
+    async def scenario():
+        server = SimpleNamespace(should_exit=False, force_exit=False)
+        app = FakeVllm(1, 9, hold=asyncio.Event(), server=server)  # vLLM never answers: its engine is gone
+        middleware = EsampMiddleware(app)
+        stream = asyncio.create_task(call(middleware, app, "POST", "/v1/completions",
+                                          completion(stream=True, n=2), full=True))
+        whole = asyncio.create_task(call(middleware, app, "POST", "/v1/completions", completion(n=2)))
+        while len(app.seen) < 2:
+            await asyncio.sleep(0.01)
+        server.should_exit = True  # what vLLM's SIGTERM handler sets once it has stopped its engine
+        return await asyncio.wait_for(asyncio.gather(stream, whole), 5), app
+
+    (streamed, whole), app = run(scenario())
+    status, body, headers = streamed
+    assert status == 200 and headers[b"x-esamp-group"]
+    events = [line[6:] for line in body.decode().split("\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and "shutting down" in json.loads(events[-2])["error"]["message"]
+    assert whole[0] == 503 and "send it again" in json.loads(whole[1])["error"]["message"]
+    released = [g for method, (groups,) in app.engine.calls for g in groups]
+    assert len(es.ISSUED) == 0 and len(released) == 2 and headers[b"x-esamp-group"].decode() in released
+
+
+def test_a_dead_engine_ends_open_streams_too(monkeypatch):
+    monkeypatch.setattr("esamp.serving.middleware.WATCH_INTERVAL", 0.02)
+
+    async def scenario():
+        app = FakeVllm(1, 9, hold=asyncio.Event(), server=SimpleNamespace(should_exit=False))
+        middleware = EsampMiddleware(app)
+        task = asyncio.create_task(call(middleware, app, "POST", "/v1/completions", completion(stream=True)))
+        while not app.seen:
+            await asyncio.sleep(0.01)
+        app.engine.errored = True
+        return await asyncio.wait_for(task, 5)
+
+    status, body = run(scenario())
+    assert status == 200 and b"the engine stopped" in body and body.endswith(b"data: [DONE]\n\n")
+
+
+def test_other_generating_routes_get_server_groups_too(monkeypatch):
+    """``/v1/responses``, ``/v1/messages``, ``/v1/chat/completions/batch``: vLLM checks their bodies,
+    but each request still gets its group id (one group per conversation of a batch), a named
+    group is refused, and the slots are freed when the request ends."""
+    monkeypatch.setenv(es.SERVE_ENV, "1")
+    app = FakeVllm(1, 9)
+    middleware = EsampMiddleware(app)
+    status, _, headers = run(call(middleware, app, "POST", "/v1/responses",
+                                  json.dumps({"model": "tiny", "input": "hi"}).encode(), full=True))
+    group = headers[b"x-esamp-group"].decode()
+    assert status == 200 and xargs_of(app.seen[-1][1]) == {"esamp_group": group}
+    status, _, headers = run(call(middleware, app, "POST", "/v1/chat/completions/batch", json.dumps(
+        {"model": "tiny", "messages": [[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]]}).encode(),
+        full=True))
+    assert status == 200 and headers[b"x-esamp-group"]
+    for path in ("/v1/responses", "/v1/messages", "/v1/chat/completions/batch"):
+        status, body = run(call(middleware, app, "POST", path, json.dumps(
+            {"model": "tiny", "input": "hi", "vllm_xargs": {"esamp_group": group}}).encode()))
+        assert status == 400 and "set by the server" in json.loads(body)["error"]["message"], path
+    status, _, headers = run(call(middleware, app, "POST", "/v1/messages", json.dumps(
+        {"model": "tiny", "messages": [], "vllm_xargs": {"esamp": "off"}}).encode(), full=True))
+    assert status == 200 and b"x-esamp-group" not in headers
+    assert len(es.ISSUED) == 0

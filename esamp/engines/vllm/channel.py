@@ -1,33 +1,49 @@
 """A served engine's side channel: each rank's ESamp counters and novelty records over HTTP.
 
 Under ``esamp serve`` every engine core (one per data-parallel rank) runs this small HTTP server
-on ``host:port + rank`` in a thread of its own, beside vLLM's engine loop. It answers
+on ``127.0.0.1:port + rank`` in a thread of its own, beside vLLM's engine loop. It answers
 
 - ``GET /metrics``: the rank's counters in the Prometheus text format (what vLLM's own
   ``/metrics`` speaks), every sample labelled with ``rank``;
 - ``GET /records?group=G[,G...]``: the finished step records (per-token Distiller errors, losses)
   of those groups, taken: a record is handed out once. Records of other groups, and other ranks'
-  records, are not touched. ``GET /records`` takes every group's.
+  records, are not touched. A read names its groups: there is no "every group".
+
+Only the API server may ask: the channel listens on the loopback interface, and every request must
+carry the per-launch secret that ``esamp serve`` puts in the environment of the whole server
+(``ESAMP_CHANNEL_SECRET``; never on a command line, which any user of the machine can read) in
+the ``X-Esamp-Channel-Secret`` header. Without the secret in its environment the channel does not
+start (``/esamp/...`` then answers 503 saying so).
 
 Why a channel per rank: vLLM's ``collective_rpc`` answers for one data-parallel rank only, so the
 worker extension cannot gather every rank's counters or records. The API server
 (``esamp.serving``) reads each rank's channel and shows them together.
 
 The thread sleeps in ``select`` until a request comes, so an idle channel costs the engine
-nothing; a request reads the processor's counters and its lock-protected record store.
+nothing; a request reads the engine's ESamp counters and its lock-protected record store
+(``EngineSteering.metrics`` and ``drain``).
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
+import os
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
 
+from esamp.engines.vllm.settings import CHANNEL_SECRET_ENV
+
 log = logging.getLogger(__name__)
 
-# Counter name in the processor → (Prometheus name, type, help). Written once: the API server's
+HOST = "127.0.0.1"  # the channels answer only on this machine; the API server reads them
+SECRET_HEADER = "X-Esamp-Channel-Secret"
+MAX_GROUPS = 256  # groups one read may name
+MAX_GROUP_KEY = 128  # characters of one group key (the server's own ids are 26)
+
+# Counter name in the engine's metrics → (Prometheus name, type, help). Written once: the API server's
 # aggregate uses these names too.
 METRICS = {
     "port_hits": ("esamp_rows_steered_total", "counter", "Rows the Distiller steered (tapped rows delivered)"),
@@ -57,19 +73,29 @@ def prometheus(counters: dict, rank: int) -> str:
 
 
 class Channel:
-    def __init__(self, processor, host: str, port: int, rank: int) -> None:
+    def __init__(self, steering, host: str, port: int, rank: int, secret: str) -> None:
+        if not secret:
+            raise ValueError("a side channel needs a secret")
         self.rank = rank
         channel = self
+        expected = secret.encode()
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802 (the http.server interface)
+                given = (self.headers.get(SECRET_HEADER) or "").encode()
+                if not hmac.compare_digest(given, expected):
+                    self._send(403, json.dumps({"error": "this channel answers only its own API server"}),
+                               "application/json")
+                    return
                 url = urlparse(self.path)
                 if url.path == "/metrics":
-                    self._send(200, prometheus(processor.metrics(), channel.rank), "text/plain; version=0.0.4")
+                    self._send(200, prometheus(steering.metrics(), channel.rank), "text/plain; version=0.0.4")
                 elif url.path == "/records":
-                    wanted = parse_qs(url.query).get("group")
-                    groups = {g for value in wanted for g in value.split(",") if g} if wanted else None
-                    out = processor.drain((), groups)
+                    groups = read_groups(parse_qs(url.query).get("group"))
+                    if isinstance(groups, str):
+                        self._send(400, json.dumps({"error": groups}), "application/json")
+                        return
+                    out = steering.drain((), groups)
                     self._send(200, json.dumps({"rank": channel.rank, "steps": out["steps"],
                                                 "pending": out["pending"]}), "application/json")
                 else:
@@ -98,8 +124,22 @@ class Channel:
         self.server.server_close()
 
 
-def start(processor, settings: dict, vllm_config) -> Channel | None:
-    """The channel of this engine core, when ``esamp serve`` asked for one (``settings["port"]``)."""
+def read_groups(values: list[str] | None) -> set[str] | str:
+    """The groups a read names (``group=G[,G...]``, repeatable), or what is wrong with them."""
+    groups = {g for value in values or () for g in value.split(",") if g}
+    if not groups:
+        return "name the groups whose records you take: /records?group=G[,G...]"
+    if len(groups) > MAX_GROUPS:
+        return f"{len(groups)} groups in one read: at most {MAX_GROUPS}"
+    if any(len(g) > MAX_GROUP_KEY for g in groups):
+        return f"a group key longer than {MAX_GROUP_KEY} characters is not one of this server's"
+    return groups
+
+
+def start(steering, settings: dict, vllm_config) -> Channel | None:
+    """The channel of this engine core (``steering``: its ``EngineSteering``, or anything with its
+    ``metrics()`` and ``drain(release, groups)``), when ``esamp serve`` asked for one
+    (``settings["port"]``)."""
     port = settings.get("port")
     if not port:
         return None
@@ -107,8 +147,13 @@ def start(processor, settings: dict, vllm_config) -> Channel | None:
     # data_parallel_index (vLLM 0.20 v1/engine/core.py); older configs only have the rank.
     parallel = vllm_config.parallel_config
     rank = int(getattr(parallel, "data_parallel_index", None) or getattr(parallel, "data_parallel_rank", 0) or 0)
+    secret = os.environ.get(CHANNEL_SECRET_ENV)
+    if not secret:
+        log.warning("ESamp side channel of rank %d not started: %s is not set (esamp serve sets it; with a "
+                    "vllm serve line of your own, set it to a random value)", rank, CHANNEL_SECRET_ENV)
+        return None
     try:
-        return Channel(processor, settings.get("host", "127.0.0.1"), int(port) + rank, rank)
+        return Channel(steering, settings.get("host", HOST), int(port) + rank, rank, secret)
     except OSError as exc:  # taken (another worker of this rank serves it), or not allowed
         log.warning("ESamp side channel of rank %d not started on port %s: %s", rank, int(port) + rank, exc)
         return None

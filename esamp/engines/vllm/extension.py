@@ -25,6 +25,15 @@ class EsampWorkerExtension:
         out["active"] = steering.bank is not None
         return out
 
+    def esamp_release(self, groups: list[str]) -> int:
+        """Free the Distiller slots of ``groups`` (their requests have ended): the API server's
+        middleware calls it when a served request ends. Run between engine steps, as every
+        ``collective_rpc``; on every data-parallel rank (a group not on this rank is no-op)."""
+        steering = self._esamp_exchange().steering
+        if steering is None:
+            return 0
+        return sum(steering.release(group) for group in groups)
+
     def esamp_info(self) -> dict:
         """What is running: model class, taps, model runner, bank size (for canaries and the UI)."""
         exchange = self._esamp_exchange()

@@ -21,13 +21,24 @@ is refused with a ``ValueError`` that vLLM answers as a 400.
 Which requests ``prepare`` steers: those carrying ESamp keys (not ``esamp=off``), and, in a
 server started by ``esamp serve`` (``SERVE_ENV`` set), every other request too, with the server's
 defaults.
+
+In a server, group identity is the server's, never a client's (docs/serving.md, "Groups"): a client
+may send only the steering keys and ``esamp_records``. The API server's middleware issues each
+request an unguessable group id (``ISSUED``) and writes it into the request; ``prepare`` accepts a
+group only if it was issued in this process, and refuses every key the engine sets (the filters,
+``esamp_sample``, ``esamp_seed``, ``esamp_n``) unless ``prepare`` itself wrote them on these very
+params. A route the middleware does not rewrite (``/v1/responses``, ...) gets a fresh random group
+per prompt. So no request can join, train or read another request's group.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
+import threading
 import uuid
+import weakref
 from typing import Any
 
 from esamp.core import payload as pl
@@ -38,6 +49,9 @@ from esamp.errors import ConfigError, EsampError
 KEY = "esamp"  # additional_config["esamp"]: EsampConfig
 SERVER_KEY = "esamp_server"  # additional_config["esamp_server"]: what ``esamp serve`` adds
 SERVE_ENV = "ESAMP_SERVE"  # set by ``esamp serve``: ordinary requests are steered too
+CHANNEL_SECRET_ENV = "ESAMP_CHANNEL_SECRET"  # set by ``esamp serve``: the side channels' per-launch secret
+CLIENT_KEYS = frozenset(pl.USER_KEYS)  # what a served request may put in vllm_xargs; the rest is the server's
+GROUP_ID_BYTES = 16  # random bytes in a server-issued group id (128 bits: not guessable)
 
 # base architecture → the ESamp subclass registered for it
 ARCHITECTURES = {
@@ -104,20 +118,93 @@ def _filters_of(params) -> Filters:
                        top_k=top_k if top_k > 0 else 0, min_p=float(params.min_p or 0.0))
 
 
+class IssuedGroups:
+    """Group ids the API server's middleware issued to the requests it is serving (this process).
+
+    ``issue`` makes a request's id; ``take`` is ``prepare`` claiming it for one prompt of that
+    request (a request with several prompts gets ``ID``, ``ID.1``, ``ID.2``, ...: one group per
+    prompt); ``end`` forgets the request and returns the groups it became, for their Distiller
+    slots to be freed. Only requests in flight are held: nothing outlives its request.
+    ``prepare`` runs on vLLM's renderer threads, hence the lock.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._groups: dict[str, list[str]] = {}
+
+    def issue(self) -> str:
+        token = "eg-" + secrets.token_urlsafe(GROUP_ID_BYTES)
+        with self._lock:
+            self._groups[token] = []
+        return token
+
+    def take(self, token: str) -> str | None:
+        """The group for the next prompt of the request ``token``; None when ``token`` was not issued
+        here or has ended."""
+        with self._lock:
+            groups = self._groups.get(token)
+            if groups is None:
+                return None
+            group = token if not groups else f"{token}.{len(groups)}"
+            groups.append(group)
+            return group
+
+    def end(self, token: str) -> list[str]:
+        with self._lock:
+            return self._groups.pop(token, [])
+
+    def __contains__(self, token: object) -> bool:
+        return token in self._groups
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+
+ISSUED = IssuedGroups()
+# The params ``prepare`` made ESamp requests of, by id (weakly: nothing is kept once vLLM drops them).
+_PREPARED: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+
+
+def refuse_server_keys(extra) -> None:
+    """In a server: a ``ValueError`` for any key only the server may set (see the module docstring)."""
+    engine_keys = sorted(k for k in extra if isinstance(k, str) and k in pl.KNOWN and k not in CLIENT_KEYS
+                         and k != pl.ROUTE_KEYS["group"])
+    if engine_keys:
+        raise ValueError(f"vllm_xargs {', '.join(engine_keys)}: set by the server, not by a request; send the "
+                         "request's own fields (temperature, top_p, top_k, min_p, seed, n) instead, and in "
+                         "vllm_xargs only " + ", ".join(sorted(CLIENT_KEYS)))
+    if pl.ROUTE_KEYS["group"] in extra:
+        raise ValueError(f"vllm_xargs {pl.ROUTE_KEYS['group']}: set by the server, not by a request (each request "
+                         "is its own group); leave it out and read the group's id from the response's "
+                         "X-Esamp-Group header")
+
+
 def prepare(params) -> None:
     """Make ``params`` (a vLLM ``SamplingParams``) an ESamp request, or leave it alone. See the
     module docstring. Idempotent: a prepared request passes through unchanged."""
+    if _PREPARED.get(id(params)) is params:
+        return  # prepared already (vLLM may validate a request more than once)
     extra = params.extra_args or {}
     try:
         payload = pl.decode(extra)
     except EsampError as exc:
         raise ValueError(f"{exc.message} ({exc.hint})") from None
-    if payload is None and not os.environ.get(SERVE_ENV):
+    served = bool(os.environ.get(SERVE_ENV))
+    group = None
+    if served:
+        token = extra.get(pl.ROUTE_KEYS["group"])
+        if isinstance(token, str) and token in ISSUED:
+            extra = {k: v for k, v in extra.items() if k != pl.ROUTE_KEYS["group"]}
+            payload = pl.decode(extra)
+            group = token  # claimed below, once the request is known to be steered
+        refuse_server_keys(extra)
+    if payload is None and not served:
         return
     if payload is not None and payload.enabled is False:
+        params.extra_args = extra or None
         return
     if payload is not None and payload.filters is not None:
-        return  # prepared already (vLLM may validate a request more than once)
+        return  # prepared by the caller (the library engine does not, but may)
     if (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
             or params.frequency_penalty != 0.0):
         raise ValueError("ESamp cannot steer a request with repetition, presence or frequency "
@@ -132,10 +219,20 @@ def prepare(params) -> None:
         filters = _filters_of(params)
     except EsampError as exc:
         raise ValueError(f"{exc.message} ({exc.hint})") from None
-    moved = pl.encode(filters=filters, n=n,
-                      group=payload.group if payload and payload.group else uuid.uuid4().hex,
-                      seed=params.seed if params.seed is not None and not (payload and payload.sample is not None)
+    if group is not None:
+        group = ISSUED.take(group)
+    if group is None:
+        group = payload.group if payload and payload.group else uuid.uuid4().hex
+    # The base seed names the samples (child i has seed + i). vLLM takes any integer as a seed (and
+    # -1 as none); a negative one is not a sample name, so those samples are numbered as they arrive.
+    seed = params.seed
+    moved = pl.encode(filters=filters, n=n, group=group,
+                      seed=seed if seed is not None and seed >= 0 and not (payload and payload.sample is not None)
                       else None)
     params.extra_args = {**extra, **moved}
     for name, value in neutral_filters(filters.temperature).items():
         setattr(params, name, value)
+    try:
+        _PREPARED[id(params)] = params
+    except TypeError:  # params that take no weak reference: prepared twice is then refused in a server
+        pass
