@@ -39,7 +39,7 @@ def make_steering(vllm_config, device: torch.device, cls: type[EngineSteering] =
         es.engine_config(vllm_config), hidden=int(vllm_config.model_config.get_hidden_size()),
         vocab=int(vllm_config.model_config.get_vocab_size()),
         max_rows=int(vllm_config.scheduler_config.max_num_seqs), device=device,
-        record_all=not server.get("records_requested", False))
+        record_all=not server.get("records_requested", False), retain_seconds=server.get("records_retain_s"))
     if steering.config is not None:
         from esamp.engines.vllm import channel
 

@@ -8,7 +8,9 @@ never stalls the GPU. Python tuples are built when records are read, not on the 
 
 Records are kept until a reader takes them: the library engine drains every record; a server
 keeps them only for groups that asked (``esamp_records``) and drops what nobody read some time
-after its group ended (``RETAIN_SECONDS``), counting what it dropped. Readers may take the
+after its group ended (``RETAIN_SECONDS`` unless the server sets ``records_retain_s``), counting
+what it dropped, whether or not anyone reads: the engine checks every second while it steps, and
+every metrics scrape checks too. Readers may take the
 records of some groups only: taking one group's leaves every other group's in place.
 """
 
@@ -39,8 +41,9 @@ class _Step:
 
 
 class RecordStore:
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, retain_seconds: float = RETAIN_SECONDS) -> None:
         self.device = device
+        self.retain_seconds = retain_seconds
         self._in_flight: collections.deque[_Step] = collections.deque()
         self._ready: list[dict] = []  # step records, oldest first
         self._lock = threading.Lock()  # a server's side channel reads from another thread
@@ -124,14 +127,14 @@ class RecordStore:
             return out, pending
 
     def expire(self, live: set[str], now: float | None = None) -> None:
-        """Drop records of groups no longer ``live`` that nobody read for ``RETAIN_SECONDS``."""
+        """Drop records of groups no longer ``live`` that nobody read for ``retain_seconds``."""
         now = time.monotonic() if now is None else now
         with self._lock:
-            if not self._ready or now - self._ready[0]["time"] < RETAIN_SECONDS:
+            if not self._ready or now - self._ready[0]["time"] < self.retain_seconds:
                 return
             keep = []
             for rec in self._ready:
-                old = now - rec["time"] >= RETAIN_SECONDS
+                old = now - rec["time"] >= self.retain_seconds
                 rows = [r for r in rec["rows"] if not old or r[0] in live]
                 self.dropped += len(rec["rows"]) - len(rows)
                 loss = {g: v for g, v in rec["loss"].items() if not old or g in live}

@@ -32,6 +32,10 @@ from esamp.engines.vllm.rows import Groups, RequestRow
 DISTILL_GRAPHS = 64  # captured Distiller shapes kept (every bucketed shape of a 256-row batch is 39)
 APPLY_GRAPHS = 4  # captured filter-and-mix steps kept
 EXPIRE_EVERY = 1.0  # seconds between checks for records nobody read
+# Counters operators read (``metrics``), all present from the start: a reader on another thread
+# copies the dict while the engine counts, which is safe only while it never grows.
+COUNTERS = ("port_hits", "train_steps", "replay_steps", "plan_builds", "taps_missing", "bank_full",
+            "slots_evicted", "slots_released", "slots_freed", "graphs_prepared", "prepare_ms")
 
 
 @dataclass
@@ -92,13 +96,13 @@ class EngineSteering:
     requests are filtered but never steered)."""
 
     def __init__(self, config: EsampConfig | None, *, hidden: int, vocab: int, max_rows: int,
-                 device: torch.device, record_all: bool = True) -> None:
+                 device: torch.device, record_all: bool = True, retain_seconds: float | None = None) -> None:
         self.config, self.hidden, self.vocab = config, hidden, vocab
         self.device = torch.device(device)
         self.max_rows = max_rows
         self.record_all = record_all
         self.step_no = 0
-        self.counters: collections.Counter = collections.Counter()
+        self.counters: collections.Counter = collections.Counter(dict.fromkeys(COUNTERS, 0))
         self.host_seconds = self.replay_seconds = self.plan_seconds = 0.0
         graphs = self.device.type == "cuda" and os.environ.get("ESAMP_CUDA_GRAPHS", "1") != "0"
         bank = None
@@ -116,7 +120,7 @@ class EngineSteering:
             max_rows, units=bucket(min(config.slots if config else 1, max_rows)),
             width=bucket(min(n_max, max_rows)), device=self.device, scratch=bank.scratch if bank else 0)
         self.groups = Groups(bank)
-        self.records = RecordStore(self.device)
+        self.records = RecordStore(self.device) if retain_seconds is None else RecordStore(self.device, retain_seconds)
         self._taps: torch.Tensor | None = None  # [max_rows + 1, A·H] tapped rows (last row zero)
         self._prepared = False
         self._last_expire = time.monotonic()
@@ -286,6 +290,7 @@ class EngineSteering:
         """Counters for operators (``esamp.serving`` exposes them in the Prometheus format)."""
         graphs, bank = self.steerer.graphs, self.bank
         self.records.collect()
+        self.records.expire(self.groups.live)  # also when the engine is idle and nobody reads
         return dict(self.counters, steps=self.step_no, loss=self.records.loss,
                     slots=bank.capacity if bank else 0, slots_free=bank.free_slots if bank else 0,
                     slots_in_use=len(bank.groups) if bank else 0,
