@@ -15,11 +15,16 @@ both runners steer with the same code. What differs is only how rows are known:
   argmax-invariant ones too, ESamp being non-invariant); either way vLLM was handed neutral
   filters by ``settings.prepare`` and ESamp filters with the request's own inside ``apply``.
 
-Until the model learns the row order before ``compute_logits`` (the per-step exchange the vLLM
-seam is being restructured around), the taps of a step are used when that step's row order
-equals the one the model planned with, which is the previous step's: steady decoding. A step
-whose order changed is filtered exactly but not steered (counted as ``stash_miss``), never
-steered with another row's taps.
+What this draft does not do yet: steer. MRV2 calls the model's ``compute_logits`` before it
+tells any processor the step's row order, and the model consumes the taps there (it asks the
+processor's ``plan`` which rows to tap and runs the Distiller step, training included). With the
+previous step's order the Distiller would train on another request's rows whenever the batch
+changed, so ``plan`` answers None here: the model runs its plain head, and ``apply`` filters every
+ESamp row exactly with its own filters (counted as ``stash_miss`` for steered rows). Steering
+needs the per-step exchange the vLLM seam is being restructured around: the model leaves the
+step's tapped rows there, and ``apply``, which has the order, runs the Distiller step and the head
+on ŷ before the mix (or the model learns the order before the forward from MRV2's model-state
+hook, ``get_model_state_cls().prepare_inputs(input_batch)``).
 """
 
 from __future__ import annotations
@@ -92,7 +97,7 @@ if LogitsProcessor is not None:
         # -- what the model and the worker extension call (the V1 adapter's, on our rows) ------
 
         def plan(self, rows: int):
-            return self.core.plan(rows)
+            return None  # the row order is not known before apply (module docstring)
 
         def distill(self, *args, **kwargs):
             return self.core.distill(*args, **kwargs)
