@@ -67,11 +67,12 @@ class RowLayout:
     @classmethod
     def from_slots(cls, slots: list[int], trains: list[bool] | None = None, *, units: int | None = None,
                    width: int | None = None, scratch: int = -1, zero_row: int | None = None,
-                   device: torch.device | str = "cpu") -> "RowLayout":
+                   sources: list[int] | None = None, device: torch.device | str = "cpu") -> "RowLayout":
         """The layout of rows whose slots are ``slots`` (host ints, in row order); ``trains``
         (default: every row) says which rows the optimizer step learns from. ``units`` and
         ``width`` pad the block (``scratch``: the bank's scratch slot); ``zero_row`` defaults to
-        the row after the last (the step appends a zero row)."""
+        the row after the last (the step appends a zero row). ``sources``: where each row is in
+        the input the step reads (default: row i is input row i)."""
         order: dict[int, int] = {}
         cells: list[list[int]] = []
         for row, s in enumerate(slots):
@@ -93,7 +94,7 @@ class RowLayout:
         cell = [0] * len(slots)
         for u, rows in enumerate(cells):
             for w, row in enumerate(rows):
-                gather[u * W + w] = row
+                gather[u * W + w] = row if sources is None else sources[row]
                 weight[u * W + w] = 1.0 if trains[row] else 0.0
                 cell[row] = u * W + w
         training = tuple(u for u, rows in enumerate(cells) if any(trains[r] for r in rows))

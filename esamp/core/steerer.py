@@ -142,8 +142,9 @@ class StepPlan:
               index: Sequence[int] | None = None, buffers: PlanBuffers | None = None) -> "StepPlan":
         """The plan of ``rows``, the first ``steered`` of them (default: all) steered and the rest
         only filtered (their (a, b) = (1, 0) whatever their steering says); ``index``: each row's
-        logits row in the engine's batch. With ``buffers`` the block is padded to bucketed sizes
-        and every tensor is a view of them."""
+        logits row in the engine's batch. With ``buffers`` the block is padded to bucketed sizes,
+        every tensor is a view of them, and the Distiller step reads each steered row's taps at
+        its logits row (the engine keeps every row's taps in logits order)."""
         device = torch.device(device)
         n = len(rows)
         s = n if steered is None else steered
@@ -171,7 +172,7 @@ class StepPlan:
             U, W = RowLayout.from_slots(slots, trains).shape
             U, W = min(bucket(U), buffers.units), min(bucket(W), buffers.width)
             host = RowLayout.from_slots(slots, trains, units=U, width=W, scratch=buffers.scratch,
-                                        zero_row=buffers.rows)
+                                        zero_row=buffers.rows, sources=None if index is None else list(index[:s]))
             longs.update(units=host.units.tolist(), gather=host.gather.tolist(),
                          cell=host.cell.tolist() + [0] * (U * W - s))
             values["weight"] = host.weight.tolist()
@@ -236,9 +237,9 @@ class Steerer:
 
         ``normalize(x, y) -> (x, y)``, when given, turns the engine's raw taps into the Distiller's
         inputs inside the step; ``out_dtype`` casts ŷ inside it (e.g. to the LM head's dtype). For
-        a plan on ``PlanBuffers``, ``x`` and ``y`` are the engine's fixed tap buffers (the row
-        after the last one zero) and ŷ, e have a row per block cell, the plan's rows first; the
-        step runs as a CUDA graph per plan shape, reading its inputs where they are.
+        a plan on ``PlanBuffers``, ``x`` and ``y`` are the engine's fixed tap buffers (every logits
+        row's taps, the buffer's last row zero) and ŷ, e have a row per block cell, the plan's rows
+        first; the step runs as a CUDA graph per plan shape, reading its inputs where they are.
         """
         def step(gx, gy):
             prediction, errors, losses = self.bank.step(gx, gy, plan.layout, normalize)

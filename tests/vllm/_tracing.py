@@ -19,10 +19,10 @@ class TracingSteering(EngineSteering):
     traces: list[dict] = []  # every steered step, oldest first (tests clear it)
     _trace: dict | None = None
 
-    def distill(self, plan, aux, source, target, normalize, head_dtype):
-        handoff = super().distill(plan, aux, source, target, normalize, head_dtype)
+    def distill(self, plan, source, target, normalize, head_dtype):
+        handoff = super().distill(plan, source, target, normalize, head_dtype)
         s, H = plan.steered, self.hidden
-        taps = aux if plan.tap_index is None else aux.index_select(0, plan.tap_index)
+        taps = self._taps.index_select(0, plan.step.index[:s])
         x, y = taps[:, source * H:(source + 1) * H], taps[:, target * H:(target + 1) * H]
         if normalize is not None:
             x, y = normalize(x, y)

@@ -95,7 +95,7 @@ def test_v1_loader_loads_the_entry_point_and_builds_the_v1_adapter():
         assert _load_custom_logitsprocs([es.PROCESSOR]) == [EsampLogitsProcessor] * 2  # also by name
     config = SimpleNamespace(model_config=SimpleNamespace(get_vocab_size=lambda: 32, get_hidden_size=lambda: 8,
                                                           logits_processors=None),
-                             additional_config={})
+                             scheduler_config=SimpleNamespace(max_num_seqs=4), additional_config={})
     built = loaded[0](config, torch.device("cpu"), False)  # as build_logitsprocs calls it
     assert type(built) is V1Adapter and not built.is_argmax_invariant()
 
@@ -119,7 +119,7 @@ def test_mrv2_loader_accepts_the_entry_point_and_builds_the_mrv2_adapter():
     assert params.top_p == 1.0 and params.extra_args["esamp_group"]
     config = SimpleNamespace(model_config=SimpleNamespace(get_vocab_size=lambda: 32, get_hidden_size=lambda: 8,
                                                           logits_processors=None),
-                             additional_config={})
+                             scheduler_config=SimpleNamespace(max_num_seqs=4), additional_config={})
     built = EsampLogitsProcessor(config, _rstate())  # as build_custom_logits_processors calls it
     assert type(built) is EsampMrv2LogitsProcessor
     assert built.add_request(0, _params()) is False  # a plain request: vLLM skips us for it

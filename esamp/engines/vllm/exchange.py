@@ -13,6 +13,11 @@ sampler's logits. The exchange is the one object both hold; per step:
    (``StepMismatch``): vLLM called the seam in an order the exchange does not know, and steering
    the wrong rows must never pass silently. Nothing put (a model class without taps) returns None.
 
+An adapter that learns the step's rows only in ``apply`` (Model Runner V2 gives the row order to
+its processors only then) attaches as ``late``: ``begin`` then has no plan, the model keeps every
+row's taps with ``put_taps_late``, and the adapter runs the Distiller step from them with
+``distill_late(plan)``, d coming from a second product with the model's LM head.
+
 Both sides find their engine's exchange with ``exchange_for(vllm_config)`` (keyed by the
 configuration object vLLM hands all of them), and each keeps it alive while it lives; the registry
 holds weak references.
@@ -68,14 +73,17 @@ class StepExchange:
         self._adapter = None  # weak reference to the adapter that works
         self._model = None  # weak reference to the tap model
         self._handoff: Handoff | None = None
+        self._late_taps = None  # (source, target, normalize, head dtype) of the taps kept this step
+        self.late = False  # the live adapter learns its rows only in apply
         self.taps_put = 0  # compute_logits calls that delivered taps
 
     # -- set-up ------------------------------------------------------------------------------
 
-    def attach_adapter(self, adapter, make_steering: Callable[[], EngineSteering]) -> EngineSteering:
+    def attach_adapter(self, adapter, make_steering: Callable[[], EngineSteering], late: bool = False) -> EngineSteering:
         """Make ``adapter`` the one that works (the latest built; an earlier one stays out of the
         way: ``is_live``) and return the engine's steering, made on first use."""
         self._adapter = weakref.ref(adapter)
+        self.late = late
         if self.steering is None:
             self.steering = make_steering()
         return self.steering
@@ -99,8 +107,9 @@ class StepExchange:
     def begin(self, rows: int) -> BatchPlan | None:
         """A step with ``rows`` logits rows starts: the live adapter's plan, or None."""
         self._handoff = None
+        self._late_taps = None
         adapter = self.adapter
-        if adapter is None or self.steering is None:
+        if adapter is None or self.steering is None or self.late:
             return None
         plan = adapter.plan(rows)
         return plan if plan is not None and plan.steered else None
@@ -109,7 +118,8 @@ class StepExchange:
                  head_dtype: torch.dtype) -> torch.Tensor:
         """The Distiller step on ``plan``'s steered rows (``aux``: every logits row's tap columns);
         returns ŷ of those rows in ``head_dtype``, ready to stack under the head's input rows."""
-        handoff = self.steering.distill(plan, aux, source, target, normalize, head_dtype)
+        self.steering.keep_taps(aux)
+        handoff = self.steering.distill(plan, source, target, normalize, head_dtype)
         self._handoff = handoff
         self.taps_put += 1
         return handoff.prediction[:plan.steered]
@@ -124,6 +134,28 @@ class StepExchange:
         """A plain step before any request (vLLM's start-up): capture the Distiller's graphs."""
         if self.steering is not None and self.steering.bank is not None:
             self.steering.prepare(aux, source, target, normalize, head_dtype)
+
+    def put_taps_late(self, aux: torch.Tensor, source: int, target: int, normalize, head_dtype: torch.dtype) -> None:
+        """For a late adapter with rows to steer: keep every logits row's taps for its ``apply``."""
+        adapter = self.adapter
+        if not self.late or adapter is None or self.steering is None or self.steering.bank is None \
+                or not adapter.has_rows():
+            return
+        self.steering.keep_taps(aux)
+        self._late_taps = (source, target, normalize, head_dtype)
+        self.taps_put += 1
+
+    def distill_late(self, plan: BatchPlan) -> Handoff | None:
+        """For a late adapter, in ``apply``: the Distiller step on ``plan``'s steered rows from the
+        taps kept this step, with d = W·ŷ from the model's LM head (None when no taps came)."""
+        taps, self._late_taps = self._late_taps, None
+        model = self.model
+        if taps is None or model is None or not plan.steered:
+            return None
+        handoff = self.steering.distill(plan, *taps)
+        head = model.esamp_lm_head()
+        handoff.d = handoff.prediction[:plan.steered].to(head.dtype) @ head[: self.steering.vocab].t()
+        return handoff
 
     # -- the adapter's side ------------------------------------------------------------------
 

@@ -68,8 +68,10 @@ class _TapMixin:
         head_dtype = self.esamp_head_dtype(hidden)
         if plan is None:
             # Nothing to steer this step: not a kernel or a copy more than plain vLLM (the first
-            # such step, before any request, captures the Distiller's graphs).
+            # such step, before any request, captures the Distiller's graphs), unless an adapter
+            # that learns its rows only later wants this step's taps kept.
             exchange.warm_up(hidden_states[:, H:], src, tgt, self.esamp_tap_norms, head_dtype)
+            exchange.put_taps_late(hidden_states[:, H:], src, tgt, self.esamp_tap_norms, head_dtype)
             return super().compute_logits(hidden)
         prediction = exchange.put_taps(plan, hidden_states[:, H:], src, tgt, self.esamp_tap_norms, head_dtype)
         if self._esamp_plain_head():

@@ -75,6 +75,9 @@ class EsampLogitsProcessor(LogitsProcessor):
                 params.extra_args, params.seed, output, steering.groups, steering.config, steering.record_all)):
             self._plan = None
 
+    def has_rows(self) -> bool:
+        return bool(self.rows)
+
     def plan(self, rows: int) -> BatchPlan | None:
         """This step's plan for ``rows`` logits rows, or None when no row is ours."""
         if not self.rows:

@@ -45,7 +45,6 @@ class BatchPlan:
     rows: int  # logits rows of the step
     step: StepPlan
     members: list[RequestRow]  # the steered rows, in plan order
-    tap_index: torch.Tensor | None  # the steered rows' logits rows, or None when that is every row in order
     unit_groups: list[str | None]  # per Distiller unit, the group whose loss it reports (None: no training)
     recorded: set[str] | None  # groups whose records are kept (None: every group's)
 
@@ -161,10 +160,7 @@ class EngineSteering:
             training = set(plan.layout.training)
             unit_groups = [by_slot[s] if u in training else None for u, s in enumerate(plan.layout.slots)]
             unit_groups += [None] * (plan.layout.shape[0] - len(unit_groups))
-        in_order = [i for i, _, _ in steered] == list(range(n_logits))
-        out = BatchPlan(rows=n_logits, step=plan, members=members,
-                        tap_index=None if in_order or not steered else plan.index[:len(steered)],
-                        unit_groups=unit_groups,
+        out = BatchPlan(rows=n_logits, step=plan, members=members, unit_groups=unit_groups,
                         recorded=None if self.record_all else {r.group for r in members if r.records})
         self.counters["plan_builds"] += 1
         self.plan_seconds += time.perf_counter() - t0
@@ -198,20 +194,18 @@ class EngineSteering:
         self.steerer.warm_filter(self.vocab, self.device, head_dtype)
         self.counters["prepare_ms"] = round(1e3 * (time.perf_counter() - t0), 1)
 
-    def distill(self, plan: BatchPlan, aux: torch.Tensor, source: int, target: int, normalize,
-                head_dtype: torch.dtype) -> Handoff:
-        """The Distiller step on the plan's steered rows. ``aux``: the model's tap columns of every
-        logits row ([rows, A·H]); ``source``/``target``: which H-wide column block is which tap."""
+    def keep_taps(self, aux: torch.Tensor) -> None:
+        """Keep every logits row's tap columns (``aux``: [rows, A·H]) where the Distiller step reads
+        them, in logits-row order (one copy)."""
+        self._tap_buffer(aux)[:aux.shape[0]].copy_(aux)
+
+    def distill(self, plan: BatchPlan, source: int, target: int, normalize, head_dtype: torch.dtype) -> Handoff:
+        """The Distiller step on the plan's steered rows, from the taps ``keep_taps`` kept this
+        step; ``source``/``target``: which H-wide column block is which tap."""
         t0 = time.perf_counter()
         graphs = self.steerer.graphs
         replays = graphs.replays
-        taps = self._tap_buffer(aux)
-        s = plan.steered
-        if plan.tap_index is None:
-            taps[:s].copy_(aux)
-        else:
-            torch.index_select(aux, 0, plan.tap_index, out=taps[:s])
-        x, y = self._views(taps, source, target)
+        x, y = self._views(self._taps, source, target)
         prediction, errors, losses = self.steerer.distill(plan.step, x, y, normalize, head_dtype)
         spent = time.perf_counter() - t0
         self.host_seconds += spent
