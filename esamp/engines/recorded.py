@@ -44,7 +44,8 @@ class RecordedEngine(EngineBase):
     def _file(self, rec: dict, stats: StepStats) -> None:
         """Sort one engine step's record into its groups."""
         per_group: dict[str, list[float]] = defaultdict(list)
-        for group, sample, gen_idx, error, cands in rec["rows"]:
+        rows = rec["rows"] if "rows" in rec else zip(*rec["columns"].values())
+        for group, sample, gen_idx, error, cands in rows:
             g = self.groups.get(group)
             if g is None or not g.steered:
                 continue

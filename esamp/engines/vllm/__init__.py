@@ -1,15 +1,20 @@
 """ESamp on vLLM through public seams only.
 
-- ``model``: out-of-tree model classes (Llama, Qwen2) whose ``forward`` returns the final hidden
-  state with vLLM's own auxiliary (EAGLE-3) taps appended, and whose eager ``compute_logits``
-  normalises and stashes the tapped rows.
-- ``processor``: a V1 logits processor that runs the Distiller bank on the stashed rows and
-  applies ``esamp.intervention`` per row, with per-request settings from
-  ``SamplingParams.extra_args``.
-- ``extension``: a worker extension whose ``esamp_drain`` brings novelty records, losses and
-  counters back from the engine-core process through ``collective_rpc``.
+- ``model``: out-of-tree model classes (Llama, Qwen2) whose ``forward`` appends vLLM's own
+  auxiliary (EAGLE-3) taps to the final hidden state, and whose eager ``compute_logits`` hands the
+  tapped rows to the engine's step exchange and runs the LM head once on ``[h; ŷ]``.
+- ``exchange``: the per-step meeting point of the model and the live logits-processor adapter.
+- ``steering``: ESamp in one engine (the Distiller bank, plans, the step, records, counters).
+- ``processor`` (vLLM's V1 interface) and ``mrv2`` (Model Runner V2's): the adapters; ``entry``
+  is the class vLLM's loaders build, which picks the adapter of the runner that loads it.
+- ``rows``: requests as ESamp rows, prompt groups and their Distiller slots.
+- ``records``: per-step novelty records, read back without waiting on the GPU.
+- ``extension`` (and ``bench_extension``): worker methods called through ``collective_rpc``.
+- ``channel``: a served engine core's side channel (metrics and records per rank).
 - ``engine``: ``VllmEngine``, the streaming loop (``add_request`` + ``step`` with delta outputs).
-- ``plugin``: the ``vllm.general_plugins`` entry point that registers the model classes.
+- ``plugin``: registration with vLLM (the model classes; the processor's scoped entry point).
+- ``settings``: how ESamp settings travel through vLLM (engine-wide and per request).
+- ``versions``: the vLLM versions esamp supports.
 
 Importing this package does not import vLLM; the submodules above do.
 """

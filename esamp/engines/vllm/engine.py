@@ -206,7 +206,7 @@ class VllmEngine(RecordedEngine):
         if self.plain:
             return {"steps": [], "counters": {}}
         release, self.release = self.release, []
-        out = self.engine.collective_rpc("esamp_drain", args=(release,))[0]
+        out = self.engine.collective_rpc("esamp_drain", args=(release, None, True))[0]  # rows as columns
         self.counters = out.get("counters", {})
         self.free_slots = out.get("free_slots", self.free_slots)
         return out

@@ -16,12 +16,14 @@ class EsampWorkerExtension:
     def _esamp_exchange(self):
         return exchange_for(self.vllm_config)
 
-    def esamp_drain(self, release: list[str] | tuple[str, ...] = (), groups: list[str] | None = None) -> dict:
-        """Finished step records (of ``groups``, or all) and counters; frees released groups."""
+    def esamp_drain(self, release: list[str] | tuple[str, ...] = (), groups: list[str] | None = None,
+                    columns: bool = False) -> dict:
+        """Finished step records (of ``groups``, or all; rows as columns with ``columns``) and
+        counters; frees released groups."""
         steering = self._esamp_exchange().steering
         if steering is None:
             return {"steps": [], "pending": 0, "counters": {}, "free_slots": 0, "groups": [], "active": False}
-        out = steering.drain(tuple(release), set(groups) if groups is not None else None)
+        out = steering.drain(tuple(release), set(groups) if groups is not None else None, columns)
         out["active"] = steering.bank is not None
         return out
 

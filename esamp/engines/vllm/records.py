@@ -80,7 +80,9 @@ class RecordStore:
                 self._collect()  # nobody is reading (a server): keep what waits bounded
 
     def _collect(self) -> None:
-        """Turn records whose copies have finished into plain step records (under the lock)."""
+        """Turn records whose copies have finished into plain step records (under the lock).
+        A ready record keeps its rows as columns (group, sample, generated, error, candidates):
+        lists of plain values are cheap to keep, filter and send."""
         while self._in_flight and (self._in_flight[0].event is None or self._in_flight[0].event.query()):
             s = self._in_flight.popleft()
             n = len(s.groups)
@@ -94,37 +96,39 @@ class RecordStore:
                 self.loss = mean if self.loss is None else 0.9 * self.loss + 0.1 * mean
             if s.keep is not None and not s.keep:
                 continue  # nobody asked for this step's rows
-            rows = list(zip(s.groups, s.samples, s.generated, values[:n], map(int, values[n:2 * n])))
+            cols = (s.groups, s.samples, s.generated, values[:n], [int(c) for c in values[n:2 * n]])
             if s.keep is not None:
-                rows = [r for r in rows if r[0] in s.keep]
+                cols = _select(cols, s.keep.__contains__)
                 loss = {g: v for g, v in loss.items() if g in s.keep}
-            self._ready.append({"step": s.step, "time": s.time, "rows": rows, "loss": loss})
+            self._ready.append({"step": s.step, "time": s.time, "cols": cols, "loss": loss})
 
     def collect(self) -> None:
         with self._lock:
             self._collect()
 
-    def take(self, groups: set[str] | None = None) -> tuple[list[dict], int]:
+    def take(self, groups: set[str] | None = None, columns: bool = False) -> tuple[list[dict], int]:
         """(finished step records, how many are still copying). With ``groups``, only their rows
-        and losses are taken; everything else stays for its own reader."""
+        and losses are taken; everything else stays for its own reader. A record's rows come as
+        ``rows`` [(group, sample, generated, error, candidates), ...], or with ``columns`` as
+        ``columns`` (the five lists)."""
         with self._lock:
             self._collect()
             pending = len(self._in_flight)
             if groups is None:
                 out, self._ready = self._ready, []
-                return out, pending
-            out, keep = [], []
-            for rec in self._ready:
-                mine = [r for r in rec["rows"] if r[0] in groups]
-                loss = {g: v for g, v in rec["loss"].items() if g in groups}
-                if mine or loss:
-                    out.append({**rec, "rows": mine, "loss": loss})
-                rest = [r for r in rec["rows"] if r[0] not in groups]
-                rest_loss = {g: v for g, v in rec["loss"].items() if g not in groups}
-                if rest or rest_loss:
-                    keep.append({**rec, "rows": rest, "loss": rest_loss})
-            self._ready = keep
-            return out, pending
+            else:
+                out, keep = [], []
+                for rec in self._ready:
+                    mine = _select(rec["cols"], groups.__contains__)
+                    loss = {g: v for g, v in rec["loss"].items() if g in groups}
+                    if mine[0] or loss:
+                        out.append({**rec, "cols": mine, "loss": loss})
+                    rest = _select(rec["cols"], lambda g: g not in groups)
+                    rest_loss = {g: v for g, v in rec["loss"].items() if g not in groups}
+                    if rest[0] or rest_loss:
+                        keep.append({**rec, "cols": rest, "loss": rest_loss})
+                self._ready = keep
+        return [_public(rec, columns) for rec in out], pending
 
     def expire(self, live: set[str], now: float | None = None) -> None:
         """Drop records of groups no longer ``live`` that nobody read for ``retain_seconds``."""
@@ -135,9 +139,30 @@ class RecordStore:
             keep = []
             for rec in self._ready:
                 old = now - rec["time"] >= self.retain_seconds
-                rows = [r for r in rec["rows"] if not old or r[0] in live]
-                self.dropped += len(rec["rows"]) - len(rows)
+                cols = _select(rec["cols"], live.__contains__) if old else rec["cols"]
+                self.dropped += len(rec["cols"][0]) - len(cols[0])
                 loss = {g: v for g, v in rec["loss"].items() if not old or g in live}
-                if rows or loss:
-                    keep.append({**rec, "rows": rows, "loss": loss})
+                if cols[0] or loss:
+                    keep.append({**rec, "cols": cols, "loss": loss})
             self._ready = keep
+
+
+def _select(cols: tuple[list, ...], keep) -> tuple[list, ...]:
+    """The columns' rows whose group ``keep(group)`` accepts."""
+    picked = [i for i, g in enumerate(cols[0]) if keep(g)]
+    if len(picked) == len(cols[0]):
+        return cols
+    return tuple([c[i] for i in picked] for c in cols)
+
+
+COLUMNS = ("groups", "samples", "generated", "errors", "candidates")
+
+
+def _public(rec: dict, columns: bool) -> dict:
+    """A ready record as readers get it: rows, or named columns."""
+    out = {"step": rec["step"], "time": rec["time"], "loss": rec["loss"]}
+    if columns:
+        out["columns"] = dict(zip(COLUMNS, rec["cols"]))
+    else:
+        out["rows"] = list(zip(*rec["cols"]))
+    return out

@@ -269,11 +269,12 @@ class EngineSteering:
             return True
         return False
 
-    def drain(self, release=(), groups: set[str] | None = None) -> dict:
-        """Finished step records (of ``groups``, or all) and counters; frees released groups."""
+    def drain(self, release=(), groups: set[str] | None = None, columns: bool = False) -> dict:
+        """Finished step records (of ``groups``, or all; rows as columns with ``columns``) and
+        counters; frees released groups."""
         for group in release:
             self.release(group)
-        steps, pending = self.records.take(groups)
+        steps, pending = self.records.take(groups, columns)
         self.records.expire(self.groups.live)
         bank = self.bank
         return {"steps": steps, "pending": pending, "counters": self.metrics(),
