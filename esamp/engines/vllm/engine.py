@@ -21,6 +21,7 @@ import os
 import time
 from pathlib import Path
 
+from esamp.core import payload as pl
 from esamp.core.config import EsampConfig
 from esamp.core.distiller import bank_full
 from esamp.engines import cuda_available
@@ -149,27 +150,33 @@ class VllmEngine(RecordedEngine):
         s = g.sampling
         g.arrived = [[] for _ in range(s.n)]
         g.fed = [0] * s.n
+        self._admitted[g.key] = time.perf_counter()
         # vLLM's renderer turns token ids into engine inputs (raw prompts are deprecated there).
         prompts = self.engine.renderer.render_cmpl([{"prompt_token_ids": g.prompt_ids} for _ in range(s.n)])
+        prepared = None  # sample 0's prepared params: the others differ only in their sample index
         for sample in range(s.n):
-            # The request's own filters go on the params; the processor's validate_params moves
-            # them into the payload and hands vLLM neutral ones (as for a served request).
+            filters = dict(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p)
+            extra = None
+            if steered and prepared is not None:
+                filters = {k: getattr(prepared, k) for k in filters}
+                extra = {**prepared.extra_args, pl.ROUTE_KEYS["sample"]: sample}
+            elif steered:
+                extra = es.request_payload(g.key, sample, g.steering, s)
             params = SamplingParams(
-                n=1, max_tokens=g.max_new, seed=None if s.seed is None else s.seed + sample,
-                temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
+                n=1, max_tokens=g.max_new, seed=None if s.seed is None else s.seed + sample, **filters,
                 stop_token_ids=sorted(self.stop_ids), ignore_eos=self.ignore_eos,
-                output_kind=RequestOutputKind.DELTA, detokenize=False,
-                extra_args=es.request_payload(g.key, sample, g.steering, s) if steered else None)
-            if steered:
-                # vLLM's frontend runs the processor's validate_params too, but only where the
-                # entry point was visible when it first loaded the processors (it caches them).
+                output_kind=RequestOutputKind.DELTA, detokenize=False, extra_args=extra)
+            if steered and prepared is None:
+                # The request's own filters go into the payload and vLLM gets neutral ones (as for a
+                # served request). vLLM's frontend runs the processor's validate_params too, but
+                # only where the entry point was visible when it first loaded the processors.
                 es.prepare(params)
+                prepared = params
             rid = f"{g.key}/{sample}"
             internal = self.engine.add_request(rid, prompts[sample], params)
             for name in {rid, internal if isinstance(internal, str) else rid}:
                 self.by_request[name] = (g.key, sample)
             g.request_ids.append(internal if isinstance(internal, str) else rid)
-        self._admitted[g.key] = time.perf_counter()
         return g
 
     def _forget_requests(self, g: RecordedGroup) -> None:
