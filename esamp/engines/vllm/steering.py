@@ -45,6 +45,8 @@ class BatchPlan:
     rows: int  # logits rows of the step
     step: StepPlan
     members: list[RequestRow]  # the steered rows, in plan order
+    groups: list[str]  # per steered row (what its records say)
+    samples: list[int]
     unit_groups: list[str | None]  # per Distiller unit, the group whose loss it reports (None: no training)
     recorded: set[str] | None  # groups whose records are kept (None: every group's)
 
@@ -160,7 +162,8 @@ class EngineSteering:
             training = set(plan.layout.training)
             unit_groups = [by_slot[s] if u in training else None for u, s in enumerate(plan.layout.slots)]
             unit_groups += [None] * (plan.layout.shape[0] - len(unit_groups))
-        out = BatchPlan(rows=n_logits, step=plan, members=members, unit_groups=unit_groups,
+        out = BatchPlan(rows=n_logits, step=plan, members=members, groups=[r.group for r in members],
+                        samples=[r.sample for r in members], unit_groups=unit_groups,
                         recorded=None if self.record_all else {r.group for r in members if r.records})
         self.counters["plan_builds"] += 1
         self.plan_seconds += time.perf_counter() - t0
@@ -226,8 +229,9 @@ class EngineSteering:
         else:
             d, err, loss = handoff.d, handoff.errors, handoff.losses
         inputs = tuple(t for t in (logits, d, err, loss) if t is not None)
-        key = (step.rows, s if steered else 0, loss is not None, tuple((t.data_ptr(), tuple(t.shape), t.stride(0))
-                                                                         for t in inputs))
+        # What the captured kernels read: every other input is a fixed buffer of the plan's.
+        key = (step.rows, s if steered else 0, step.key, logits.shape[0], logits.data_ptr()) + (
+            (d.data_ptr(), d.stride(0), err.data_ptr(), loss is not None and loss.data_ptr()) if steered else ())
 
         def run(logits, *rest):
             d_ = rest[0] if steered else None
@@ -242,10 +246,8 @@ class EngineSteering:
             self.counters["port_hits"] += s
             if loss is not None:
                 self.counters["train_steps"] += 1
-            m = plan.members
-            self.records.push(self.step_no, [r.group for r in m], [r.sample for r in m],
-                              [len(r.output_ids) for r in m], packed,
-                              plan.unit_groups if loss is not None else [], keep=plan.recorded)
+            self.records.push(self.step_no, plan.groups, plan.samples, [len(r.output_ids) for r in plan.members],
+                              packed, plan.unit_groups if loss is not None else [], keep=plan.recorded)
         now = time.monotonic()
         if now - self._last_expire > EXPIRE_EVERY:
             self._last_expire = now
