@@ -17,7 +17,9 @@ def test_generate_json_on_vllm_is_only_json_on_stdout():
     """vLLM's log goes to stderr (warnings only), so ``--json | jq`` reads events and nothing else."""
     require_vllm()
     resolved = require_model()
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_CPU_KVCACHE_SPACE="1")
+    # (on a GPU, other tests of this run may still hold memory: the engine takes a small share)
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_CPU_KVCACHE_SPACE="1",
+               ESAMP_GPU_MEMORY_UTILIZATION="0.25")
     env.pop("VLLM_LOGGING_LEVEL", None)
     env.pop("VLLM_LOGGING_STREAM", None)
     cmd = [sys.executable, "-m", "esamp.cli", "generate", "--engine", "vllm", "--model", str(resolved.hf_dir()), "-n", "2", "--max-tokens", "4",

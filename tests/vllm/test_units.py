@@ -240,3 +240,17 @@ def test_a_group_trains_once_all_its_samples_have_arrived():
     groups.arrived(rows[2])
     assert all(groups.complete(r) for r in rows)
     assert groups.complete(RequestRow("h", 0, Steering(), Filters(), [], records=False, n=None))
+
+
+def test_the_gpu_share_comes_from_the_caller_the_environment_or_the_default(monkeypatch):
+    from esamp.engines.vllm.engine import GPU_SHARE, GPU_SHARE_ENV, gpu_share
+
+    monkeypatch.delenv(GPU_SHARE_ENV, raising=False)
+    assert gpu_share(None) == GPU_SHARE and gpu_share(0.3) == 0.3
+    monkeypatch.setenv(GPU_SHARE_ENV, "0.5")
+    assert gpu_share(None) == 0.5
+    for bad in ("1.5", "half", "0"):
+        monkeypatch.setenv(GPU_SHARE_ENV, bad)
+        with pytest.raises(ConfigError) as err:
+            gpu_share(None)
+        assert GPU_SHARE_ENV in str(err.value) and err.value.hint

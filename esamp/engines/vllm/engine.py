@@ -34,6 +34,26 @@ from esamp.events import Event
 from esamp.models import resolve
 
 EXTENSION = "esamp.engines.vllm.extension.EsampWorkerExtension"
+GPU_SHARE = 0.85  # of the GPU's memory an engine takes unless told (vLLM's own default is 0.9)
+GPU_SHARE_ENV = "ESAMP_GPU_MEMORY_UTILIZATION"  # the operator's say, for every command at once
+
+
+def gpu_share(given: float | None) -> float:
+    """The share of GPU memory an engine takes: as given, else ``ESAMP_GPU_MEMORY_UTILIZATION``,
+    else ``GPU_SHARE`` (a clear error for a value outside (0, 1))."""
+    if given is not None:
+        return given
+    raw = os.environ.get(GPU_SHARE_ENV)
+    if raw is None:
+        return GPU_SHARE
+    try:
+        share = float(raw)
+    except ValueError:
+        share = -1.0
+    if not 0 < share < 1:
+        raise ConfigError(f"{GPU_SHARE_ENV}={raw!r}: a share of the GPU's memory is between 0 and 1",
+                          hint=f"e.g. {GPU_SHARE_ENV}=0.5 to leave half the GPU to other programs")
+    return share
 GGUF_MODES = ("convert", "native")
 
 
@@ -50,7 +70,7 @@ class VllmEngine(RecordedEngine):
         tokenizer: str | None = None,
         enforce_eager: bool | None = None,
         max_model_len: int = 4096,
-        gpu_memory_utilization: float = 0.85,
+        gpu_memory_utilization: float | None = None,
         max_num_seqs: int = 256,
         seed: int = 0,
         ignore_eos: bool = False,
@@ -88,7 +108,7 @@ class VllmEngine(RecordedEngine):
         kind = self.resolved.kind
         kwargs: dict = dict(seed=seed, max_model_len=max_model_len, max_num_seqs=max_num_seqs)
         if cuda:
-            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+            kwargs["gpu_memory_utilization"] = gpu_share(gpu_memory_utilization)
         kwargs["enforce_eager"] = (not cuda) if enforce_eager is None else enforce_eager
         if kind == "dummy":
             config_dir = self.resolved.path
