@@ -44,3 +44,14 @@ def test_only_the_groups_that_asked_are_kept():
     _push(store, 2, ["a"], keep=set())
     out, _ = store.take()
     assert [r["rows"] for r in out] == [[("b", 1, 1, 0.25, 3)]] and store.loss == 0.5
+
+
+def test_unread_records_are_bounded(monkeypatch):
+    from esamp.engines.vllm import records
+
+    monkeypatch.setattr(records, "MAX_READY", 3)
+    store = RecordStore(torch.device("cpu"))
+    for step in range(5):
+        _push(store, step, ["a", "b"])
+    out, _ = store.take()
+    assert [r["step"] for r in out] == [2, 3, 4] and store.dropped == 4

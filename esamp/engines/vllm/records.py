@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 RETAIN_SECONDS = 300.0
+MAX_READY = 8192  # step records kept unread at most; beyond, the oldest go (counted as dropped)
 COLLECT_AFTER = 64  # records waiting before a step turns the oldest into plain ones itself
 
 
@@ -101,6 +102,8 @@ class RecordStore:
                 cols = _select(cols, s.keep.__contains__)
                 loss = {g: v for g, v in loss.items() if g in s.keep}
             self._ready.append({"step": s.step, "time": s.time, "cols": cols, "loss": loss})
+            if len(self._ready) > MAX_READY:  # a reader that asked for records and never reads
+                self.dropped += len(self._ready.pop(0)["cols"][0])
 
     def collect(self) -> None:
         with self._lock:
