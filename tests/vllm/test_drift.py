@@ -151,6 +151,24 @@ def test_mrv2_logits_processor_interface():
     assert "needs_logits_processing" in src  # a batch where no request needs a processor skips them all
 
 
+@pytest.mark.skipif(not HAS_MRV2_PROCESSORS, reason="MRV2 logits-processor interface: vLLM >= 0.31")
+def test_mrv2_facts_the_mrv2_adapter_relies_on():
+    """esamp/engines/vllm/mrv2.py: a resumed request is added again (so a slot's row is always its
+    request's); the runner's request state holds prompt lengths on the host (``prompt_len.np``);
+    the host sequence lengths are computed tokens + scheduled ones (so minus the prompt length
+    they are the generation index); nothing tells processors that a request left its slot."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.worker.gpu import buffer_utils, model_runner
+
+    assert "scheduled_new_reqs.extend(scheduled_resumed_reqs)" in inspect.getsource(Scheduler.schedule)
+    assert "self.np = " in inspect.getsource(buffer_utils.UvaBackedTensor.__init__)
+    runner = model_runner.GPUModelRunner
+    prepare = inspect.getsource(runner.prepare_inputs)
+    assert "num_computed_tokens_np[idx_mapping_np]" in prepare and "seq_lens_cpu_upper_bound" in prepare
+    assert "self.sampler.add_request(req_index" in inspect.getsource(runner.add_requests)
+    assert "sampler" not in inspect.getsource(runner._remove_request)
+
+
 def test_aux_layers_come_back_in_layer_order_once_each():
     """0.20 stores the layers as given, later versions sorted and de-duplicated; either way the
     inner model appends one state per tapped layer in the layer loop, so ESamp passes them sorted

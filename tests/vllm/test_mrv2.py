@@ -1,11 +1,11 @@
 """The MRV2 adapter driven through vLLM's own MRV2 interface classes (``LogitsProcRequestState``,
-``LogitsContext``) with CPU tensors, beside the V1 adapter driven through ``BatchUpdate`` on the
-same requests: rows reordered and slots recycled between steps, the logits each request gets
-compared row by row. (No running MRV2 engine is within reach: vLLM's MRV2 needs Triton with a
-driver; docs/vllm.md.)
-
-The draft adapter does not steer yet (``esamp/engines/vllm/mrv2.py``): both adapters run with no
-taps delivered here, where each applies every ESamp request's own filters exactly.
+``LogitsContext``, CPU tensors), beside the V1 adapter driven through ``BatchUpdate`` on the same
+requests, each in an engine of its own (two configurations: two exchanges, two Distiller banks
+with the same initial weights) with a small stand-in model that hands the exchange its taps as
+``model.py`` does: the V1 adapter steers through ``put_taps``, the MRV2 one through the late
+path (``put_taps_late``, then ``distill_late`` in its ``apply``). Rows are reordered and slots
+recycled between steps. No running MRV2 engine is within reach (vLLM's MRV2 needs Triton with
+a driver; docs/vllm.md).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ if importlib.util.find_spec("vllm") is None or importlib.util.find_spec(
         "vllm.v1.worker.gpu.sample.logits_processor") is None:
     pytest.skip("MRV2 logits-processor interface: vLLM >= 0.31", allow_module_level=True)
 
-V, H, SLOTS = 64, 8, 8
+V, H, SLOTS, LAYERS = 64, 8, 8, 4
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -32,126 +32,282 @@ def _vllm():
     require_vllm()
 
 
-def _config():
+def _config(esamp: bool = True, **engine):
+    """A VllmConfig's shape (takes weak references, is not hashable): each call is another engine."""
     from esamp.core.config import EsampConfig
     from esamp.engines.vllm import settings as es
 
-    class Config:  # a VllmConfig's shape: takes weak references, is not hashable
+    class Config:
         __hash__ = None
         model_config = SimpleNamespace(get_vocab_size=lambda: V, get_hidden_size=lambda: H, logits_processors=None)
-        additional_config = {es.KEY: es.engine_settings(EsampConfig(), 4)}
+        scheduler_config = SimpleNamespace(max_num_seqs=SLOTS)
+        parallel_config = SimpleNamespace(enable_batch_sharded_sampling=False)
+        speculative_config = None
+        additional_config = {es.KEY: es.engine_settings(EsampConfig(rank=4, lr=0.05, slots=4), LAYERS)} if esamp else {}
 
-    return Config()
-
-
-def _request(group: str, sample: int, **filters):
-    from vllm import SamplingParams
-
-    from esamp.core.config import SamplingConfig, Steering
-    from esamp.engines.vllm import settings as es
-
-    params = SamplingParams(n=1, max_tokens=8, seed=None, **filters,
-                            extra_args=es.request_payload(group, sample, Steering(), SamplingConfig(n=2)))
-    es.prepare(params)  # what vLLM's frontend does through validate_params
-    return params
+    config = Config()
+    for name, value in engine.items():
+        setattr(config, name, value)
+    return config
 
 
-def _mrv2_ctx(slots: list[int], seq_lens: list[int]):
+class _Model:
+    """Stands in for ``model.EsampLlamaForCausalLM.compute_logits`` with a non-plain head: the
+    exchange's calls in the same order, d from the dense head."""
+
+    def __init__(self, config, head: torch.Tensor) -> None:
+        from esamp.engines.vllm.exchange import exchange_for
+
+        self.head = head
+        self.exchange = exchange_for(config)
+        self.exchange.attach_model(self)
+
+    def esamp_lm_head(self) -> torch.Tensor:
+        return self.head
+
+    @staticmethod
+    def norms(source, target):
+        return torch.nn.functional.rms_norm(source, (H,)), torch.nn.functional.rms_norm(target, (H,))
+
+    def compute_logits(self, aux: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        x = self.exchange
+        plan = x.begin(aux.shape[0])
+        if plan is None:
+            x.warm_up(aux, 0, 1, self.norms, torch.float32)
+            x.put_taps_late(aux, 0, 1, self.norms, torch.float32)
+            return logits
+        prediction = x.put_taps(plan, aux, 0, 1, self.norms, torch.float32)
+        x.put_distiller_logits(plan, prediction.to(self.head.dtype) @ self.head[:V].t())
+        return logits
+
+
+def _rstate(prompt_len: np.ndarray):
+    """vLLM's own MRV2 request state over CPU stand-ins for the runner's buffers."""
+    from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcRequestState
+
+    return LogitsProcRequestState(device=torch.device("cpu"), max_num_reqs=SLOTS, vocab_size=V, all_token_ids=None,
+                                  prompt_len=SimpleNamespace(np=prompt_len), prefill_len=None, total_len=None)
+
+
+def _ctx(slots: list[int], seq_lens: list[int]):
     from vllm.v1.worker.gpu.sample.logits_processor import LogitsContext
 
-    mapping = torch.tensor(slots, dtype=torch.int32)
-    return LogitsContext(expanded_idx_mapping=mapping, idx_mapping=mapping, idx_mapping_np=np.array(slots, dtype=np.int32),
+    mapping = torch.tensor(slots, dtype=torch.int64)
+    return LogitsContext(expanded_idx_mapping=mapping, idx_mapping=mapping,
+                         idx_mapping_np=np.array(slots, dtype=np.intp),
                          expanded_local_pos=torch.zeros(len(slots), dtype=torch.int32),
                          input_ids=torch.zeros(len(slots), dtype=torch.int32),
                          pos=torch.tensor(seq_lens, dtype=torch.int64) - 1,
                          seq_lens_upper_bound_np=np.array(seq_lens, dtype=np.int32))
 
 
-def test_mrv2_adapter_gives_the_v1_adapters_logits_with_rows_reordered_and_slots_recycled():
-    from vllm.v1.sample.logits_processor import BatchUpdate
-    from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcRequestState
-
-    from esamp.engines.vllm.entry import EsampLogitsProcessor
-
-    prompt_len = np.zeros(SLOTS, dtype=np.int32)
-    rstate = LogitsProcRequestState(device=torch.device("cpu"), max_num_reqs=SLOTS, vocab_size=V,
-                                    all_token_ids=None, prompt_len=SimpleNamespace(np=prompt_len),
-                                    prefill_len=None, total_len=None)
-    v1 = EsampLogitsProcessor(_config(), torch.device("cpu"), False)  # as vLLM's V1 loader builds it
-    v2 = EsampLogitsProcessor(_config(), rstate)  # as MRV2's loader builds it
-    assert type(v1).__name__ == "EsampLogitsProcessor" and type(v2).__name__ == "EsampMrv2LogitsProcessor"
-
+def _request(group: str, sample: int, n: int, **filters):
     from vllm import SamplingParams
 
-    requests = {  # name → (params, prompt length)
-        "a0": (_request("ga", 0, temperature=0.7, top_p=0.9), 5),
-        "a1": (_request("ga", 1, temperature=0.7, top_p=0.9), 5),
-        "b0": (_request("gb", 0, temperature=1.0, top_k=5, min_p=0.1), 3),
-        "plain": (SamplingParams(n=1, temperature=0.8, top_p=0.5), 4),  # not ESamp: vLLM filters it
-        "c0": (_request("gc", 0, temperature=0.0), 2),
+    from esamp.core.config import SamplingConfig, Steering
+    from esamp.engines.vllm import settings as es
+
+    params = SamplingParams(n=1, max_tokens=8, **filters,
+                            extra_args=es.request_payload(group, sample, Steering(), SamplingConfig(n=n)))
+    es.prepare(params)  # what vLLM's frontend does through validate_params
+    return params
+
+
+class _V1Engine:
+    """The V1 adapter as vLLM's V1 runner drives it: a ``BatchUpdate`` per step (rows that changed
+    added, rows past the batch removed), the model's ``compute_logits``, then ``apply``."""
+
+    def __init__(self, config, head) -> None:
+        from esamp.engines.vllm.entry import EsampLogitsProcessor
+
+        self.adapter = EsampLogitsProcessor(config, torch.device("cpu"), False)  # as vLLM's V1 loader builds it
+        self.model = _Model(config, head)
+        self.rows: dict[int, str] = {}
+
+    def step(self, order, requests, outputs, aux, raw):
+        from vllm.v1.sample.logits_processor import BatchUpdate
+
+        now = dict(enumerate(order))
+        added = [(i, requests[n], None, outputs[n]) for i, n in now.items() if self.rows.get(i) != n]
+        removed = [i for i in self.rows if i >= len(order)]
+        self.rows = now
+        self.adapter.update_state(BatchUpdate(batch_size=len(order), removed=removed, added=added, moved=[]))
+        logits = self.model.compute_logits(torch.stack([aux[n] for n in order]), torch.stack([raw[n] for n in order]))
+        return self.adapter.apply(logits)
+
+
+class _Mrv2Engine:
+    """The MRV2 adapter as Model Runner V2 drives it: ``add_request`` when a request takes a slot,
+    the model's ``compute_logits``, then ``apply`` with the step's ``LogitsContext``."""
+
+    def __init__(self, config, head) -> None:
+        from esamp.engines.vllm.entry import EsampLogitsProcessor
+
+        self.prompt_len = np.zeros(SLOTS, dtype=np.int32)
+        self.adapter = EsampLogitsProcessor(config, _rstate(self.prompt_len))  # as MRV2's loader builds it
+        self.model = _Model(config, head)
+
+    def add(self, slot: int, params, prompt_len: int) -> bool:
+        self.prompt_len[slot] = prompt_len  # the runner's request state first, then the sampler's processors
+        return self.adapter.add_request(slot, params)
+
+    def step(self, order, slot_of, seq_lens, aux, raw):
+        logits = self.model.compute_logits(torch.stack([aux[n] for n in order]), torch.stack([raw[n] for n in order]))
+        return self.adapter.apply(logits, _ctx([slot_of[n] for n in order], [seq_lens[n] for n in order]))
+
+
+def _records(steering):
+    return [{k: v for k, v in rec.items() if k != "time"} for rec in steering.drain()["steps"]]
+
+
+def test_mrv2_adapter_steers_like_the_v1_adapter_with_rows_reordered_and_slots_recycled():
+    from vllm import SamplingParams
+
+    from esamp.engines.vllm.mrv2 import EsampMrv2LogitsProcessor
+    from esamp.engines.vllm.processor import EsampLogitsProcessor as V1Adapter
+
+    head = torch.randn(V, H, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        v1, v2 = _V1Engine(_config(), head), _Mrv2Engine(_config(), head)
+    assert type(v1.adapter) is V1Adapter and type(v2.adapter) is EsampMrv2LogitsProcessor
+    assert not v1.model.exchange.late and v2.model.exchange.late
+    assert v1.adapter.steering is not v2.adapter.steering  # two engines, two banks
+
+    requests = {
+        "a0": _request("ga", 0, 2, temperature=0.7, top_p=0.9),
+        "a1": _request("ga", 1, 2, temperature=0.7, top_p=0.9),
+        "b0": _request("gb", 0, 1, temperature=1.0, top_k=5, min_p=0.1),
+        "plain": SamplingParams(n=1, temperature=0.8, top_p=0.5),  # not ESamp's: vLLM filters it
+        "c0": _request("gc", 0, 1, temperature=0.0),  # greedy
+        "d0": _request("gd", 0, 1, temperature=0.9, top_k=7),
+        "plain2": SamplingParams(n=1, temperature=1.0),
     }
-    # The batch of each step, in V1's row order and MRV2's; MRV2 reorders rows and gives c0 the
-    # slot b0 left (no remove call: the new add_request overwrites it).
+    prompt = {"a0": 5, "a1": 5, "b0": 3, "plain": 4, "c0": 2, "d0": 6, "plain2": 3}
+    # each step's batch (V1 and MRV2 see the same row order: the steered logits must be equal);
+    # which requests take a slot before it (MRV2 has no remove call: c0 takes the slot b0 left,
+    # plain2 the one a1 left, d0 the one plain left)
     steps = [
-        (["a0", "a1", "b0", "plain"], ["b0", "plain", "a1", "a0"]),
-        (["a0", "a1", "b0", "plain"], ["a0", "b0", "a1", "plain"]),
-        (["a0", "a1", "c0", "plain"], ["c0", "a1", "plain", "a0"]),
-        (["a0", "c0", "plain"], ["plain", "c0", "a0"]),
+        (["b0", "plain", "a1", "a0"], {"a0": 3, "a1": 0, "b0": 5, "plain": 1}),
+        (["a0", "b0", "a1", "plain"], {}),
+        (["c0", "a1", "plain", "a0"], {"c0": 5}),
+        (["plain", "c0", "a0"], {}),
+        (["a0", "plain2", "d0", "c0"], {"plain2": 0, "d0": 1}),
+        (["d0", "a0", "plain2", "c0"], {}),
     ]
-    mrv2_slot = {"a0": 3, "a1": 0, "b0": 5, "plain": 1, "c0": 5}
-    v1_rows: dict[str, int] = {}
-    outputs = {name: [] for name in requests}  # V1's live output-id lists
-    generated = {name: 0 for name in requests}
+    slot_of: dict[str, int] = {}
+    outputs = {n: [] for n in requests}  # V1's live lists of generated ids
     gen = torch.Generator().manual_seed(0)
-    for step, (v1_order, v2_order) in enumerate(steps):
-        # V1: rows removed, then added (index, params, prompt ids, output ids)
-        now = {n: i for i, n in enumerate(v1_order)}
-        removed = [i for n, i in v1_rows.items() if now.get(n) != i]
-        added = [(i, requests[n][0], None, outputs[n]) for n, i in now.items() if v1_rows.get(n) != i]
-        v1_rows = now
-        v1.update_state(BatchUpdate(batch_size=len(v1_order), removed=removed, added=added, moved=[]))
-        # MRV2: add_request for requests new to their slot
-        for name in v2_order:
-            slot = mrv2_slot[name]
-            if step == 0 or (name == "c0" and step == 2):
-                prompt_len[slot] = requests[name][1]
-                v2.add_request(slot, requests[name][0])
-        raw = {n: torch.randn(V, generator=gen) for n in requests}
-        v1_logits = torch.stack([raw[n] for n in v1_order])
-        v2_logits = torch.stack([raw[n] for n in v2_order])
-        # the model's compute_logits asks for a plan first: MRV2 gives none (no row order yet)
-        assert v2.plan(len(v2_order)) is None
-        v1_out = v1.apply(v1_logits.clone())
-        seq_lens = [requests[n][1] + generated[n] for n in v2_order]
-        v2_out = v2.apply(v2_logits.clone(), _mrv2_ctx([mrv2_slot[n] for n in v2_order], seq_lens))
-        for name in v2_order:
-            got, want = v2_out[v2_order.index(name)], v1_out[v1_order.index(name)]
-            assert torch.equal(got, want), (step, name)
-            if name == "plain":
-                assert torch.equal(got, raw[name])  # left to vLLM's own filters
-            elif name == "b0":
-                assert int(torch.isfinite(got).sum()) <= 5  # its own top-k, applied by ESamp
-            if name != "plain":  # the generation index, as V1 reads it from the live list
-                assert len(v2.slots[mrv2_slot[name]].output_ids) == len(outputs[name]) == generated[name]
-        for name in v1_order:
+    steered_rows = 0
+    for step, (order, arrivals) in enumerate(steps):
+        for name, slot in arrivals.items():
+            slot_of[name] = slot
+            assert v2.add(slot, requests[name], prompt[name]) is (not name.startswith("plain"))
+        aux = {n: torch.randn(2 * H, generator=gen) for n in requests}
+        raw = {n: 3 * torch.randn(V, generator=gen) for n in requests}
+        seq_lens = {n: prompt[n] + len(outputs[n]) for n in requests}
+        with torch.inference_mode():
+            got_v1 = v1.step(order, requests, outputs, aux, raw)
+            got_v2 = v2.step(order, slot_of, seq_lens, aux, raw)
+        assert torch.equal(got_v2, got_v1), step
+        for i, name in enumerate(order):
+            if name.startswith("plain"):
+                assert torch.equal(got_v2[i], raw[name]), (step, name)  # left to vLLM's own filters
+            else:
+                steered_rows += 1
+                row = v2.adapter.slots[slot_of[name]]
+                assert row.group == "g" + name[0]  # never a recycled slot's previous group
+                assert len(row.output_ids) == len(outputs[name])  # the generation index, as V1 reads it
+            if name == "b0":
+                assert int(torch.isfinite(got_v2[i]).sum()) <= 5  # its own top-k, applied by ESamp
+        for name in order:
             outputs[name].append(1)
-            generated[name] += 1
-    assert v2.counters["stash_miss"] == v1.counters["stash_miss"] == len(steps)
-    assert v2.drain()["counters"]["steps"] == len(steps)  # the worker extension drains through us
+    s1, s2 = v1.adapter.steering, v2.adapter.steering
+    assert s2.counters["taps_missing"] == s1.counters["taps_missing"] == 0
+    assert s2.counters["port_hits"] == s1.counters["port_hits"] == steered_rows
+    assert s2.counters["train_steps"] == s1.counters["train_steps"] == len(steps)
+    assert s2.counters["plan_builds"] == s1.counters["plan_builds"] == len(steps)  # every step here changes the rows
+    records = _records(s2)
+    assert records == _records(s1)
+    assert [r["step"] for r in records] == list(range(1, len(steps) + 1))
+    assert {(g, s, k) for r in records for g, s, k, _, _ in r["rows"] if g == "gc"} == {("gc", 0, 0), ("gc", 0, 1),
+                                                                                       ("gc", 0, 2), ("gc", 0, 3)}
+    assert not any(g == "gb" for r in records[2:] for g, *_ in r["rows"])  # b0's slot is c0's from step 3
+    assert all(r["loss"] and all(np.isfinite(v) for v in r["loss"].values()) for r in records)
+    assert records[0]["loss"].keys() == {"ga", "gb"} and records[-1]["loss"].keys() == {"ga", "gc", "gd"}
 
 
-def test_mrv2_adapter_skips_plain_requests_and_engines_without_esamp():
+def test_the_plan_is_rebuilt_only_when_the_row_order_or_a_slot_changes():
+    head = torch.randn(V, H, generator=torch.Generator().manual_seed(1))
+    engine = _Mrv2Engine(_config(), head)
+    steering = engine.adapter.steering
+    requests = {"a0": _request("ga", 0, 1), "b0": _request("gb", 0, 1)}
+    slot_of = {"a0": 2, "b0": 6}
+    for name, slot in slot_of.items():
+        engine.add(slot, requests[name], 3)
+    gen = torch.Generator().manual_seed(0)
+
+    def step(order, lens=3):
+        aux = {n: torch.randn(2 * H, generator=gen) for n in requests}
+        raw = {n: torch.randn(V, generator=gen) for n in requests}
+        with torch.inference_mode():
+            engine.step(order, slot_of, dict.fromkeys(requests, lens), aux, raw)
+
+    step(["a0", "b0"])
+    step(["a0", "b0"], lens=4)
+    assert steering.counters["plan_builds"] == 1
+    step(["b0", "a0"])
+    assert steering.counters["plan_builds"] == 2
+    engine.add(6, _request("gc", 0, 1), 2)  # a new request in a slot of the same order
+    step(["b0", "a0"])
+    assert steering.counters["plan_builds"] == 3
+    assert steering.drain()["steps"][-1]["rows"][0][0] == "gc"
+    assert steering.release("gc") and 6 not in engine.adapter.slots  # the client ended it: its row goes
+    step(["b0", "a0"])
+    assert steering.counters["plan_builds"] == 4 and steering.counters["taps_missing"] == 0
+
+
+def test_mrv2_adapter_skips_plain_requests_and_only_the_live_adapter_works():
     from vllm import SamplingParams
-    from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcRequestState
 
     from esamp.engines.vllm.entry import EsampLogitsProcessor
 
-    rstate = LogitsProcRequestState(device=torch.device("cpu"), max_num_reqs=SLOTS, vocab_size=V, all_token_ids=None,
-                                    prompt_len=SimpleNamespace(np=np.zeros(SLOTS, dtype=np.int32)),
-                                    prefill_len=None, total_len=None)
-    built = EsampLogitsProcessor(_config(), rstate)
-    assert built.add_request(0, SamplingParams(temperature=0.5)) is False
-    assert built.add_request(1, _request("g", 0)) is True
-    assert built.add_request(1, SamplingParams()) is False and 1 not in built.slots  # the slot's new occupant
+    config = _config()
+    old = EsampLogitsProcessor(config, _rstate(np.zeros(SLOTS, dtype=np.int32)))
+    built = EsampLogitsProcessor(config, _rstate(np.zeros(SLOTS, dtype=np.int32)))  # vLLM rebuilt it: this one works
+    assert built.steering is old.steering
+    assert old.add_request(1, _request("g", 0, 1)) is False and not old.has_rows()
     logits = torch.randn(2, V)
-    assert built.apply(logits, _mrv2_ctx([0, 1], [3, 3])) is logits  # nothing of ours in the batch
+    assert old.apply(logits, _ctx([0, 1], [3, 3])) is logits
+
+    assert built.add_request(0, SamplingParams(temperature=0.5)) is False
+    assert not built.has_rows()
+    assert built.apply(logits, _ctx([0, 1], [3, 3])) is logits  # nothing of ours: untouched
+    assert built.add_request(1, _request("g", 0, 1)) is True and built.has_rows()
+    assert built.add_request(1, SamplingParams()) is False and not built.has_rows()  # the slot's new occupant
+    assert built.apply(logits, _ctx([0, 1], [3, 3])) is logits
+    assert built.steering.step_no == 0
+
+
+def test_an_engine_without_esamp_filters_esamp_requests_like_the_v1_adapter():
+    head = torch.randn(V, H)
+    v1, v2 = _V1Engine(_config(esamp=False), head), _Mrv2Engine(_config(esamp=False), head)
+    assert v2.adapter.steering.bank is None
+    params = _request("g", 0, 1, temperature=0.5, top_k=3)
+    assert v2.add(4, params, 3) is True
+    aux, raw = {"a": torch.randn(2 * H)}, {"a": torch.randn(V)}
+    with torch.inference_mode():
+        got_v1 = v1.step(["a"], {"a": params}, {"a": []}, aux, raw)
+        got_v2 = v2.step(["a"], {"a": 4}, {"a": 3}, aux, raw)
+    assert torch.equal(got_v1, got_v2) and int(torch.isfinite(got_v2).sum()) == 3
+    assert v2.model.exchange.taps_put == 0  # no bank: the model keeps no taps
+
+
+@pytest.mark.parametrize("engine, words", [
+    ({"speculative_config": SimpleNamespace(num_speculative_tokens=2)}, "speculative decoding"),
+    ({"parallel_config": SimpleNamespace(enable_batch_sharded_sampling=True)}, "batch-sharded sampling"),
+])
+def test_mrv2_adapter_refuses_engines_it_cannot_steer(engine, words):
+    from esamp.engines.vllm.entry import EsampLogitsProcessor
+
+    with pytest.raises(ValueError, match=words):
+        EsampLogitsProcessor(_config(**engine), _rstate(np.zeros(SLOTS, dtype=np.int32)))

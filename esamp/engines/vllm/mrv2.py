@@ -1,47 +1,52 @@
-"""``EsampMrv2LogitsProcessor``: ESamp on Model Runner V2's logits-processor interface (vLLM ≥ 0.31).
+"""``EsampMrv2LogitsProcessor``: ESamp's adapter for Model Runner V2's logits-processor interface
+(vLLM ≥ 0.31; ``processor.EsampLogitsProcessor`` is the V1 runner's).
 
-Draft over the V1 adapter (``processor.EsampLogitsProcessor``), which it holds as its core: the
-groups and their Distiller slots, the steerer, the records and ``drain`` are the V1 adapter's, so
-both runners steer with the same code. What differs is only how rows are known:
+One job, as the V1 adapter's: turn MRV2's bookkeeping into ESamp rows and its ``apply`` into
+``EngineSteering``'s. What MRV2 does differently:
 
-- V1 hands ``BatchUpdate``s (added / removed / moved rows) before the forward pass; MRV2 calls
-  ``add_request(slot, params)`` when a request takes a slot (slots are recycled, there is no
-  remove call) and gives the step's row → slot order only to ``apply(logits, ctx)``
-  (``ctx.idx_mapping_np``), after the model's ``compute_logits`` ran.
-- V1's rows carry the live list of generated ids (its length is the generation index); MRV2 has
-  none on the host, so the index is ``seq_lens_upper_bound_np[row] - prompt_len[slot]`` (exact
-  without speculative decoding, which ESamp refuses), 0 for a partial prefill as in V1.
-- MRV2 applies custom processors before temperature, min-p and top-k/top-p (V1: before the
-  argmax-invariant ones too, ESamp being non-invariant); either way vLLM was handed neutral
-  filters by ``settings.prepare`` and ESamp filters with the request's own inside ``apply``.
+- Requests are kept by slot. ``add_request(slot, params)`` says a request took a slot; nothing says
+  it left (slots are recycled: the next ``add_request`` overwrites everything the slot held).
+  A resumed request is added again.
+- The step's order of logits rows (row → slot, ``ctx.idx_mapping_np``) is known only in
+  ``apply``, after the model's ``compute_logits`` ran. So this adapter attaches to the engine's
+  ``StepExchange`` as *late*: the model keeps every row's taps there (``put_taps_late``), and
+  ``apply``, which has the order, runs the Distiller step on the steered rows
+  (``distill_late``) and gets d = W·ŷ from a second product with the model's LM head, then
+  filters and mixes. The plan is rebuilt only when the row → slot order or a slot changed.
+- No host list of generated ids: a stand-in whose length is the generation index,
+  ``seq_lens_upper_bound_np[row] - prompt_len[slot]`` (exact without speculative decoding, which
+  ESamp refuses; 0 during a partial prefill, as V1's empty list).
+- ``apply`` runs before vLLM's temperature, min-p and top-k/top-p, as in V1 for a processor that
+  moves the argmax; ``settings.prepare`` handed vLLM neutral filters and ESamp applies the
+  request's own inside ``apply``.
 
-What this draft does not do yet: steer. MRV2 calls the model's ``compute_logits`` before it
-tells any processor the step's row order, and the model consumes the taps there (it asks the
-processor's ``plan`` which rows to tap and runs the Distiller step, training included). With the
-previous step's order the Distiller would train on another request's rows whenever the batch
-changed, so ``plan`` answers None here: the model runs its plain head, and ``apply`` filters every
-ESamp row exactly with its own filters (counted as ``stash_miss`` for steered rows). Steering
-needs the per-step exchange the vLLM seam is being restructured around: the model leaves the
-step's tapped rows there, and ``apply``, which has the order, runs the Distiller step and the head
-on ŷ before the mix (or the model learns the order before the forward from MRV2's model-state
-hook, ``get_model_state_cls().prepare_inputs(input_batch)``).
+Inert when another adapter of the engine is the live one (``StepExchange.is_live``), and for
+requests without ESamp settings: ``add_request`` answers False, so vLLM skips every processor for
+a batch of such requests.
 """
 
 from __future__ import annotations
 
+import weakref
+
+import numpy as np
+import torch
+
 from esamp.engines.vllm import settings as es
-from esamp.engines.vllm.processor import EsampLogitsProcessor, _Row
-from esamp.engines.vllm.state import STATE
+from esamp.engines.vllm.exchange import exchange_for
+from esamp.engines.vllm.processor import make_steering
+from esamp.engines.vllm.rows import RequestRow, request_row
+from esamp.engines.vllm.steering import BatchPlan, EngineSteering
 
 try:  # vLLM ≥ 0.31
     from vllm.v1.worker.gpu.sample.logits_processor import LogitsContext, LogitsProcessor, LogitsProcRequestState
-except ImportError:  # pragma: no cover - a vLLM without Model Runner V2's processor interface
-    LogitsContext = LogitsProcessor = LogitsProcRequestState = None
+except ImportError as exc:  # pragma: no cover - depends on the installed vLLM
+    raise ImportError(f"this vLLM has no Model Runner V2 logits-processor interface: {exc}") from exc
 
 
 class _Generated:
     """Stands in for V1's live list of a request's generated ids: only its length is read, the
-    generation index of the token sampled this step (set by the adapter before each ``apply``)."""
+    generation index of the token sampled this step (set by the adapter before each step)."""
 
     __slots__ = ("index",)
 
@@ -52,73 +57,83 @@ class _Generated:
         return self.index
 
 
-if LogitsProcessor is not None:
+def refusal(vllm_config) -> str | None:
+    """Why this engine cannot run ESamp's MRV2 adapter, or None. ESamp needs one logits row per
+    request and step, and the rows through the model's own ``compute_logits``."""
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        return ("ESamp does not run with speculative decoding (a steered request needs one logits row per "
+                "step): start the engine without a speculative config")
+    parallel = getattr(vllm_config, "parallel_config", None)
+    if getattr(parallel, "enable_batch_sharded_sampling", False):
+        return ("ESamp does not run with batch-sharded sampling (it bypasses the ESamp model's "
+                "compute_logits): start the engine without enable_batch_sharded_sampling")
+    return None
 
-    class EsampMrv2LogitsProcessor(LogitsProcessor):
-        """ESamp on the rows of requests that ``validate_params`` prepared (MRV2 interface)."""
 
-        def __init__(self, vllm_config, req_states: LogitsProcRequestState) -> None:
-            self.req_states = req_states
-            self.core = EsampLogitsProcessor(vllm_config, req_states.device, False)
-            self.slots: dict[int, _Row] = {}  # request slot → its row settings (ESamp requests only)
-            if self.core.working:
-                STATE.set_processor(self)  # the model and the worker extension reach the core through us
+class EsampMrv2LogitsProcessor(LogitsProcessor):
+    """ESamp on the rows of requests that ``validate_params`` prepared (Model Runner V2)."""
 
-        @classmethod
-        def validate_params(cls, sampling_params) -> None:
-            es.prepare(sampling_params)
+    steering_class = EngineSteering
 
-        def add_request(self, req_idx: int, sampling_params) -> bool:
-            """A request took slot ``req_idx`` (the slot's last occupant is gone)."""
-            row = self.core._new_row(sampling_params, None, _Generated()) if self.core.working else None
-            if row is None:
-                self.slots.pop(req_idx, None)
-                return False  # vLLM skips every processor for a batch where no request needs one
-            self.slots[req_idx] = row
-            return True
+    def __init__(self, vllm_config, req_states: LogitsProcRequestState) -> None:
+        why = refusal(vllm_config)
+        if why is not None:
+            raise ValueError(why)
+        self.req_states = req_states
+        self.slots: dict[int, RequestRow] = {}  # slot → its request's row (ESamp requests only)
+        self._plan: BatchPlan | None = None
+        self._rows: dict[int, RequestRow] = {}  # this plan's rows by logits row
+        self._order: np.ndarray | None = None  # the row → slot order the plan was built for
+        self.exchange = exchange_for(vllm_config)
+        self.steering = self.exchange.attach_adapter(
+            self, lambda: make_steering(vllm_config, torch.device(req_states.device), self.steering_class), late=True)
+        self.steering.forget_rows = weakref.WeakMethod(self.forget)
 
-        def apply(self, logits, ctx: LogitsContext):
-            core = self.core
-            if not self.slots or logits.shape[0] != len(ctx.idx_mapping_np):
-                return logits  # no ESamp request; or draft rows (speculative decoding: refused by ESamp)
-            prompt = self.req_states.prompt_len.np
-            seen = ctx.seq_lens_upper_bound_np
-            rows = {}
-            for index, slot in enumerate(ctx.idx_mapping_np.tolist()):
-                row = self.slots.get(slot)
-                if row is not None:
-                    row.output_ids.index = max(0, int(seen[index]) - int(prompt[slot]))
-                    rows[index] = row
-            if rows != core.rows:
-                core.rows = rows
-                core._plan = None
-            return core.apply(logits)
+    @classmethod
+    def validate_params(cls, sampling_params) -> None:
+        es.prepare(sampling_params)  # a request's real filters move into its payload (``settings.prepare``)
 
-        # -- what the model and the worker extension call (the V1 adapter's, on our rows) ------
+    def add_request(self, req_idx: int, sampling_params) -> bool:
+        """A request took slot ``req_idx`` (whatever held it before is gone); True when it is ours."""
+        self._order = None
+        row = None
+        if self.exchange.is_live(self):
+            steering = self.steering
+            row = request_row(sampling_params.extra_args, sampling_params.seed, _Generated(), steering.groups,
+                              steering.config, steering.record_all)
+        if row is None:
+            self.slots.pop(req_idx, None)
+            return False
+        self.slots[req_idx] = row
+        return True
 
-        def plan(self, rows: int):
-            return None  # the row order is not known before apply (module docstring)
+    def has_rows(self) -> bool:
+        """Whether any slot holds an ESamp request (the model then keeps the step's taps). A
+        finished request keeps its slot until the slot is reused: MRV2 does not say it left."""
+        return bool(self.slots)
 
-        def distill(self, *args, **kwargs):
-            return self.core.distill(*args, **kwargs)
+    def apply(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
+        if not self.slots or not self.exchange.is_live(self):
+            return logits
+        order = ctx.idx_mapping_np
+        if logits.shape[0] != len(order):  # refused at start (``refusal``); never steer rows we cannot place
+            raise RuntimeError(f"ESamp: {logits.shape[0]} logits rows for {len(order)} requests; ESamp needs one "
+                               "row per request (no speculative decoding)")
+        if self._order is None or not np.array_equal(self._order, order):
+            self._rows = {i: row for i, slot in enumerate(order.tolist()) if (row := self.slots.get(slot)) is not None}
+            self._plan = self.steering.plan(self._rows, logits.shape[0]) if self._rows else None
+            self._order = order.copy()
+        plan = self._plan
+        if plan is None:
+            return logits  # no request of ours in this batch
+        generated = ctx.seq_lens_upper_bound_np[:len(order)] - self.req_states.prompt_len.np[order]
+        for index, row in self._rows.items():
+            row.output_ids.index = max(0, int(generated[index]))
+        return self.steering.apply(plan, logits, self.exchange.distill_late(plan))
 
-        def take_distiller_logits(self, d) -> None:
-            self.core.take_distiller_logits(d)
-
-        def release(self, group: str) -> None:
-            for slot in [s for s, r in self.slots.items() if r.group == group]:
-                del self.slots[slot]  # a finished request's slot keeps it until it is reused
-            self.core.release(group)
-
-        def drain(self, release=(), groups=None) -> dict:
-            for group in release:
-                self.release(group)
-            return self.core.drain((), groups)
-
-        def __getattr__(self, name: str):  # counters, records, bank, metrics, ...: the core's
-            if name == "core":
-                raise AttributeError(name)
-            return getattr(self.core, name)
-
-else:  # pragma: no cover
-    EsampMrv2LogitsProcessor = None
+    def forget(self, group: str) -> None:
+        """``group`` is over (its client said so): drop its rows (``EngineSteering.release`` calls
+        this before freeing the slot)."""
+        for slot in [s for s, r in self.slots.items() if r.group == group]:
+            del self.slots[slot]
+            self._order = None
