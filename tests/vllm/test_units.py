@@ -254,3 +254,32 @@ def test_the_gpu_share_comes_from_the_caller_the_environment_or_the_default(monk
         with pytest.raises(ConfigError) as err:
             gpu_share(None)
         assert GPU_SHARE_ENV in str(err.value) and err.value.hint
+
+
+@pytest.mark.vllm
+def test_a_second_compute_logits_after_sampling_is_not_steered():
+    """vLLM computes prompt logprobs with a second compute_logits on the prompt rows after the
+    step's sampler ran: the V1 adapter has no plan for it (those rows are not the batch's), and a
+    tap buffer never takes more rows than a batch holds."""
+    from types import SimpleNamespace
+
+    from vllm import SamplingParams
+    from vllm.v1.sample.logits_processor import BatchUpdate
+
+    from esamp.core.config import EsampConfig
+    from esamp.engines.vllm.processor import EsampLogitsProcessor
+
+    config = SimpleNamespace(
+        model_config=SimpleNamespace(get_vocab_size=lambda: 32, get_hidden_size=lambda: 8, logits_processors=None),
+        scheduler_config=SimpleNamespace(max_num_seqs=4),
+        additional_config={es.KEY: es.engine_settings(EsampConfig(slots=2, rank=2), 2)})
+    adapter = EsampLogitsProcessor(config, torch.device("cpu"), False)
+    params = SamplingParams(extra_args={"esamp": "on"})
+    es.prepare(params)
+    adapter.update_state(BatchUpdate(batch_size=1, removed=[], added=[(0, params, [1, 2], [])], moved=[]))
+    assert adapter.plan(1) is not None
+    adapter.apply(torch.randn(1, 32))
+    assert adapter.plan(1) is None and adapter.plan(7) is None  # the step's sampler has run
+    adapter.update_state(None)  # the next step
+    assert adapter.plan(1) is not None
+    assert adapter.steering.keep_taps(torch.zeros(4, 16)) and not adapter.steering.keep_taps(torch.zeros(9, 16))

@@ -141,9 +141,9 @@ class StepExchange:
         if not self.late or adapter is None or self.steering is None or self.steering.bank is None \
                 or not adapter.has_rows():
             return
-        self.steering.keep_taps(aux)
-        self._late_taps = (source, target, normalize, head_dtype)
-        self.taps_put += 1
+        if self.steering.keep_taps(aux):
+            self._late_taps = (source, target, normalize, head_dtype)
+            self.taps_put += 1
 
     def distill_late(self, plan: BatchPlan) -> Handoff | None:
         """For a late adapter, in ``apply``: the Distiller step on ``plan``'s steered rows from the

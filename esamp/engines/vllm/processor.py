@@ -25,7 +25,7 @@ from esamp.engines.vllm.exchange import exchange_for
 from esamp.engines.vllm.rows import request_row
 from esamp.engines.vllm.steering import BatchPlan, EngineSteering
 
-try:  # vLLM ≤ 0.30: the V1 interface (≥ 0.31's MRv2 interface has its own adapter)
+try:  # the V1 runner's interface (Model Runner V2's has its own adapter: mrv2.py)
     from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
     from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 except ImportError as exc:  # pragma: no cover - depends on the installed vLLM
@@ -55,6 +55,7 @@ class EsampLogitsProcessor(LogitsProcessor):
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
         self.rows: dict = {}
         self._plan: BatchPlan | None = None
+        self._sampled = False  # this step's sampler has run (a later compute_logits is not ours)
         self.exchange = exchange_for(vllm_config)
         self.steering = self.exchange.attach_adapter(
             self, lambda: make_steering(vllm_config, torch.device(device), self.steering_class))
@@ -68,6 +69,7 @@ class EsampLogitsProcessor(LogitsProcessor):
         return False  # ESamp moves the argmax
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
+        self._sampled = False  # vLLM calls this at the start of every step
         if batch_update is None or not self.exchange.is_live(self):
             return
         steering = self.steering
@@ -79,8 +81,10 @@ class EsampLogitsProcessor(LogitsProcessor):
         return bool(self.rows)
 
     def plan(self, rows: int) -> BatchPlan | None:
-        """This step's plan for ``rows`` logits rows, or None when no row is ours."""
-        if not self.rows:
+        """This step's plan for ``rows`` logits rows, or None when no row is ours, or when the
+        step's sampler has run (vLLM computes prompt logprobs with a second ``compute_logits`` on
+        the prompt rows after sampling: those rows are not the batch's)."""
+        if not self.rows or self._sampled:
             return None
         plan = self._plan
         if plan is None or plan.rows != rows:
@@ -91,6 +95,7 @@ class EsampLogitsProcessor(LogitsProcessor):
         if not self.rows or not self.exchange.is_live(self):
             return logits
         plan = self.plan(logits.shape[0])
+        self._sampled = True
         return self.steering.apply(plan, logits, self.exchange.take(plan))
 
     def forget(self, group: str) -> None:

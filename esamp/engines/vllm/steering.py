@@ -197,10 +197,14 @@ class EngineSteering:
         self.steerer.warm_filter(self.vocab, self.device, head_dtype)
         self.counters["prepare_ms"] = round(1e3 * (time.perf_counter() - t0), 1)
 
-    def keep_taps(self, aux: torch.Tensor) -> None:
+    def keep_taps(self, aux: torch.Tensor) -> bool:
         """Keep every logits row's tap columns (``aux``: [rows, A·H]) where the Distiller step reads
-        them, in logits-row order (one copy)."""
+        them, in logits-row order (one copy). False for more rows than a batch holds (not a batch's
+        rows: e.g. prompt rows for prompt logprobs), which are not kept."""
+        if aux.shape[0] > self.max_rows:
+            return False
         self._tap_buffer(aux)[:aux.shape[0]].copy_(aux)
+        return True
 
     def distill(self, plan: BatchPlan, source: int, target: int, normalize, head_dtype: torch.dtype) -> Handoff:
         """The Distiller step on the plan's steered rows, from the taps ``keep_taps`` kept this
