@@ -1,7 +1,8 @@
 """One sample's completion, each token coloured by its novelty, drawn through the Line API.
 
 Tokens arrive many times a second in n panes at once. Re-rendering a growing ``Static`` costs more
-with every token, so this pane keeps the text as wrapped lines of (text, heat bucket) runs, caches
+with every token, so this pane keeps the text as word-wrapped lines of (text, heat bucket) runs
+(``esamp_tui.wrap``: a word split over tokens still moves to the next line whole), caches
 one ``Strip`` per line and, on an append, drops only the cache entries of the lines that changed
 (usually just the last one). A resize re-wraps from the token list; a theme change only empties
 the strip cache, since colours are looked up at render time.
@@ -9,7 +10,6 @@ the strip cache, since colours are looked up at render time.
 
 from __future__ import annotations
 
-from rich.cells import cell_len, chop_cells
 from rich.segment import Segment
 from rich.style import Style
 from textual.geometry import Size
@@ -17,6 +17,7 @@ from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
 from esamp_tui.theming import heat_ramp
+from esamp_tui.wrap import WrappedLines
 
 PLAIN = -1  # bucket of a token without novelty
 BUCKETS = 21  # novelty 0..1 is drawn in this many colours blended from the theme's five stops
@@ -51,8 +52,7 @@ class SamplePane(ScrollView, can_focus=False):
         self.novelty_sum = 0.0
         self.novelty_count = 0
         self.finish_reason: str | None = None
-        self._lines: list[list[tuple[str, int]]] = [[]]  # wrapped lines of (text, bucket) runs
-        self._last_width = 0  # cells used on the last line
+        self._wrapped = WrappedLines(0)  # word-wrapped lines of (text, bucket) runs
         self._wrap_width = 0
         self._strips: dict[int, Strip] = {}
         self._styles: dict[int, Style] | None = None
@@ -66,21 +66,22 @@ class SamplePane(ScrollView, can_focus=False):
         if not pieces:
             return
         follow = self.is_vertical_scroll_end
-        first_dirty = len(self._lines) - 1
+        lines = self._wrapped.lines
+        first_dirty = len(lines) - 1  # an append changes only the last line and adds lines after it
         for text, novelty in pieces:
             b = bucket(novelty)
             self.tokens.append((text, b))
             if novelty is not None:
                 self.novelty_sum += novelty
                 self.novelty_count += 1
-            self._place(text, b)
-        for y in range(first_dirty, len(self._lines)):
+            self._wrapped.add(text, b)
+        for y in range(first_dirty, len(lines)):
             self._strips.pop(y, None)
-        self._set_extent(Size(self._wrap_width, len(self._lines)))
+        self._set_extent(Size(self._wrap_width, len(lines)))
         self._update_header()
         if follow:
             self.scroll_end(animate=False, immediate=True, x_axis=False)
-        self.refresh_lines(first_dirty, len(self._lines) - first_dirty)
+        self.refresh_lines(first_dirty, len(lines) - first_dirty)
 
     def finish(self, reason: str) -> None:
         self.finish_reason = reason
@@ -108,41 +109,6 @@ class SamplePane(ScrollView, can_focus=False):
             parts.append(self.finish_reason)
         self.border_subtitle = " · ".join(parts)
 
-    # -- wrapping -----------------------------------------------------------------------------
-
-    def _place(self, text: str, b: int) -> None:
-        """Append one token's text to the wrapped lines (word wrap, long words split)."""
-        width = max(self._wrap_width, 1)
-        for k, part in enumerate(text.split("\n")):
-            if k:
-                self._lines.append([])
-                self._last_width = 0
-            if not part:
-                continue
-            size = cell_len(part)
-            if self._last_width + size > width:
-                if self._last_width and size <= width:
-                    self._lines.append([])  # the word moves to a fresh line
-                    self._last_width = 0
-                    part = part.lstrip(" ") or part
-                    size = cell_len(part)
-                else:
-                    room = width - self._last_width
-                    head, *_ = chop_cells(part, room) if room > 0 else [""]
-                    if head:
-                        self._lines[-1].append((head, b))
-                    rest = part[len(head):]
-                    self._lines.append([])
-                    self._last_width = 0
-                    for chunk in chop_cells(rest, width):
-                        if self._last_width:
-                            self._lines.append([])
-                        self._lines[-1].append((chunk, b))
-                        self._last_width = cell_len(chunk)
-                    continue
-            self._lines[-1].append((part, b))
-            self._last_width += size
-
     def _set_extent(self, size: Size) -> None:
         """Grow the scrollable extent without a layout pass.
 
@@ -161,14 +127,18 @@ class SamplePane(ScrollView, can_focus=False):
         self.set_reactive(ScrollView.virtual_size, size)
         scroll_update(size)
 
+    @property
+    def lines(self) -> list[str]:
+        """The text of each wrapped line, as drawn."""
+        return self._wrapped.text_lines()
+
     def _rewrap(self, width: int) -> None:
         self._wrap_width = width
-        self._lines = [[]]
-        self._last_width = 0
+        self._wrapped = WrappedLines(width)
         for text, b in self.tokens:
-            self._place(text, b)
+            self._wrapped.add(text, b)
         self._strips.clear()
-        self.virtual_size = Size(width, len(self._lines))
+        self.virtual_size = Size(width, len(self._wrapped.lines))
 
     def on_resize(self) -> None:
         width = self.scrollable_content_region.width
@@ -223,12 +193,13 @@ class SamplePane(ScrollView, can_focus=False):
         if self._base is None:
             self._base = self.rich_style
         base = self._base
-        if index >= len(self._lines):
+        lines = self._wrapped.lines
+        if index >= len(lines):
             return Strip.blank(width, base)
         strip = self._strips.get(index)
         if strip is None:
             styles = self.heat_styles()
-            segments = [Segment(text, base + styles[b]) for text, b in self._lines[index]]
+            segments = [Segment(text, base + styles[b]) for text, b in lines[index]]
             strip = Strip(segments)
             self._strips[index] = strip
         return strip.crop_extend(scroll_x, scroll_x + width, base).apply_offsets(scroll_x, index)

@@ -13,6 +13,8 @@ Script:
 - prompt ``"fail"``: ``step()`` raises on the third step (a Python error inside the engine);
 - prompt ``"hold"``: after six steps the group stops advancing (steps emit nothing) until it is
   aborted, a frozen mid-stream state for snapshots;
+- prompt ``"words"``: the tokens are pieces of words as a real tokenizer cuts them
+  (``WORD_PIECES``: ``" halak"`` + ``"ic"``, a ``"."`` after a word), for the word-wrap tests;
 - prompt ``"bad start"``: ``start()`` raises a ``TypeError``, as a tokenizer does on bytes it
   cannot read;
 - model ``"missing"``: construction raises ``ModelNotFoundError``;
@@ -29,6 +31,8 @@ from esamp.events import DoneEvent, ReadyEvent, StepEvent, TokenEvent
 
 FACTORY = f"{__name__}:FakeEngine"  # the name this module was imported under; the child shares sys.path
 NOVELTY_CYCLE = (0.0, 0.25, 0.5, 0.75, 1.0)
+WORD_PIECES = (" The", " rule", " is", " halak", "ic", " and", " old", ".", " Its", " source", "s", " dis",
+               "agree", " about", " it", ",", " and", " so", " the", " dis", "cuss", "ion", " goes", " on", ".")
 
 
 def token_text(esamp_on: bool, index: int, mix: str = "paper") -> str:
@@ -94,8 +98,9 @@ class FakeEngine:
                 i = g["count"][sample]
                 rows += 1
                 novelty = NOVELTY_CYCLE[(i + sample) % len(NOVELTY_CYCLE)] if g["on"] else None
+                text = WORD_PIECES[i % len(WORD_PIECES)] if g["prompt"] == "words" else token_text(g["on"], i, g["mix"])
                 events.append(TokenEvent(group=key, sample=sample, index=i, token_id=1000 + i,
-                                         text=token_text(g["on"], i, g["mix"]), novelty=novelty))
+                                         text=text, novelty=novelty))
                 g["count"][sample] = i + 1
                 if i + 1 >= length:
                     g["done"].add(sample)
