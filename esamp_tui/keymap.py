@@ -22,7 +22,7 @@ from textual.widgets import Input
 from esamp.core.mixes import MIXES
 
 BETA_KEYS = Binding.Group("β")
-SAMPLE_KEYS = Binding.Group("n")
+SAMPLE_KEYS = Binding.Group("samples")
 
 # The main screen's keys. The footer shows those with ``show`` that work where the focus is:
 # single-character keys type into the prompt box while it has focus, so they are hidden then.
@@ -57,6 +57,18 @@ MAIN_BINDINGS = [
     Binding("escape", "hide_error", "Hide error", key_display="esc", id="esamp.hide_error",
             tooltip="Hide the error panel"),
 ]
+
+
+# Where the keys that work now do not all fit the footer's width, these are left out first
+# (binding ids). Quit, help, abort, restart and leaving the prompt box always stay.
+FOOTER_DROP_ORDER = ("esamp.charts", "esamp.export", "esamp.compare", "esamp.mix", "esamp.more_samples",
+                     "esamp.rerun", "esamp.beta_up", "esamp.toggle")
+
+
+def footer_drop_actions() -> list[str]:
+    """``FOOTER_DROP_ORDER`` as the actions the footer's keys carry."""
+    by_id = {b.id: b.action for b in MAIN_BINDINGS}
+    return [by_id[binding_id] for binding_id in FOOTER_DROP_ORDER]
 
 
 def types_text(key: str) -> bool:

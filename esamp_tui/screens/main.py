@@ -14,7 +14,7 @@ from pathlib import Path
 from textual import on
 from textual.app import ComposeResult
 from textual.reactive import reactive
-from textual.widgets import Footer, Input
+from textual.widgets import Input
 
 from esamp.core.config import SamplingConfig, Steering, update_config
 from esamp.core.mixes import MIXES
@@ -22,7 +22,7 @@ from esamp.engines.base import check_prompt_text
 from esamp.errors import PromptError
 from esamp.events import ErrorEvent, StepEvent
 from esamp_tui.controller import SessionController
-from esamp_tui.keymap import MAIN_BINDINGS, KeysScreen
+from esamp_tui.keymap import MAIN_BINDINGS, KeysScreen, footer_drop_actions
 from esamp_tui.messages import VendiScored
 from esamp_tui.options import BETA_RANGE, BETA_STEP, MAX_PANES, Options
 from esamp_tui.record import SessionRecord
@@ -31,6 +31,7 @@ from esamp_tui.screens.help import HelpScreen
 from esamp_tui.speed import SpeedRecord, SpeedWatch
 from esamp_tui.widgets.charts import MODES, ChartStrip
 from esamp_tui.widgets.error_panel import ErrorPanel
+from esamp_tui.widgets.footer import KeysFooter
 from esamp_tui.widgets.history import RunHistory
 from esamp_tui.widgets.results import Results
 from esamp_tui.widgets.status import StatusBar
@@ -85,7 +86,7 @@ class MainScreen(KeysScreen):
         yield RunHistory(id="history")
         yield ChartStrip(self.memory_sampler, id="charts")
         yield StatusBar(id="status").data_bind(MainScreen.esamp_on, MainScreen.beta, MainScreen.mix, MainScreen.n)
-        yield Footer(compact=True)
+        yield KeysFooter(footer_drop_actions(), compact=True)
 
     def on_mount(self) -> None:
         self.prompt, self.results, self.history = self.query_one(Input), self.query_one(Results), self.query_one(RunHistory)
@@ -100,7 +101,7 @@ class MainScreen(KeysScreen):
     def on_resize(self, event) -> None:
         height = event.size.height
         self.set_class(height < SHORT, "-short")
-        self.query_one(Footer).show_command_palette = event.size.width >= NARROW
+        self.query_one(KeysFooter).show_command_palette = event.size.width >= NARROW
         if not self.charts_chosen:
             self.query_one(ChartStrip).mode = "full" if height >= SHORT else "compact" if height >= TINY else "hidden"
 

@@ -1,4 +1,8 @@
-"""The run history above the charts: the last runs' numbers, marked where they do not compare."""
+"""The run history above the charts: the last runs' numbers, marked where they do not compare.
+
+Newest first: where the terminal leaves the history fewer lines than it has (two on a short
+terminal), the latest runs are the ones shown.
+"""
 
 from __future__ import annotations
 
@@ -17,9 +21,9 @@ class RunHistory(Static):
     """
 
     def show(self, record: SessionRecord, lines: int = HISTORY_LINES) -> None:
-        """The last ``lines`` runs that ended, newest last."""
+        """The last ``lines`` runs that ended, newest first."""
         rows = []
-        for group in record.ended()[-lines:]:
+        for group in reversed(record.ended()[-lines:]):
             text, mark = history_line(group, record.baseline(group))
             style = "$warning" if group.interrupted else "$success"
             tail = Content.from_markup(f" · [{style}]$mark[/]", mark=mark) if mark else ""

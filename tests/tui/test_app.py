@@ -8,7 +8,8 @@ import threading
 import time
 
 import pytest
-from textual.widgets import Footer, Input
+from textual.widgets import Footer, Input, Label
+from textual.widgets._footer import FooterKey
 
 from esamp.core.config import update_config
 from esamp.events import ErrorEvent, event_from_dict
@@ -175,13 +176,13 @@ async def test_history_compares_like_with_like(make_app):
         await pilot.press("e", "r")
         await wait_for(pilot, lambda: "r2-off" in screen.record.groups and run_finished(screen), what="second run")
         await settle(pilot)
-        lines = history(screen).splitlines()
-        assert lines[0].startswith("run 1 · ESamp ON") and "vs run" not in lines[0]
-        assert lines[1].startswith("run 2 · ESamp OFF") and "vs run 1 (ESamp ON β=0.8)" in lines[1]
+        lines = history(screen).splitlines()  # newest first
+        assert lines[1].startswith("run 1 · ESamp ON") and "vs run" not in lines[1]
+        assert lines[0].startswith("run 2 · ESamp OFF") and "vs run 1 (ESamp ON β=0.8)" in lines[0]
         await pilot.press("N", "r")  # another n: not comparable with either
         await wait_for(pilot, lambda: "r3-off" in screen.record.groups and run_finished(screen), what="third run")
         await settle(pilot)
-        assert "vs run" not in history(screen).splitlines()[-1]
+        assert "vs run" not in history(screen).splitlines()[0]
 
 
 async def test_a_new_prompt_cuts_off_the_running_one(make_app):
@@ -348,6 +349,63 @@ async def test_footer_offers_only_keys_that_work_where_the_focus_is(make_app):
         assert "abort" not in keys and "restart" not in keys  # nothing running, engine fine
 
 
+def footer_fits(screen) -> set[str]:
+    """The actions the footer shows, after checking that each is whole within the terminal and
+    that quit and help are among them."""
+    footer = screen.query_one(Footer)
+    shown = [key for key in footer.query(FooterKey) if key.display and key.parent.display]
+    for key in shown:
+        assert key.region.right <= footer.region.right, f"{key.action} runs past the right edge"
+    actions = {key.action for key in shown}
+    assert {"app.quit", "help"} <= actions or screen.typing, actions
+    children = list(footer.children)
+    for before, label in zip(children, children[1:]):
+        if isinstance(label, Label) and label.display:  # a key group's label goes with its keys
+            assert before.display and label.region.right <= footer.region.right
+    return actions
+
+
+@pytest.mark.parametrize("width, kept", [(80, {"toggle_esamp", "rerun", "samples(1)", "beta(1)", "mix"}),
+                                         (64, {"toggle_esamp", "beta(1)"})])
+async def test_footer_never_cuts_quit_off(make_app, width, kept):
+    """Idle, running and after an engine error: what works now, cut to what fits."""
+    app = make_app(n=2, max_tokens=30, prompt="small")
+    async with app.run_test(size=(width, 24)) as pilot:
+        screen = app.main_screen
+        await wait_for(pilot, lambda: run_finished(screen), what="run")
+        await settle(pilot)
+        assert kept <= footer_fits(screen)
+        screen.run_prompt("hold")
+        await wait_for(pilot, lambda: any(k.action == "abort" for k in screen.query(FooterKey)), what="abort key")
+        await settle(pilot)
+        assert "abort" in footer_fits(screen)
+        await pilot.press("a")
+        await wait_for(pilot, lambda: not screen.record.running(), what="abort")
+        screen.run_prompt("crash")
+        await wait_for(pilot, lambda: screen.controller.failed is not None, what="engine failure")
+        await settle(pilot)
+        assert {"restart", "hide_error"} <= footer_fits(screen)
+        await pilot.resize_terminal(160, 24)  # room again: what was left out comes back
+        await settle(pilot)
+        assert {"charts", "export", "restart", "app.quit"} <= footer_fits(screen)
+
+
+async def test_short_terminal_history_shows_the_newest_runs(make_app):
+    app = make_app(n=2, max_tokens=4, prompt="one")
+    async with app.run_test(size=(80, 24)) as pilot:
+        screen = app.main_screen
+        await wait_for(pilot, lambda: run_finished(screen), what="run 1")
+        for run in (2, 3):
+            await pilot.press("r")
+            await wait_for(pilot, lambda: f"r{run}-on" in screen.record.groups and run_finished(screen),
+                           what=f"run {run}")
+        await settle(pilot)
+        widget = screen.query_one("#history")
+        assert widget.region.height == 2  # a short terminal keeps two lines of history
+        shown = history(screen).splitlines()[:2]
+        assert shown[0].startswith("run 3 ·") and shown[1].startswith("run 2 ·")
+
+
 async def test_small_terminal_gives_the_panes_the_room(make_app):
     app = make_app(n=4, max_tokens=30, prompt="small")
     async with app.run_test(size=(80, 24)) as pilot:
@@ -358,8 +416,7 @@ async def test_small_terminal_gives_the_panes_the_room(make_app):
         assert charts.mode == "compact" and charts.region.height == 1
         panes = screen.results.rows["r1-on"].panes
         assert min(p.region.height for p in panes) >= 6  # four or more lines of text each
-        footer = screen.query_one(Footer)
-        assert footer.virtual_size.width <= footer.region.width  # nothing cut off at the right
+        assert footer_fits(screen)
         status = str(screen.status.render())
         assert status.rstrip().endswith("1") and "0" in status  # the novelty legend is whole
         await pilot.press("g")
