@@ -52,6 +52,8 @@ class GroupRecord:
     distinct_2: float | None = None
     vendi: float | None = None
     interrupted: str | None = None  # a key of INTERRUPTIONS, once the run was stopped early
+    started: float = field(default_factory=time.monotonic)  # when it was sent (or the engine became ready)
+    ended: float | None = None  # when its last sample ended
 
     def __post_init__(self) -> None:
         if not self.samples:
@@ -75,6 +77,21 @@ class GroupRecord:
         return self.interrupted is None and all(s.finish_reason in ("stop", "length") for s in self.samples)
 
     @property
+    def token_count(self) -> int:
+        return sum(len(s.tokens) for s in self.samples)
+
+    def tokens_per_s(self, now: float | None = None) -> float | None:
+        """The run's rate: its tokens over its time so far (to its end, once it ended).
+
+        Not the engine's latest windowed figure, which falls as the run's samples finish.
+        None before its first token.
+        """
+        if not self.token_count:
+            return None
+        elapsed = (self.ended if self.ended is not None else time.monotonic() if now is None else now) - self.started
+        return self.token_count / max(elapsed, 1e-3)
+
+    @property
     def mean_tokens(self) -> float:
         return sum(len(s.tokens) for s in self.samples) / max(len(self.samples), 1)
 
@@ -90,6 +107,7 @@ class GroupRecord:
         if event.finish_reason in ("abort", "error") and self.interrupted is None:
             self.interrupted = event.finish_reason
         if self.finished:
+            self.ended = time.monotonic()
             self.distinct_2 = distinct_2([s.text for s in self.samples])
             return True
         return False
@@ -101,6 +119,7 @@ class GroupRecord:
             sample.finish_reason = "error" if why == "error" else "abort"
         if open_samples:
             self.interrupted = self.interrupted or why
+            self.ended = time.monotonic()
             self.distinct_2 = distinct_2([s.text for s in self.samples])
         return bool(open_samples)
 
@@ -168,6 +187,21 @@ class SessionRecord:
 
     def ended(self) -> list[GroupRecord]:
         return [g for g in self.groups.values() if g.finished]
+
+    def engine_ready(self, now: float | None = None) -> None:
+        """Runs sent before the engine was up start their clock now: loading is not decoding."""
+        now = time.monotonic() if now is None else now
+        for group in self.running():
+            group.started = max(group.started, now)
+
+    def run_rates(self, now: float | None = None) -> dict[bool, float]:
+        """ESamp off / on → tokens/s of the latest run of each that has tokens, the latest last."""
+        latest: dict[bool, GroupRecord] = {}
+        for group in self.groups.values():
+            if group.token_count:
+                latest.pop(group.esamp_on, None)
+                latest[group.esamp_on] = group
+        return {on: group.tokens_per_s(now) for on, group in latest.items()}
 
     def baseline(self, group: GroupRecord) -> GroupRecord | None:
         """The latest group before ``group`` (in a compare run: its ESamp-off sibling) that was

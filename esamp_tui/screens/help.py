@@ -25,8 +25,9 @@ is compared with the latest complete run of the same prompt and sampling steered
 (e.g. `distinct-2 +0.070 vs run 3 (ESamp OFF)`). Compare mode (c) runs ESamp off and on on the
 same prompt and seed, in two rows.
 
-**Charts.** tokens/s (ESamp off and on in two colours, named on the line above the plot),
-Distiller loss (mean squared error), port hits (tapped rows delivered to the Distiller per
+**Charts.** tokens/s (ESamp off and on in two colours; the figures on the line above the plot
+are the latest run's own rate, its tokens over its time, while the plot follows the engine step
+by step), Distiller loss (mean squared error), port hits (tapped rows delivered to the Distiller per
 step) and memory in GiB, drawn against the device's total: GPU memory over NVML,
 unified/host memory where the device reports none. All four share one time axis, the last two
 minutes. On a short terminal they shrink to one line of values and sparklines, and hide when

@@ -112,6 +112,7 @@ class MainScreen(KeysScreen):
         if self.controller.current(message):
             info = message.info
             self.record.engine = info.model_dump()
+            self.record.engine_ready()
             self.speed = SpeedWatch(SpeedRecord.load(info, self.speed_file))
             self.status.engine, self.status.model, self.status.device = info.engine, info.model, info.device
             self.refresh_state()
@@ -122,6 +123,7 @@ class MainScreen(KeysScreen):
             return
         with self.app.batch_update():
             ended, others = self.results.apply(message.events)
+            self.charts.run_rates = self.record.run_rates()
             for event in others:
                 self.step_arrived(event) if isinstance(event, StepEvent) else self.error_panel.report(event)
             if ended:

@@ -1,5 +1,9 @@
 """The chart strip: tokens/s (ESamp off and on), Distiller loss, port hits and memory.
 
+The tokens/s figures on the value line are the runs' own rates (``run_rates``: a run's tokens
+over its time, set by the screen from the record), one per ESamp state; the plot under them is
+the engine's windowed rate, step by step, which falls as a run's samples finish.
+
 Every chart has its unit in its title and a y-scale, and all four share one time axis: the last
 ``WINDOW_S`` seconds up to the newest reading of any series (the memory sampler ticks every
 second, so the axis keeps moving while the engine is idle). Memory is drawn against the device's
@@ -126,6 +130,7 @@ class ChartStrip(Horizontal):
         self.rate_off, self.rate_on = TimeSeries(), TimeSeries()
         self.loss, self.hits, self.memory = TimeSeries(), TimeSeries(), TimeSeries()
         self.memory_sample: MemorySample | None = None
+        self.run_rates: dict[bool, float] = {}  # ESamp off / on → the latest such run's tokens/s, latest last
         self._dirty = False
 
     def compose(self) -> ComposeResult:
@@ -244,7 +249,7 @@ class ChartStrip(Horizontal):
             return
         compact = self.mode == "compact"
         now = self.now
-        off, on = self.rate_off.last, self.rate_on.last
+        off, on = self.run_rates.get(False), self.run_rates.get(True)
         rate = " ".join(part for part in (
             f"[$primary]━[/] off {off:,.1f}" if off is not None else "",
             f"[$accent]━[/] on {on:,.1f}" if on is not None else "") if part) or "–"
@@ -258,7 +263,8 @@ class ChartStrip(Horizontal):
             mem = f"{kind} {sample.used / GIB:.1f}/{sample.total / GIB:.{0 if compact else 1}f} GiB"
         if compact:
             rates = self.rate_off.values(now) + self.rate_on.values(now)
-            rate = f"tok/s {(on if on is not None else off) or 0:,.0f} {spark(rates, 0, max(rates, default=1))}"
+            latest = list(self.run_rates.values())[-1] if self.run_rates else 0
+            rate = f"tok/s {latest:,.0f} {spark(rates, 0, max(rates, default=1))}"
             losses = self.loss.values(now)
             loss = "loss –" if not losses else f"loss {losses[-1]:.3g} {spark(losses, min(losses), max(losses))}"
             hit_values = self.hits.values(now)

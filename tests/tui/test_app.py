@@ -65,6 +65,26 @@ async def test_panes_fill_with_the_scripted_stream(make_app):
         assert screen.charts.rate_on.last is not None and len(screen.record.metrics) > 0
 
 
+@pytest.mark.parametrize("size", [SIZE, (80, 24)], ids=["full", "one-line"])
+async def test_tokens_per_s_figure_is_the_runs_rate(make_app, size):
+    """Beside the chart: the run's tokens over its time, not the engine's latest windowed value
+    (the scripted engine reports 50–90 tok/s whatever it does)."""
+    app = make_app(n=2, max_tokens=25, engine_options=dict(delay=0.01), prompt="rate")
+    async with app.run_test(size=size) as pilot:
+        screen = app.main_screen
+        await wait_for(pilot, lambda: run_finished(screen), what="run to finish")
+        await settle(pilot)
+        group = screen.record.groups["r1-on"]
+        rate = group.tokens_per_s()
+        assert rate == pytest.approx(group.token_count / (group.ended - group.started))
+        screen.charts.redraw()
+        value = str(screen.query_one("#chart-rate-value").render())
+        shown = f"tok/s {rate:,.0f}" if size == (80, 24) else f"on {rate:,.1f}"
+        assert shown in value and "off" not in value, value
+        last_step = screen.record.metrics[-1].tokens_per_s
+        assert f"{last_step:,.1f}" not in value or round(last_step, 1) == round(rate, 1)
+
+
 async def test_heat_maps_to_theme_colours(make_app):
     app = make_app(max_tokens=6, prompt="heat")
     async with app.run_test(size=SIZE) as pilot:

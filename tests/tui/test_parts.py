@@ -168,3 +168,24 @@ def test_a_compare_run_is_compared_within_itself():
             group.finish(DoneEvent(group=group.key, sample=sample, finish_reason="length", tokens=0))
     assert record.baseline(on) is off  # the same prompt and seed, decoded side by side
     assert record.baseline(off).run_id == 1  # the earlier run with ESamp on
+
+
+def test_a_runs_rate_is_its_tokens_over_its_time():
+    record = SessionRecord()
+    sampling = SamplingConfig(n=2, max_tokens=3)
+    (group,) = record.new_run(1, "p", Steering(), sampling, compare=False)
+    group.started = 100.0
+    assert group.tokens_per_s(now=101.0) is None and record.run_rates() == {}  # no token yet
+    for i in range(3):
+        for sample in range(2):
+            group.add_token(TokenEvent(group=group.key, sample=sample, index=i, token_id=i, text="a "))
+    assert group.tokens_per_s(now=102.0) == pytest.approx(3.0)  # 6 tokens in 2 s, still running
+    record.engine_ready(now=101.0)  # a run sent while the engine loaded starts its clock at ready
+    assert group.tokens_per_s(now=102.0) == pytest.approx(6.0)
+    for sample in range(2):
+        group.finish(DoneEvent(group=group.key, sample=sample, finish_reason="length", tokens=3))
+    group.ended = 103.0
+    assert group.tokens_per_s(now=500.0) == pytest.approx(3.0)  # fixed once it ended
+    (off,) = record.new_run(2, "p", Steering(enabled=False), sampling, compare=False)
+    off.add_token(TokenEvent(group=off.key, sample=0, index=0, token_id=0, text="a"))
+    assert list(record.run_rates()) == [True, False]  # one figure per ESamp state, the latest last
