@@ -344,7 +344,26 @@ def worker_main(spec: SessionSpec, commands, events, parent_pid: int) -> None:
         sys.stdout.flush()
     except Exception:
         pass
+    _release_named_resources()
     os._exit(code)
+
+
+def _release_named_resources() -> None:
+    """Run multiprocessing's exit-time finalizers, which ``os._exit`` skips.
+
+    Libraries in the worker create named semaphores: tqdm's progress-bar lock (a
+    ``multiprocessing.RLock`` kept for the process's life; the first start's model conversion
+    draws a bar) is one. Each is registered with the resource tracker this process shares with
+    the dashboard and unlinked by a finalizer at a normal exit. Skipped, the tracker unlinks it
+    when the dashboard exits and prints "leaked semaphore objects" on the user's terminal. These
+    finalizers (priority 0 and up) release and close; they do not wait for child processes.
+    """
+    from multiprocessing import util
+
+    try:
+        util._run_finalizers(0)  # what a normal exit of a multiprocessing child runs first
+    except Exception:
+        pass
 
 
 # -- the parent's side ------------------------------------------------------------------------

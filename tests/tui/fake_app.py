@@ -1,6 +1,8 @@
 """``esamp-tui`` on the scripted engine, for the terminal tests: ``python fake_app.py [prompt]``.
 
-``ESAMP_TEST_LOAD_SECONDS`` makes the engine spin that long before it is ready (a cold start).
+``ESAMP_TEST_LOAD_SECONDS`` makes the engine spin that long before it is ready (a cold start);
+``ESAMP_TEST_NAMED_LOCK=1`` makes it create a named semaphore, as a model conversion's progress
+bar does.
 """
 
 import os
@@ -15,5 +17,7 @@ if __name__ == "__main__":
 
     prompt = sys.argv[1] if len(sys.argv) > 1 else None
     load = float(os.environ.get("ESAMP_TEST_LOAD_SECONDS", "0"))
-    options = fake_options(prompt=prompt, max_tokens=30000, engine_options=dict(delay=0.05, load_seconds=load))
+    named_lock = os.environ.get("ESAMP_TEST_NAMED_LOCK") == "1"
+    options = fake_options(prompt=prompt, max_tokens=30000,
+                           engine_options=dict(delay=0.05, load_seconds=load, named_lock=named_lock))
     sys.exit(run_app(options, memory_sampler=FixedMemory()))

@@ -18,7 +18,9 @@ Script:
 - prompt ``"bad start"``: ``start()`` raises a ``TypeError``, as a tokenizer does on bytes it
   cannot read;
 - model ``"missing"``: construction raises ``ModelNotFoundError``;
-- ``load_seconds``: construction spins the CPU that long first, like a cold model load.
+- ``load_seconds``: construction spins the CPU that long first, like a cold model load;
+- ``named_lock``: construction creates a ``multiprocessing.RLock``, a named semaphore, as tqdm
+  does for the progress bar of the first start's model conversion.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from esamp.events import DoneEvent, ReadyEvent, StepEvent, TokenEvent
 
 FACTORY = f"{__name__}:FakeEngine"  # the name this module was imported under; the child shares sys.path
 NOVELTY_CYCLE = (0.0, 0.25, 0.5, 0.75, 1.0)
+NAMED_LOCKS: list = []
 WORD_PIECES = (" The", " rule", " is", " halak", "ic", " and", " old", ".", " Its", " source", "s", " dis",
                "agree", " about", " it", ",", " and", " so", " the", " dis", "cuss", "ion", " goes", " on", ".")
 
@@ -43,7 +46,12 @@ def token_text(esamp_on: bool, index: int, mix: str = "paper") -> str:
 class FakeEngine:
     name = "fake"
 
-    def __init__(self, model=None, esamp=None, delay: float = 0.0, load_seconds: float = 0.0):
+    def __init__(self, model=None, esamp=None, delay: float = 0.0, load_seconds: float = 0.0,
+                 named_lock: bool = False):
+        if named_lock and not NAMED_LOCKS:
+            from multiprocessing import RLock
+
+            NAMED_LOCKS.append(RLock())  # kept for the process's life, as tqdm keeps its lock on a class
         end = time.monotonic() + load_seconds
         while time.monotonic() < end:  # busy, as a model load is: only a signal can stop it
             pass

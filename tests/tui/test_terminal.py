@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 import os
 import pty
+import re
 import signal
 import struct
 import sys
@@ -51,10 +52,18 @@ def alive(pids: set[int]) -> set[int]:
     return out
 
 
-class Terminal:
-    """The fake dashboard on a 120×40 pty, its output drained so it never blocks."""
+SHELL_LINE = '"$0" "$@"; echo "[dashboard exit $?]"; sleep 30'
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+
+class Terminal:
+    """The fake dashboard on a 120×40 pty, its output drained so it never blocks.
+
+    ``shell``: started from a shell, as a user starts it, so that what other processes print
+    after the dashboard has exited (multiprocessing's resource tracker, say) still reaches the
+    terminal; the shell prints ``[dashboard exit N]`` when it returns.
+    """
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None, shell: bool = False) -> None:
         pid, fd = pty.fork()
         if pid == 0:  # child: becomes the session leader with the pty as its terminal
             os.environ["TERM"] = "xterm-256color"
@@ -62,7 +71,10 @@ class Terminal:
             os.environ.update(env or {})
             # as a terminal starts it: SIGHUP at its default even when the tests run under nohup
             signal.signal(signal.SIGHUP, signal.SIG_DFL)
-            os.execv(sys.executable, [sys.executable, str(FAKE_APP), *args])
+            command = [sys.executable, str(FAKE_APP), *args]
+            if shell:
+                command = ["/bin/sh", "-c", SHELL_LINE, *command]
+            os.execv(command[0], command)
         self.pid, self.fd = pid, fd
         fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
         self.modes_before = termios.tcgetattr(fd)[3]  # local modes: echo, canonical input
@@ -96,6 +108,12 @@ class Terminal:
 
     def output_text_bytes(self) -> bytes:
         return bytes(self.output)
+
+    def wait_output(self, text: bytes, timeout: float = 15.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while text not in self.output and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return text in self.output
 
     def send(self, keys: bytes) -> None:
         os.write(self.fd, keys)
@@ -199,5 +217,26 @@ def test_sigterm_during_a_cold_start_leaves_no_orphan():
         assert term.exit_status() is not None, "the dashboard did not quit"
         assert_all_gone(family, timeout=6.0)
         assert_terminal_restored(term)
+    finally:
+        term.kill()
+
+
+def test_quit_leaves_nothing_on_the_users_terminal():
+    """q after a first start whose model conversion made a named semaphore (tqdm's lock): the
+    shell gets the terminal back with nothing printed after the dashboard, no "leaked semaphore
+    objects" from multiprocessing's resource tracker, which outlives the dashboard by a moment."""
+    term = Terminal("stream", env={"ESAMP_TEST_NAMED_LOCK": "1"}, shell=True)
+    try:
+        family = term.wait_for_worker()
+        time.sleep(1.0)
+        term.send(b"q")
+        assert term.wait_output(b"[dashboard exit 0]"), "the dashboard did not quit"
+        assert_all_gone(family)  # the resource tracker included: it ends once both have exited
+        time.sleep(0.5)
+        out = term.output_text_bytes()
+        after = out[out.rindex(ALT_SCREEN_OFF) + len(ALT_SCREEN_OFF):]
+        printed = re.sub(rb"\x1b\[[?<>=]?[0-9;]*[A-Za-z]", b"", after).replace(b"[dashboard exit 0]", b"")
+        assert not printed.strip(), printed  # after the terminal's modes are restored: nothing
+        assert b"leaked" not in out and b"Traceback" not in out and b"Warning" not in out
     finally:
         term.kill()
