@@ -263,8 +263,8 @@ class ChartStrip(Horizontal):
             mem = f"{kind} {sample.used / GIB:.1f}/{sample.total / GIB:.{0 if compact else 1}f} GiB"
         if compact:
             rates = self.rate_off.values(now) + self.rate_on.values(now)
-            latest = list(self.run_rates.values())[-1] if self.run_rates else 0
-            rate = f"tok/s {latest:,.0f} {spark(rates, 0, max(rates, default=1))}"
+            latest = f"{list(self.run_rates.values())[-1]:,.0f}" if self.run_rates else "–"
+            rate = f"tok/s {latest} {spark(rates, 0, max(rates, default=1))}"
             losses = self.loss.values(now)
             loss = "loss –" if not losses else f"loss {losses[-1]:.3g} {spark(losses, min(losses), max(losses))}"
             hit_values = self.hits.values(now)
