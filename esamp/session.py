@@ -313,7 +313,7 @@ def worker_main(spec: SessionSpec, commands, events, parent_pid: int) -> None:
     """Entry point of the spawned child."""
     from esamp.threads import prefer_passive_wait
 
-    prefer_passive_wait()  # before the engine loads torch (README, "Threads on a CPU")
+    prefer_passive_wait()  # before the engine loads torch (docs/models.md, "Threads on a CPU")
     # Ctrl-C in the terminal reaches the whole foreground process group; the parent decides when
     # the worker stops (Shutdown, or its own death), so the child ignores SIGINT.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

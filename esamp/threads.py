@@ -1,7 +1,7 @@
 """CPU threads of the reference engine: how many, and how OpenMP's idle threads wait.
 
 Measured with ``benchmarks/threads.py`` on a 2-core CPU (``benchmarks/results/threads-cpu.json``;
-README, "Threads on a CPU"): on an idle machine a second thread gains little on the embedded model, whose
+docs/models.md, "Threads on a CPU"): on an idle machine a second thread gains little on the embedded model, whose
 decode step is many short operations the threads must meet at the end of; when another process
 holds a core, two threads under OpenMP's default wait policy collapse (a thread that finished
 its share spins, waiting for a sibling that lost its core), while one thread keeps its speed.

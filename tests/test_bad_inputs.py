@@ -34,7 +34,7 @@ TUI = ["esamp-tui"]
 slow = pytest.mark.slow
 
 CASES = [
-    # -- the README's list (esamp generate) ---------------------------------------------------
+    # -- docs/generate.md's list (esamp generate) -----------------------------------------------
     ("unknown model path", GEN + ["hi", "--model", "/no/such/model"], "not found"),
     ("not a GGUF file", GEN + ["hi", "--model", "{not_gguf}"], "not a GGUF file"),
     ("setting out of range", GEN + ["hi", "--beta", "12"], "--beta=12.0"),

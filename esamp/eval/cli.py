@@ -111,7 +111,7 @@ def _read_matrix_file(path: str) -> dict:
     import tomllib
 
     file = Path(path)
-    hint = "see README, esamp eval, for the matrix file's keys"
+    hint = "see docs/eval.md, \"The matrix: which setting helps\", for the matrix file's keys"
     try:
         data = tomllib.loads(file.read_text(encoding="utf-8"))
     except FileNotFoundError:
