@@ -19,7 +19,7 @@ novelty and why the sample ended (stop, length, abort, error).
 **Rows and history.** When a run finishes, its row shows *distinct-2*: unique word pairs / all
 word pairs over its n samples (1.0 = nothing repeats), and the *Vendi* score over sentence
 embeddings (an effective number of different samples, 1 to n) when the offline embedder is
-installed (`pip install 'esamp[eval]'`). The history line keeps the last runs' numbers. A run
+installed (`pip install 'esamp[eval]'`). The history keeps the last runs' numbers, newest first. A run
 that was aborted, cut off by the next run or failed is marked and not compared; a complete run
 is compared with the latest complete run of the same prompt and sampling steered otherwise
 (e.g. `distinct-2 +0.070 vs run 3 (ESamp OFF)`). Compare mode (c) runs ESamp off and on on the
