@@ -28,10 +28,12 @@ class KeysFooter(Footer):
         super().__init__(**options)
         self.drop_order = list(drop_order)  # actions, the first to be left out first
         self._fitted_width = 0
+        self._composed = 0  # recompositions so far: a fit scheduled for an older one is dropped
 
     async def recompose(self) -> None:
         await super().recompose()  # every key that works now, as Textual's footer shows them
-        self.call_after_refresh(self.fit)
+        self._composed += 1
+        self.call_after_refresh(self.fit, self._composed)
 
     def on_resize(self) -> None:
         if self.size.width != self._fitted_width:  # wider: keys left out may fit again
@@ -58,18 +60,21 @@ class KeysFooter(Footer):
                 out.append([child])
         return out
 
-    def fit(self, tries: int = 5) -> None:
+    def fit(self, composed: int, tries: int = 10, seen: tuple | None = None) -> None:
         """Leave out entries, least needed first, until the rest fit.
 
         Measured on the footer as laid out with every key: an entry takes the cells from its
         first widget to the next entry's (margins included), so one pass finds what to leave out.
+        The keys' compact style lands a frame after they mount, so the layout is measured until
+        two frames agree.
         """
         entries = self.entries()
-        if not entries:
+        if composed != self._composed or not entries:
             return
-        if any(w.region.width == 0 for entry in entries for w in entry):  # not laid out yet
+        layout = (self.size.width, tuple(w.region for entry in entries for w in entry))
+        if layout != seen or any(w.region.width == 0 for entry in entries for w in entry):
             if tries:
-                self.call_after_refresh(self.fit, tries - 1)
+                self.call_after_refresh(self.fit, composed, tries - 1, layout)
             return
         self._fitted_width = self.size.width
         starts = [entry[0].region.x for entry in entries]
