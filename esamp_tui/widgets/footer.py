@@ -72,9 +72,11 @@ class KeysFooter(Footer):
         if composed != self._composed or not entries:
             return
         layout = (self.size.width, tuple(w.region for entry in entries for w in entry))
-        if layout != seen or any(w.region.width == 0 for entry in entries for w in entry):
-            if tries:
-                self.call_after_refresh(self.fit, composed, tries - 1, layout)
+        laid_out = all(w.region.width for entry in entries for w in entry)
+        if tries and (layout != seen or not laid_out):
+            self.call_after_refresh(self.fit, composed, tries - 1, layout)
+            return
+        if not laid_out:
             return
         self._fitted_width = self.size.width
         starts = [entry[0].region.x for entry in entries]

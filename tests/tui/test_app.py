@@ -369,6 +369,18 @@ async def test_footer_offers_only_keys_that_work_where_the_focus_is(make_app):
         assert "abort" not in keys and "restart" not in keys  # nothing running, engine fine
 
 
+def footer_within(screen) -> bool:
+    """Every shown key ends inside the footer (the footer fits itself a frame or two after a change)."""
+    footer = screen.query_one(Footer)
+    keys = [key for key in footer.query(FooterKey) if key.display and key.parent.display]
+    return bool(keys) and all(key.region.right <= footer.region.right for key in keys)
+
+
+async def fitted(pilot, screen) -> set[str]:
+    await wait_for(pilot, lambda: footer_within(screen), what="the footer to fit")
+    return footer_fits(screen)
+
+
 def footer_fits(screen) -> set[str]:
     """The actions the footer shows, after checking that each is whole within the terminal and
     that quit and help are among them."""
@@ -394,20 +406,20 @@ async def test_footer_never_cuts_quit_off(make_app, width, kept):
         screen = app.main_screen
         await wait_for(pilot, lambda: run_finished(screen), what="run")
         await settle(pilot)
-        assert kept <= footer_fits(screen)
+        assert kept <= await fitted(pilot, screen)
         screen.run_prompt("hold")
         await wait_for(pilot, lambda: any(k.action == "abort" for k in screen.query(FooterKey)), what="abort key")
         await settle(pilot)
-        assert "abort" in footer_fits(screen)
+        assert "abort" in await fitted(pilot, screen)
         await pilot.press("a")
         await wait_for(pilot, lambda: not screen.record.running(), what="abort")
         screen.run_prompt("crash")
         await wait_for(pilot, lambda: screen.controller.failed is not None, what="engine failure")
         await settle(pilot)
-        assert {"restart", "hide_error"} <= footer_fits(screen)
+        assert {"restart", "hide_error"} <= await fitted(pilot, screen)
         await pilot.resize_terminal(160, 24)  # room again: what was left out comes back
         await settle(pilot)
-        assert {"charts", "export", "restart", "app.quit"} <= footer_fits(screen)
+        assert {"charts", "export", "restart", "app.quit"} <= await fitted(pilot, screen)
 
 
 async def test_short_terminal_history_shows_the_newest_runs(make_app):
@@ -436,7 +448,7 @@ async def test_small_terminal_gives_the_panes_the_room(make_app):
         assert charts.mode == "compact" and charts.region.height == 1
         panes = screen.results.rows["r1-on"].panes
         assert min(p.region.height for p in panes) >= 6  # four or more lines of text each
-        assert footer_fits(screen)
+        assert await fitted(pilot, screen)
         status = str(screen.status.render())
         assert status.rstrip().endswith("1") and "0" in status  # the novelty legend is whole
         await pilot.press("g")
