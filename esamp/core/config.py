@@ -12,7 +12,7 @@ per-request payload (``esamp.core.payload``) all go through one ``model_validate
 was given and what is allowed.
 
 The defaults are the settings of the published Pass@k matrix: T 0.8, top-p 0.95, min-p 0.1,
-β 0.8 (README, "The algorithm, as implemented").
+β 0.8 (docs/algorithm.md).
 """
 
 from __future__ import annotations

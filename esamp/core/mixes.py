@@ -18,7 +18,7 @@ from typing import Callable, Literal
 
 @dataclass(frozen=True)
 class Mix:
-    formula: str  # how the README and ``--help`` write it
+    formula: str  # how docs/algorithm.md and ``--help`` write it
     coefficients: Callable[[float], tuple[float, float]]  # β → (a, b)
 
 

@@ -72,6 +72,7 @@ from esamp.serving import MIDDLEWARE
 HELP = "serve a model with ESamp behind vLLM's OpenAI-compatible API (vLLM's options pass through)"
 ESAMP_FIELDS = tuple(EsampConfig.model_fields)
 DEFAULT_HOST = "127.0.0.1"  # the API listens on this machine only unless --host says otherwise
+SHUTDOWN_SECONDS = 5  # vLLM's --shutdown-timeout unless given: workers exit before the engine core
 DEFAULT_PORT = 8000  # vLLM's
 SECRETS = (CHANNEL_SECRET_ENV,)  # environment values never printed
 # what a printed command line shows for the secret: run, it makes a fresh one
@@ -231,6 +232,10 @@ def build(args, passthrough: list[str]) -> Plan:
               if k != "model" and _value(rest, ("--" + k.replace("_", "-"),)) is None
               and not _has(rest, "--" + k.replace("_", "-"))}
     command += launch.as_flags(engine)
+    if _value(rest, ("--shutdown-timeout",)) is None:
+        # vLLM's default (0) kills the engine core before its worker, which owns shared memory,
+        # has exited: the log then reports leaked shared memory. A few seconds let it finish.
+        command += ["--shutdown-timeout", str(SHUTDOWN_SECONDS)]
     if processors:
         command += ["--logits-processors", *processors]
     for m in middleware:
