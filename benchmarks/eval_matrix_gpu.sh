@@ -59,7 +59,7 @@ case "${1:-}" in
   run)
     shift
     install || exit 1
-    python3 -m esamp.cli eval --matrix-file benchmarks/eval_matrix_gpu.toml --model "$GGUF" \
+    python3 -m esamp eval --matrix-file benchmarks/eval_matrix_gpu.toml --model "$GGUF" \
       --out /tmp/eval-gpu-arith-n32 "$@" 2>&1 | tee -a /tmp/eval-gpu-arith-n32.log \
       | grep -v "^INFO\|^(EngineCore\|^WARNING\|^DEBUG\|^(Worker"
     cp -r /tmp/eval-gpu-arith-n32 "$OUT/" && cp /tmp/eval-gpu-arith-n32.log "$OUT/eval-gpu-arith-n32/run.log"

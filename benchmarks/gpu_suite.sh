@@ -87,7 +87,7 @@ case "${1:-}" in
     model=${2:-qwen2.5-7b:dummy}
     shift 2
     name=${BENCH_NAME:-bench-${model//:/-}}
-    python3 -m esamp.cli bench --model "$model" --json "$OUT/$name.json" "$@" 2>&1 \
+    python3 -m esamp bench --model "$model" --json "$OUT/$name.json" "$@" 2>&1 \
       | tee "$OUT/$name.log" | grep -v "$QUIET" | tail -40
     grep -h "Error\|Traceback" "$OUT/$name.log" | head -5 ;;
   before)
@@ -97,12 +97,12 @@ case "${1:-}" in
     export PYTHONPATH=/tmp/site:$PWD/.before
     model=${2:-qwen2.5-7b:dummy}
     shift 2
-    (cd .before && python3 -m esamp.cli bench --model "$model" --json "$OUT/before-${model//:/-}.json" "$@" 2>&1 \
+    (cd .before && python3 -m esamp bench --model "$model" --json "$OUT/before-${model//:/-}.json" "$@" 2>&1 \
       | tee "$OUT/before-${model//:/-}.log" | grep -v "$QUIET" | tail -12) ;;
   matrix)  # the n = 32 eval matrix (benchmarks/eval_matrix_gpu.toml) on the embedded model
     install || exit 1
     shift
-    python3 -m esamp.cli eval --matrix-file benchmarks/eval_matrix_gpu.toml --model "$ESAMP_TEST_GGUF" \
+    python3 -m esamp eval --matrix-file benchmarks/eval_matrix_gpu.toml --model "$ESAMP_TEST_GGUF" \
       --out /tmp/eval-gpu-arith-n32 "$@" 2>&1 | tee -a /tmp/eval-gpu-arith-n32.log | grep -v "$QUIET" | tail -40
     cp /tmp/eval-gpu-arith-n32.log /tmp/eval-gpu-arith-n32/run.log
     tar -czf "$OUT/eval-gpu-arith-n32.tar.gz" -C /tmp eval-gpu-arith-n32 ;;

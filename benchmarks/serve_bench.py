@@ -125,7 +125,7 @@ def common_options(args, served_name: str) -> list[str]:
     out = ["--host", "127.0.0.1", "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len),
            "--data-parallel-size", str(args.data_parallel_size), "--served-model-name", served_name,
            "--generation-config", "vllm"]
-    from esamp.engines import cuda_available
+    from esamp.platform.devices import cuda_available
 
     if cuda_available():
         out += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
@@ -143,18 +143,18 @@ def start_servers(args, log_dir: Path) -> tuple[Server, Server]:
     plain = launcher(model_dir) + [*common, "--port", str(args.port)]
     if resolved.kind == "dummy":
         plain += ["--load-format", "dummy", "--skip-tokenizer-init", "--dtype", "bfloat16"]
-    from esamp.threads import prefer_passive_wait
+    from esamp.platform.threads import prefer_passive_wait
 
     prefer_passive_wait()  # what esamp serve runs vLLM with; the plain server gets the same
     env = {k: v for k, v in os.environ.items() if k != "ESAMP_SERVE"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    from esamp.engines import cuda_available
+    from esamp.platform.devices import cuda_available
 
     if not cuda_available():
         plain += ["--enforce-eager"]
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    esamp = [sys.executable, "-m", "esamp.cli", "serve", args.model, "--slots", str(args.max_num_seqs), *common,
+    esamp = [sys.executable, "-m", "esamp", "serve", args.model, "--slots", str(args.max_num_seqs), *common,
              "--port", str(args.port + 1), *shlex.split(args.esamp_args)]
     # One after the other: each measures the GPU memory it may take while the other holds its own.
     baseline = Server("plain", f"http://127.0.0.1:{args.port}", plain, env, log_dir / "plain.log")

@@ -32,7 +32,7 @@ PROMPT = "Name three colours and say what each makes you think of."
 
 async def shoot(size: tuple[int, int], name: str, threads: int, compare: bool) -> None:
     from esamp.core.config import EsampConfig, SamplingConfig
-    from esamp.gpu import MemorySampler
+    from esamp.platform.gpu import MemorySampler
     from esamp_tui.app import EsampApp
     from esamp_tui.options import Options
     from esamp_tui.screenshot import svg_to_png

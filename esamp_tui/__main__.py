@@ -18,9 +18,9 @@ Themes: dark, light, high-contrast, and your own TOML files in ~/.config/esamp/t
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from esamp.cli import Parser
+    from esamp.commands.cli import Parser
     from esamp.engines import ENGINE_NAMES
-    from esamp.threads import add_threads_flag
+    from esamp.platform.threads import add_threads_flag
     from esamp_tui.options import MAX_PANES, add_setting_flags
 
     p = Parser(
@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from esamp.threads import prefer_passive_wait, threads_option
+    from esamp.platform.threads import prefer_passive_wait, threads_option
 
     prefer_passive_wait()  # before torch loads (here, and in the engine's worker process)
     args = build_parser().parse_args(argv)  # argparse itself exits 2 on unknown flags
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
 def run_app(options, memory_sampler=None) -> int:
     """Run the dashboard; whatever ends it (q, ctrl+c, a signal, an exception), the worker is
     stopped and the terminal restored. Exit status 0, or 128 + the signal that ended it."""
-    from esamp.gpu import MemorySampler
+    from esamp.platform.gpu import MemorySampler
     from esamp_tui.app import EsampApp
 
     sampler = memory_sampler or MemorySampler()

@@ -15,8 +15,8 @@ from textual.theme import BUILTIN_THEMES
 
 from esamp.core.mixes import MIXES
 from esamp.errors import ConfigError
-from esamp.gpu import MemorySampler
-from esamp.session import Backend, Session, SessionSpec
+from esamp.platform.gpu import MemorySampler
+from esamp_tui.worker import Backend, Session, SessionSpec
 from esamp_tui.keymap import keymap_file, load_keymap
 from esamp_tui.options import Options
 from esamp_tui.screens.main import MainScreen

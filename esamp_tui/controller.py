@@ -9,7 +9,7 @@ The screen never sees a process, a pipe or a thread. It calls ``start``/``restar
 - ``EngineFailed``: the engine can take no more work (a fatal error event, the worker died, or
   the backend could not be started).
 
-The backend is anything with ``esamp.session.Backend``'s methods, built by ``backend_factory``
+The backend is anything with ``esamp_tui.worker.Backend``'s methods, built by ``backend_factory``
 from a ``SessionSpec``: a worker process (``Session``), which runs the in-process engines or, with
 ``--server``, the client of a served endpoint (``esamp.engines.server``). Messages carry the generation of the backend they came from, so a batch
 from an engine that was replaced meanwhile is dropped (``current``).
@@ -27,7 +27,7 @@ from textual.worker import get_current_worker
 
 from esamp.core.config import SamplingConfig, Steering
 from esamp.events import ErrorEvent, Event, ReadyEvent
-from esamp.session import Abort, Backend, Configure, RunPrompt, Session, SessionSpec
+from esamp_tui.worker import Abort, Backend, Configure, RunPrompt, Session, SessionSpec
 
 BATCH_SECONDS = 0.1  # events reach the UI at most 10 times a second: a frame of 8 scrolling panes costs ~30 ms
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from textual.message import Message
 
-from esamp.gpu import MemorySample
+from esamp.platform.gpu import MemorySample
 
 
 @dataclass

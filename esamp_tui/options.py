@@ -15,7 +15,7 @@ from typing import Any
 from esamp.core.config import EsampConfig, SamplingConfig, Steering, add_flags, bound, from_flags, update_config
 from esamp.engines.base import check_prompt_text
 from esamp.errors import ConfigError, PromptError
-from esamp.session import SessionSpec, default_log_file
+from esamp_tui.worker import SessionSpec, default_log_file
 
 MAX_PANES = 8  # samples shown side by side; more would leave each pane too narrow to read
 BETA_STEP = 0.1  # what + and - change β by

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from esamp.core.config import SamplingConfig, Steering, update_config
 from esamp.events import DoneEvent, StepEvent, TokenEvent
-from esamp.gpu import MemorySample
-from esamp.session import group_key
+from esamp.platform.gpu import MemorySample
+from esamp_tui.worker import group_key
 from esamp_tui.diversity import distinct_2
 from esamp_tui.screenshot import ScreenshotError, offline_svg, svg_to_png
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from esamp import models
-from esamp.cli import main
+from esamp.commands.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 1024 ** 3
@@ -206,7 +206,7 @@ def test_bad_input_exits_2_with_a_hint(name, argv, needle, files, monkeypatch, c
 
 def test_invalid_utf8_in_a_real_argv_is_refused_before_loading():
     """The bytes as a shell passes them, through Python's own argv decoding."""
-    proc = subprocess.run([sys.executable.encode(), b"-m", b"esamp.cli", b"generate", b"Name a colour \xff now."],
+    proc = subprocess.run([sys.executable.encode(), b"-m", b"esamp", b"generate", b"Name a colour \xff now."],
                           cwd=ROOT, capture_output=True, timeout=60)
     err = proc.stderr.decode("utf-8", "replace")
     assert proc.returncode == 2 and "not valid UTF-8" in err and "byte 0xff" in err

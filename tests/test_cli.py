@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from esamp.cli import main
+from esamp.commands.cli import main
 from esamp.events import event_from_json
 
 
@@ -111,7 +111,7 @@ def test_prompts_that_are_not_text_are_refused_before_loading(prompt, words, cap
 def test_generate_flags_come_from_the_settings_models():
     """Every sampling and steering flag is built from its field: help shows the field's range and
     default, and nothing about them is written in the command itself."""
-    from esamp.cli import build_parser
+    from esamp.commands.cli import build_parser
     from esamp.core.config import EsampConfig, SamplingConfig, flag_of
 
     sub = build_parser()._subparsers._group_actions[0].choices["generate"]
@@ -128,7 +128,7 @@ def test_generate_flags_come_from_the_settings_models():
 @pytest.mark.slow
 def test_prompt_longer_than_context_exits_2_without_traceback():
     proc = subprocess.run(
-        [sys.executable, "-m", "esamp.cli", "generate", "word " * 9000, "--max-tokens", "4"],
+        [sys.executable, "-m", "esamp", "generate", "word " * 9000, "--max-tokens", "4"],
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 2

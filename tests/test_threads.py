@@ -1,4 +1,4 @@
-"""--threads and OpenMP's wait policy (esamp/threads.py; measured in benchmarks/threads.py)."""
+"""--threads and OpenMP's wait policy (esamp/platform/threads.py; measured in benchmarks/threads.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from esamp import threads
+from esamp.platform import threads
 from esamp.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,7 +32,7 @@ def test_apply_threads_sets_torch_and_returns_the_count():
     import subprocess
     import sys
 
-    code = ("import torch; from esamp.threads import apply_threads; "
+    code = ("import torch; from esamp.platform.threads import apply_threads; "
             "assert apply_threads(None) == 1 and torch.get_num_threads() == 1")
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
 
@@ -49,7 +49,7 @@ def test_the_users_wait_policy_wins(monkeypatch):
 def test_esamp_sets_the_policy_before_torch_loads():
     """libgomp reads OMP_WAIT_POLICY once, when torch loads it: the command must set it first."""
     code = ("import os, sys\n"
-            "from esamp.cli import main\n"
+            "from esamp.commands.cli import main\n"
             "assert main(['generate', ' ']) == 2\n"  # refused before any engine loads
             "print(os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules)\n")
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
@@ -63,7 +63,7 @@ def _threads_action(parser: argparse.ArgumentParser) -> argparse.Action:
 
 
 def _esamp_subparser(name: str) -> argparse.ArgumentParser:
-    from esamp.cli import build_parser
+    from esamp.commands.cli import build_parser
 
     return build_parser()._subparsers._group_actions[0].choices[name]
 

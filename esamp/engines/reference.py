@@ -22,7 +22,7 @@ from esamp.engines.base import EngineBase, Group, StepStats, resolve_layer, stop
 from esamp.errors import EngineError
 from esamp.events import Event
 from esamp.models import resolve
-from esamp.threads import apply_threads
+from esamp.platform.threads import apply_threads
 
 
 @dataclass

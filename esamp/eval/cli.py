@@ -25,7 +25,7 @@ from esamp.core.config import EsampConfig, SamplingConfig, add_flags, from_flags
 from esamp.errors import ConfigError
 from esamp.eval.runner import EVAL_DEFAULTS, EvalSettings
 
-from esamp.threads import add_threads_flag, check_threads, threads_option
+from esamp.platform.threads import add_threads_flag, check_threads, threads_option
 
 HELP = "Pass@k and semantic diversity, ESamp cells against one baseline, offline"
 

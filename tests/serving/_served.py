@@ -40,7 +40,7 @@ class Served:
                "VLLM_CPU_KVCACHE_SPACE": "1"}
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server's own engine core runs as vLLM decides
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "esamp.cli", "serve", *args, "--host", "127.0.0.1", "--port", str(self.port)],
+            [sys.executable, "-m", "esamp", "serve", *args, "--host", "127.0.0.1", "--port", str(self.port)],
             stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
 
     def wait(self) -> "Served":

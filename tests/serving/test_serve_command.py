@@ -137,7 +137,7 @@ def test_tensor_parallel_size_one_is_fine():
 
 
 def test_the_cli_prints_the_plan_and_exits_2_on_a_bad_flag(capsys):
-    from esamp.cli import main
+    from esamp.commands.cli import main
 
     assert main(["serve", PRESET, "--dry-run", "--port", "9123"]) == 0
     out = capsys.readouterr().out
@@ -221,7 +221,7 @@ def test_esamp_serve_on_a_busy_port_exits_2_at_once(tmp_path):
         holder.listen()
         port = holder.getsockname()[1]
         t0 = time.monotonic()
-        done = subprocess.run([sys.executable, "-m", "esamp.cli", "serve", "no-such-model", "--port", str(port)],
+        done = subprocess.run([sys.executable, "-m", "esamp", "serve", "no-such-model", "--port", str(port)],
                               capture_output=True, text=True, cwd=root, timeout=120,
                               env={**os.environ, "PYTHONPATH": str(root)})
     assert done.returncode == 2, done.stderr

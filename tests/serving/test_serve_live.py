@@ -262,7 +262,7 @@ def test_the_client_engine_streams_training_groups_and_aborts(server):
 def test_the_dashboards_session_runs_against_the_server(server):
     from esamp.core.config import SamplingConfig, Steering
     from esamp.events import DoneEvent, ReadyEvent, TokenEvent
-    from esamp.session import Configure, RunPrompt, Session, SessionSpec
+    from esamp_tui.worker import Configure, RunPrompt, Session, SessionSpec
 
     session = Session(SessionSpec(engine="server", engine_options={"url": server.url}, log_file="")).start()
     try:
@@ -286,7 +286,7 @@ def test_esamp_eval_runs_against_the_server(server, tmp_path):
                      '{"id": "b", "prompt": "What is 4 + 4? Answer with a number.", "answer": "8"}\n')
     out = tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "esamp.cli", "eval", "--server", server.url, "--task-file", str(tasks),
+    command = [sys.executable, "-m", "esamp", "eval", "--server", server.url, "--task-file", str(tasks),
                "-n", "2", "--max-tokens", "16", "--no-diversity", "--quiet", "--out", str(out)]
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -324,7 +324,7 @@ def test_the_dashboard_attaches_to_the_server(server, tmp_path):
     import asyncio
 
     from esamp.core.config import SamplingConfig
-    from esamp.gpu import GIB, MemorySample
+    from esamp.platform.gpu import GIB, MemorySample
     from esamp_tui.__main__ import build_parser
     from esamp_tui.app import EsampApp
     from esamp_tui.options import Options

@@ -192,7 +192,7 @@ def test_slots_are_free_as_soon_as_requests_end_on_an_idle_server(server):
 
 
 def test_the_client_names_the_key_variable_and_reports_engine_steps(server, monkeypatch, capsys):
-    from esamp.cli import main
+    from esamp.commands.cli import main
     from esamp.core.config import SamplingConfig, Steering
     from esamp.engines import create_engine
     from esamp.errors import EngineError

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from esamp.core.config import EsampConfig, SamplingConfig
-from esamp.gpu import GIB, MemorySample
+from esamp.platform.gpu import GIB, MemorySample
 from esamp_tui.app import EsampApp
 from esamp_tui.options import Options
 

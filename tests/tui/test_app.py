@@ -13,7 +13,7 @@ from textual.widgets._footer import FooterKey
 
 from esamp.core.config import update_config
 from esamp.events import ErrorEvent, event_from_dict
-from esamp.session import Abort, Configure, RunPrompt, group_key
+from esamp_tui.worker import Abort, Configure, RunPrompt, group_key
 from esamp_tui.options import BETA_STEP
 from esamp_tui.screens.export import ExportScreen
 from esamp_tui.widgets.error_panel import ErrorPanel

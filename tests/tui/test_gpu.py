@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import types
 
-from esamp.gpu import GIB, MemorySample, MemorySampler
+from esamp.platform.gpu import GIB, MemorySample, MemorySampler
 
 
 class NVMLError(Exception):
@@ -76,7 +76,7 @@ def test_other_nvml_error_is_na_not_a_crash(monkeypatch):
 
 def test_no_memory_source_at_all(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", None)
-    monkeypatch.setattr("esamp.gpu.host_memory", lambda: None)
+    monkeypatch.setattr("esamp.platform.gpu.host_memory", lambda: None)
     assert MemorySampler(ttl=0).sample().kind == "na"
 
 

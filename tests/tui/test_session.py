@@ -14,7 +14,7 @@ import pytest
 
 from esamp.core.config import SamplingConfig, Steering
 from esamp.events import DoneEvent, ErrorEvent, ReadyEvent, TokenEvent
-from esamp.session import Abort, Configure, RunPrompt, Session, SessionSpec, group_key, parse_group_key
+from esamp_tui.worker import Abort, Configure, RunPrompt, Session, SessionSpec, group_key, parse_group_key
 
 from .fake_engine import FACTORY
 
@@ -209,7 +209,7 @@ PARENT = textwrap.dedent("""
     import sys, time
     sys.path[:0] = {paths!r}
     from esamp.core.config import SamplingConfig
-    from esamp.session import Session, SessionSpec, RunPrompt
+    from esamp_tui.worker import Session, SessionSpec, RunPrompt
     from tui.fake_engine import FACTORY
     if __name__ == "__main__":
         s = Session(SessionSpec(engine_factory=FACTORY, log_file="",
@@ -245,7 +245,7 @@ FORGETFUL = textwrap.dedent("""
     import sys
     sys.path[:0] = {paths!r}
     from esamp.core.config import SamplingConfig
-    from esamp.session import Session, SessionSpec, RunPrompt
+    from esamp_tui.worker import Session, SessionSpec, RunPrompt
     from tui.fake_engine import FACTORY
     if __name__ == "__main__":
         s = Session(SessionSpec(engine_factory=FACTORY, log_file="",
@@ -270,7 +270,7 @@ def test_exit_without_close_neither_hangs_nor_leaves_the_worker(tmp_path):
 COLD_START = textwrap.dedent("""
     import sys, time
     sys.path[:0] = {paths!r}
-    from esamp.session import Session, SessionSpec
+    from esamp_tui.worker import Session, SessionSpec
     from tui.fake_engine import FACTORY
     if __name__ == "__main__":
         s = Session(SessionSpec(engine_factory=FACTORY, log_file="", engine_options=dict(load_seconds=60))).start()

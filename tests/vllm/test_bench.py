@@ -20,7 +20,7 @@ def test_bench_runs_three_sides_and_writes_its_json(tmp_path):
     resolved = require_model()
     out = tmp_path / "bench.json"
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_CPU_KVCACHE_SPACE="1")
-    cmd = [sys.executable, "-m", "esamp.cli", "bench", "--model", str(resolved.hf_dir()),
+    cmd = [sys.executable, "-m", "esamp", "bench", "--model", str(resolved.hf_dir()),
            "--workloads", "2xn2x6", "--trials", "2", "--floor", "--max-model-len", "256",
            "--logits", "flat,realistic", "--min-trial-seconds", "0.5", "--json", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)

@@ -22,7 +22,7 @@ def test_generate_json_on_vllm_is_only_json_on_stdout():
                ESAMP_GPU_MEMORY_UTILIZATION="0.25")
     env.pop("VLLM_LOGGING_LEVEL", None)
     env.pop("VLLM_LOGGING_STREAM", None)
-    cmd = [sys.executable, "-m", "esamp.cli", "generate", "--engine", "vllm", "--model", str(resolved.hf_dir()), "-n", "2", "--max-tokens", "4",
+    cmd = [sys.executable, "-m", "esamp", "generate", "--engine", "vllm", "--model", str(resolved.hf_dir()), "-n", "2", "--max-tokens", "4",
            "--json", "Name a colour."]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

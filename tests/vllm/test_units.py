@@ -155,7 +155,7 @@ def test_bench_workload_parsing():
 @pytest.mark.parametrize("args", [["--trials", "0"], ["--seed", "-1"], ["--gpu-memory-utilization", "1.5"],
                                   ["--workloads", "16by64"]])
 def test_bench_refuses_bad_options_before_loading_anything(args, capsys):
-    from esamp.cli import main
+    from esamp.commands.cli import main
 
     assert main(["bench", "--model", "no-such-model", *args]) == 2
     err = capsys.readouterr().err
@@ -172,7 +172,7 @@ def test_cuda_check_leaves_the_process_able_to_fork_cuda_users():
         pytest.skip("needs a CUDA GPU")
     code = (
         "import multiprocessing as mp, torch\n"
-        "from esamp.engines import cuda_available\n"
+        "from esamp.platform.devices import cuda_available\n"
         "assert cuda_available()\n"
         "def child():\n"
         "    torch.zeros(1, device='cuda')\n"

@@ -47,8 +47,8 @@ def _model_size(spec: str) -> tuple[int | None, int]:
 def _memory_source():
     """("gpu", total, free) for the GPU vLLM will use, ("ram", total, available) on a CPU, or
     None when it cannot be read."""
-    from esamp.engines import cuda_available
-    from esamp.gpu import MemorySampler, host_memory
+    from esamp.platform.devices import cuda_available
+    from esamp.platform.gpu import MemorySampler, host_memory
 
     if cuda_available():
         sampler = MemorySampler(ttl=0)

@@ -79,7 +79,7 @@ def _say(text: str) -> None:
 
 
 def _run(args, loaded: list) -> int:
-    from esamp.engines import cuda_available
+    from esamp.platform.devices import cuda_available
 
     gpu = cuda_available()
     workloads = parse_workloads(args.preset or args.workloads or ",".join(

@@ -23,7 +23,7 @@ from pathlib import Path
 from esamp.core import payload as pl
 from esamp.core.config import EsampConfig
 from esamp.core.distiller import bank_full
-from esamp.engines import cuda_available
+from esamp.platform.devices import cuda_available
 from esamp.engines.base import Group, StepStats, stop_token_ids
 from esamp.engines.recorded import RecordedEngine, RecordedGroup, finish_reason
 from esamp.engines.vllm import launch, versions

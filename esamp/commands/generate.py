@@ -20,7 +20,7 @@ from esamp.engines import ENGINE_NAMES
 from esamp.engines.base import check_prompt_text
 from esamp.errors import EngineError, EsampError
 from esamp.events import DoneEvent, ErrorEvent, Event, StepEvent, TokenEvent
-from esamp.threads import add_threads_flag, threads_option
+from esamp.platform.threads import add_threads_flag, threads_option
 
 HELP = "generate n samples of a prompt with ESamp (or without, --no-esamp)"
 JSON_TYPES = ("token", "step", "done", "error")

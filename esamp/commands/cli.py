@@ -13,10 +13,10 @@ import os
 import sys
 
 from esamp.errors import EsampError
-from esamp.threads import prefer_passive_wait
+from esamp.platform.threads import prefer_passive_wait
 
 SUBCOMMANDS = {
-    "generate": "esamp.generate",
+    "generate": "esamp.commands.generate",
     "bench": "esamp.commands.bench",
     "eval": "esamp.eval.cli",
     "serve": "esamp.serving.command",
@@ -65,7 +65,7 @@ def quiet_vllm_log() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    prefer_passive_wait()  # before anything loads torch (see esamp.threads)
+    prefer_passive_wait()  # before anything loads torch (see esamp.platform.threads)
     parser = build_parser()
     # A command that passes the options it does not know to another program (esamp serve → vLLM)
     # gets them as ``args.passthrough``; for every other command they are an error, as before.

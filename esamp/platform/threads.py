@@ -99,7 +99,7 @@ def threads_option(engine: str, threads: int | None) -> dict:
     if threads is None:
         return {}
     if engine == "auto":
-        from esamp.engines import vllm_usable
+        from esamp.platform.devices import vllm_usable
 
         engine = "vllm" if vllm_usable() else "reference"
     return {"threads": threads} if engine == "reference" else {}

@@ -311,7 +311,7 @@ def _watch_parent(parent_pid: int, interval: float = 0.5, grace: float = 5.0) ->
 
 def worker_main(spec: SessionSpec, commands, events, parent_pid: int) -> None:
     """Entry point of the spawned child."""
-    from esamp.threads import prefer_passive_wait
+    from esamp.platform.threads import prefer_passive_wait
 
     prefer_passive_wait()  # before the engine loads torch (docs/models.md, "Threads on a CPU")
     # Ctrl-C in the terminal reaches the whole foreground process group; the parent decides when

@@ -1,0 +1,38 @@
+"""What this machine offers to run an engine on, asked without side effects."""
+
+from __future__ import annotations
+
+import os
+
+
+def cuda_available() -> bool:
+    """True when a CUDA device is visible, asked through NVML so that CUDA stays uninitialised here.
+
+    A plain ``torch.cuda.is_available()`` initialises the CUDA runtime in this process, and a
+    process that did that cannot fork: vLLM forks its engine core by default, which then fails
+    with "Cannot re-initialize CUDA in forked subprocess".
+    """
+    try:
+        import torch
+    except ImportError:
+        return False
+    previous = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+    try:
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False
+    finally:
+        if previous is None:
+            os.environ.pop("PYTORCH_NVML_BASED_CUDA_CHECK", None)
+        else:
+            os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = previous
+
+
+def vllm_usable() -> bool:
+    """True when vLLM is importable and a CUDA device is visible (what `auto` picks vLLM for)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return False
+    return cuda_available()
