@@ -27,7 +27,7 @@ def main() -> int:
     import torch
     import vllm
 
-    from esamp.core.config import EsampConfig, SamplingConfig
+    from esamp.core.config import EsampConfig, SamplingConfig, Steering
     from esamp.engines.base import run
     from esamp.engines.vllm.engine import VllmEngine
 
@@ -41,9 +41,9 @@ def main() -> int:
            "device": torch.cuda.get_device_name(0), "vllm": vllm.__version__, "torch": torch.__version__,
            "python": platform.python_version(), "gguf": args.gguf, "plain": args.plain,
            "engine_info": eng.info(), "prompt": prompt, "runs": {}}
-    variants = [("esamp_off", EsampConfig(enabled=False))]
+    variants = [("esamp_off", Steering(enabled=False))]
     if not args.plain:
-        variants.insert(0, ("esamp_on", EsampConfig()))
+        variants.insert(0, ("esamp_on", Steering()))
     for label, es in variants:
         events = list(run(eng, prompt, SamplingConfig(n=4, max_tokens=48, seed=0), es))
         texts = ["".join(e.text for e in events if e.type == "token" and e.sample == s) for s in range(4)]

@@ -121,7 +121,7 @@ def main() -> int:
     P, n, L = parse_workload(args.workload)
     sampling_kw = dict(temperature=0.8, top_p=0.95, min_p=0.1, top_k=0, seed=args.seed)
     esamp = EsampConfig()
-    es = esamp.steering().model_copy(update={"enabled": args.side == "esamp"})
+    es = esamp.steering.model_copy(update={"enabled": args.side == "esamp"})
     engine = VllmEngine(model=args.model, esamp=esamp, plain=args.side == "baseline", ignore_eos=True,
                         max_model_len=2048, gpu_memory_utilization=0.42, max_num_seqs=max(16, P * n),
                         llm_kwargs={"worker_extension_cls": BENCH_EXTENSION})

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from esamp.core.config import EsampConfig, SamplingConfig
+from esamp.core.config import SamplingConfig, Steering
 from esamp.engines.base import run
 from esamp.engines.reference import ReferenceEngine
 
@@ -54,7 +54,7 @@ def main() -> None:
         warm_wall, warm_load = start_time(cold_cache)
 
     engine = ReferenceEngine()
-    arms = {"off": EsampConfig(enabled=False), "on": EsampConfig()}
+    arms = {"off": Steering(enabled=False), "on": Steering()}
     rates: dict[str, list[float]] = {"off": [], "on": []}
     sampling = SamplingConfig(n=args.n, max_tokens=args.max_tokens, ignore_eos=True)
     list(run(engine, PROMPTS[0], SamplingConfig(n=2, max_tokens=4), arms["on"]))  # warm-up

@@ -165,7 +165,7 @@ class _Worker:
         self.commands = commands
         self.events = events
         self.parent_pid = parent_pid
-        self.steering: Steering = spec.esamp.steering()
+        self.steering: Steering = spec.esamp.steering
         self.sampling: SamplingConfig = spec.sampling
         self.engine = None
         self.running: dict[str, dict[int, int]] = {}  # group key → {open sample: tokens sent}
@@ -247,10 +247,8 @@ class _Worker:
         for on in modes:
             key = group_key(command.run_id, on)
             try:
-                # The engine's own settings with this run's steering: an EsampConfig is a
-                # Steering, so this is what an engine taking either expects.
-                esamp = update_config(self.spec.esamp, **{**self.steering.model_dump(), "enabled": on})
-                self.engine.start(command.prompt, self.sampling, esamp, group=key)
+                steering = update_config(self.steering, enabled=on)
+                self.engine.start(command.prompt, self.sampling, steering, group=key)
                 self.running[key] = dict.fromkeys(range(self.sampling.n), 0)
             except Exception as exc:
                 self.discard(key)

@@ -6,7 +6,7 @@ from esamp.errors import ConfigError
 
 def test_defaults_match_the_published_matrix():
     e, s = EsampConfig(), SamplingConfig()
-    assert (e.beta, e.mix, e.rank, e.lr) == (0.8, "paper", 64, 1e-3)
+    assert (e.steering.beta, e.steering.mix, e.rank, e.lr) == (0.8, "paper", 64, 1e-3)
     assert (s.temperature, s.top_p, s.min_p) == (0.8, 0.95, 0.1)
 
 
@@ -40,6 +40,19 @@ def test_unknown_field_is_rejected():
 def test_update_returns_a_validated_copy():
     e = EsampConfig()
     e2 = update_config(e, beta=0.0)
-    assert e2.beta == 0.0 and e.beta == 0.8
+    assert e2.steering.beta == 0.0 and e.steering.beta == 0.8 and e2.with_steering(mix="unsharpened").steering.mix \
+        == "unsharpened"
     with pytest.raises(ConfigError):
         update_config(e, beta=99)
+
+
+def test_the_engine_settings_hold_a_steering_and_take_its_fields_flat_too():
+    from esamp.core.config import ENGINE_FIELDS, Steering
+
+    flat = EsampConfig(beta=1.2, rank=8)
+    nested = EsampConfig(rank=8, steering=Steering(beta=1.2))
+    assert flat == nested and isinstance(flat.steering, Steering) and "beta" not in ENGINE_FIELDS
+    assert EsampConfig.model_validate(flat.model_dump()) == flat  # the JSON form round-trips
+    with pytest.raises(ConfigError) as err:
+        make_config(EsampConfig, beta=11)
+    assert "beta=11" in str(err.value) and "<= 10" in str(err.value)  # named as given, not steering.beta

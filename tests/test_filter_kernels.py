@@ -43,7 +43,7 @@ def check_kernels(device: str) -> None:
         flat = seed == 5
         logits, index, T, m, p, a, b, d = _case(seed, ties=ties, flat=flat)
         want = logits.clone()
-        want_counts = tf.filter_and_mix_torch(want, index, T, m, p, a, b, d)
+        tf.filter_and_mix_torch(want, index, T, m, p, a, b, d)
         dev = [t.clone().to(device) for t in (logits, index, T, m, p, a, b, d)]
         got_counts = tf.launch(*dev).cpu()
         got = dev[0].cpu()

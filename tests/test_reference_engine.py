@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from esamp.core.config import EsampConfig, SamplingConfig
+from esamp.core.config import EsampConfig, SamplingConfig, Steering
 from esamp.engines.base import run
 from esamp.errors import PromptError
 from esamp.events import DoneEvent, StepEvent, TokenEvent
@@ -14,7 +14,7 @@ PROMPT = "Name a colour."
 
 def _collect(engine, prompt=PROMPT, esamp=None, **sampling):
     sampling = SamplingConfig(**{"n": 4, "max_tokens": 16, **sampling})
-    events = list(run(engine, prompt, sampling, esamp or EsampConfig()))
+    events = list(run(engine, prompt, sampling, (esamp or EsampConfig()).steering))
     tokens: dict[int, list[TokenEvent]] = {}
     for ev in events:
         if isinstance(ev, TokenEvent):
@@ -103,8 +103,8 @@ def test_two_groups_at_once_match_each_alone(reference_engine):
     sampling = SamplingConfig(n=2, max_tokens=10, seed=4)
     _, off_alone = _collect(engine, esamp=EsampConfig(enabled=False), n=2, max_tokens=10, seed=4)
     _, on_alone = _collect(engine, esamp=EsampConfig(), n=2, max_tokens=10, seed=4)
-    g_off = engine.start(PROMPT, sampling, EsampConfig(enabled=False))
-    g_on = engine.start(PROMPT, sampling, EsampConfig())
+    g_off = engine.start(PROMPT, sampling, Steering(enabled=False))
+    g_on = engine.start(PROMPT, sampling, Steering())
     together: dict[str, dict[int, list[int]]] = {g_off: {}, g_on: {}}
     while engine.has_unfinished():
         for ev in engine.step():
@@ -146,7 +146,7 @@ def test_a_full_bank_refuses_a_new_group_and_loses_nothing(reference_engine):
             engine.start(PROMPT, sampling)
         assert info.value.hint and len(engine.groups) == engine.bank.capacity
         # plain sampling needs no slot and still runs
-        plain = engine.start(PROMPT, sampling, EsampConfig(enabled=False))
+        plain = engine.start(PROMPT, sampling, Steering(enabled=False))
         assert plain in engine.groups
     finally:
         for g in list(engine.groups):

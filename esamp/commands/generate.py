@@ -153,7 +153,8 @@ class _TextOutput:
             tail = f"{done.finish_reason}, {done.tokens} tokens" if done else "unfinished"
             print(f"── sample {i + 1}/{sampling.n} ({tail}) ──", file=out)
             print("".join(parts).strip(), file=out)
-        state = f"ESamp on, β={esamp.beta}, mix={esamp.mix}" if esamp.enabled else "ESamp off"
+        steering = esamp.steering
+        state = f"ESamp on, β={steering.beta}, mix={steering.mix}" if steering.enabled else "ESamp off"
         loss = f"{sum(self.losses) / len(self.losses):.4f}" if self.losses else "n/a"
         print(f"{sampling.n} samples · {self.tokens} tokens in {seconds:.1f} s · "
               f"{self.tokens / max(seconds, 1e-9):.1f} tok/s · mean Distiller loss {loss} · "
@@ -183,7 +184,7 @@ def _generate(args, sampling: SamplingConfig, esamp: EsampConfig, out) -> int:
     t0 = time.perf_counter()
     try:
         with _first_sigint_sets_flag() as stop:
-            group = engine.start(args.prompt, sampling, esamp, chat=not args.raw)
+            group = engine.start(args.prompt, sampling, esamp.steering, chat=not args.raw)
             while engine.has_unfinished():
                 if stop[0]:
                     interrupted = True

@@ -21,7 +21,7 @@ import argparse
 import typing
 from typing import Any, Iterable, Literal, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from esamp.core import mixes
 from esamp.core.mixes import MixName
@@ -79,13 +79,13 @@ class Steering(_Settings):
     train_rows: TrainRows = Field(
         "group", description="rows that train the Distiller each step: one row per group, or all of a group's samples")
 
-    def steering(self) -> "Steering":
-        """The per-group part of this object, as a plain ``Steering``."""
-        return Steering(**{k: getattr(self, k) for k in Steering.model_fields})
 
+class EsampConfig(_Settings):
+    """The engine-wide ESamp settings: the Distiller bank and its taps, fixed when an engine starts,
+    and ``steering``, the steering of a group that brings none of its own.
 
-class EsampConfig(Steering):
-    """The engine-wide ESamp settings: the Distiller bank, its taps, and the default steering."""
+    The steering's fields may also be given flat (``EsampConfig(beta=1.2)``, command-line flags,
+    an older JSON form): they go into ``steering``."""
 
     rank: int = Field(64, ge=1, le=1024, description="rank of the Distiller's low-rank residual")
     lr: float = Field(1e-3, gt=0.0, le=1.0, description="Distiller learning rate")
@@ -95,13 +95,58 @@ class EsampConfig(Steering):
     slots: int = Field(64, ge=1, le=4096, description="Distiller slots: prompt groups steered at once")
     seed: int = Field(0, ge=0, description="seed of the Distiller's initial weights",
                       json_schema_extra=_flag("--distiller-seed"))
+    steering: Steering = Field(default_factory=Steering, description="the default steering of a group")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nest_steering(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            flat = {k: v for k, v in data.items() if k in Steering.model_fields}
+            if flat:
+                nested = data.get("steering") or {}
+                if isinstance(nested, Steering):
+                    nested = nested.model_dump()
+                data = {k: v for k, v in data.items() if k not in flat}
+                data["steering"] = {**nested, **flat}
+        return data
 
     def engine_settings(self) -> dict[str, Any]:
         """The fields fixed when an engine starts (everything but the steering)."""
         return {k: getattr(self, k) for k in ENGINE_FIELDS}
 
+    def flat(self) -> dict[str, Any]:
+        """Every setting by its own name, the steering's beside the engine's (records, reports)."""
+        return {**self.engine_settings(), **self.steering.model_dump()}
 
-ENGINE_FIELDS = tuple(k for k in EsampConfig.model_fields if k not in Steering.model_fields)
+    def with_steering(self, **values) -> "EsampConfig":
+        """A copy whose default steering has ``values`` (validated)."""
+        return self.model_copy(update={"steering": update_config(self.steering, **values)})
+
+
+ENGINE_FIELDS = tuple(k for k in EsampConfig.model_fields if k != "steering")
+
+
+def setting(config: BaseModel, field: str):
+    """A setting's value by name (an ``EsampConfig``'s steering fields included)."""
+    if field not in type(config).model_fields and "steering" in type(config).model_fields:
+        return getattr(config.steering, field)
+    return getattr(config, field)
+
+
+def field_info(model: type[BaseModel], field: str):
+    """A setting's field: the model's own, or its ``steering``'s (an ``EsampConfig`` takes the
+    steering's fields flat too)."""
+    if field in model.model_fields:
+        return model.model_fields[field]
+    if "steering" in model.model_fields and field in Steering.model_fields:
+        return Steering.model_fields[field]
+    raise KeyError(field)
+
+
+def settings_fields(model: type[BaseModel]) -> list[str]:
+    """Every setting a model takes by name (an ``EsampConfig``: its own and its steering's)."""
+    own = [k for k in model.model_fields if not (k == "steering" and model is not Steering)]
+    return own + (list(Steering.model_fields) if "steering" in model.model_fields else [])
 
 
 # -- errors ----------------------------------------------------------------------------------
@@ -122,7 +167,7 @@ def _constraint(info) -> str:
 
 def bound(model: type[BaseModel], field: str, which: str):
     """A field's limit (``which``: "ge", "gt", "le" or "lt"), or None: ranges are read, not restated."""
-    for meta in model.model_fields[field].metadata:
+    for meta in field_info(model, field).metadata:
         value = getattr(meta, which, None)
         if value is not None:
             return value
@@ -141,12 +186,16 @@ def settings_error(exc: ValidationError, model: type[BaseModel],
     names = names or {}
     lines = []
     for err in exc.errors():
-        field = str(err["loc"][0]) if err["loc"] else ""
-        info = model.model_fields.get(field)
-        label = names.get(field, ".".join(str(p) for p in err["loc"]) or model.__name__)
+        loc = [p for p in err["loc"] if p != "steering"] if model is not Steering else list(err["loc"])
+        field = str(loc[0]) if loc else ""
+        try:
+            info = field_info(model, field)
+        except KeyError:
+            info = None
+        label = names.get(field, ".".join(str(p) for p in loc) or model.__name__)
         allowed = _constraint(info) if info is not None else ""
         if err["type"] == "extra_forbidden":
-            known = ", ".join(names.get(k, k) for k in model.model_fields)
+            known = ", ".join(names.get(k, k) for k in settings_fields(model))
             lines.append(f"{label}: unknown setting (known: {known})")
             continue
         rng = f" (allowed: {allowed})" if allowed else ""
@@ -173,12 +222,12 @@ def update_config(cfg: BaseModel, names: Mapping[str, str] | None = None, **valu
 
 def flag_of(model: type[BaseModel], field: str) -> str:
     """How ``field`` is spelled on the command line: ``--max-tokens``, ``-n``, ``--no-esamp``."""
-    extra = model.model_fields[field].json_schema_extra or {}
+    extra = field_info(model, field).json_schema_extra or {}
     return extra.get("flag") or "--" + field.replace("_", "-")
 
 
 def _help(model: type[BaseModel], field: str, defaults: Mapping[str, Any] | None = None) -> str:
-    info = model.model_fields[field]
+    info = field_info(model, field)
     extra = info.json_schema_extra or {}
     text = extra.get("help") or info.description or field
     if info.annotation is bool:
@@ -197,7 +246,7 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, model: 
     every default stays the model's own (or ``defaults``, for a command with other defaults).
     """
     for field in fields:
-        info = model.model_fields[field]
+        info = field_info(model, field)
         flag = flag_of(model, field)
         dest = field
         extra = info.json_schema_extra or {}
@@ -226,4 +275,4 @@ def from_flags(args: argparse.Namespace, model: type[BaseModel], fields: Iterabl
     values = dict(defaults or {})
     values.update({f: getattr(args, f) for f in fields if getattr(args, f, None) is not None})
     values.update(fixed)
-    return make_config(model, {f: flag_of(model, f) for f in model.model_fields}, **values)
+    return make_config(model, {f: flag_of(model, f) for f in settings_fields(model)}, **values)

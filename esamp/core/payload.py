@@ -61,7 +61,7 @@ class Payload:
 
     def steering_over(self, defaults: Steering) -> Steering:
         """The request's steering, with what it left out taken from ``defaults``."""
-        return defaults.steering().model_copy(update=self.steering)
+        return defaults.model_copy(update=self.steering)
 
     @property
     def enabled(self) -> bool | None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator, Protocol, Sequence
 
-from esamp.core.config import ENGINE_FIELDS, EsampConfig, SamplingConfig, Steering
+from esamp.core.config import EsampConfig, SamplingConfig, Steering
 from esamp.core.novelty import NoveltyNormalizer
 from esamp.errors import ConfigError, EngineError, PromptError
 from esamp.events import DoneEvent, ErrorEvent, Event, ReadyEvent, StepEvent, TokenEvent
@@ -311,19 +311,15 @@ class EngineBase:
     # -- admission ---------------------------------------------------------------------------
 
     def steering_of(self, steering: Steering | None) -> Steering:
-        """A group's steering: the engine's default, a ``Steering``, or an ``EsampConfig`` whose
-        engine-wide fields (taps, rank, slots, ...) must be this engine's."""
+        """A group's steering: a ``Steering``, or the engine's default (None)."""
         if steering is None:
-            return self.esamp.steering()
-        if isinstance(steering, EsampConfig):
-            for name in ENGINE_FIELDS:
-                mine, theirs = getattr(self.esamp, name), getattr(steering, name)
-                if mine != theirs:
-                    raise ConfigError(
-                        f"{name} is fixed when the engine starts ({mine!r}); this group asked for {theirs!r}",
-                        hint="change only the steering (on/off, beta, mix, training) per group, "
-                             "or start an engine with the other setting")
-        return steering.steering()
+            return self.esamp.steering
+        if not isinstance(steering, Steering):
+            raise ConfigError(
+                f"a group takes a Steering (on/off, beta, mix, training), not a {type(steering).__name__}",
+                hint="pass config.steering; the engine-wide settings (taps, rank, slots, ...) are fixed when "
+                     "the engine starts")
+        return steering
 
     def encode(self, prompt: str | Sequence[int], chat: bool = True) -> list[int]:
         if isinstance(prompt, str) and self.tokenizer is None:

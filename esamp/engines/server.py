@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 from urllib.parse import quote, urlsplit
 
-from esamp.core.config import EsampConfig, Steering, make_config
+from esamp.core.config import EsampConfig, make_config
 from esamp.core import payload as pl
 from esamp.engines.base import Group, RateMeter, StepStats, check_prompt_text, encode_prompt
 from esamp.engines.recorded import RecordedEngine, RecordedGroup, finish_reason
@@ -132,8 +132,8 @@ class ServerEngine(RecordedEngine):
         entry = next((m for m in served if m.get("id") == self.model_id), {})
         self.config_info = info
         server_esamp = make_config(EsampConfig, **info["esamp"])
-        self.esamp = server_esamp if esamp is None else \
-            make_config(EsampConfig, **{**server_esamp.model_dump(), **esamp.steering().model_dump()})
+        # The bank is the server's; the default steering the client's, when it gives one.
+        self.esamp = server_esamp if esamp is None else server_esamp.model_copy(update={"steering": esamp.steering})
         self.context = int(entry.get("max_model_len") or info.get("max_model_len") or 0)
         self.hidden, self.num_layers = int(info.get("hidden_size", 0)), int(info.get("num_layers", 0))
         self.ranks = int(info.get("ranks", 1))
@@ -190,10 +190,6 @@ class ServerEngine(RecordedEngine):
 
     # -- admission ---------------------------------------------------------------------------
 
-    def steering_of(self, steering: Steering | None) -> Steering:
-        """A group's steering. Engine-wide settings belong to the server, so an ``EsampConfig``
-        given here contributes its steering only."""
-        return self.esamp.steering() if steering is None else steering.steering()
 
     def encode(self, prompt: str | Sequence[int], chat: bool = True) -> list[int]:
         if isinstance(prompt, str):

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from esamp.core.mixes import MIXES
-from esamp.core.config import EsampConfig, SamplingConfig, add_flags, from_flags, make_config
+from esamp.core.config import EsampConfig, SamplingConfig, add_flags, from_flags, make_config, settings_fields
 from esamp.errors import ConfigError
 from esamp.eval.runner import EVAL_DEFAULTS, EvalSettings
 
@@ -143,7 +143,7 @@ def _merge_file(args: argparse.Namespace, data: dict) -> None:
     """Settings from the matrix file, where the command line left them out. Values are checked
     here, so an error names the file and key."""
     name = data["_name"]
-    label = {f: f"{name}: {f}" for f in EsampConfig.model_fields}
+    label = {f: f"{name}: {f}" for f in settings_fields(EsampConfig)}
     sampling = {k: data[k] for k in SAMPLING_FLAGS if k in data}
     make_config(SamplingConfig, {f: f"{name}: {f}" for f in SamplingConfig.model_fields}, **{**EVAL_DEFAULTS, **sampling})
     esamp = {k: data[k] for k in ESAMP_FLAGS + ENGINE_FLAGS if k in data}

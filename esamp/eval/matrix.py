@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 from esamp.core.mixes import MIXES
-from esamp.core.config import ENGINE_FIELDS, EsampConfig, Steering, make_config
+from esamp.core.config import ENGINE_FIELDS, EsampConfig, Steering, make_config, setting
 from esamp.errors import ConfigError
 
 BASELINE = "baseline"
@@ -43,7 +43,7 @@ class Cell:
 
     @property
     def steering(self) -> Steering:
-        return self.config.steering()
+        return self.config.steering
 
     @property
     def engine_key(self) -> tuple:
@@ -51,7 +51,7 @@ class Cell:
 
     def record(self) -> dict[str, Any]:
         """What run.json stores of this cell: every setting that can change a sample."""
-        return self.config.model_dump(exclude=set(NOT_RECORDED))
+        return {k: v for k, v in self.config.flat().items() if k not in NOT_RECORDED}
 
 
 def format_value(value: Any) -> str:
@@ -96,8 +96,8 @@ def validate_axes(axes: Mapping[str, Iterable], base: EsampConfig, origin: str =
             raise ConfigError(f"{origin} {key} lists no values", hint=f"e.g. {key}=A,B")
         values = []
         for raw in raw_values:
-            cfg = make_config(EsampConfig, {key: f"{origin} {key}"}, **{**base.model_dump(), key: raw})
-            value = getattr(cfg, key)
+            cfg = make_config(EsampConfig, {key: f"{origin} {key}"}, **{**base.flat(), key: raw})
+            value = setting(cfg, key)
             if value in values:
                 raise ConfigError(f"{origin} {key} lists {format_value(value)} twice",
                                   hint="list every value once")
@@ -115,7 +115,7 @@ def build_cells(axes: Mapping[str, Sequence], base: EsampConfig) -> list[Cell]:
     for combo in itertools.product(*(axes[k] for k in keys)):
         values = dict(zip(keys, combo))
         name = ",".join(f"{k}={format_value(v)}" for k, v in values.items())
-        cells.append(Cell(name, make_config(EsampConfig, **{**base.model_dump(), **values})))
+        cells.append(Cell(name, make_config(EsampConfig, **{**base.flat(), **values})))
     return cells
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-from esamp.core.config import EsampConfig, SamplingConfig, make_config
+from esamp.core.config import EsampConfig, SamplingConfig, make_config, settings_fields
 from esamp.errors import ConfigError, EngineError, EsampError
 from esamp.eval.matrix import BASELINE, SINGLE, Cell
 from esamp.eval.tasks import Problem
@@ -52,7 +52,7 @@ class EvalSettings:
     def __init__(self, task: str, problem_ids: Sequence[str], ks: Sequence[int] | None = None,
                  cells: Sequence[Cell] | None = None, engine: str = "reference", model: str | None = None,
                  sampling: SamplingConfig | None = None, **values: Any) -> None:
-        steering = {k: values.pop(k) for k in list(values) if k in EsampConfig.model_fields}
+        steering = {k: values.pop(k) for k in list(values) if k in settings_fields(EsampConfig)}
         if sampling is None:
             sampling = make_config(SamplingConfig, **{**EVAL_DEFAULTS, **values})
         elif values:
@@ -111,7 +111,7 @@ class EvalSettings:
         """The ESamp settings a group of ``arm`` starts with: the cell's own, or ESamp off on the
         settings of the engine it runs on."""
         if arm == BASELINE:
-            return (engine or self.cells[0].config).model_copy(update={"enabled": False})
+            return (engine or self.cells[0].config).with_steering(enabled=False)
         return self.cell(arm).config
 
 
@@ -151,7 +151,7 @@ def _legacy(theirs: dict) -> dict:
         return theirs
     theirs = dict(theirs)
     steering = {k: theirs.pop(k) for k in ("beta", "mix") if k in theirs}
-    record = EsampConfig(**steering).model_dump()
+    record = EsampConfig(**steering).flat()
     theirs["cells"] = {SINGLE: {k: v for k, v in record.items() if k != "slots"}}
     return theirs
 
@@ -331,7 +331,7 @@ def run_groups(problems: Sequence[Problem], engine, settings: EvalSettings, out:
             while queue and len(running) < max(1, parallel):
                 problem, arm = queue.pop(0)
                 key = engine.start(problem.prompt, settings.sampling(problem.id),
-                                   settings.esamp_config(arm, engine_config), group=group_key(problem, arm))
+                                   settings.esamp_config(arm, engine_config).steering, group=group_key(problem, arm))
                 running[key] = _Running(problem, arm, [""] * settings.n, [None] * settings.n,
                                         [0] * settings.n, time.perf_counter())
             for event in engine.step():

@@ -62,7 +62,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from esamp.core.config import EsampConfig, add_flags, from_flags
+from esamp.core.config import EsampConfig, add_flags, from_flags, settings_fields
 from esamp.engines.vllm.channel import HOST as CHANNEL_HOST
 from esamp.engines.vllm.launch import EXTENSION
 from esamp.engines.vllm.settings import CHANNEL_SECRET_ENV, SERVE_ENV
@@ -70,7 +70,7 @@ from esamp.errors import ConfigError, EngineError
 from esamp.serving import MIDDLEWARE
 
 HELP = "serve a model with ESamp behind vLLM's OpenAI-compatible API (vLLM's options pass through)"
-ESAMP_FIELDS = tuple(EsampConfig.model_fields)
+ESAMP_FIELDS = tuple(settings_fields(EsampConfig))
 DEFAULT_HOST = "127.0.0.1"  # the API listens on this machine only unless --host says otherwise
 SHUTDOWN_SECONDS = 5  # vLLM's --shutdown-timeout unless given: workers exit before the engine core
 DEFAULT_PORT = 8000  # vLLM's
@@ -258,8 +258,8 @@ def build(args, passthrough: list[str]) -> Plan:
     channels = f"127.0.0.1:{channel_port}" + (f"..{channel_port + ranks - 1}" if ranks > 1 else "")
     port = _value(rest, ("--port",)) or str(DEFAULT_PORT)
     notes.append(f"{resolved.name} with ESamp ({architecture}, taps {additional[es.KEY]['source_layer']}→"
-                 f"{additional[es.KEY]['target_layer']}, {esamp.slots} slots per rank, β {esamp.beta}, mix "
-                 f"{esamp.mix}); OpenAI API on port {port} (/v1/...), ESamp on /esamp/metrics, "
+                 f"{additional[es.KEY]['target_layer']}, {esamp.slots} slots per rank, β {esamp.steering.beta}, mix "
+                 f"{esamp.steering.mix}); OpenAI API on port {port} (/v1/...), ESamp on /esamp/metrics, "
                  f"/esamp/records?group=G, /esamp/config; rank side channels on {channels}")
     if _has(rest, "--api-key") or os.environ.get("VLLM_API_KEY"):
         notes.append("--api-key guards every route but /health, /ping, /metrics and /esamp/metrics "

@@ -112,7 +112,7 @@ def server_info(vllm_config) -> ServerInfo | None:
     hf = model_config.hf_config
     names = getattr(model_config, "served_model_name", None) or model_config.model
     return ServerInfo(
-        esamp=esamp.model_dump(), channel_host=server.get("host", HOST), channel_port=int(server["port"]),
+        esamp=esamp.flat(), channel_host=server.get("host", HOST), channel_port=int(server["port"]),
         ranks=int(getattr(vllm_config.parallel_config, "data_parallel_size", 1) or 1),
         model=names[0] if isinstance(names, (list, tuple)) else str(names),
         hidden_size=int(getattr(hf, "hidden_size", 0) or 0), num_layers=int(getattr(hf, "num_hidden_layers", 0) or 0),

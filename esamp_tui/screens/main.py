@@ -53,8 +53,9 @@ class MainScreen(KeysScreen):
     def __init__(self, options: Options, backend_factory, memory_sampler=None, speed_file: Path | None = None) -> None:
         super().__init__(id="main")
         self.options, self.memory_sampler, self.speed_file = options, memory_sampler, speed_file
-        for name, value in (("esamp_on", options.esamp.enabled), ("beta", options.esamp.beta),
-                            ("mix", options.esamp.mix), ("n", options.sampling.n)):
+        default = options.esamp.steering
+        for name, value in (("esamp_on", default.enabled), ("beta", default.beta),
+                            ("mix", default.mix), ("n", options.sampling.n)):
             self.set_reactive(getattr(MainScreen, name), value)
         self.controller = SessionController(self, lambda: options.session_spec(self.steering, self.sampling),
                                             backend_factory)
@@ -66,7 +67,7 @@ class MainScreen(KeysScreen):
     @property
     def steering(self) -> Steering:
         """How the next run steers, exactly as the worker receives it."""
-        return update_config(self.options.esamp.steering(), enabled=self.esamp_on, beta=self.beta, mix=self.mix)
+        return update_config(self.options.esamp.steering, enabled=self.esamp_on, beta=self.beta, mix=self.mix)
 
     @property
     def sampling(self) -> SamplingConfig:

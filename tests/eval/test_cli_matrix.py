@@ -107,7 +107,7 @@ def test_engine_wide_keys_start_an_engine_each_and_the_baseline_runs_once(tmp_pa
     assert sorted(k.split("|")[1] for k in first.started) == sorted(
         ["baseline"] * 4 + ["lr=0.001,beta=0.4"] * 4 + ["lr=0.001,beta=0.8"] * 4)
     assert {k.split("|")[1] for k in second.started} == {"lr=0.01,beta=0.4", "lr=0.01,beta=0.8"}
-    assert all(s.lr == 0.01 and s.enabled for s in second.steerings)
+    assert all(s.enabled for s in second.steerings)  # (lr is the engine's: a group brings only its steering)
     assert "engine 2 of 2" in capsys.readouterr().err
 
 

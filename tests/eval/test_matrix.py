@@ -46,8 +46,8 @@ def test_cells_are_the_cross_product_named_by_their_values():
     cells = cells_of("beta=0.4,1.2", "mix=paper,unsharpened")
     assert [c.name for c in cells] == ["beta=0.4,mix=paper", "beta=0.4,mix=unsharpened",
                                        "beta=1.2,mix=paper", "beta=1.2,mix=unsharpened"]
-    assert cells[3].config.beta == 1.2 and cells[3].config.mix == "unsharpened"
-    assert all(c.config.train for c in cells)
+    assert cells[3].steering.beta == 1.2 and cells[3].steering.mix == "unsharpened"
+    assert all(c.steering.train for c in cells)
     assert [c.name for c in build_cells({}, EsampConfig(beta=0.3))] == ["esamp"]
 
 
@@ -55,7 +55,7 @@ def test_every_per_group_and_engine_wide_key_is_a_matrix_key():
     for key in ("beta", "mix", "train", "train_rows", "optimizer", "lr"):
         assert key in MATRIX_KEYS
     cells = cells_of("train=on,off", "train_rows=all,group", "optimizer=sgd", "lr=1e-2")
-    assert [(c.config.train, c.config.train_rows) for c in cells] == [
+    assert [(c.steering.train, c.steering.train_rows) for c in cells] == [
         (True, "all"), (True, "group"), (False, "all"), (False, "group")]
     assert {(c.config.optimizer, c.config.lr) for c in cells} == {("sgd", 0.01)}
 
@@ -152,18 +152,16 @@ def test_resume_runs_only_the_missing_groups_of_each_cell(tmp_path):
 
 def test_changing_a_cells_settings_is_refused(tmp_path):
     base = EsampConfig()
-    prepare_out_dir(tmp_path, settings([Cell("beta=0.4", base.model_copy(update={"beta": 0.4}))]))
-    other = base.model_copy(update={"beta": 0.4, "mix": "unsharpened"})
+    prepare_out_dir(tmp_path, settings([Cell("beta=0.4", base.with_steering(beta=0.4))]))
+    other = base.with_steering(beta=0.4, mix="unsharpened")
     with pytest.raises(ResumeMismatch, match=r"cell beta=0.4 with other settings \(mix 'paper' there"):
         prepare_out_dir(tmp_path, settings([Cell("beta=0.4", other)]))
     with pytest.raises(ResumeMismatch, match="n differ"):
         prepare_out_dir(tmp_path, EvalSettings(task="fake", problem_ids=[p.id for p in PROBLEMS], n=8,
-                                               engine="fake", cells=[Cell("beta=0.4", base.model_copy(
-                                                   update={"beta": 0.4}))]))
+                                               engine="fake", cells=[Cell("beta=0.4", base.with_steering(beta=0.4))]))
     # -k changes no sample: a resumed run may report other k
     prepare_out_dir(tmp_path, EvalSettings(task="fake", problem_ids=[p.id for p in PROBLEMS], n=4, ks=[1],
-                                           engine="fake", cells=[Cell("beta=0.4", base.model_copy(
-                                               update={"beta": 0.4}))]))
+                                           engine="fake", cells=[Cell("beta=0.4", base.with_steering(beta=0.4))]))
 
 
 def test_a_folder_from_before_cells_resumes_as_the_cell_esamp(tmp_path):

@@ -136,7 +136,7 @@ def events_of(engine, key):
 @pytest.mark.parametrize("steered", [True, False])
 def test_chunks_and_records_become_the_library_engines_events(fake, steered):
     engine = create_engine("server", url=fake.url, esamp=EsampConfig(beta=2.0, slots=99))
-    assert engine.esamp.slots == 4 and engine.esamp.beta == 2.0  # the server's bank, the client's default β
+    assert engine.esamp.slots == 4 and engine.esamp.steering.beta == 2.0  # the server's bank, the client's default β
     assert (engine.ready.engine, engine.ready.model, engine.ready.context) == ("server", "tiny", 64)
     key = engine.start("Hi", SamplingConfig(n=2, max_tokens=10, seed=3), Steering(beta=1.5, enabled=steered))
     body = fake.bodies[-1]

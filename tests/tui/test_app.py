@@ -601,7 +601,7 @@ class InProcessBackend:
 
     def __init__(self, spec) -> None:
         self.engine = FakeEngine(model=spec.model, esamp=spec.esamp)
-        self.esamp, self.steering, self.sampling = spec.esamp, spec.esamp.steering(), spec.sampling
+        self.esamp, self.steering, self.sampling = spec.esamp, spec.esamp.steering, spec.sampling
         self.lock = threading.Lock()
         self.outbox: list = []
         self.running: list[str] = []
@@ -622,8 +622,8 @@ class InProcessBackend:
             if isinstance(command, RunPrompt):
                 for on in ((False, True) if command.compare else (self.steering.enabled,)):
                     key = group_key(command.run_id, on)
-                    esamp = update_config(self.esamp, **{**self.steering.model_dump(), "enabled": on})
-                    self.running.append(self.engine.start(command.prompt, self.sampling, esamp, group=key))
+                    steering = update_config(self.steering, enabled=on)
+                    self.running.append(self.engine.start(command.prompt, self.sampling, steering, group=key))
 
     def read(self, timeout: float = 0.1):
         if self.closed:

@@ -7,8 +7,6 @@ plain one (the adapter built last is the live one).
 
 from __future__ import annotations
 
-import torch
-
 from esamp.engines.vllm.processor import EsampLogitsProcessor
 from esamp.engines.vllm.steering import EngineSteering
 

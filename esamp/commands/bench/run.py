@@ -160,7 +160,7 @@ def _run(args, loaded: list) -> int:
     report = dict(
         command=" ".join(["esamp", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else " ".join(sys.argv),
         commit=provenance.commit(), device=provenance.device(), versions=provenance.versions(), model=steer.model_name,
-        cuda_graphs=not args.eager, esamp=esamp.model_dump(), seed=sampling.seed, trials=trials,
+        cuda_graphs=not args.eager, esamp=esamp.flat(), seed=sampling.seed, trials=trials,
         prompt_len=args.prompt_len, load_seconds=loads, calibration=calibration,
         peak_memory_bytes={side: _peak_memory(eng) for side, eng, _ in sides},
         esamp_counters=counters,
@@ -188,7 +188,7 @@ def _calibrate(base, steer, sides, given_filters, prompt_len, vocab, esamp) -> d
     cal = calibrate.calibrate_head(sigma, target, filt)
     probe = prompts(16, prompt_len, vocab, seed=1)
     factors, measured, multiplier = calibrate.refine_scale(steer, cal.pop("factors"), target["candidates"], probe,
-                                                           dict(filt, seed=None), esamp.steering())
+                                                           dict(filt, seed=None), esamp.steering)
     calibrate.scale_heads(sides, factors)
     _say(f"realistic logits: head rows × s·(rank+1)^−α with α={cal['alpha']}: simulated mean |C| "
          f"{cal['candidates']}, entropy {cal['entropy']} nats; the model then keeps {measured} "
@@ -203,7 +203,7 @@ def _workload(mode, preset_name, shape, sides, given_filters, given_beta, sampli
     preset = PRESETS[preset_name]
     sampling_kw = dict({**preset["sampling"], **given_filters}, seed=sampling.seed)
     beta = given_beta if given_beta is not None else preset["steering"]["beta"]
-    steering = esamp.steering().model_copy(update={"beta": beta})
+    steering = esamp.steering.model_copy(update={"beta": beta})
     off = steering.model_copy(update={"enabled": False})
     name = workload_name(preset_name, shape)
     batch = prompts(P, args.prompt_len, vocab, seed=P * 1000 + n * 10 + L)

@@ -18,7 +18,6 @@ import contextlib
 import gc
 import os
 import time
-from pathlib import Path
 
 from esamp.core import payload as pl
 from esamp.core.config import EsampConfig

@@ -49,7 +49,7 @@ def request_row(extra_args, seed: int | None, output_ids: list[int], groups: "Gr
         sample = seed - payload.seed  # child i of a seeded request has seed + i
     else:
         sample = groups.sample_of(group, output_ids)
-    steering = payload.steering_over(config) if config is not None else None
+    steering = payload.steering_over(config.steering) if config is not None else None
     return RequestRow(group, sample, steering, payload.filters, output_ids,
                       records=record_all or bool(payload.records), n=payload.n)
 

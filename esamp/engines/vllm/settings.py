@@ -86,7 +86,7 @@ def esamp_architecture(base: str) -> str:
 
 def engine_settings(esamp: EsampConfig, num_layers: int) -> dict[str, Any]:
     """The ``additional_config["esamp"]`` dict: the whole config, taps resolved to 0..L-1."""
-    out = esamp.model_dump()
+    out = esamp.flat()
     out["source_layer"] = resolve_layer(esamp.source_layer, num_layers, "source")
     out["target_layer"] = resolve_layer(esamp.target_layer, num_layers, "target")
     return out
