@@ -236,7 +236,7 @@ def esamp_counters(url: str) -> dict:
         head, value = line.rsplit(" ", 1)
         name, _, labels = head.partition("{")
         rank = labels.split('rank="', 1)[1].split('"', 1)[0] if 'rank="' in labels else "0"
-        if name in ("esamp_rows_steered_total", "esamp_bank_full_total", "esamp_channel_up"):
+        if name in ("esamp_port_hits_total", "esamp_bank_full_total", "esamp_channel_up"):
             out.setdefault(name, {})[rank] = float(value)
     return out
 
@@ -309,14 +309,14 @@ def run(args) -> dict:
                     got.update(side=server.name, round=round_)
                     if before is not None:
                         after = esamp_counters(served.url)
-                        got["rows_steered_by_rank"] = {
-                            r: after["esamp_rows_steered_total"].get(r, 0) - before["esamp_rows_steered_total"].get(r, 0)
-                            for r in after.get("esamp_rows_steered_total", {})}
+                        got["port_hits_by_rank"] = {
+                            r: after["esamp_port_hits_total"].get(r, 0) - before["esamp_port_hits_total"].get(r, 0)
+                            for r in after.get("esamp_port_hits_total", {})}
                         got["bank_full"] = sum(after.get("esamp_bank_full_total", {}).values()) - \
                             sum(before.get("esamp_bank_full_total", {}).values())
                     trials.append(got)
                     print(f"{name:<12} round {round_} {server.name:<6} {got['tok_s']:>10.1f} tok/s"
-                          + (f"  steered {got['rows_steered_by_rank']}" if "rows_steered_by_rank" in got else ""),
+                          + (f"  steered {got['port_hits_by_rank']}" if "port_hits_by_rank" in got else ""),
                           file=sys.stderr, flush=True)
             ratios = []
             for round_ in range(args.trials):

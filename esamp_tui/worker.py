@@ -97,14 +97,6 @@ def group_key(run_id: int, esamp_on: bool) -> str:
     return f"r{run_id}-{'on' if esamp_on else 'off'}"
 
 
-def parse_group_key(key: str) -> tuple[int, bool] | None:
-    """``r7-on`` → (7, True); None for a key this module did not make."""
-    head, _, tail = key.partition("-")
-    if not head.startswith("r") or not head[1:].isdigit() or tail not in ("on", "off"):
-        return None
-    return int(head[1:]), tail == "on"
-
-
 # -- what the child needs to build its engine -------------------------------------------------
 
 

@@ -81,7 +81,7 @@ def test_torch_twin_is_the_core_filter_and_mix():
     mask = iv.candidate_mask(z, torch.zeros(len(index), dtype=torch.long), p, m)
     want = z.masked_fill(~mask, float("-inf"))
     k = d.shape[0]
-    want[:k] = torch.where(mask[:k], iv.mix(z[:k], d.float(), a[:k, None], b[:k, None]), want[:k])
+    want[:k] = torch.where(mask[:k], iv.mixed(z[:k], d.float(), a[:k, None], b[:k, None]), want[:k])
     torch.testing.assert_close(got[index], want)
     assert torch.equal(counts, mask.sum(-1).int())
     rest = [r for r in range(len(logits)) if r not in index.tolist()]

@@ -93,7 +93,7 @@ def test_reference_steerer_equals_the_core_functions():
     mask = iv.candidate_mask(z / 0.8, torch.full((3,), 30), torch.full((3,), 0.9), torch.full((3,), 0.05))
     assert torch.equal(torch.isfinite(scaled), mask)
     d = pred @ W.T
-    full, counts = steerer.mix(plan, scaled.clone(), d)
+    full, counts = steerer.mix_dense(plan, scaled.clone(), d)
     at, counts_at = steerer.mix_at_candidates(plan, scaled.clone(), pred, W)
     a, b = plan.a.reshape(-1, 1), plan.b.reshape(-1, 1)
     want = iv.steer(z / 0.8, mask, pred, W, a, b)

@@ -49,9 +49,6 @@ class Filters(_Settings):
     top_k: int = Field(0, ge=0, le=100_000, description="keep the k most likely tokens, 0 = off")
     min_p: float = Field(0.1, ge=0.0, lt=1.0, description="keep tokens at least this share of the most likely, 0 = off")
 
-    def filters(self) -> "Filters":
-        return Filters(**{k: getattr(self, k) for k in Filters.model_fields})
-
 
 class SamplingConfig(Filters):
     """How a prompt group samples: n samples, each up to ``max_tokens``, with the filters above."""

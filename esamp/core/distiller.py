@@ -216,11 +216,6 @@ class DistillerBank:
 
     row_error = staticmethod(row_error)
 
-    def train_step(self, x: torch.Tensor, y: torch.Tensor, layout: RowLayout) -> torch.Tensor:
-        """One optimizer step on the layout's training units; returns their loss (before the step)."""
-        loss = self.step(x, y, layout)[2]
-        return loss[list(layout.training)]
-
     def step(self, x: torch.Tensor, y: torch.Tensor, layout: RowLayout, normalize=None):
         """One Distiller step: (ŷ [R, H] fp32, e [R], loss [U] per unit or None).
 

@@ -110,7 +110,7 @@ def mix_coefficients(rows: Sequence[tuple[str, float]]) -> tuple[torch.Tensor, t
     return t[:, :1].contiguous(), t[:, 1:].contiguous()
 
 
-def mix(scaled_at: torch.Tensor, distiller_at: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def mixed(scaled_at: torch.Tensor, distiller_at: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """z' = a·z̃ − b·d, elementwise; ``a``, ``b`` broadcast per row ([R, 1])."""
     return a * scaled_at - b * distiller_at
 
@@ -136,10 +136,10 @@ def steer(
     ids, valid = candidate_ids(mask, scaled, width)
     z_at = scaled.gather(1, ids)
     d_at = distiller_logits_at(prediction, lm_head, ids, bias)
-    mixed = mix(z_at, d_at, a.to(z_at.device), b.to(z_at.device)).masked_fill(~valid, NEG_INF)
+    steered = mixed(z_at, d_at, a.to(z_at.device), b.to(z_at.device)).masked_fill(~valid, NEG_INF)
     out = torch.full_like(scaled, NEG_INF)
     # Scatter valid entries only: padded ids may repeat a real candidate's id.
-    out.scatter_(1, torch.where(valid, ids, ids[:, :1]), torch.where(valid, mixed, mixed[:, :1]))
+    out.scatter_(1, torch.where(valid, ids, ids[:, :1]), torch.where(valid, steered, steered[:, :1]))
     return out
 
 

@@ -267,8 +267,8 @@ class Steerer:
         """z̃ = z/T with −∞ outside C, in place on ``logits`` ([R, V], fp32)."""
         return self._filter(logits.div_(plan.temperature.reshape(-1, 1)), plan)
 
-    def mix(self, plan: StepPlan, scaled: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """z' = a·z̃ − b·d over the whole vocabulary, in place; also |C| per row."""
+    def mix_dense(self, plan: StepPlan, scaled: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """z' = a·z̃ − b·d over the whole vocabulary (d dense), in place; also |C| per row."""
         return mix_and_count(scaled, d, plan.a.reshape(-1, 1), plan.b.reshape(-1, 1))
 
     def mix_at_candidates(self, plan: StepPlan, scaled: torch.Tensor, prediction: torch.Tensor,

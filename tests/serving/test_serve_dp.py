@@ -49,7 +49,7 @@ def test_groups_stay_on_one_rank_and_spread_over_both(server):
     assert set(ranks_of.values()) == {0, 1}  # groups one after another alternate over the ranks
     status, body = server.get("/esamp/metrics")
     steered = {line.split('rank="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
-               for line in body.decode().splitlines() if line.startswith("esamp_rows_steered_total{")}
+               for line in body.decode().splitlines() if line.startswith("esamp_port_hits_total{")}
     assert steered["0"] > 0 and steered["1"] > 0
     # every request has ended: its slot is free on its rank, without waiting for engine steps
     import time

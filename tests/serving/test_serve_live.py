@@ -90,16 +90,16 @@ def test_an_openai_client_n4_request_is_one_steered_group_with_a_record_for_ever
     assert all(math.isfinite(e) and e > 0 and c >= 1 for _, _, _, e, c in rows)
     assert take_records(server, group) == []  # taken once
     after = metrics(server)
-    assert after["esamp_rows_steered_total"] - before["esamp_rows_steered_total"] >= sum(map(len, ids.values()))
+    assert after["esamp_port_hits_total"] - before["esamp_port_hits_total"] >= sum(map(len, ids.values()))
     assert after["esamp_bank_full_total"] == 0
 
 
 def test_a_plain_request_is_steered_with_the_servers_defaults(server):
     """No ESamp keys at all: esamp serve steers it (and keeps no records nobody asked for)."""
-    before = metrics(server)["esamp_rows_steered_total"]
+    before = metrics(server)["esamp_port_hits_total"]
     status, data = server.post("/v1/completions", dict(model=MODEL, prompt="Hello", max_tokens=4, n=2))
     assert status == 200, data
-    assert metrics(server)["esamp_rows_steered_total"] > before
+    assert metrics(server)["esamp_port_hits_total"] > before
 
 
 def test_esamp_off_is_plain_sampling_and_beta_and_mix_take_effect(server):
@@ -151,7 +151,7 @@ def test_metrics_are_prometheus_text_labelled_by_rank(server):
     status, body = server.get("/esamp/metrics")
     assert status == 200
     families = {f.name: f for f in parser.text_string_to_metric_families(body.decode())}
-    for name, kind in [("esamp_rows_steered", "counter"), ("esamp_slots_free", "gauge"),
+    for name, kind in [("esamp_port_hits", "counter"), ("esamp_slots_free", "gauge"),
                        ("esamp_slots_in_use", "gauge"), ("esamp_bank_full", "counter"),
                        ("esamp_graph_replays", "counter"), ("esamp_distiller_loss", "gauge"),
                        ("esamp_channel_up", "gauge")]:
@@ -312,7 +312,7 @@ def test_the_serving_bench_measures_attached_servers(server, tmp_path):
     (workload,) = result["workloads"]
     assert workload["name"] == "2xn2x8" and len(workload["trials"]) == 4
     assert all(t["tokens"] == 2 * 2 * 8 for t in workload["trials"])
-    steered = [t["rows_steered_by_rank"]["0"] for t in workload["trials"] if t["side"] == "esamp"]
+    steered = [t["port_hits_by_rank"]["0"] for t in workload["trials"] if t["side"] == "esamp"]
     assert all(rows >= 2 * 2 * 8 for rows in steered)  # every sampled token was a steered row
     assert workload["ratio"]["min"] <= workload["ratio"]["median"] <= workload["ratio"]["max"]
 

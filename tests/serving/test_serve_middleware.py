@@ -161,18 +161,18 @@ def test_metrics_of_every_rank_in_one_prometheus_text(ranks):
     assert status == 200
     text = body.decode()
     families = parse(text)
-    assert text.count("# TYPE esamp_rows_steered_total counter") == 1  # one header per family
-    assert families["esamp_rows_steered_total"]["samples"] == [('{rank="0"}', "10"), ('{rank="1"}', "20")]
+    assert text.count("# TYPE esamp_port_hits_total counter") == 1  # one header per family
+    assert families["esamp_port_hits_total"]["samples"] == [('{rank="0"}', "10"), ('{rank="1"}', "20")]
     assert families["esamp_bank_full_total"]["samples"] == [('{rank="0"}', "0"), ('{rank="1"}', "0")]
     assert families["esamp_channel_up"]["samples"] == [('{rank="0"}', "1"), ('{rank="1"}', "1")]
     channels[1].close()  # a rank that does not answer is marked down; the others still show
     status, body = run(call(middleware, app, "GET", "/esamp/metrics"))
     families = parse(body.decode())
     assert families["esamp_channel_up"]["samples"] == [('{rank="0"}', "1"), ('{rank="1"}', "0")]
-    assert families["esamp_rows_steered_total"]["samples"] == [('{rank="0"}', "10")]
+    assert families["esamp_port_hits_total"]["samples"] == [('{rank="0"}', "10")]
     prometheus = pytest.importorskip("prometheus_client.parser")
     names = {f.name for f in prometheus.text_string_to_metric_families(body.decode())}
-    assert {"esamp_rows_steered", "esamp_channel_up", "esamp_distiller_loss"} <= names
+    assert {"esamp_port_hits", "esamp_channel_up", "esamp_distiller_loss"} <= names
 
 
 def test_records_come_from_every_rank_once(ranks):

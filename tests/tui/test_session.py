@@ -14,7 +14,7 @@ import pytest
 
 from esamp.core.config import SamplingConfig, Steering
 from esamp.events import DoneEvent, ErrorEvent, ReadyEvent, TokenEvent
-from esamp_tui.worker import Abort, Configure, RunPrompt, Session, SessionSpec, group_key, parse_group_key
+from esamp_tui.worker import Abort, Configure, RunPrompt, Session, SessionSpec
 
 from .fake_engine import FACTORY
 
@@ -68,12 +68,6 @@ def session():
     yield s
     s.close()
     assert not s.alive
-
-
-def test_group_keys_round_trip():
-    assert parse_group_key(group_key(7, True)) == (7, True)
-    assert parse_group_key(group_key(12, False)) == (12, False)
-    assert parse_group_key("g0-123") is None
 
 
 def test_ready_then_ordered_tokens_and_dones(session):

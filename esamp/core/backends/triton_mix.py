@@ -9,7 +9,7 @@ holds the two equal.
 
 (a, b) per row come from ``esamp.core.mixes.coefficients``: −∞ stays −∞ (d is finite), and with
 β = 0 each kept value is z̃ exactly (a = 1, b·d = ±0). The reference is
-``esamp.core.intervention.mix``; a test holds the kernel, its PyTorch twin and the reference equal.
+``esamp.core.intervention.mixed``; a test holds the kernel, its PyTorch twin and the reference equal.
 """
 
 from __future__ import annotations

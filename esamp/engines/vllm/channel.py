@@ -46,7 +46,7 @@ MAX_GROUP_KEY = 128  # characters of one group key (the server's own ids are 26)
 # Counter name in the engine's metrics → (Prometheus name, type, help). Written once: the API server's
 # aggregate uses these names too.
 METRICS = {
-    "port_hits": ("esamp_rows_steered_total", "counter", "Rows the Distiller steered (tapped rows delivered)"),
+    "port_hits": ("esamp_port_hits_total", "counter", "Port hits: rows the Distiller steered (tapped rows delivered)"),
     "train_steps": ("esamp_train_steps_total", "counter", "Engine steps that trained the Distiller"),
     "steps": ("esamp_steps_total", "counter", "Engine steps with ESamp rows"),
     "slots_in_use": ("esamp_slots_in_use", "gauge", "Distiller slots held by prompt groups"),
