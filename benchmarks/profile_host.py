@@ -46,7 +46,7 @@ def main() -> int:
                         llm_kwargs={"worker_extension_cls": BENCH_EXTENSION})
     vocab = int(json.loads((engine.resolved.hf_dir() / "config.json").read_text())["vocab_size"])
     prompts = workloads.prompts(P, 32, vocab, seed=1)
-    es = None if side == "baseline" else esamp
+    es = None if side == "baseline" else esamp.steering
     run_trial(engine, prompts, n, min(L, 16), sampling_kw, es)
     profile = cProfile.Profile()
     profile.enable()

@@ -65,7 +65,7 @@ def soak(groups: int, n: int, tokens: int, abort_every: int, overlap_every: int,
     from esamp.engines.reference import ReferenceEngine
 
     engine = ReferenceEngine(threads=threads)
-    esamp = EsampConfig()
+    steering = EsampConfig().steering
     checkpoints, problems = [], []
     started = time.perf_counter()
     i = 0
@@ -74,7 +74,7 @@ def soak(groups: int, n: int, tokens: int, abort_every: int, overlap_every: int,
         keys, abort_first = [], set()
         for g in batch:
             sampling = SamplingConfig(n=n, max_tokens=tokens, seed=g)
-            key = engine.start(PROMPTS[g % len(PROMPTS)], sampling, esamp, group=f"soak-{g}", chat=chat)
+            key = engine.start(PROMPTS[g % len(PROMPTS)], sampling, steering, group=f"soak-{g}", chat=chat)
             keys.append(key)
             if abort_every and g % abort_every == abort_every - 1:
                 abort_first.add(key)

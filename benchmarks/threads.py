@@ -77,11 +77,11 @@ def child(threads: int, trials: int, n: int, max_tokens: int, forever: bool, bud
     print(json.dumps({"ready": True}), flush=True)
     if forever:  # the "second generate" load: decode until killed
         while True:
-            list(run(engine, PROMPT, sampling, esamp))
+            list(run(engine, PROMPT, sampling, esamp.steering))
     started = time.perf_counter()
     for trial in range(trials):
         c0, s0, t0 = time.process_time(), _busy_cores(), time.perf_counter()
-        tokens = sum(ev.type == "token" for ev in run(engine, PROMPT, sampling.model_copy(update={"seed": trial}), esamp))
+        tokens = sum(ev.type == "token" for ev in run(engine, PROMPT, sampling.model_copy(update={"seed": trial}), esamp.steering))
         wall = time.perf_counter() - t0
         own = time.process_time() - c0
         rest = max(_busy_cores() - s0 - own, 0.0)
