@@ -133,7 +133,7 @@ def common_options(args, served_name: str) -> list[str]:
 
 
 def start_servers(args, log_dir: Path) -> tuple[Server, Server]:
-    from esamp.models import resolve
+    from esamp.engines.models import resolve
     from esamp.serving.command import launcher  # the launcher esamp serve itself uses
 
     resolved = resolve(args.model)
@@ -336,7 +336,7 @@ def run(args) -> dict:
 
 
 def _vocab(spec: str) -> int:
-    from esamp.models import resolve
+    from esamp.engines.models import resolve
 
     resolved = resolve(spec)
     path = resolved.path if resolved.kind == "dummy" else resolved.hf_dir()

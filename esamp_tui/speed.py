@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from esamp.events import ReadyEvent, StepEvent
-from esamp.models import cache_dir
+from esamp.engines.models import cache_dir
 
 SLOW_FRACTION = 0.5  # "far below": under half the usual rate
 WARMUP_STEPS = 4

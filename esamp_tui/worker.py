@@ -55,7 +55,7 @@ from typing import Any, Protocol, Union
 from esamp.core.config import EsampConfig, SamplingConfig, Steering, update_config
 from esamp.errors import EsampError
 from esamp.events import DoneEvent, ErrorEvent, Event, TokenEvent
-from esamp.models import cache_dir
+from esamp.engines.models import cache_dir
 
 # -- commands ---------------------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from esamp import models
+from esamp.engines import models
 from esamp.commands.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -138,7 +138,7 @@ def test_prompt_longer_than_context_exits_2_without_traceback():
 @pytest.mark.slow
 def test_damaged_weights_are_a_message_not_a_traceback(tmp_path, capsys):
     """Config and tokenizer present, weights unreadable: the loader's reason, exit 2."""
-    from esamp import models
+    from esamp.engines import models
 
     source = models.resolve(None).hf_dir()
     for item in source.iterdir():

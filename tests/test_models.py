@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from esamp import models
+from esamp.engines import models
 from esamp.errors import ModelFormatError, ModelNotFoundError
 
 

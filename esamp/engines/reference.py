@@ -21,7 +21,7 @@ from esamp.core.steerer import SteeredRow, Steerer, StepPlan
 from esamp.engines.base import EngineBase, Group, StepStats, resolve_layer, stop_token_ids
 from esamp.errors import EngineError
 from esamp.events import Event
-from esamp.models import resolve
+from esamp.engines.models import resolve
 from esamp.platform.threads import apply_threads
 
 

@@ -219,7 +219,7 @@ def _environment(engine=None) -> dict:
 def _environment_from_settings(settings) -> dict:
     """For output folders whose sessions did not record their engine (written before esamp
     recorded it): what the settings imply. The CLI runs the reference engine on the CPU."""
-    from esamp.models import EMBEDDED_NAME
+    from esamp.engines.models import EMBEDDED_NAME
 
     env = _environment()
     if settings.engine == "reference":

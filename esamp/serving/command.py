@@ -159,7 +159,7 @@ def build(args, passthrough: list[str]) -> Plan:
     from esamp.platform.devices import cuda_available
     from esamp.engines.vllm import launch, plugin
     from esamp.engines.vllm import settings as es
-    from esamp.models import resolve
+    from esamp.engines.models import resolve
 
     resolved = resolve(spec)
     cuda = cuda_available()

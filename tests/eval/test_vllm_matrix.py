@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.skipif(importlib.util.find_spec("math_verify") is None, reason="needs math-verify")
 def test_matrix_on_the_vllm_engine(tmp_path):
     from esamp.errors import ModelNotFoundError
-    from esamp.models import resolve
+    from esamp.engines.models import resolve
 
     try:
         resolve(None)

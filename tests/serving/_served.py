@@ -102,7 +102,7 @@ def serve(tmp_path_factory, args: list[str], api_key: str | None = None):
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("needs vLLM installed")
     from esamp.errors import ModelNotFoundError
-    from esamp.models import resolve
+    from esamp.engines.models import resolve
 
     try:
         resolve(None).hf_dir()  # convert the GGUF here (once), not inside the server's start

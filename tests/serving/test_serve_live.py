@@ -180,7 +180,7 @@ def library():
     """The in-process vLLM engine (what esamp generate --engine vllm runs) on the same model."""
     from esamp.core.config import EsampConfig
     from esamp.engines.vllm.engine import VllmEngine
-    from esamp.models import resolve
+    from esamp.engines.models import resolve
 
     engine = VllmEngine(model=str(resolve(None).hf_dir()), esamp=EsampConfig(slots=8), max_model_len=1024,
                         llm_kwargs={"enable_prefix_caching": False})

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CHECK = (
     "import sys\n"
     "import esamp, esamp.core.config, esamp.events, esamp.errors, esamp.platform.gpu, esamp.engines\n"
-    "import esamp.models, esamp.core.novelty\n"
+    "import esamp.engines.models, esamp.core.novelty\n"
     "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('textual', 'textual_plotext', 'esamp_tui'))\n"
     "assert not bad, bad\n"
 )

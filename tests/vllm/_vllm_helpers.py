@@ -34,7 +34,7 @@ def require_vllm():
 
 def require_model():
     from esamp.errors import ModelNotFoundError
-    from esamp.models import resolve
+    from esamp.engines.models import resolve
 
     try:
         return resolve(test_model_spec())

@@ -32,7 +32,7 @@ def _gib(nbytes: float) -> str:
 
 def _model_size(spec: str) -> tuple[int | None, int]:
     """(weight bytes or None when unknown, vocabulary size) of a model spec, without loading it."""
-    from esamp.models import resolve, weight_bytes
+    from esamp.engines.models import resolve, weight_bytes
 
     resolved = resolve(spec)
     vocab = 0

@@ -29,7 +29,7 @@ from esamp.engines.vllm import launch, versions
 from esamp.engines.vllm import settings as es
 from esamp.errors import ConfigError, EngineError
 from esamp.events import Event
-from esamp.models import resolve
+from esamp.engines.models import resolve
 
 GPU_SHARE = 0.85  # of the GPU's memory an engine takes unless told (vLLM's own default is 0.9)
 GPU_SHARE_ENV = "ESAMP_GPU_MEMORY_UTILIZATION"  # the operator's say, for every command at once

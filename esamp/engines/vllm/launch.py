@@ -51,7 +51,7 @@ class ModelFacts:
 
 def model_facts(resolved, *, gguf: str = "convert", dtype: str | None = None,
                 tokenizer: str | None = None) -> ModelFacts:
-    """What vLLM loads for ``resolved`` (``esamp.models.resolve``). ``gguf``: "convert" loads the
+    """What vLLM loads for ``resolved`` (``esamp.engines.models.resolve``). ``gguf``: "convert" loads the
     cached bf16 HF directory of a GGUF model, "native" lets vLLM read the GGUF itself."""
     if gguf not in GGUF_MODES:
         from esamp.errors import ConfigError
