@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import statistics
 import sys
 import time
@@ -149,14 +150,16 @@ def _run(args, loaded: list) -> int:
             if mode == "realistic":
                 calibration = _calibrate(base, steer, sides, given_filters, args.prompt_len, vocab, esamp)
             for preset_name, (P, n, L) in workloads:
-                results.append(_workload(mode, preset_name, (P, n, L), sides, given_filters, given_beta, sampling,
-                                         esamp, vocab, args, trials))
+                _workload(mode, preset_name, (P, n, L), sides, given_filters, given_beta, sampling, esamp, vocab,
+                          args, trials, results)
             if mode == "realistic":
                 calibrate.scale_heads(sides, None)  # back to the dummy weights for the next mode
     except KeyboardInterrupt:
         interrupted = True
-        _say("interrupted: writing what was measured")
-    counters = steer.drain().get("counters", {})
+        _say("interrupted: writing what was measured (Ctrl-C again leaves at once)")
+    # Interrupted, the engines still hold the pass's requests: the report is written before any
+    # call into them (the counters then stay out), and the engines are closed last.
+    counters = {} if interrupted else steer.drain().get("counters", {})
     report = dict(
         command=" ".join(["esamp", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else " ".join(sys.argv),
         commit=provenance.commit(), device=provenance.device(), versions=provenance.versions(), model=steer.model_name,
@@ -168,16 +171,18 @@ def _run(args, loaded: list) -> int:
         if counters.get("replay_steps") else None,
         workloads=results, interrupted=interrupted, time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     )
-    for _, eng, _ in sides:
-        eng.close()
-    loaded.clear()
-    _print_table(report)
     path = Path(args.json_path) if args.json_path else (
         Path("benchmarks/results") / f"bench-{str(model or 'embedded').replace(':', '-').replace('/', '_')}-"
         f"{time.strftime('%Y%m%d-%H%M%S')}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2))
+    _print_table(report)
     _say(f"wrote {path}")
+    if interrupted:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # a second Ctrl-C while the engines close ends it
+    for _, eng, _ in sides:
+        eng.close()
+    loaded.clear()
     return 130 if interrupted else 0
 
 
@@ -198,7 +203,9 @@ def _calibrate(base, steer, sides, given_filters, prompt_len, vocab, esamp) -> d
 
 
 def _workload(mode, preset_name, shape, sides, given_filters, given_beta, sampling, esamp, vocab, args,
-              trials) -> dict:
+              trials, results: list[dict]) -> None:
+    """Measure one workload and append its summary to ``results``; interrupted, the trials that
+    finished on every side are summarised (``interrupted: true``) before the interrupt goes on."""
     P, n, L = shape
     preset = PRESETS[preset_name]
     sampling_kw = dict({**preset["sampling"], **given_filters}, seed=sampling.seed)
@@ -222,8 +229,16 @@ def _workload(mode, preset_name, shape, sides, given_filters, given_beta, sampli
         _say(f"  {mode:>9} {name:>18} trial {r['trial']} {r['side']:>8}: {r['tok_s']:>10.1f} tok/s  "
              f"(client cpu {r['client_cpu_share']:.0%}{ttft})")
 
-    records = run_interleaved(trial_sides, batch, n, L, sampling_kw, trials, rounds, report=show)
-    return dict(summary(mode, preset_name, name, shape, sampling_kw, beta, records), rounds=rounds)
+    records: list[dict] = []
+    try:
+        run_interleaved(trial_sides, batch, n, L, sampling_kw, trials, rounds, report=show, out=records)
+    except KeyboardInterrupt:
+        done = {r["trial"] for r in records if r["side"] == "esamp"}
+        if done:
+            results.append(dict(summary(mode, preset_name, name, shape, sampling_kw, beta,
+                                        [r for r in records if r["trial"] in done]), rounds=rounds, interrupted=True))
+        raise
+    results.append(dict(summary(mode, preset_name, name, shape, sampling_kw, beta, records), rounds=rounds))
 
 
 def _peak_memory(engine) -> float | None:

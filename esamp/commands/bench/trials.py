@@ -52,11 +52,12 @@ def run_trial(engine, prompts, n: int, tokens: int, sampling_kw: dict, steering,
 
 
 def run_interleaved(sides, prompts, n: int, tokens: int, sampling_kw: dict, trials: int, rounds: int,
-                    report=None) -> list[dict]:
+                    report=None, out: list[dict] | None = None) -> list[dict]:
     """``trials`` trials of ``rounds`` passes per side, the sides interleaved pass by pass.
     ``sides``: (name, engine, steering). ``report(record)`` sees each trial's record per side as
-    it completes. Returns one record per trial and side."""
-    out = []
+    it completes. Returns one record per trial and side, appended to ``out`` as each trial ends
+    (so a caller that is interrupted keeps the trials that finished)."""
+    out = [] if out is None else out
     for t in range(trials):
         order = list(sides) if t % 2 == 0 else list(reversed(sides))
         parts: dict[str, list[dict]] = {name: [] for name, _, _ in sides}

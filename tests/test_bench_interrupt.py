@@ -1,0 +1,63 @@
+"""Ctrl-C in the middle of ``esamp bench``: the trials that finished are kept in the report."""
+
+from __future__ import annotations
+
+import importlib
+from types import SimpleNamespace
+
+import pytest
+
+from esamp.core.config import EsampConfig, SamplingConfig
+
+bench_run = importlib.import_module("esamp.commands.bench.run")  # the package exports a function of that name
+
+
+class CountingEngine:
+    """Finishes every request in one step; raises KeyboardInterrupt at the ``stop_at``-th start
+    of any engine (the counter is shared)."""
+
+    def __init__(self, starts: list[int], stop_at: int) -> None:
+        self.starts, self.stop_at, self.pending = starts, stop_at, []
+
+    def start(self, prompt, sampling, steering):
+        self.starts[0] += 1
+        if self.starts[0] == self.stop_at:
+            raise KeyboardInterrupt
+        self.pending.append(sampling.n * sampling.max_tokens)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.pending)
+
+    def step(self):
+        done = [SimpleNamespace(type="done", tokens=t) for t in self.pending]
+        self.pending = []
+        return [SimpleNamespace(type="step", port_hits=1, loss=0.5, candidates=2.0), *done]
+
+    def drain(self) -> dict:
+        return {}
+
+
+def _measure(stop_at: int) -> list[dict]:
+    starts = [0]
+    sides = [(name, CountingEngine(starts, stop_at), on) for name, on in
+             (("baseline", False), ("floor", False), ("esamp", True))]
+    args = SimpleNamespace(prompt_len=4, min_trial_seconds=0.0)
+    results: list[dict] = []
+    with pytest.raises(KeyboardInterrupt):
+        bench_run._workload("flat", "default", (2, 1, 8), sides, {}, None, SamplingConfig(seed=0), EsampConfig(),
+                            32_000, args, 3, results)
+    return results
+
+
+def test_an_interrupted_workload_keeps_its_finished_trials():
+    # 2 prompts a pass, 3 sides: 6 starts warm up, 6 per trial; stop inside the third trial
+    results = _measure(stop_at=6 + 2 * 6 + 3)
+    (r,) = results
+    assert r["interrupted"] is True and r["workload"] == "2x8"
+    assert sorted({t["trial"] for t in r["trials"]}) == [0, 1]
+    assert {t["side"] for t in r["trials"]} == {"baseline", "floor", "esamp"}
+    assert r["ratio_min"] > 0 and "floor_ratio_median" in r
+
+
+def test_an_interrupt_before_any_trial_finished_reports_no_workload():
+    assert _measure(stop_at=6 + 2) == []
