@@ -15,7 +15,7 @@ from pathlib import Path
 from esamp.core.config import SamplingConfig, Steering, update_config
 from esamp.events import DoneEvent, StepEvent, TokenEvent
 from esamp.platform.gpu import MemorySample
-from esamp_tui.worker import group_key
+from esamp_tui.worker import run_group_key
 from esamp_tui.diversity import distinct_2
 from esamp_tui.screenshot import ScreenshotError, offline_svg, svg_to_png
 
@@ -172,7 +172,7 @@ class SessionRecord:
                 compare: bool) -> list[GroupRecord]:
         """The groups of a new run (ESamp off and on to compare), as the worker names them."""
         modes = (False, True) if compare else (steering.enabled,)
-        groups = [GroupRecord(group_key(run_id, on), run_id, prompt, update_config(steering, enabled=on), sampling)
+        groups = [GroupRecord(run_group_key(run_id, on), run_id, prompt, update_config(steering, enabled=on), sampling)
                   for on in modes]
         for group in groups:
             self.add_group(group)

@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any, Protocol, Union
 
 from esamp.core.config import EsampConfig, SamplingConfig, Steering, update_config
+from esamp.engines.base import group_key
 from esamp.errors import EsampError
 from esamp.events import DoneEvent, ErrorEvent, Event, TokenEvent
 from esamp.engines.models import cache_dir
@@ -93,8 +94,9 @@ class Shutdown:
 Command = Union[RunPrompt, Configure, Abort, Shutdown]
 
 
-def group_key(run_id: int, esamp_on: bool) -> str:
-    return f"r{run_id}-{'on' if esamp_on else 'off'}"
+def run_group_key(run_id: int, esamp_on: bool) -> str:
+    """A dashboard run's group for one ESamp state (``r3-on``)."""
+    return group_key(f"r{run_id}", "on" if esamp_on else "off")
 
 
 # -- what the child needs to build its engine -------------------------------------------------
@@ -237,7 +239,7 @@ class _Worker:
         self.abort_all()
         modes = (False, True) if command.compare else (self.steering.enabled,)
         for on in modes:
-            key = group_key(command.run_id, on)
+            key = run_group_key(command.run_id, on)
             try:
                 steering = update_config(self.steering, enabled=on)
                 self.engine.start(command.prompt, self.sampling, steering, group=key)

@@ -26,8 +26,16 @@ from esamp.events import DoneEvent, ErrorEvent, Event, ReadyEvent, StepEvent, To
 _group_counter = itertools.count()
 
 
+def group_key(*parts: object) -> str:
+    """The one format of the group keys esamp makes: the parts joined by ``-`` (``r3-on``,
+    ``arith-12-esamp``). Keys are opaque to engines, which refuse a key that is already running;
+    they are also usable as dashboard widget ids (letters, digits, ``-``, ``_``)."""
+    return "-".join(str(p) for p in parts)
+
+
 def new_group_key(prefix: str = "g") -> str:
-    return f"{prefix}{next(_group_counter)}-{time.monotonic_ns() % 1_000_000:06d}"
+    """A fresh key for a caller that names no group."""
+    return group_key(f"{prefix}{next(_group_counter)}", f"{time.monotonic_ns() % 1_000_000:06d}")
 
 
 class Engine(Protocol):

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 from esamp.core.config import EsampConfig, SamplingConfig, make_config, settings_fields
+from esamp.engines.base import group_key
 from esamp.errors import ConfigError, EngineError, EsampError
 from esamp.eval.matrix import BASELINE, SINGLE, Cell
 from esamp.eval.tasks import Problem
@@ -300,10 +301,6 @@ class _Running:
     started: float
 
 
-def group_key(problem: Problem, arm: str) -> str:
-    return f"{problem.id}|{arm}"
-
-
 Grade = Callable[[Problem, list[str]], list[dict] | None]
 Measure = Callable[[list[str]], dict | None]
 Progress = Callable[[dict, int, int], None]
@@ -331,7 +328,7 @@ def run_groups(problems: Sequence[Problem], engine, settings: EvalSettings, out:
             while queue and len(running) < max(1, parallel):
                 problem, arm = queue.pop(0)
                 key = engine.start(problem.prompt, settings.sampling(problem.id),
-                                   settings.esamp_config(arm, engine_config).steering, group=group_key(problem, arm))
+                                   settings.esamp_config(arm, engine_config).steering, group=group_key(problem.id, arm))
                 running[key] = _Running(problem, arm, [""] * settings.n, [None] * settings.n,
                                         [0] * settings.n, time.perf_counter())
             for event in engine.step():

@@ -13,7 +13,7 @@ from textual.widgets._footer import FooterKey
 
 from esamp.core.config import update_config
 from esamp.events import ErrorEvent, event_from_dict
-from esamp_tui.worker import Abort, Configure, RunPrompt, group_key
+from esamp_tui.worker import Abort, Configure, RunPrompt, run_group_key
 from esamp_tui.options import BETA_STEP
 from esamp_tui.screens.export import ExportScreen
 from esamp_tui.widgets.error_panel import ErrorPanel
@@ -621,7 +621,7 @@ class InProcessBackend:
                 self.running = []
             if isinstance(command, RunPrompt):
                 for on in ((False, True) if command.compare else (self.steering.enabled,)):
-                    key = group_key(command.run_id, on)
+                    key = run_group_key(command.run_id, on)
                     steering = update_config(self.steering, enabled=on)
                     self.running.append(self.engine.start(command.prompt, self.sampling, steering, group=key))
 
