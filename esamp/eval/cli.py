@@ -1,10 +1,11 @@
-"""``esamp eval``: the baseline and one or more ESamp cells on the same problems and seeds;
-Pass@k, diversity, deltas with intervals, plots and a one-file HTML report.
+"""``esamp eval``: the baseline, plain arms at other temperatures and one or more ESamp cells on
+the same problems and seeds; Pass@k, diversity, deltas with intervals, the diversity–accuracy
+frontier, plots and a one-file HTML report.
 
 Settings flags are built from the settings models (``esamp.core.config.add_flags``), so their
 ranges and messages are the ones ``esamp generate`` has; eval keeps its own defaults where they
 differ (``EVAL_DEFAULTS``). A TOML file (``--matrix-file``) can hold the same settings, the tasks
-and the matrix; flags on the command line win over it.
+and the matrix (and the plain arms); flags on the command line win over it.
 
 Imports stay light at module level: ``esamp --help`` builds every subcommand's parser.
 """
@@ -27,7 +28,7 @@ from esamp.eval.runner import EVAL_DEFAULTS, EvalSettings
 
 from esamp.platform.threads import add_threads_flag, check_threads, threads_option
 
-HELP = "Pass@k and semantic diversity, ESamp cells against one baseline, offline"
+HELP = "Pass@k and semantic diversity, ESamp cells against plain sampling, offline"
 
 SAMPLING_FLAGS = ["n", "max_tokens", "seed", "temperature", "top_p", "top_k", "min_p"]
 ESAMP_FLAGS = ["beta", "mix", "train", "train_rows", "optimizer", "lr", "rank"]
@@ -35,7 +36,7 @@ ENGINE_FLAGS = ["slots"]
 # What a [task.NAME] table of the matrix file may set for one task.
 TASK_OVERRIDES = ("limit", "max_tokens", "temperature", "top_p", "top_k", "min_p")
 FILE_KEYS = ("tasks", "task_files", "limit", "k", "engine", "model", "threads", "parallel", "out",
-             "no_diversity", *SAMPLING_FLAGS, *ESAMP_FLAGS, *ENGINE_FLAGS, "matrix", "task")
+             "no_diversity", *SAMPLING_FLAGS, *ESAMP_FLAGS, *ENGINE_FLAGS, "matrix", "plain", "task")
 DEFAULT_PARALLEL = {"reference": 1, "vllm": 16, "server": 16}
 
 
@@ -54,6 +55,12 @@ def configure(p: argparse.ArgumentParser) -> None:
                       f"--matrix beta=0.4,0.8,1.2 mix={','.join(MIXES)}; keys: beta, mix, train, "
                       "train_rows (per group), optimizer, lr, rank, source_layer, target_layer (one engine "
                       "per value); without it, one ESamp arm")
+    what.add_argument("--plain", nargs="+", action="append", metavar="KEY=V,V",
+                      help="plain-sampling arms (ESamp off) beside the cells, the cross product of the "
+                      "listed filter values, e.g. --plain temperature=0.4,1.2,1.6; keys: temperature, "
+                      "top_p, top_k, min_p; may be repeated (--plain temperature=1.5 top_p=1 min_p=0.1); "
+                      "the baseline and the arms that differ from it in temperature only make the "
+                      "temperature curve the report compares every cell with")
     what.add_argument("--matrix-file", metavar="FILE.toml",
                       help="tasks, settings and [matrix] in a TOML file; flags given here win over it")
 
@@ -126,6 +133,10 @@ def _read_matrix_file(path: str) -> dict:
     for key in ("matrix", "task"):
         if key in data and not isinstance(data[key], dict):
             raise ConfigError(f"{file.name}: {key} must be a table ([{key}])", hint=hint)
+    if isinstance(data.get("plain"), dict):
+        data["plain"] = [data["plain"]]
+    if "plain" in data and not all(isinstance(t, dict) for t in data["plain"]):
+        raise ConfigError(f"{file.name}: plain must be a table ([plain]) or tables ([[plain]])", hint=hint)
     for name, table in data.get("task", {}).items():
         bad = sorted(set(table) - set(TASK_OVERRIDES)) if isinstance(table, dict) else ["(not a table)"]
         if bad:
@@ -256,7 +267,7 @@ def _note(text: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from esamp.eval.matrix import BASELINE, build_cells, parse_axes, validate_axes
+    from esamp.eval.matrix import BASELINE, build_cells, build_plain_arms, parse_axes, validate_axes
     from esamp.eval.passk import parse_ks
     from esamp.eval.runner import (
         EvalSettings, Graders, check_writable, missing, prepare_out_dir, read_records, regrade,
@@ -273,6 +284,9 @@ def run(args: argparse.Namespace) -> int:
     if args.matrix:
         axes.update(validate_axes(parse_axes(args.matrix), base))
     cells = build_cells(axes, base)
+    plain_specs = [(f"{data['_name']} [plain]", spec) for spec in data.get("plain", [])]
+    plain_specs += [("--plain", parse_axes(items, "--plain")) for items in args.plain or []]
+    plain = [arm for origin, spec in plain_specs for arm in build_plain_arms([spec], base_sampling, origin)]
     if args.parallel is not None and args.parallel < 1:
         raise ConfigError(f"--parallel {args.parallel} must be at least 1", hint="e.g. --parallel 4")
     if args.threads is not None:
@@ -286,7 +300,7 @@ def run(args: argparse.Namespace) -> int:
     runs: list[TaskRun] = []
     for name, problems, sampling in tasks:
         settings = EvalSettings(task=name, problem_ids=[p.id for p in problems], ks=ks, cells=cells,
-                                engine=engine_name, model=args.model, sampling=sampling)
+                                engine=engine_name, model=args.model, sampling=sampling, plain=plain)
         runs.append(TaskRun(name, problems, settings, out if len(tasks) == 1 else out / name))
     # Every folder is checked (writable, same settings) before any is written or sampled.
     check_writable(out)
@@ -302,20 +316,23 @@ def run(args: argparse.Namespace) -> int:
                     records[run.name] = regrade(run.folder, run.problems, graders)
                     _note(f"regraded {len(records[run.name])} groups in {run.folder}")
 
-    arms = [BASELINE] + [c.name for c in cells]
+    arms = runs[0].settings.arms
     todo = {run.name: missing(run.problems, records[run.name], arms) for run in runs}
     total = sum(sum(t.values()) for t in todo.values())
-    _note(f"esamp eval: {', '.join(r.name for r in runs)}; baseline + {len(cells)} "
+    plain_text = f" + {len(plain)} plain arm{'s' if len(plain) != 1 else ''}" if plain else ""
+    _note(f"esamp eval: {', '.join(r.name for r in runs)}; baseline{plain_text} + {len(cells)} "
           f"cell{'s' if len(cells) != 1 else ''} x n={base_sampling.n}; output in {out}/")
     for run in runs:
         t = todo[run.name]
         done = len(run.problems) * len(arms) - sum(t.values())
-        new = f"; new cells here: {', '.join(added[run.name])}" if records[run.name] and added[run.name] else ""
+        new = f"; new arms here: {', '.join(added[run.name])}" if records[run.name] and added[run.name] else ""
         if not sum(t.values()):
             _note(f"  {run.name}: {len(run.problems)} problems; all {done} groups done")
             continue
+        plain_todo = sum(t[a.name] for a in plain)
         _note(f"  {run.name}: {len(run.problems)} problems; to sample: baseline {t[BASELINE]} groups "
-              f"(once, shared by every cell), cells {sum(t.values()) - t[BASELINE]} groups"
+              f"(once, shared by every cell)" + (f", plain arms {plain_todo} groups" if plain else "")
+              + f", cells {sum(t.values()) - t[BASELINE] - plain_todo} groups"
               + (f"; {done} groups already done, resuming{new}" if done else ""))
 
     started = time.perf_counter()
@@ -340,7 +357,8 @@ def _sample(args, runs, cells, todo, engine_name, total, started, out) -> None:
         groups = engine_groups(cells)
         progress = _progress(args.quiet, started, total, session.update)
         for index, (config, members) in enumerate(groups):
-            arms = ([BASELINE] if index == 0 else []) + [c.name for c in members]
+            # The arms without ESamp run on the first engine: they do not depend on its settings.
+            arms = (runs[0].settings.plain_arms if index == 0 else []) + [c.name for c in members]
             if not any(todo[run.name][arm] for run in runs for arm in arms):
                 continue
             if len(groups) > 1:
