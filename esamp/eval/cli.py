@@ -20,6 +20,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 from esamp.core.mixes import MIXES
 from esamp.core.config import EsampConfig, SamplingConfig, add_flags, from_flags, make_config, settings_fields
@@ -171,8 +172,10 @@ def _merge_file(args: argparse.Namespace, data: dict) -> None:
         args.task_file = list(data.get("task_files", [])) or None
 
 
-def _tasks(args, overrides: dict, file_name: str | None, base: SamplingConfig) -> list[tuple[str, list, SamplingConfig]]:
-    """(name, problems, sampling) of every task asked for."""
+def _tasks(args, overrides: dict, file_name: str | None, base: SamplingConfig,
+           file_tasks: Sequence[str] = ()) -> list[tuple[str, list, SamplingConfig]]:
+    """(name, problems, sampling) of every task asked for; ``file_tasks``: the tasks the matrix
+    file lists (its [task.NAME] tables may name them though the command line picks others)."""
     from esamp.eval import tasks as task_lib
 
     asked: list[tuple[str, object]] = []
@@ -187,10 +190,14 @@ def _tasks(args, overrides: dict, file_name: str | None, base: SamplingConfig) -
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise ConfigError(f"task {dupes[0]!r} is named twice", hint="name every task once (task files by different names)")
-    unknown = sorted(set(overrides) - set(names))
+    # A table for one of the file's own tasks is fine when --task picks another: one file can
+    # serve a run per task.
+    listed = set(names) | set(file_tasks)
+    unknown = sorted(set(overrides) - listed)
     if unknown:
         raise ConfigError(f"{file_name}: [task.{unknown[0]}] names no task of this run",
                           hint="tasks of this run: " + ", ".join(names))
+    overrides = {k: v for k, v in overrides.items() if k in names}
     out = []
     for name, path in asked:
         problems = task_lib.load_jsonl(path) if path else task_lib.load_task(name)
@@ -293,7 +300,9 @@ def run(args: argparse.Namespace) -> int:
         check_threads(args.threads)  # also a value from the matrix file
     engine_name = "server" if getattr(args, "server", None) else (args.engine or "auto")
 
-    tasks = _tasks(args, data.get("task", {}), data.get("_name"), base_sampling)
+    file_tasks = [str(t).strip().lower() for t in data.get("tasks", [])]
+    file_tasks += [Path(f).stem for f in data.get("task_files", [])]
+    tasks = _tasks(args, data.get("task", {}), data.get("_name"), base_sampling, file_tasks)
     ks = parse_ks(args.k, base_sampling.n) if args.k else None
     out = Path(args.out or "esamp-eval/{}-n{}-seed{}".format(
         "+".join(name for name, _, _ in tasks), base_sampling.n, base_sampling.seed))

@@ -133,3 +133,17 @@ min_p = 0.1
     assert list(run["plain"]) == ["temperature=1.5,top_p=1.0,min_p=0.1", "temperature=0.4", "temperature=1.2"]
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     assert set(report["arms"]) == {"baseline", *run["plain"], "beta=0.4", "beta=1.2"}
+
+
+@needs_math_verify
+def test_one_matrix_file_serves_a_run_per_task(tmp_path, engines, capsys):
+    """The command line picks one task; a [task.NAME] table for another of the file's tasks is no
+    error, one for a task the file does not list is."""
+    matrix = tmp_path / "m.toml"
+    matrix.write_text('tasks = ["arith", "open"]\nn = 2\nno_diversity = true\n[task.open]\nmax_tokens = 16\n')
+    argv = ["eval", "--matrix-file", str(matrix), "--task-file", str(task_file(tmp_path)), "--quiet",
+            "--engine", "reference"]
+    assert main(argv + ["--out", str(tmp_path / "o")]) == 0
+    matrix.write_text('tasks = ["arith"]\nn = 2\n[task.opn]\nmax_tokens = 16\n')
+    assert main(argv + ["--out", str(tmp_path / "p")]) == 2
+    assert "m.toml: [task.opn] names no task of this run" in capsys.readouterr().err
