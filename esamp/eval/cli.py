@@ -90,6 +90,13 @@ def configure(p: argparse.ArgumentParser) -> None:
     output.add_argument("--out", default=None, metavar="DIR",
                         help="output folder; rerunning with the same folder resumes, and new cells "
                         "reuse its baseline (default: esamp-eval/TASK-nN-seedS)")
+    output.add_argument("--order", choices=["arms", "problems"], default="arms",
+                        help="arms (default): every problem of one arm, then the next, so a stopped run "
+                        "leaves whole arms done; problems: every arm of a problem, then the next, so a "
+                        "stopped run leaves whole problems done, which --report-only reports")
+    output.add_argument("--report-only", action="store_true",
+                        help="write the report of what --out holds (the problems every arm finished) and "
+                        "sample nothing")
     output.add_argument("--regrade", action="store_true",
                         help="grade the replies already in --out again with the current graders, then go on")
     output.add_argument("--no-diversity", action="store_true", help="skip the embedding-based diversity measures")
@@ -345,7 +352,9 @@ def run(args: argparse.Namespace) -> int:
               + (f"; {done} groups already done, resuming{new}" if done else ""))
 
     started = time.perf_counter()
-    if total:
+    if total and args.report_only:
+        _note(f"--report-only: {total} groups not sampled; the report covers the problems every arm finished")
+    elif total:
         _sample(args, runs, cells, todo, engine_name, total, started, out)
     _write_report(out, runs, args)
     return 0
@@ -388,7 +397,8 @@ def _sample(args, runs, cells, todo, engine_name, total, started, out) -> None:
                 for run in runs:
                     if any(todo[run.name][arm] for arm in arms):
                         run_groups(run.problems, engine, run.settings, run.folder, graders, measure, progress,
-                                   parallel=parallel, arms=arms, engine_config=config)
+                                   parallel=parallel, arms=arms, engine_config=config,
+                                   by_problem=args.order == "problems")
             finally:
                 engine.close()
         session.update(finished=True)

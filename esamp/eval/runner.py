@@ -346,17 +346,20 @@ Progress = Callable[[dict, int, int], None]
 def run_groups(problems: Sequence[Problem], engine, settings: EvalSettings, out: Path,
                grade: Grade, measure: Measure, progress: Progress | None = None,
                parallel: int = 1, arms: Sequence[str] | None = None,
-               engine_config: EsampConfig | None = None) -> dict[tuple[str, str], dict]:
+               engine_config: EsampConfig | None = None, by_problem: bool = False) -> dict[tuple[str, str], dict]:
     """Generate, grade and record every (problem, arm) group of ``arms`` not yet in ``out``.
 
     Arms run one after another (all problems of one, then the next), so an interrupted matrix
-    leaves whole cells done. Up to ``parallel`` groups run at once (the vLLM engine batches them;
+    leaves whole cells done; ``by_problem``: every arm of a problem before the next problem, so a
+    stopped run leaves whole problems done, and its report (which counts the problems every arm
+    finished) covers them. Up to ``parallel`` groups run at once (the vLLM engine batches them;
     the reference engine steps them one after another). ``engine_config`` is the engine's own
     ESamp settings, which the baseline's groups run on. Returns all records, old and new.
     """
     records = read_records(out)
     arms = list(arms if arms is not None else settings.arms)
-    todo = [(p, arm) for arm in arms for p in problems if (p.id, arm) not in records]
+    order = [(p, arm) for p in problems for arm in arms] if by_problem else [(p, arm) for arm in arms for p in problems]
+    todo = [(p, arm) for p, arm in order if (p.id, arm) not in records]
     total, done = len(problems) * len(arms), len(problems) * len(arms) - len(todo)
     running: dict[str, _Running] = {}
     queue = list(todo)

@@ -147,3 +147,22 @@ def test_one_matrix_file_serves_a_run_per_task(tmp_path, engines, capsys):
     matrix.write_text('tasks = ["arith"]\nn = 2\n[task.opn]\nmax_tokens = 16\n')
     assert main(argv + ["--out", str(tmp_path / "p")]) == 2
     assert "m.toml: [task.opn] names no task of this run" in capsys.readouterr().err
+
+
+@needs_math_verify
+def test_problem_order_and_report_only_report_the_problems_every_arm_finished(tmp_path, engines, capsys):
+    out = tmp_path / "out"
+    argv = ["eval", "--task-file", str(task_file(tmp_path)), "-n", "2", "--engine", "reference", "--quiet",
+            "--plain", "temperature=0.4,1.2", "--out", str(out)]
+    assert main(argv + ["--report-only"]) == 0  # nothing sampled yet: a report of no problems
+    assert "problems: 0 of 4 finished" in (out / "report.md").read_text()
+    assert not engines
+    engines.create.interrupt_at_step = 50  # 6 steps a group: inside the third problem's arms
+    assert main(argv + ["--order", "problems"]) == 130
+    started = [k.split("|")[0] for k in engines[0][0].started]
+    assert started[:8] == ["tasks-0"] * 4 + ["tasks-1"] * 4  # every arm of a problem, then the next
+    assert main(argv + ["--report-only"]) == 0
+    assert len(engines) == 1  # no engine: nothing sampled
+    report = json.loads((out / "report.json").read_text())
+    assert report["problems"]["finished"] == 2 and report["problems"]["asked"] == 4
+    assert "groups not sampled; the report covers the problems every arm finished" in capsys.readouterr().err
