@@ -9,6 +9,7 @@ Modules, bottom up:
 - ``tasks``: problems that load offline (HumanEval, AIME, MATH-500 subset, built-in sets, JSONL).
 - ``grading``: answer extraction and the symbolic math check (in a subprocess); ``sandbox``: code
   tests under bubblewrap.
-- ``runner``: both arms on the same problems and seeds, resumable; ``report``: JSON + Markdown.
+- ``runner``: every arm on the same problems and seeds, resumable; ``report``: JSON + Markdown;
+  ``frontier``: every cell against the temperature curve of the plain arms.
 - ``cli``: the ``esamp eval`` subcommand.
 """

@@ -1,10 +1,11 @@
-"""``esamp eval``: the baseline and one or more ESamp cells on the same problems and seeds;
-Pass@k, diversity, deltas with intervals, plots and a one-file HTML report.
+"""``esamp eval``: the baseline, plain arms at other temperatures and one or more ESamp cells on
+the same problems and seeds; Pass@k, diversity, deltas with intervals, the diversity–accuracy
+frontier, plots and a one-file HTML report.
 
 Settings flags are built from the settings models (``esamp.core.config.add_flags``), so their
 ranges and messages are the ones ``esamp generate`` has; eval keeps its own defaults where they
 differ (``EVAL_DEFAULTS``). A TOML file (``--matrix-file``) can hold the same settings, the tasks
-and the matrix; flags on the command line win over it.
+and the matrix (and the plain arms); flags on the command line win over it.
 
 Imports stay light at module level: ``esamp --help`` builds every subcommand's parser.
 """
@@ -19,6 +20,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 from esamp.core.mixes import MIXES
 from esamp.core.config import EsampConfig, SamplingConfig, add_flags, from_flags, make_config, settings_fields
@@ -27,7 +29,7 @@ from esamp.eval.runner import EVAL_DEFAULTS, EvalSettings
 
 from esamp.platform.threads import add_threads_flag, check_threads, threads_option
 
-HELP = "Pass@k and semantic diversity, ESamp cells against one baseline, offline"
+HELP = "Pass@k and semantic diversity, ESamp cells against plain sampling, offline"
 
 SAMPLING_FLAGS = ["n", "max_tokens", "seed", "temperature", "top_p", "top_k", "min_p"]
 ESAMP_FLAGS = ["beta", "mix", "train", "train_rows", "optimizer", "lr", "rank"]
@@ -35,7 +37,7 @@ ENGINE_FLAGS = ["slots"]
 # What a [task.NAME] table of the matrix file may set for one task.
 TASK_OVERRIDES = ("limit", "max_tokens", "temperature", "top_p", "top_k", "min_p")
 FILE_KEYS = ("tasks", "task_files", "limit", "k", "engine", "model", "threads", "parallel", "out",
-             "no_diversity", *SAMPLING_FLAGS, *ESAMP_FLAGS, *ENGINE_FLAGS, "matrix", "task")
+             "no_diversity", *SAMPLING_FLAGS, *ESAMP_FLAGS, *ENGINE_FLAGS, "matrix", "plain", "task")
 DEFAULT_PARALLEL = {"reference": 1, "vllm": 16, "server": 16}
 
 
@@ -54,6 +56,12 @@ def configure(p: argparse.ArgumentParser) -> None:
                       f"--matrix beta=0.4,0.8,1.2 mix={','.join(MIXES)}; keys: beta, mix, train, "
                       "train_rows (per group), optimizer, lr, rank, source_layer, target_layer (one engine "
                       "per value); without it, one ESamp arm")
+    what.add_argument("--plain", nargs="+", action="append", metavar="KEY=V,V",
+                      help="plain-sampling arms (ESamp off) beside the cells, the cross product of the "
+                      "listed filter values, e.g. --plain temperature=0.4,1.2,1.6; keys: temperature, "
+                      "top_p, top_k, min_p; may be repeated (--plain temperature=1.5 top_p=1 min_p=0.1); "
+                      "the baseline and the arms that differ from it in temperature only make the "
+                      "temperature curve the report compares every cell with")
     what.add_argument("--matrix-file", metavar="FILE.toml",
                       help="tasks, settings and [matrix] in a TOML file; flags given here win over it")
 
@@ -82,6 +90,13 @@ def configure(p: argparse.ArgumentParser) -> None:
     output.add_argument("--out", default=None, metavar="DIR",
                         help="output folder; rerunning with the same folder resumes, and new cells "
                         "reuse its baseline (default: esamp-eval/TASK-nN-seedS)")
+    output.add_argument("--order", choices=["arms", "problems"], default="arms",
+                        help="arms (default): every problem of one arm, then the next, so a stopped run "
+                        "leaves whole arms done; problems: every arm of a problem, then the next, so a "
+                        "stopped run leaves whole problems done, which --report-only reports")
+    output.add_argument("--report-only", action="store_true",
+                        help="write the report of what --out holds (the problems every arm finished) and "
+                        "sample nothing")
     output.add_argument("--regrade", action="store_true",
                         help="grade the replies already in --out again with the current graders, then go on")
     output.add_argument("--no-diversity", action="store_true", help="skip the embedding-based diversity measures")
@@ -126,6 +141,10 @@ def _read_matrix_file(path: str) -> dict:
     for key in ("matrix", "task"):
         if key in data and not isinstance(data[key], dict):
             raise ConfigError(f"{file.name}: {key} must be a table ([{key}])", hint=hint)
+    if isinstance(data.get("plain"), dict):
+        data["plain"] = [data["plain"]]
+    if "plain" in data and not all(isinstance(t, dict) for t in data["plain"]):
+        raise ConfigError(f"{file.name}: plain must be a table ([plain]) or tables ([[plain]])", hint=hint)
     for name, table in data.get("task", {}).items():
         bad = sorted(set(table) - set(TASK_OVERRIDES)) if isinstance(table, dict) else ["(not a table)"]
         if bad:
@@ -160,8 +179,10 @@ def _merge_file(args: argparse.Namespace, data: dict) -> None:
         args.task_file = list(data.get("task_files", [])) or None
 
 
-def _tasks(args, overrides: dict, file_name: str | None, base: SamplingConfig) -> list[tuple[str, list, SamplingConfig]]:
-    """(name, problems, sampling) of every task asked for."""
+def _tasks(args, overrides: dict, file_name: str | None, base: SamplingConfig,
+           file_tasks: Sequence[str] = ()) -> list[tuple[str, list, SamplingConfig]]:
+    """(name, problems, sampling) of every task asked for; ``file_tasks``: the tasks the matrix
+    file lists (its [task.NAME] tables may name them though the command line picks others)."""
     from esamp.eval import tasks as task_lib
 
     asked: list[tuple[str, object]] = []
@@ -176,10 +197,14 @@ def _tasks(args, overrides: dict, file_name: str | None, base: SamplingConfig) -
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise ConfigError(f"task {dupes[0]!r} is named twice", hint="name every task once (task files by different names)")
-    unknown = sorted(set(overrides) - set(names))
+    # A table for one of the file's own tasks is fine when --task picks another: one file can
+    # serve a run per task.
+    listed = set(names) | set(file_tasks)
+    unknown = sorted(set(overrides) - listed)
     if unknown:
         raise ConfigError(f"{file_name}: [task.{unknown[0]}] names no task of this run",
                           hint="tasks of this run: " + ", ".join(names))
+    overrides = {k: v for k, v in overrides.items() if k in names}
     out = []
     for name, path in asked:
         problems = task_lib.load_jsonl(path) if path else task_lib.load_task(name)
@@ -256,7 +281,7 @@ def _note(text: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from esamp.eval.matrix import BASELINE, build_cells, parse_axes, validate_axes
+    from esamp.eval.matrix import BASELINE, build_cells, build_plain_arms, parse_axes, validate_axes
     from esamp.eval.passk import parse_ks
     from esamp.eval.runner import (
         EvalSettings, Graders, check_writable, missing, prepare_out_dir, read_records, regrade,
@@ -273,20 +298,25 @@ def run(args: argparse.Namespace) -> int:
     if args.matrix:
         axes.update(validate_axes(parse_axes(args.matrix), base))
     cells = build_cells(axes, base)
+    plain_specs = [(f"{data['_name']} [plain]", spec) for spec in data.get("plain", [])]
+    plain_specs += [("--plain", parse_axes(items, "--plain")) for items in args.plain or []]
+    plain = [arm for origin, spec in plain_specs for arm in build_plain_arms([spec], base_sampling, origin)]
     if args.parallel is not None and args.parallel < 1:
         raise ConfigError(f"--parallel {args.parallel} must be at least 1", hint="e.g. --parallel 4")
     if args.threads is not None:
         check_threads(args.threads)  # also a value from the matrix file
     engine_name = "server" if getattr(args, "server", None) else (args.engine or "auto")
 
-    tasks = _tasks(args, data.get("task", {}), data.get("_name"), base_sampling)
+    file_tasks = [str(t).strip().lower() for t in data.get("tasks", [])]
+    file_tasks += [Path(f).stem for f in data.get("task_files", [])]
+    tasks = _tasks(args, data.get("task", {}), data.get("_name"), base_sampling, file_tasks)
     ks = parse_ks(args.k, base_sampling.n) if args.k else None
     out = Path(args.out or "esamp-eval/{}-n{}-seed{}".format(
         "+".join(name for name, _, _ in tasks), base_sampling.n, base_sampling.seed))
     runs: list[TaskRun] = []
     for name, problems, sampling in tasks:
         settings = EvalSettings(task=name, problem_ids=[p.id for p in problems], ks=ks, cells=cells,
-                                engine=engine_name, model=args.model, sampling=sampling)
+                                engine=engine_name, model=args.model, sampling=sampling, plain=plain)
         runs.append(TaskRun(name, problems, settings, out if len(tasks) == 1 else out / name))
     # Every folder is checked (writable, same settings) before any is written or sampled.
     check_writable(out)
@@ -302,24 +332,29 @@ def run(args: argparse.Namespace) -> int:
                     records[run.name] = regrade(run.folder, run.problems, graders)
                     _note(f"regraded {len(records[run.name])} groups in {run.folder}")
 
-    arms = [BASELINE] + [c.name for c in cells]
+    arms = runs[0].settings.arms
     todo = {run.name: missing(run.problems, records[run.name], arms) for run in runs}
     total = sum(sum(t.values()) for t in todo.values())
-    _note(f"esamp eval: {', '.join(r.name for r in runs)}; baseline + {len(cells)} "
+    plain_text = f" + {len(plain)} plain arm{'s' if len(plain) != 1 else ''}" if plain else ""
+    _note(f"esamp eval: {', '.join(r.name for r in runs)}; baseline{plain_text} + {len(cells)} "
           f"cell{'s' if len(cells) != 1 else ''} x n={base_sampling.n}; output in {out}/")
     for run in runs:
         t = todo[run.name]
         done = len(run.problems) * len(arms) - sum(t.values())
-        new = f"; new cells here: {', '.join(added[run.name])}" if records[run.name] and added[run.name] else ""
+        new = f"; new arms here: {', '.join(added[run.name])}" if records[run.name] and added[run.name] else ""
         if not sum(t.values()):
             _note(f"  {run.name}: {len(run.problems)} problems; all {done} groups done")
             continue
+        plain_todo = sum(t[a.name] for a in plain)
         _note(f"  {run.name}: {len(run.problems)} problems; to sample: baseline {t[BASELINE]} groups "
-              f"(once, shared by every cell), cells {sum(t.values()) - t[BASELINE]} groups"
+              f"(once, shared by every cell)" + (f", plain arms {plain_todo} groups" if plain else "")
+              + f", cells {sum(t.values()) - t[BASELINE] - plain_todo} groups"
               + (f"; {done} groups already done, resuming{new}" if done else ""))
 
     started = time.perf_counter()
-    if total:
+    if total and args.report_only:
+        _note(f"--report-only: {total} groups not sampled; the report covers the problems every arm finished")
+    elif total:
         _sample(args, runs, cells, todo, engine_name, total, started, out)
     _write_report(out, runs, args)
     return 0
@@ -340,7 +375,8 @@ def _sample(args, runs, cells, todo, engine_name, total, started, out) -> None:
         groups = engine_groups(cells)
         progress = _progress(args.quiet, started, total, session.update)
         for index, (config, members) in enumerate(groups):
-            arms = ([BASELINE] if index == 0 else []) + [c.name for c in members]
+            # The arms without ESamp run on the first engine: they do not depend on its settings.
+            arms = (runs[0].settings.plain_arms if index == 0 else []) + [c.name for c in members]
             if not any(todo[run.name][arm] for run in runs for arm in arms):
                 continue
             if len(groups) > 1:
@@ -361,7 +397,8 @@ def _sample(args, runs, cells, todo, engine_name, total, started, out) -> None:
                 for run in runs:
                     if any(todo[run.name][arm] for arm in arms):
                         run_groups(run.problems, engine, run.settings, run.folder, graders, measure, progress,
-                                   parallel=parallel, arms=arms, engine_config=config)
+                                   parallel=parallel, arms=arms, engine_config=config,
+                                   by_problem=args.order == "problems")
             finally:
                 engine.close()
         session.update(finished=True)

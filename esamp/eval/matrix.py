@@ -14,6 +14,13 @@ Matrix keys are of two sorts (``esamp.core.config``):
 
 Values are validated by the settings models themselves, so a bad one names the key and its
 allowed range exactly as ``esamp generate`` would.
+
+Beside the cells, a run may hold *plain arms* (``--plain temperature=0.4,1.2,1.6``): plain
+sampling, ESamp off, with filters of their own (temperature, top-p, top-k, min-p), on the same
+problems and seeds. They are the baselines a sampler has to beat: the baseline and the plain arms
+that differ from it only in temperature make the temperature curve (``esamp.eval.frontier``).
+Every ``--plain`` is a cross product of its own, so ``--plain temperature=1.5,2 top_p=1 min_p=0.1``
+beside a temperature sweep adds min-p at high temperature.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 from esamp.core.mixes import MIXES
-from esamp.core.config import ENGINE_FIELDS, EsampConfig, Steering, make_config, setting
+from esamp.core.config import ENGINE_FIELDS, EsampConfig, Filters, SamplingConfig, Steering, make_config, setting
 from esamp.errors import ConfigError
 
 BASELINE = "baseline"
@@ -32,6 +39,7 @@ SINGLE = "esamp"  # the name of the one cell of a run without --matrix
 STEERING_KEYS = tuple(k for k in Steering.model_fields if k != "enabled")
 ENGINE_KEYS = ("optimizer", "lr", "rank", "source_layer", "target_layer")
 MATRIX_KEYS = STEERING_KEYS + ENGINE_KEYS
+PLAIN_KEYS = tuple(Filters.model_fields)  # what a plain arm may set: its filters
 # Bank capacity changes no sample, so it is not part of what a cell is.
 NOT_RECORDED = frozenset({"slots"})
 
@@ -125,3 +133,53 @@ def engine_groups(cells: Sequence[Cell]) -> list[tuple[EsampConfig, list[Cell]]]
     for cell in cells:
         groups.setdefault(cell.engine_key, []).append(cell)
     return [(members[0].config, members) for members in groups.values()]
+
+
+# -- plain arms ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PlainArm:
+    """Plain sampling (ESamp off) with its own filters: ``filters`` replaces those of the task's
+    sampling, everything else (n, max tokens, seeds) is shared with every arm."""
+
+    name: str
+    filters: dict
+
+    def sampling(self, base: SamplingConfig) -> SamplingConfig:
+        return base.model_copy(update=self.filters)
+
+    def record(self) -> dict[str, Any]:
+        return dict(self.filters)
+
+
+def build_plain_arms(specs: Sequence[Mapping[str, Iterable]], base: SamplingConfig,
+                     origin: str = "--plain") -> list[PlainArm]:
+    """Each spec's cross product of filter values, checked like flags. Arms are named by what
+    they set (``temperature=1.2``); ``EvalSettings`` refuses one that samples like another or like
+    the baseline."""
+    arms: list[PlainArm] = []
+    for spec in specs:
+        axes: dict[str, list] = {}
+        for key, raw_values in spec.items():
+            if key not in PLAIN_KEYS:
+                raise ConfigError(f"{origin}: unknown key {key!r}",
+                                  hint="plain arms set their filters: " + ", ".join(PLAIN_KEYS)
+                                  + " (ESamp settings go to --matrix)")
+            raw_values = list(raw_values) if isinstance(raw_values, (list, tuple)) else [raw_values]
+            if not raw_values:
+                raise ConfigError(f"{origin} {key} lists no values", hint=f"e.g. {key}=0.4,1.2")
+            values = []
+            for raw in raw_values:
+                cfg = make_config(SamplingConfig, {key: f"{origin} {key}"}, **{**base.model_dump(), key: raw})
+                value = getattr(cfg, key)
+                if value in values:
+                    raise ConfigError(f"{origin} {key} lists {format_value(value)} twice", hint="list every value once")
+                values.append(value)
+            axes[key] = values
+        keys = list(axes)
+        for combo in itertools.product(*(axes[k] for k in keys)):
+            filters = dict(zip(keys, combo))
+            name = ",".join(f"{k}={format_value(v)}" for k, v in filters.items())
+            arms.append(PlainArm(name, filters))
+    return arms

@@ -6,6 +6,10 @@ Three views per task, each drawn from a task summary (``esamp.eval.report.summar
 - ``plane``: each cell's Δpass@k (largest k) against its ΔVendi with both 95% intervals, so a
   cell up and to the right improves quality and diversity at once (tasks without answers: Δ
   distinct-2 against ΔVendi, both diversity);
+- ``frontier`` (with plain arms at other temperatures): pass@1 and pass@k against Vendi, the
+  temperature curve as a black line, every other plain arm in grey, every cell a coloured point,
+  all with 95% intervals on both axes; a cell above the line beats raising the temperature
+  (tasks without answers: Vendi against temperature, each cell at the temperature as diverse);
 - ``shifts``: per-problem movement. Graded tasks: per cell, the problems whose correct count
   rose or fell, the darker part those that went from 0/n to at least 1/n (or back), and beside
   it each problem's change in correct samples. Tasks without answers: each prompt's ΔVendi.
@@ -60,7 +64,7 @@ def write_plots(summaries: Sequence[dict], folder: Path) -> tuple[dict[str, dict
     for summary in summaries:
         task = summary["task"]
         mine: dict[str, str] = {}
-        for view, draw in (("passk", _passk), ("plane", _plane), ("shifts", _shifts)):
+        for view, draw in (("passk", _passk), ("plane", _plane), ("frontier", _frontier), ("shifts", _shifts)):
             fig = draw(plt, summary)
             if fig is None:
                 continue
@@ -142,6 +146,80 @@ def _plane(plt, summary: dict):
     ax.set_title(_title(summary, what) + "\nbars: 95% paired bootstrap intervals", fontsize=10)
     ax.grid(True, alpha=0.25)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    return fig
+
+
+def _errorbar(ax, x: dict, y: dict, **style) -> None:
+    ax.errorbar(x["mean"], y["mean"], xerr=[[x["mean"] - x["low"]], [x["high"] - x["mean"]]],
+                yerr=[[y["mean"] - y["low"]], [y["high"] - y["mean"]]], capsize=3, elinewidth=1, **style)
+
+
+def _frontier(plt, summary: dict):
+    front = summary.get("frontier")
+    if not front:
+        return None
+    metrics = list(front["gaps"])
+    points = front["points"]
+    curve = front["curve"]
+    cells = list(summary["cells"])
+    others = [a for a in summary["settings"].get("plain", {}) if a not in curve]
+    colours = _colours(len(cells))
+    if not metrics:  # no answers: Vendi against temperature
+        fig, ax = plt.subplots(figsize=(8.5, 5))
+        temps = [front["temperatures"][a] for a in curve]
+        vendi = {a: points[a]["vendi"] for a in points}
+        ax.plot(temps, [vendi[a]["mean"] for a in curve], color="black", linewidth=2, marker="o",
+                label="plain sampling (the temperature curve)", zorder=5)
+        for t, a in zip(temps, curve):
+            ax.errorbar(t, vendi[a]["mean"], yerr=[[vendi[a]["mean"] - vendi[a]["low"]],
+                        [vendi[a]["high"] - vendi[a]["mean"]]], color="black", capsize=3)
+        base_t = summary["settings"]["temperature"]
+        for colour, cell in zip(colours, cells):
+            v = vendi[cell]
+            ax.errorbar(base_t, v["mean"], yerr=[[v["mean"] - v["low"]], [v["high"] - v["mean"]]], fmt="s",
+                        color=colour, capsize=3, label=arm_label(cell), zorder=6)
+            equal = front["temperature_equivalent"].get(cell)
+            if equal is not None:
+                ax.plot([base_t, equal], [v["mean"], v["mean"]], color=colour, linestyle=":", linewidth=1.2)
+        for arm in others:
+            v = vendi[arm]
+            t = summary["settings"]["plain"][arm].get("temperature", base_t)
+            ax.errorbar(t, v["mean"], yerr=[[v["mean"] - v["low"]], [v["high"] - v["mean"]]], fmt="D",
+                        color="grey", capsize=3, label=f"plain {arm}")
+        ax.set_xlabel("temperature (cells at their own; dotted: the temperature as diverse)")
+        ax.set_ylabel("Vendi (effective distinct replies of n)")
+        ax.grid(True, alpha=0.3)
+        ax.set_title(_title(summary, "diversity against temperature") + "\nbars: 95% bootstrap intervals",
+                     fontsize=10)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+        return fig
+    fig, axes = plt.subplots(1, len(metrics), figsize=(7 * len(metrics) + 2.5, 5.5), squeeze=False)
+    for ax, metric in zip(axes[0], metrics):
+        xs = [points[a]["vendi"]["mean"] for a in curve]
+        ax.plot(xs, [points[a][metric]["mean"] for a in curve], color="black", linewidth=2, zorder=5,
+                label="plain sampling (the temperature curve)")
+        for a in curve:
+            _errorbar(ax, points[a]["vendi"], points[a][metric], fmt="o", color="black", zorder=5)
+            ax.annotate(f"T {front['temperatures'][a]:g}", (points[a]["vendi"]["mean"], points[a][metric]["mean"]),
+                        textcoords="offset points", xytext=(5, -11), fontsize=8)
+        for arm in others:
+            _errorbar(ax, points[arm]["vendi"], points[arm][metric], fmt="D", color="grey", alpha=0.8,
+                      label=f"plain {arm}")
+        for number, (colour, cell) in enumerate(zip(colours, cells), start=1):
+            verdict = front["gaps"][metric][cell]["verdict"]
+            _errorbar(ax, points[cell]["vendi"], points[cell][metric], fmt="s", color=colour, alpha=0.9,
+                      zorder=6, label=f"{number}  {arm_label(cell)} ({verdict})")
+            ax.annotate(str(number), (points[cell]["vendi"]["mean"], points[cell][metric]["mean"]),
+                        textcoords="offset points", xytext=(4, 4), fontsize=9, fontweight="bold", color=colour)
+        ax.set_xlabel("Vendi (more different replies →)")
+        ax.set_ylabel(f"{metric} (mean over problems)")
+        ax.grid(True, alpha=0.3)
+        ax.set_title(f"{metric} against Vendi", fontsize=10)
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), fontsize=7, frameon=False, ncol=2)
+    fig.suptitle(_title(summary, "ESamp against the temperature curve")
+                 + "\nabove the black line beats sampling hotter or colder; bars: 95% bootstrap intervals",
+                 fontsize=10)
+    fig.tight_layout()
     return fig
 
 

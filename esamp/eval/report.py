@@ -6,6 +6,8 @@ resumed run reports exactly what an uninterrupted one would.
 A task's summary (``summarize``) holds every arm's metrics, and for each cell its deltas against
 the baseline (cell minus baseline, paired bootstrap over problems) and its per-problem shifts.
 With one cell, ``deltas`` also sits at the top of the summary, the shape of single-cell reports.
+With plain arms at other temperatures, ``frontier`` says where every cell stands against the
+temperature curve (``esamp.eval.frontier``).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import math
 from typing import Mapping, Sequence
 
+from esamp.eval import frontier as frontier_lib
 from esamp.eval.matrix import BASELINE, SINGLE, format_value
 from esamp.eval.passk import pass_at_k
 from esamp.eval.runner import EvalSettings
@@ -111,7 +114,41 @@ def summarize(problems: Sequence[Problem], records: dict[tuple[str, str], dict],
     }
     if len(cells) == 1:
         summary["deltas"] = next(iter(cells.values()))["deltas"]
+    front = frontier(settings, both, records, resamples)
+    if front is not None:
+        summary["frontier"] = front
     return summary
+
+
+def curve_temperatures(settings: EvalSettings) -> dict[str, float]:
+    """The arms of the temperature curve and their temperatures: the baseline and the plain arms
+    that differ from it in temperature only."""
+    base = settings.base_sampling
+    curve = {BASELINE: base.temperature}
+    for arm in settings.plain:
+        own = arm.sampling(base)
+        if own.model_copy(update={"temperature": base.temperature}) == base:
+            curve[arm.name] = own.temperature
+    return curve
+
+
+def frontier(settings: EvalSettings, both: Sequence[Problem], records, resamples: int = 10_000) -> dict | None:
+    """Every arm off the temperature curve against it (``esamp.eval.frontier``), on the problems
+    with Vendi (and, when the task has answers, with verdicts too); None without a curve (fewer
+    than two temperatures) or without Vendi."""
+    curve = curve_temperatures(settings)
+    diverse = [p for p in both if all(records[(p.id, a)].get("diversity") for a in settings.arms)]
+    if len(curve) < 2 or not diverse:
+        return None
+    graded = [p for p in diverse if records[(p.id, BASELINE)]["correct"] is not None]
+    problems = graded or diverse
+    vendi = {a: [records[(p.id, a)]["diversity"]["vendi"] for p in problems] for a in settings.arms}
+    scores = {}
+    if graded:
+        for k in dict.fromkeys([settings.ks[0], settings.ks[-1]]):
+            scores[f"pass@{k}"] = {a: [pass_at_k(settings.n, records[(p.id, a)]["correct"], k) for p in problems]
+                                   for a in settings.arms}
+    return frontier_lib.analyse(curve, vendi, scores, resamples=resamples, seed=settings.seed)
 
 
 def headline_metrics(summary: dict) -> list[str]:
@@ -165,6 +202,96 @@ def ascii_chart(ks: Sequence[int], lines: dict[str, Sequence[float]], height: in
 # -- Markdown --------------------------------------------------------------------------------
 
 
+VERDICT_WORDS = {frontier_lib.ABOVE: "above", frontier_lib.BELOW: "below", frontier_lib.ON: "on the curve",
+                 frontier_lib.OUTSIDE: "outside"}
+
+
+def _gap_text(g: dict, bold: bool = True) -> str:
+    """A point's gap to the curve with its interval and verdict."""
+    if math.isnan(g["gap"]):
+        return "beyond the curve's Vendi range"
+    text = f"{_signed(g['gap'])} [{_signed(g['low'])}, {_signed(g['high'])}]"
+    if g["verdict"] == frontier_lib.OUTSIDE:
+        return f"{text}, at the curve's end ({g['outside']:.0%} of resamples off it)"
+    text += f" {VERDICT_WORDS[g['verdict']]}"
+    return f"**{text}**" if bold and g["verdict"] == frontier_lib.ABOVE else text
+
+
+def _interval_text(x: dict, digits: int = 3) -> str:
+    return f"{_fmt(x['mean'], digits)} [{_fmt(x['low'], digits)}, {_fmt(x['high'], digits)}]"
+
+
+def _names(arms: Sequence[str]) -> str:
+    return ", ".join(arm_label(a) for a in arms)
+
+
+def frontier_sentences(summary: dict) -> list[str]:
+    """Where the cells (and the plain arms off the curve) stand against the temperature curve,
+    in words: one sentence per metric."""
+    front = summary["frontier"]
+    cells = list(summary["cells"])
+    others = [a for a in summary["settings"].get("plain", {}) if a not in front["curve"]]
+    lines = []
+    for metric in front["gaps"]:
+        gaps = front["gaps"][metric]
+        by = frontier_lib.standing(front, metric, cells)
+        parts = [f"{len(by[v])} {what}" for v, what in (
+            (frontier_lib.BELOW, "below it"), (frontier_lib.ON, "on it within the interval"),
+            (frontier_lib.OUTSIDE, "beyond or at the end of its Vendi range")) if by[v]]
+        if by[frontier_lib.ABOVE]:
+            above = "; ".join(f"{arm_label(a)} by {_gap_text(gaps[a], bold=False)}" for a in by[frontier_lib.ABOVE])
+            text = (f"**On {metric}, {len(by[frontier_lib.ABOVE])} of {len(cells)} ESamp cells lie above the "
+                    f"temperature curve**: {above}" + (f"; {', '.join(parts)}" if parts else "") + ".")
+        else:
+            text = (f"**On {metric}, no ESamp cell lies above the temperature curve** "
+                    f"({len(cells)} cell{'s' if len(cells) != 1 else ''}: {', '.join(parts)}).")
+        for arm in others:
+            text += f" Plain {arm}: {_gap_text(gaps[arm], bold=False)}."
+        lines.append(text)
+    equal = front["temperature_equivalent"]
+    said = [f"{arm_label(a)} at T {equal[a]:.2f}" for a in cells if equal[a] is not None]
+    if said:
+        lines.append("As diverse (Vendi) as plain sampling: " + "; ".join(said) + ".")
+    return lines
+
+
+def render_frontier(summary: dict, images: Mapping[str, str], level: int) -> list[str]:
+    """The section that answers "does a cell beat raising the temperature?"."""
+    h = "#" * level
+    front = summary["frontier"]
+    temps = ", ".join(f"{t:g}" + (" (the baseline)" if a == BASELINE else "")
+                      for a, t in front["temperatures"].items())
+    metrics = list(front["gaps"])
+    lines = ["", f"{h} Against the temperature curve", "",
+             f"The temperature curve is plain sampling at T {temps}, every other setting the baseline's. "
+             + ("A point lies above it when its pass@k beats the curve's at the same Vendi; the gap is that "
+                "difference with a 95% paired bootstrap interval over problems (the curve resampled too), "
+                "**bold** when the whole interval is above 0." if metrics else
+                "This task has no answers, so there is no accuracy axis: each point's Vendi is read "
+                "against the curve as the temperature that gives the same diversity.")
+             + f" Over {front['problems']} problems.", ""]
+    lines += [f"- {line}" for line in frontier_sentences(summary)]
+    header = ["arm", "T", "Vendi [95%]"]
+    for m in metrics:
+        header += [f"{m} [95%]", f"gap {m}"]
+    header.append("as diverse as T")
+    rows = []
+    plain = summary["settings"].get("plain", {})
+    base_t = summary["settings"]["temperature"]
+    for arm, point in front["points"].items():
+        t = front["temperatures"].get(arm, plain.get(arm, {}).get("temperature", base_t))
+        row = [arm, f"{t:g}", _interval_text(point["vendi"], 2)]
+        for m in metrics:
+            row += [_interval_text(point[m]), "(curve)" if arm in front["curve"] else _gap_text(front["gaps"][m][arm])]
+        equal = front["temperature_equivalent"].get(arm)
+        row.append("(curve)" if arm in front["curve"] else "—" if equal is None else f"{equal:.2f}")
+        rows.append(row)
+    lines += [""] + _table(header, rows, ["---"] + ["---:"] * (len(header) - 1))
+    if "frontier" in images:
+        lines += ["", f"![the temperature curve and every ESamp cell]({images['frontier']})"]
+    return lines
+
+
 def _fmt(value: float, digits: int = 3) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "n/a"
@@ -212,6 +339,9 @@ def _settings_lines(summary: dict, both: str = "every arm") -> list[str]:
                      f"{shared_text}")
         lines.append("- baseline: plain sampling with the same filters, sampled once per problem and "
                      "compared with every cell")
+    if s.get("plain"):
+        lines.append(f"- {len(s['plain'])} plain arms (ESamp off) with filters of their own: "
+                     + ", ".join(s["plain"]))
     return lines
 
 
@@ -238,11 +368,14 @@ def render_header(title: str, summaries: Sequence[dict], meta: dict) -> list[str
             for arm, info in x["arms"].items():
                 generation[arm] = generation.get(arm, 0.0) + info["seconds"]
         base = generation.pop(BASELINE, 0.0)
+        plain_names = {a for x in summaries for a in x["settings"].get("plain", {})}
+        plain = sum(generation.pop(a) for a in list(generation) if a in plain_names)
         cells = sum(generation.values())
         sessions = meta.get("sessions") or 1
         lines.append(f"- wall time: {meta['wall_seconds']:.0f} s in all over {sessions} session"
                      f"{'s' if sessions != 1 else ''} (generation: baseline {base:.0f} s, "
-                     f"{'ESamp' if list(generation) == [SINGLE] else 'cells'} {cells:.0f} s)")
+                     + (f"plain arms {plain:.0f} s, " if plain_names else "")
+                     + f"{'ESamp' if list(generation) == [SINGLE] else 'cells'} {cells:.0f} s)")
     return lines
 
 
@@ -254,6 +387,7 @@ def render_task(summary: dict, images: Mapping[str, str] | None = None, level: i
     arms = summary["arms"]
     cells = summary["cells"]
     names = list(cells)
+    plain = list(s.get("plain", {}))
     single = names == [SINGLE]
     images = images or {}
     n = s["n"]
@@ -273,6 +407,9 @@ def render_task(summary: dict, images: Mapping[str, str] | None = None, level: i
             rows.append([name] + sum(([_fmt(arms[name][m]), _delta_text(d[m])] for m in metrics), []))
         lines += _table(header, rows)
 
+    if summary.get("frontier"):
+        lines += render_frontier(summary, images, level)
+
     # Totals: what the arms produced, correct samples included.
     lines += ["", f"{h} {'Results' if single else 'Totals'}", ""]
     if single:
@@ -284,10 +421,14 @@ def render_task(summary: dict, images: Mapping[str, str] | None = None, level: i
         rows += [[label, *values, "", ""] for label, values in extra]
         lines += _table(["metric", "baseline", "ESamp", "Δ", "95% interval"], rows,
                         ["---", "---:", "---:", "---:", "---"])
-    else:
-        extra = _totals(summary, [BASELINE] + names)
+    if not single or plain:
+        every = [BASELINE] + plain + names
+        extra = _totals(summary, every)
+        if single:
+            lines += ["", "Every arm:", ""]
         lines += _table(["arm"] + [label for label, _ in extra],
-                        [[arm] + [values[i] for _, values in extra] for i, arm in enumerate([BASELINE] + names)])
+                        [[arm] + [values[i] for _, values in extra] for i, arm in enumerate(every)])
+    if not single:
         lines += ["", f"{h} Every metric", "",
                   "Each cell's Δ against the baseline [95% interval]; **bold**: the interval excludes 0.", ""]
         metric_keys = list(cells[names[0]]["deltas"])
@@ -301,7 +442,7 @@ def render_task(summary: dict, images: Mapping[str, str] | None = None, level: i
         if "passk" in images:
             lines.append(f"![pass@k against k, every arm]({images['passk']})")
         if single:  # a text chart stays readable with two lines only; the PNG has every cell
-            chart = ascii_chart(s["ks"], {arm: [arms[arm][k] for k in pass_keys] for arm in arms})
+            chart = ascii_chart(s["ks"], {arm: [arms[arm][k] for k in pass_keys] for arm in (BASELINE, SINGLE)})
             lines += ([""] if "passk" in images else []) + ["```", chart, "```"]
     if "plane" in images:
         graded = bool(pass_keys)

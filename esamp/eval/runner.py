@@ -1,12 +1,13 @@
-"""Run the arms of an evaluation, the baseline and each cell, over the same problems and seeds.
+"""Run the arms of an evaluation, the baseline, the plain arms and each cell, over the same
+problems and seeds.
 
-An arm is ``baseline`` (ESamp off) or a cell (``esamp.eval.matrix``): one prompt group per
-problem and arm, n samples each. Every finished group is graded at once and appended as one JSON
+An arm is ``baseline`` (ESamp off), a plain arm (ESamp off, its own filters) or a cell
+(``esamp.eval.matrix``): one prompt group per problem and arm, n samples each. Every finished group is graded at once and appended as one JSON
 line to ``samples.jsonl`` in the task's output folder, with its texts, verdicts and diversity.
 A later run with the same settings reads that file and skips what is done, so an interrupted
 evaluation resumes where it stopped, per group and so per cell, and ends with the same records as
-one that never stopped. Cells can be added to a finished folder: only the new cells are sampled,
-against the baseline already there.
+one that never stopped. Cells and plain arms can be added to a finished folder: only the new ones
+are sampled, against the baseline already there.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any, Callable, Iterable, Sequence
 from esamp.core.config import EsampConfig, SamplingConfig, make_config, settings_fields
 from esamp.engines.base import group_key
 from esamp.errors import ConfigError, EngineError, EsampError
-from esamp.eval.matrix import BASELINE, SINGLE, Cell
+from esamp.eval.matrix import BASELINE, SINGLE, Cell, PlainArm
 from esamp.eval.tasks import Problem
 
 ARMS = (BASELINE, SINGLE)  # the arms of a run without --matrix
@@ -35,6 +36,8 @@ SESSIONS = "sessions.json"
 EVAL_DEFAULTS = {"n": 8, "max_tokens": 256}
 # Settings that change no sample: a resumed run may change them.
 REPORT_ONLY = frozenset({"ks"})
+# The run.json keys that hold named arms; a folder gathers them over runs.
+ARM_KEYS = ("plain", "cells")
 
 
 def default_ks(n: int) -> list[int]:
@@ -43,7 +46,8 @@ def default_ks(n: int) -> list[int]:
 
 
 class EvalSettings:
-    """Everything that decides one task's samples: the problems, the sampling, the cells.
+    """Everything that decides one task's samples: the problems, the sampling, the cells and
+    the plain arms.
 
     ``sampling`` holds n, max_tokens, the filters and the base seed (each problem's seed derives
     from it). Sampling fields may also be given one by one (``n=4``); for a run with one cell,
@@ -52,7 +56,8 @@ class EvalSettings:
 
     def __init__(self, task: str, problem_ids: Sequence[str], ks: Sequence[int] | None = None,
                  cells: Sequence[Cell] | None = None, engine: str = "reference", model: str | None = None,
-                 sampling: SamplingConfig | None = None, **values: Any) -> None:
+                 sampling: SamplingConfig | None = None, plain: Sequence[PlainArm] = (),
+                 **values: Any) -> None:
         steering = {k: values.pop(k) for k in list(values) if k in settings_fields(EsampConfig)}
         if sampling is None:
             sampling = make_config(SamplingConfig, **{**EVAL_DEFAULTS, **values})
@@ -62,14 +67,24 @@ class EvalSettings:
             cells = [Cell(SINGLE, make_config(EsampConfig, **steering))]
         elif steering:
             raise TypeError(f"pass ESamp settings in cells=, not as {sorted(steering)}")
-        names = [c.name for c in cells]
+        plain = list(plain)
+        for index, arm in enumerate(plain):
+            if arm.sampling(sampling) == sampling:
+                raise ConfigError(f"plain arm {arm.name} samples exactly like the baseline of {task}",
+                                  hint="leave it out: the baseline is already a point of the temperature curve")
+            twin = next((a for a in plain[:index] if a.sampling(sampling) == arm.sampling(sampling)), None)
+            if twin is not None:
+                raise ConfigError(f"plain arm {arm.name} samples exactly like {twin.name}",
+                                  hint="list every plain setting once")
+        names = [c.name for c in cells] + [a.name for a in plain]
         if len(set(names)) != len(names) or BASELINE in names:
-            raise ConfigError(f"cell names must be unique and not {BASELINE!r}: {names}",
-                              hint="list every matrix value once")
+            raise ConfigError(f"arm names must be unique and not {BASELINE!r}: {names}",
+                              hint="list every matrix and plain value once")
         self.task = task
         self.problem_ids = list(problem_ids)
         self.base_sampling = sampling
         self.cells = list(cells)
+        self.plain = list(plain)
         self.ks = list(ks) if ks else default_ks(sampling.n)
         self.engine = engine
         self.model = model
@@ -88,7 +103,13 @@ class EvalSettings:
 
     @property
     def arms(self) -> list[str]:
-        return [BASELINE] + [c.name for c in self.cells]
+        """Every arm, in the order they run: the baseline, the plain arms, the cells."""
+        return [BASELINE] + [a.name for a in self.plain] + [c.name for c in self.cells]
+
+    @property
+    def plain_arms(self) -> list[str]:
+        """The arms that sample without ESamp: the baseline and the plain arms."""
+        return [BASELINE] + [a.name for a in self.plain]
 
     def cell(self, name: str) -> Cell:
         return next(c for c in self.cells if c.name == name)
@@ -101,17 +122,24 @@ class EvalSettings:
             "ks": self.ks,
             "engine": self.engine,
             "model": self.model,
+            "plain": {a.name: a.record() for a in self.plain},
             "cells": {c.name: c.record() for c in self.cells},
         }
 
-    def sampling(self, problem_id: str) -> SamplingConfig:
-        """The sampling of one problem: its own seed, shared by every arm."""
-        return self.base_sampling.model_copy(update={"seed": problem_seed(self.seed, problem_id)})
+    def arm_sampling(self, arm: str) -> SamplingConfig:
+        """The sampling of ``arm`` before the problem's seed: a plain arm's own filters, else the
+        task's."""
+        plain = next((a for a in self.plain if a.name == arm), None)
+        return plain.sampling(self.base_sampling) if plain else self.base_sampling
+
+    def sampling(self, problem_id: str, arm: str = BASELINE) -> SamplingConfig:
+        """The sampling of one problem and arm: the problem's own seed, shared by every arm."""
+        return self.arm_sampling(arm).model_copy(update={"seed": problem_seed(self.seed, problem_id)})
 
     def esamp_config(self, arm: str, engine: EsampConfig | None = None) -> EsampConfig:
-        """The ESamp settings a group of ``arm`` starts with: the cell's own, or ESamp off on the
-        settings of the engine it runs on."""
-        if arm == BASELINE:
+        """The ESamp settings a group of ``arm`` starts with: the cell's own, or (the baseline and
+        the plain arms) ESamp off on the settings of the engine it runs on."""
+        if arm in self.plain_arms:
             return (engine or self.cells[0].config).with_steering(enabled=False)
         return self.cell(arm).config
 
@@ -166,57 +194,63 @@ def _differences(mine: dict, theirs: dict) -> list[str]:
 def prepare_out_dir(out: Path, settings: EvalSettings, write: bool = True) -> list[str]:
     """Create ``out`` with its settings file, or check that the one there matches.
 
-    The shared settings (problems, sampling, engine, model) must match; a cell already recorded
-    must have the same settings; new cells are added (``write=False``: only check). Returns the
-    names of the cells new here.
+    The shared settings (problems, sampling, engine, model) must match; a cell or plain arm
+    already recorded must have the same settings; new ones are added (``write=False``: only
+    check). Returns the names of the arms new here.
     """
     check_writable(out)
     path = out / SETTINGS
     mine = settings.to_dict()
-    new = [c.name for c in settings.cells]
+    new = [name for key in ARM_KEYS for name in mine[key]]
     if path.exists():
         try:
             theirs = _legacy(json.loads(path.read_text(encoding="utf-8"))["settings"])
         except (ValueError, KeyError, TypeError, UnicodeDecodeError):
             raise ResumeMismatch(f"{path} is not an esamp eval settings file",
                                  hint="choose another --out folder") from None
-        shared = {k: v for k, v in mine.items() if k != "cells" and k not in REPORT_ONLY}
-        differ = _differences(shared, {k: v for k, v in theirs.items() if k != "cells"})
+        shared = {k: v for k, v in mine.items() if k not in ARM_KEYS and k not in REPORT_ONLY}
+        differ = _differences(shared, {k: v for k, v in theirs.items() if k not in ARM_KEYS})
         if differ:
             raise ResumeMismatch(
                 f"{out} holds a run with other settings ({', '.join(differ)} differ)",
                 hint="rerun with the same settings to resume it, or pass a new --out folder",
             )
-        recorded = theirs.get("cells", {})
-        for name, cell in mine["cells"].items():
-            if name in recorded:
-                differ = _differences(cell, recorded[name])
+        new, merged = [], {}
+        for key, what in zip(ARM_KEYS, ("plain arm", "cell")):
+            recorded = theirs.get(key, {})
+            for name, arm in mine[key].items():
+                differ = _differences(arm, recorded[name]) if name in recorded else []
                 if differ:
-                    was = ", ".join(f"{k} {recorded[name][k]!r} there, {cell[k]!r} now" for k in differ)
+                    was = ", ".join(f"{k} {recorded[name][k]!r} there, {arm[k]!r} now" for k in differ)
                     raise ResumeMismatch(
-                        f"{out} holds the cell {name} with other settings ({was})",
+                        f"{out} holds the {what} {name} with other settings ({was})",
                         hint="rerun with the same settings, or pass a new --out folder",
                     )
-        new = [name for name in mine["cells"] if name not in recorded]
-        mine = {**theirs, **mine, "cells": {**recorded, **mine["cells"]}}
+            new += [name for name in mine[key] if name not in recorded]
+            merged[key] = {**recorded, **mine[key]}
+        mine = {**theirs, **mine, **merged}
     if write:
         _write_json(path, {"settings": mine})
     return new
 
 
 def with_recorded_cells(settings: EvalSettings, out: Path) -> EvalSettings:
-    """``settings`` with every cell the folder holds: earlier runs' cells (they share this run's
-    baseline and sampling, which ``prepare_out_dir`` checked) in the order they were added, then
-    this run's. A report of the folder covers them all."""
+    """``settings`` with every cell and plain arm the folder holds: earlier runs' (they share this
+    run's baseline and sampling, which ``prepare_out_dir`` checked) in the order they were added,
+    then this run's. A report of the folder covers them all."""
     path = out / SETTINGS
     if not path.exists():
         return settings
-    recorded = _legacy(json.loads(path.read_text(encoding="utf-8"))["settings"]).get("cells", {})
-    mine = {c.name: c for c in settings.cells}
-    cells = [mine.get(name) or Cell(name, make_config(EsampConfig, **record)) for name, record in recorded.items()]
-    cells += [c for name, c in mine.items() if name not in recorded]
+    theirs = _legacy(json.loads(path.read_text(encoding="utf-8"))["settings"])
+
+    def gather(mine: dict, recorded: dict, make) -> list:
+        return ([mine.get(name) or make(name, record) for name, record in recorded.items()]
+                + [arm for name, arm in mine.items() if name not in recorded])
+
     merged = copy.copy(settings)
-    merged.cells = cells
+    merged.cells = gather({c.name: c for c in settings.cells}, theirs.get("cells", {}),
+                          lambda name, record: Cell(name, make_config(EsampConfig, **record)))
+    merged.plain = gather({a.name: a for a in settings.plain}, theirs.get("plain", {}), PlainArm)
     return merged
 
 
@@ -309,17 +343,20 @@ Progress = Callable[[dict, int, int], None]
 def run_groups(problems: Sequence[Problem], engine, settings: EvalSettings, out: Path,
                grade: Grade, measure: Measure, progress: Progress | None = None,
                parallel: int = 1, arms: Sequence[str] | None = None,
-               engine_config: EsampConfig | None = None) -> dict[tuple[str, str], dict]:
+               engine_config: EsampConfig | None = None, by_problem: bool = False) -> dict[tuple[str, str], dict]:
     """Generate, grade and record every (problem, arm) group of ``arms`` not yet in ``out``.
 
     Arms run one after another (all problems of one, then the next), so an interrupted matrix
-    leaves whole cells done. Up to ``parallel`` groups run at once (the vLLM engine batches them;
+    leaves whole cells done; ``by_problem``: every arm of a problem before the next problem, so a
+    stopped run leaves whole problems done, and its report (which counts the problems every arm
+    finished) covers them. Up to ``parallel`` groups run at once (the vLLM engine batches them;
     the reference engine steps them one after another). ``engine_config`` is the engine's own
     ESamp settings, which the baseline's groups run on. Returns all records, old and new.
     """
     records = read_records(out)
     arms = list(arms if arms is not None else settings.arms)
-    todo = [(p, arm) for arm in arms for p in problems if (p.id, arm) not in records]
+    order = [(p, arm) for p in problems for arm in arms] if by_problem else [(p, arm) for arm in arms for p in problems]
+    todo = [(p, arm) for p, arm in order if (p.id, arm) not in records]
     total, done = len(problems) * len(arms), len(problems) * len(arms) - len(todo)
     running: dict[str, _Running] = {}
     queue = list(todo)
@@ -327,7 +364,7 @@ def run_groups(problems: Sequence[Problem], engine, settings: EvalSettings, out:
         while queue or running:
             while queue and len(running) < max(1, parallel):
                 problem, arm = queue.pop(0)
-                key = engine.start(problem.prompt, settings.sampling(problem.id),
+                key = engine.start(problem.prompt, settings.sampling(problem.id, arm),
                                    settings.esamp_config(arm, engine_config).steering, group=group_key(problem.id, arm))
                 running[key] = _Running(problem, arm, [""] * settings.n, [None] * settings.n,
                                         [0] * settings.n, time.perf_counter())

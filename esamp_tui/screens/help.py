@@ -51,10 +51,12 @@ class HelpScreen(ModalScreen[None]):
     """
     BINDINGS = [Binding("escape,q,question_mark,f1", "dismiss", "Close help", id="help.close")]
 
-    def __init__(self, bindings: list[Binding], keymap: dict[str, str] | None = None) -> None:
+    def __init__(self, bindings: list[Binding], keymap: dict[str, str] | None = None,
+                 measured: str | None = None) -> None:
         super().__init__()
         self.key_bindings = bindings
         self.keymap = keymap or {}  # the user's overrides, by binding id
+        self.measured = measured  # what committed runs measured for this model and setting
 
     def compose(self) -> ComposeResult:
         rows = ["| key | action | id (for keymap.toml) |", "|---|---|---|"]
@@ -64,4 +66,5 @@ class HelpScreen(ModalScreen[None]):
         rows.append("| `ctrl+p` | command palette (every action, searchable) |")
         rows.append("| `ctrl+q` / `ctrl+c` | quit |")
         with VerticalScroll():
-            yield Markdown("# esamp dashboard\n\n" + "\n".join(rows) + "\n" + READING)
+            measured = f"\n**ESamp on this model.** {self.measured}\n" if self.measured else ""
+            yield Markdown("# esamp dashboard\n\n" + "\n".join(rows) + "\n" + measured + READING)

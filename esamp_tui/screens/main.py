@@ -20,6 +20,7 @@ from esamp.core.config import SamplingConfig, Steering, update_config
 from esamp.core.mixes import MIXES
 from esamp.engines.base import check_prompt_text
 from esamp.errors import PromptError
+from esamp.eval.standing import standing
 from esamp.events import ErrorEvent, StepEvent
 from esamp_tui.controller import SessionController
 from esamp_tui.keymap import MAIN_BINDINGS, KeysScreen, footer_drop_actions
@@ -238,7 +239,8 @@ class MainScreen(KeysScreen):
         self.query_one(f"#{area}").focus()
 
     def action_help(self) -> None:
-        self.app.push_screen(HelpScreen(self.BINDINGS, self.app.user_keymap))
+        found = standing(self.record.engine.get("model"), self.steering.model_copy(update={"enabled": True}))
+        self.app.push_screen(HelpScreen(self.BINDINGS, self.app.user_keymap, found.text() if found else None))
 
     def action_export(self) -> None:
         self.app.push_screen(ExportScreen(self.record, self.app.export_screenshot(title="esamp")))

@@ -14,6 +14,7 @@ from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.widgets import Static
 
+from esamp.eval.standing import standing
 from esamp.events import DoneEvent, Event, TokenEvent
 from esamp_tui import diversity
 from esamp_tui.messages import VendiScored
@@ -42,7 +43,13 @@ class Results(VerticalScroll):
     def show_run(self, groups: list[GroupRecord]) -> None:
         """Replace what is shown with empty rows for ``groups``."""
         self.remove_children()
-        self.rows = {g.key: RunRow(g) for g in groups}
+        # Compare mode (ESamp off and on): the ESamp row says what the committed runs measured
+        # for this model and setting, so a narrower ESamp row is no surprise (esamp.eval.standing).
+        note = None
+        if len(groups) > 1:
+            found = standing(self.record.engine.get("model"), next(g.steering for g in groups if g.esamp_on))
+            note = found.short() if found else None
+        self.rows = {g.key: RunRow(g, note if g.esamp_on else None) for g in groups}
         self.mount_all(self.rows.values())
 
     def apply(self, events: list[Event]) -> tuple[list[GroupRecord], list[Event]]:

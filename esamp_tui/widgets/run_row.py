@@ -21,9 +21,10 @@ class RunRow(Vertical):
     RunRow > Grid { grid-gutter: 0 0; height: 1fr; }
     """
 
-    def __init__(self, record: GroupRecord) -> None:
+    def __init__(self, record: GroupRecord, note: str | None = None) -> None:
         super().__init__(id=f"row-{record.key}", classes="-esamp-on" if record.esamp_on else "-esamp-off")
         self.record = record  # the run's settings and results; this row only draws them
+        self.note = note  # what committed measurements say about this setting (compare mode)
         self.group, self.n = record.key, record.n
         self.panes = [SamplePane(i, id=f"pane-{record.key}-{i}") for i in range(record.n)]
         self.vendi_pending = False
@@ -64,6 +65,8 @@ class RunRow(Vertical):
             text += " · Vendi …"
         if r.interrupted:
             text += f" · {INTERRUPTIONS[r.interrupted]}"
+        if self.note:
+            text += f" · {self.note}"
         return text
 
     def refresh_header(self) -> None:

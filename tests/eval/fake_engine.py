@@ -1,7 +1,9 @@
 """A tiny deterministic engine with the real protocol, for fast runner tests.
 
 Each sample's reply is "The answer is X ." with X drawn from the group's seed, the sample index
-and the group's steering (off, or on with its beta and mix), emitted one word per step. ``interrupt_at_step`` raises
+and the group's steering (off, or on with its beta and mix), emitted one word per step. Hotter
+sampling draws X from more values (``choices`` at T 0.8, fewer when colder, wrong ones beyond
+them when hotter), so a temperature sweep trades accuracy for diversity as a real model does. ``interrupt_at_step`` raises
 KeyboardInterrupt inside ``step`` to imitate Ctrl-C in the middle of a run.
 """
 
@@ -10,6 +12,9 @@ from __future__ import annotations
 import random
 
 from esamp.events import DoneEvent, ReadyEvent, TokenEvent
+
+
+HOTTER = ("7", "9", "11", "13", "17", "19", "23", "29")  # answers only hotter sampling reaches
 
 
 class FakeEngine:
@@ -36,11 +41,13 @@ class FakeEngine:
         steered = bool(esamp and esamp.enabled)
         self.steerings.append(esamp)
         style = f"{esamp.beta}-{esamp.mix}" if steered else "off"
+        spread = max(1, round(len(self.choices) * sampling.temperature / 0.8))
+        pool = (tuple(self.choices) + HOTTER)[:spread]
         words = []
         for sample in range(sampling.n):
             rng = random.Random(f"{sampling.seed}-{style}-{sample}")
             filler = rng.choice(["Well,", "So", "Hmm,", "Then"])
-            words.append([filler, "the", "answer", "is", rng.choice(self.choices), "."])
+            words.append([filler, "the", "answer", "is", rng.choice(pool), "."])
         self.groups[key] = {"words": words, "pos": [0] * sampling.n}
         self.started.append(key)
         self.most_at_once = max(self.most_at_once, len(self.groups))

@@ -272,6 +272,10 @@ def bad_inputs(tmp_path):
     unknown.write_text("betta = 1\n")
     broken = tmp_path / "broken.toml"
     broken.write_text("n = [\n")
+    plain_toml = tmp_path / "plain.toml"
+    plain_toml.write_text("[[plain]]\ntemperature = [1.2]\n[[plain]]\ntop_p = [2]\n")
+    plain_list = tmp_path / "plain-list.toml"
+    plain_list.write_text("plain = [1.2]\n")
     read_only = read_only_folder(tmp_path)
     run = ["--task-file", good]
     return [
@@ -285,6 +289,12 @@ def bad_inputs(tmp_path):
         (run + ["--matrix", "beta=0.4,12"], "--matrix beta='12'"),
         (run + ["--matrix", "gamma=1"], "unknown key 'gamma'"),
         (run + ["--matrix", "beta"], "KEY=VALUE"),
+        (run + ["--plain", "beta=0.4"], "--plain: unknown key 'beta'"),
+        (run + ["--plain", "temperature=6"], "--plain temperature='6'"),
+        (run + ["--plain", "temperature=0.8"], "plain arm temperature=0.8 samples exactly like the baseline"),
+        (run + ["--plain", "temperature=1.2", "--plain", "temperature=1.2"], "samples exactly like temperature=1.2"),
+        (["--matrix-file", str(plain_toml), "--task-file", good], "plain.toml [plain] top_p=2:"),
+        (["--matrix-file", str(plain_list), "--task-file", good], "plain must be a table"),
         (run + ["--parallel", "0"], "--parallel 0"),
         (run + ["--threads", "0"], "0 is not a thread count"),
         (run + ["--limit", "0"], "--limit 0"),

@@ -1,0 +1,68 @@
+"""What the committed frontier runs say about a model and setting (esamp.eval.standing): read from
+the run's report.json, never restated."""
+
+import json
+
+import pytest
+
+from esamp.core.config import Steering
+from esamp.engines.models import EMBEDDED_NAME
+from esamp.eval import standing as standing_lib
+from esamp.eval.standing import FRONTIER_RUNS, RESULTS, standing
+
+
+def write_report(root, run="m/arith", vendi=(-0.27, -0.45, -0.10), gap=(-0.05, -0.09, -0.01, "below")):
+    cell = {"settings": {"beta": 0.8, "mix": "paper", "train": True, "train_rows": "group", "lr": 0.001},
+            "deltas": {"vendi": dict(zip(("delta", "low", "high"), vendi))}}
+    report = {"task": "arith", "settings": {"n": 8}, "cells": {"beta=0.8,mix=paper": cell},
+              "frontier": {"problems": 20, "gaps": {"pass@1": {"beta=0.8,mix=paper": dict(
+                  zip(("gap", "low", "high", "verdict"), gap), outside=0.0)}}}}
+    (root / run).mkdir(parents=True)
+    (root / run / "report.json").write_text(json.dumps(report))
+
+
+@pytest.fixture
+def model(monkeypatch, tmp_path):
+    monkeypatch.setitem(FRONTIER_RUNS, "tiny", "m/arith")
+    write_report(tmp_path)
+    return tmp_path
+
+
+def test_a_setting_with_a_run_gets_its_figures_in_words(model):
+    found = standing("tiny", Steering(), results=model)
+    assert (found.cell, found.diversity, found.gap["verdict"], found.problems) == ("beta=0.8,mix=paper", "narrows",
+                                                                                   "below", 20)
+    assert found.short() == ("measured on arith: narrows (Vendi −0.27 [−0.45, −0.10]), pass@1 below the "
+                             "temperature curve (−0.05 [−0.09, −0.01]); ? for more")
+    text = found.text()
+    assert "narrows the samples (Vendi −0.27 [−0.45, −0.10]" in text
+    assert "less accurate (pass@1) than plain sampling at the same diversity" in text
+    assert "benchmarks/results/m/arith" in text and "sampling hotter or colder without ESamp" in text
+
+
+def test_widening_and_beating_the_curve_read_so(tmp_path, monkeypatch):
+    monkeypatch.setitem(FRONTIER_RUNS, "tiny", "m/arith")
+    write_report(tmp_path, vendi=(0.2, 0.1, 0.3), gap=(0.04, 0.01, 0.07, "above"))
+    found = standing("tiny", Steering(), results=tmp_path)
+    assert found.diversity == "widens" and "beats plain sampling on pass@1" in found.text()
+    assert "without ESamp does at least as well" not in found.text()
+
+
+def test_nothing_is_said_without_a_run_a_cell_or_a_file(model, tmp_path):
+    assert standing("other", Steering(), results=model) is None
+    assert standing("tiny", Steering(beta=1.2), results=model) is None  # no such cell
+    assert standing("tiny", Steering(enabled=False), results=model) is None
+    assert standing("tiny", Steering(), results=tmp_path / "nowhere") is None
+
+
+def test_the_embedded_model_has_a_committed_run_at_the_default_setting():
+    """The dashboard's figure for the embedded model comes from the committed report.json."""
+    path = RESULTS / FRONTIER_RUNS[EMBEDDED_NAME] / "report.json"
+    if not path.exists():
+        pytest.skip("no committed frontier run here")
+    found = standing(EMBEDDED_NAME, Steering())
+    assert found is not None
+    report = json.loads(path.read_text())
+    assert found.vendi == report["cells"][found.cell]["deltas"]["vendi"]
+    assert found.gap == report["frontier"]["gaps"][found.metric][found.cell]
+    assert standing_lib.RESULTS.name == "results"
