@@ -134,7 +134,7 @@ def common_options(args, served_name: str) -> list[str]:
 
 def start_servers(args, log_dir: Path) -> tuple[Server, Server]:
     from esamp.engines.models import resolve
-    from esamp.serving.command import launcher  # the launcher esamp serve itself uses
+    from esamp.commands.serve import launcher  # the launcher esamp serve itself uses
 
     resolved = resolve(args.model)
     name = resolved.name

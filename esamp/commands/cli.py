@@ -18,8 +18,8 @@ from esamp.platform.threads import prefer_passive_wait
 SUBCOMMANDS = {
     "generate": "esamp.commands.generate",
     "bench": "esamp.commands.bench",
-    "eval": "esamp.eval.cli",
-    "serve": "esamp.serving.command",
+    "eval": "esamp.commands.eval",
+    "serve": "esamp.commands.serve",
 }
 
 

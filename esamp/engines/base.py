@@ -27,9 +27,10 @@ _group_counter = itertools.count()
 
 
 def group_key(*parts: object) -> str:
-    """The one format of the group keys esamp makes: the parts joined by ``-`` (``r3-on``,
-    ``arith-12-esamp``). Keys are opaque to engines, which refuse a key that is already running;
-    they are also usable as dashboard widget ids (letters, digits, ``-``, ``_``)."""
+    """The group keys esamp makes from names: the parts joined by ``-`` (the dashboard's ``r3-on``,
+    the library's fresh keys), usable as dashboard widget ids (letters, digits, ``-``, ``_``).
+    Keys are opaque to engines, which refuse a key that is already running. ``esamp eval`` joins
+    a problem id and an arm with ``|`` instead (``eval.runner.arm_group_key``: both hold ``-``)."""
     return "-".join(str(p) for p in parts)
 
 

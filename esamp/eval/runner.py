@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 from esamp.core.config import EsampConfig, SamplingConfig, make_config, settings_fields
-from esamp.engines.base import group_key
 from esamp.errors import ConfigError, EngineError, EsampError
 from esamp.eval.matrix import BASELINE, SINGLE, Cell, PlainArm
 from esamp.eval.tasks import Problem
@@ -335,6 +334,12 @@ class _Running:
     started: float
 
 
+def arm_group_key(problem: Problem, arm: str) -> str:
+    """A problem's group for one arm: ``id|arm`` (both may hold ``-``, so not ``group_key``'s form;
+    tests read the arm back from it)."""
+    return f"{problem.id}|{arm}"
+
+
 Grade = Callable[[Problem, list[str]], list[dict] | None]
 Measure = Callable[[list[str]], dict | None]
 Progress = Callable[[dict, int, int], None]
@@ -365,7 +370,7 @@ def run_groups(problems: Sequence[Problem], engine, settings: EvalSettings, out:
             while queue and len(running) < max(1, parallel):
                 problem, arm = queue.pop(0)
                 key = engine.start(problem.prompt, settings.sampling(problem.id, arm),
-                                   settings.esamp_config(arm, engine_config).steering, group=group_key(problem.id, arm))
+                                   settings.esamp_config(arm, engine_config).steering, group=arm_group_key(problem, arm))
                 running[key] = _Running(problem, arm, [""] * settings.n, [None] * settings.n,
                                         [0] * settings.n, time.perf_counter())
             for event in engine.step():

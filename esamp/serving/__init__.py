@@ -3,7 +3,7 @@
 There is no server of ours: ``esamp serve`` assembles ``vllm serve``'s options and hands the
 process over to vLLM. What ESamp adds rides on vLLM's public seams:
 
-- ``command``: ``esamp serve MODEL [vLLM options]``: resolves the model as every esamp command
+- ``esamp.commands.serve`` (the command, in the commands' room): ``esamp serve MODEL [vLLM options]``: resolves the model as every esamp command
   does, writes the engine-wide settings into ``--additional-config``, chooses the model class
   (``--hf-overrides``), the logits processor, the worker extension and this package's middleware,
   caps ``--max-num-seqs`` to the Distiller bank, sets ``ESAMP_SERVE`` (every request is an ESamp

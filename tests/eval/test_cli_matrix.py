@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import esamp.engines
-import esamp.eval.cli as eval_cli
+import esamp.commands.eval as eval_cli
 from esamp.commands.cli import main
 
 from .fake_engine import FakeEngine

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from esamp.errors import ConfigError, ModelNotFoundError
-from esamp.serving.command import ESAMP_FIELDS, EXTENSION, build, configure
+from esamp.commands.serve import ESAMP_FIELDS, EXTENSION, build, configure
 
 pytestmark = [pytest.mark.vllm]
 PRESET = "qwen2.5-0.5b:dummy"  # a config.json only: resolving it is instant
@@ -175,7 +175,7 @@ def test_a_busy_or_privileged_port_is_refused_before_anything_loads(monkeypatch)
     import errno
     import socket
 
-    from esamp.serving.command import check_listen
+    from esamp.commands.serve import check_listen
 
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))

@@ -15,7 +15,7 @@ import pytest
 from esamp.core.config import EsampConfig
 from esamp.engines.vllm import settings as es
 from esamp.engines.vllm.channel import SECRET_HEADER, Channel
-from esamp.serving.command import free_ports
+from esamp.commands.serve import free_ports
 from esamp.serving.middleware import OPEN, EsampMiddleware
 from esamp.serving.metrics import parse
 
