@@ -153,7 +153,7 @@ def test_bench_workload_parsing():
 
 
 @pytest.mark.parametrize("args", [["--trials", "0"], ["--seed", "-1"], ["--gpu-memory-utilization", "1.5"],
-                                  ["--workloads", "16by64"]])
+                                  ["--workloads", "16by64"], ["--tensor-parallel-size", "0"]])
 def test_bench_refuses_bad_options_before_loading_anything(args, capsys):
     from esamp.commands.cli import main
 
