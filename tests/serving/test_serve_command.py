@@ -97,11 +97,10 @@ def test_vllm_neutral_defaults_when_asked():
 
 
 @pytest.mark.parametrize("argv, words", [
-    (("-tp", "2"), ["--tensor-parallel-size 2", "--data-parallel-size"]),
-    (("--tensor-parallel-size=4",), ["tensor parallel"]),
+    (("-tp", "0"), ["--tensor-parallel-size 0", "at least 1"]),
     (("--pipeline-parallel-size", "2"), ["--pipeline-parallel-size 2"]),
     (("--speculative-config", "{}"), ["--speculative-config"]),
-    (("--headless",), ["--headless", "this machine"]),
+    (("--headless",), ["--headless", "this machine", "one esamp serve per machine behind a load balancer"]),
     (("--slots", "8", "--max-num-seqs", "16"), ["--max-num-seqs 16", "--slots 8", "raise --slots to 16"]),
     (("--max-num-seqs", "lots"), ["--max-num-seqs='lots'"]),
     (("--override-generation-config", '{"repetition_penalty": 1.05}'), ["repetition_penalty=1.05", "refused"]),
@@ -133,7 +132,19 @@ def test_an_unknown_model_says_where_it_looked():
 
 
 def test_tensor_parallel_size_one_is_fine():
-    assert plan(PRESET, "-tp", "1").command
+    p = plan(PRESET, "-tp", "1")
+    assert p.command and "VLLM_USE_V2_MODEL_RUNNER" not in p.env
+
+
+@pytest.mark.parametrize("argv", [("-tp", "2"), ("--tensor-parallel-size=2",), ("--tensor_parallel_size", "2")])
+def test_tensor_parallel_passes_to_vllm_on_the_v1_runner(argv, monkeypatch):
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    p = plan(PRESET, *argv)
+    assert p.command.count(argv[0]) == 1  # passed through to vLLM
+    assert p.env["VLLM_USE_V2_MODEL_RUNNER"] == "0"  # ESamp's MRV2 adapter refuses tensor parallelism
+    assert any("worker 0 of each engine owns the Distiller" in note for note in p.notes)
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")  # the operator's choice stands (MRV2 then says why not)
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in plan(PRESET, *argv).env
 
 
 def test_the_cli_prints_the_plan_and_exits_2_on_a_bad_flag(capsys):

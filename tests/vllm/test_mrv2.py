@@ -305,6 +305,7 @@ def test_an_engine_without_esamp_filters_esamp_requests_like_the_v1_adapter():
 @pytest.mark.parametrize("engine, words", [
     ({"speculative_config": SimpleNamespace(num_speculative_tokens=2)}, "speculative decoding"),
     ({"parallel_config": SimpleNamespace(enable_batch_sharded_sampling=True)}, "batch-sharded sampling"),
+    ({"parallel_config": SimpleNamespace(tensor_parallel_size=2)}, "VLLM_USE_V2_MODEL_RUNNER=0"),
 ])
 def test_mrv2_adapter_refuses_engines_it_cannot_steer(engine, words):
     from esamp.engines.vllm.entry import EsampLogitsProcessor

@@ -153,7 +153,7 @@ def test_bench_workload_parsing():
 
 
 @pytest.mark.parametrize("args", [["--trials", "0"], ["--seed", "-1"], ["--gpu-memory-utilization", "1.5"],
-                                  ["--workloads", "16by64"]])
+                                  ["--workloads", "16by64"], ["--tensor-parallel-size", "0"]])
 def test_bench_refuses_bad_options_before_loading_anything(args, capsys):
     from esamp.commands.cli import main
 
@@ -283,3 +283,75 @@ def test_a_second_compute_logits_after_sampling_is_not_steered():
     adapter.update_state(None)  # the next step
     assert adapter.plan(1) is not None
     assert adapter.steering.keep_taps(torch.zeros(4, 16)) and not adapter.steering.keep_taps(torch.zeros(9, 16))
+
+
+class _Wire:
+    """vLLM's tensor-parallel broadcast between two ``EngineSteering`` of one process, called one
+    after the other: rank 0's call leaves the tensor on the wire, rank 1's takes it."""
+
+    def __init__(self) -> None:
+        self.tensor = None
+
+    def end(self, rank: int):
+        from types import SimpleNamespace
+
+        def broadcast(tensor, src=0):
+            if rank == src:
+                self.tensor = tensor.clone()
+            else:
+                tensor.copy_(self.tensor)
+            return tensor
+
+        return SimpleNamespace(broadcast=broadcast)
+
+
+@pytest.mark.vllm
+def test_a_tensor_parallel_worker_without_the_bank_plans_and_mixes_as_rank_0():
+    """Rank 0 owns the bank and shares ŷ; rank 1 keeps only a slot ledger, yet builds the same plan
+    every step (slots, a full bank, an eviction, a release), mixes the same logits, and keeps no
+    records."""
+    from esamp.core.config import EsampConfig, Filters, Steering
+    from esamp.core.distiller import DistillerBank, SlotLedger
+    from esamp.engines.vllm.rows import RequestRow
+    from esamp.engines.vllm.steering import EngineSteering
+    from esamp.engines.vllm.tp import TensorParallel
+
+    H, V = 16, 48
+    wire = _Wire()
+    workers = [EngineSteering(EsampConfig(slots=2, rank=4), hidden=H, vocab=V, max_rows=8, device=torch.device("cpu"),
+                              tp=TensorParallel(rank, 2, wire.end(rank))) for rank in (0, 1)]
+    owner, follower = workers
+    assert isinstance(owner.slots, DistillerBank) and follower.bank is None
+    assert type(follower.slots) is SlotLedger and follower.slots.capacity == 2
+    head = torch.randn(V, H)
+    torch.manual_seed(0)
+
+    def row(group, sample, n=2):
+        return RequestRow(group, sample, Steering(beta=1.0), Filters(temperature=1.0, top_p=0.9, min_p=0.0), [0] * sample,
+                          records=True, n=n)
+
+    batches = [{0: row("a", 0), 1: row("a", 1), 2: row("b", 0, 1)},
+               {0: row("a", 0), 1: row("b", 0, 1), 2: row("c", 0, 1)},  # bank full: c is sampled plainly
+               {0: row("c", 0, 1), 1: row("d", 0, 1)}]  # a and b idle: c and d evict them
+    for step, rows in enumerate(batches):
+        if step == 2:
+            assert owner.release("b") and follower.release("b")
+        plans = [w.plan(rows, len(rows)) for w in workers]
+        assert [p.groups for p in plans] == [plans[0].groups] * 2 and plans[0].steered
+        assert plans[0].step.layout.slots == plans[1].step.layout.slots
+        aux = torch.randn(len(rows), 2 * H)
+        logits = torch.randn(len(rows), V)
+        outs = []
+        for w, p in zip(workers, plans):  # rank 0 first: its broadcast is on the wire for rank 1
+            assert w.keep_taps(aux)
+            handoff = w.distill(p, 0, 1, None, torch.float32)
+            handoff.d = handoff.prediction[:p.steered] @ head.t()
+            outs.append(w.apply(p, logits.clone(), handoff))
+        assert torch.equal(outs[0], outs[1]), step
+        assert owner.slots.groups == follower.slots.groups
+    assert owner.slots.groups == {"c": 1, "d": 0}  # c took b's released slot, d evicted idle a
+    assert owner.counters["bank_full"] == follower.counters["bank_full"] == 1
+    assert owner.counters["slots_evicted"] == follower.counters["slots_evicted"] == 1
+    assert owner.counters["port_hits"] == follower.counters["port_hits"] > 0
+    assert owner.drain()["steps"] and follower.drain()["steps"] == []  # records: rank 0's only
+    assert follower.metrics()["train_steps"] == 0 < owner.metrics()["train_steps"]

@@ -83,10 +83,11 @@ def memory_needed(weights: int, vocab: int, rows: int, engines: int, kind: str, 
     return CLIENT_BYTES + engines * (weights + int(kv) + CPU_RUNTIME_BYTES + buffers)
 
 
-def check_memory(model: str, engines: int, share: float, rows: int = 256) -> None:
+def check_memory(model: str, engines: int, share: float, rows: int = 256, tensor_parallel: int = 1) -> None:
     """Refuse, before loading anything, a bench that cannot fit: ``engines`` copies of ``model``
     (each serving up to ``rows`` sequences) against free GPU memory (each engine its ``share``)
-    or available RAM (vLLM on a CPU). An estimate from the measurements above, with headroom.
+    or available RAM (vLLM on a CPU). An estimate from the measurements above, with headroom; with
+    ``tensor_parallel`` GPUs per engine, each GPU holds that share of the weights.
 
     The message says what would fit, e.g. the 0.5B preset, or the run without ``--floor``.
     """
@@ -95,6 +96,8 @@ def check_memory(model: str, engines: int, share: float, rows: int = 256) -> Non
     if source is None or weights is None:
         return  # nothing to compare with: let vLLM try
     kind, total, available = source
+    if kind == "gpu":
+        weights //= max(1, tensor_parallel)
     free = int(available * HEADROOM)
     where = "free GPU memory" if kind == "gpu" else "available RAM"
     need = memory_needed(weights, vocab, rows, engines, kind, total, share)

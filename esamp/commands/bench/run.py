@@ -48,6 +48,8 @@ def configure(parser) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=None,
                         help="share of GPU memory for EACH engine (default: 0.42, or 0.28 with --floor)")
     parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="vLLM workers per engine, every side alike (ESamp: worker 0 owns the Distiller)")
     add_flags(parser, SamplingConfig, SAMPLING_FLAGS, defaults=SAMPLING_DEFAULTS)
     add_flags(parser, EsampConfig, ESAMP_FLAGS)
     parser.add_argument("--floor", action="store_true",
@@ -92,6 +94,9 @@ def _run(args, loaded: list) -> int:
     if bad or not logits:
         raise ConfigError(f"--logits {args.logits}: unknown mode {', '.join(bad) or '(none)'}",
                           hint="use --logits flat, --logits realistic or --logits flat,realistic")
+    if args.tensor_parallel_size < 1:
+        raise ConfigError(f"--tensor-parallel-size={args.tensor_parallel_size}: at least 1 worker per engine",
+                          hint="e.g. --tensor-parallel-size 2 on a machine with two GPUs")
     if trials < 1:
         raise ConfigError(f"--trials={trials}: at least 1 trial is needed", hint="use --trials 3")
     if not 0 <= args.min_trial_seconds <= 600:
@@ -111,7 +116,7 @@ def _run(args, loaded: list) -> int:
     engines = 3 if args.floor else 2
     max_seqs = max(p * n for _, (p, n, _) in workloads)
     share = args.gpu_memory_utilization or (0.28 if args.floor else 0.42)
-    memory.check_memory(model, engines, share, rows=max(max_seqs, 16))
+    memory.check_memory(model, engines, share, rows=max(max_seqs, 16), tensor_parallel=args.tensor_parallel_size)
 
     from esamp.engines.vllm.bench_extension import BENCH_EXTENSION
     from esamp.engines.vllm.engine import VllmEngine
@@ -132,6 +137,7 @@ def _run(args, loaded: list) -> int:
 
     common = dict(model=model, max_model_len=args.max_model_len, gpu_memory_utilization=share, ignore_eos=True,
                   max_num_seqs=max(max_seqs, 16), enforce_eager=True if args.eager else None,
+                  tensor_parallel_size=args.tensor_parallel_size,
                   llm_kwargs={"worker_extension_cls": BENCH_EXTENSION})
     loads: dict[str, float] = {}
     base = load("baseline", plain=True, **common)
@@ -163,7 +169,7 @@ def _run(args, loaded: list) -> int:
     report = dict(
         command=" ".join(["esamp", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else " ".join(sys.argv),
         commit=provenance.commit(), device=provenance.device(), versions=provenance.versions(), model=steer.model_name,
-        cuda_graphs=not args.eager, esamp=esamp.flat(), seed=sampling.seed, trials=trials,
+        cuda_graphs=not args.eager, tensor_parallel_size=args.tensor_parallel_size, esamp=esamp.flat(), seed=sampling.seed, trials=trials,
         prompt_len=args.prompt_len, load_seconds=loads, calibration=calibration,
         peak_memory_bytes={side: _peak_memory(eng) for side, eng, _ in sides},
         esamp_counters=counters,
@@ -187,7 +193,7 @@ def _run(args, loaded: list) -> int:
 
 
 def _calibrate(base, steer, sides, given_filters, prompt_len, vocab, esamp) -> dict:
-    sigma = base.engine.collective_rpc("esamp_head_sigma")[0]
+    sigma = [v for shard in base.workers("esamp_head_sigma") for v in shard]  # one shard per TP worker
     filt = {**PRESETS["default"]["sampling"], **given_filters}
     target = calibrate.REAL_MODEL["default"]
     cal = calibrate.calibrate_head(sigma, target, filt)

@@ -13,25 +13,32 @@ BENCH_EXTENSION = "esamp.engines.vllm.bench_extension.EsampBenchExtension"
 
 class EsampBenchExtension(EsampWorkerExtension):
     def _esamp_head(self):
+        """(the head's weight, the final norm's weight, this worker's token rows in it, the first
+        token they hold). Under tensor parallelism each worker holds one contiguous vocabulary
+        shard, in rank order, so every worker's answers joined in rank order cover the vocabulary."""
         model = self.model_runner.model
+        shard = getattr(model.lm_head, "shard_indices", None)
+        if shard is not None and self.vllm_config.parallel_config.tensor_parallel_size > 1:
+            return model.lm_head.weight, model.model.norm.weight, shard.num_org_elements, shard.org_vocab_start_index
         vocab = int(self.model_runner.model_config.get_vocab_size())
-        return model.lm_head.weight, model.model.norm.weight, vocab
+        return model.lm_head.weight, model.model.norm.weight, vocab, 0
 
     def esamp_head_sigma(self) -> list[float]:
-        """Per token v, the spread of its logit W_v·h over hidden states h = w ⊙ x̂ of the final
-        norm (x̂ with unit variance per dimension): σ_v = sqrt(Σ_i W_vi² w_i²)."""
+        """Per token v of this worker's rows, the spread of its logit W_v·h over hidden states
+        h = w ⊙ x̂ of the final norm (x̂ with unit variance per dimension): σ_v = sqrt(Σ_i W_vi² w_i²)."""
         import torch
 
-        weight, norm, vocab = self._esamp_head()
+        weight, norm, vocab, _ = self._esamp_head()
         with torch.no_grad():
             return (weight[:vocab].float().pow(2) @ norm.float().pow(2)).sqrt().cpu().tolist()
 
     def esamp_scale_head(self, factors: list[float] | None) -> None:
-        """Multiply the LM head's rows by ``factors`` (one per token), in place, so that captured
-        CUDA graphs see it too; None restores the weights as loaded."""
+        """Multiply the LM head's rows by ``factors`` (one per token of the whole vocabulary; a
+        worker takes its shard's), in place, so that captured CUDA graphs see it too; None restores
+        the weights as loaded."""
         import torch
 
-        weight, _, vocab = self._esamp_head()
+        weight, _, vocab, first = self._esamp_head()
         with torch.no_grad():
             if getattr(self, "_esamp_head_copy", None) is None:
                 self._esamp_head_copy = weight[:vocab].to("cpu", copy=True)
@@ -39,7 +46,7 @@ class EsampBenchExtension(EsampWorkerExtension):
             if factors is None:
                 self._esamp_head_copy = None
                 return
-            f = torch.tensor(factors, dtype=torch.float32, device=weight.device).unsqueeze(1)
+            f = torch.tensor(factors[first:first + vocab], dtype=torch.float32, device=weight.device).unsqueeze(1)
             weight[:vocab].copy_((weight[:vocab].float() * f).to(weight.dtype))
 
     def esamp_memory(self) -> int | None:

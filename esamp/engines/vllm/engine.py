@@ -68,6 +68,7 @@ class VllmEngine(RecordedEngine):
         max_model_len: int = 4096,
         gpu_memory_utilization: float | None = None,
         max_num_seqs: int = 256,
+        tensor_parallel_size: int = 1,
         seed: int = 0,
         ignore_eos: bool = False,
         drain_interval: float = 0.025,
@@ -76,7 +77,8 @@ class VllmEngine(RecordedEngine):
     ) -> None:
         """``plain``: vLLM without ESamp (its own model class, no additional config), the
         baseline of ``esamp bench``. ``gguf``: "convert" loads the cached bf16 HF directory of a
-        GGUF model, "native" lets vLLM read the GGUF itself."""
+        GGUF model, "native" lets vLLM read the GGUF itself. ``tensor_parallel_size``: vLLM's
+        workers per engine (TP rank 0 owns the Distiller and shares ŷ: ``esamp.engines.vllm.tp``)."""
         super().__init__(esamp)
         cuda = cuda_available()
         if not cuda:
@@ -99,8 +101,15 @@ class VllmEngine(RecordedEngine):
         config_dir = facts.config_dir
         self.num_layers, self.hidden = facts.num_layers, facts.hidden_size
         self.context = max_model_len
+        tensor_parallel_size = int((llm_kwargs or {}).get("tensor_parallel_size", tensor_parallel_size))
+        if tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size={tensor_parallel_size}: at least 1 worker",
+                              hint="e.g. tensor_parallel_size=2 for a model split over two GPUs")
+        for key, value in launch.parallel_env(tensor_parallel_size).items():
+            os.environ.setdefault(key, value)
         kwargs: dict = dict(launch.engine_args(facts, None if plain else self.esamp, cuda=cuda),
-                            seed=seed, max_model_len=max_model_len, max_num_seqs=max_num_seqs)
+                            seed=seed, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                            tensor_parallel_size=tensor_parallel_size)
         if cuda:
             kwargs["gpu_memory_utilization"] = gpu_share(gpu_memory_utilization)
         if enforce_eager is not None:
@@ -211,6 +220,11 @@ class VllmEngine(RecordedEngine):
 
     def info(self) -> dict:
         return self.engine.collective_rpc("esamp_info")[0]
+
+    def workers(self, method: str = "esamp_info", *args) -> list:
+        """A worker extension method's answer from every tensor-parallel worker, in rank order
+        (``drain`` and ``info`` read rank 0, which owns the Distiller and its records)."""
+        return self.engine.collective_rpc(method, args=args)
 
     def step(self) -> list[Event]:
         outputs = self.engine.step() if self.engine.has_unfinished_requests() else []

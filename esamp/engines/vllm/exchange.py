@@ -132,7 +132,7 @@ class StepExchange:
 
     def warm_up(self, aux: torch.Tensor, source: int, target: int, normalize, head_dtype: torch.dtype) -> None:
         """A plain step before any request (vLLM's start-up): capture the Distiller's graphs."""
-        if self.steering is not None and self.steering.bank is not None:
+        if self.steering is not None and self.steering.slots is not None:
             self.steering.prepare(aux, source, target, normalize, head_dtype)
 
     def put_taps_late(self, aux: torch.Tensor, source: int, target: int, normalize, head_dtype: torch.dtype) -> None:

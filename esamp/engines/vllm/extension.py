@@ -3,7 +3,10 @@
 They run in the process that holds the model and the logits processor (the engine core), between
 engine steps, and return plain lists, dicts and numbers. Under data parallelism every rank has
 its own engine core, and ``collective_rpc`` answers for one rank only: a server reads each rank
-through its own side channel instead (``esamp.serving``). What only ``esamp bench`` calls lives
+through its own side channel instead (``esamp.serving``). Under tensor parallelism
+``collective_rpc`` runs every method on every worker of the engine and returns their answers in
+rank order: ``esamp_release`` then frees a group on every worker (the slot ledgers stay equal),
+and records come from rank 0, the only worker that keeps them (``esamp.engines.vllm.tp``). What only ``esamp bench`` calls lives
 in ``esamp.engines.vllm.bench_extension``.
 """
 
@@ -24,7 +27,7 @@ class EsampWorkerExtension:
         if steering is None:
             return {"steps": [], "pending": 0, "counters": {}, "free_slots": 0, "groups": [], "active": False}
         out = steering.drain(tuple(release), set(groups) if groups is not None else None, columns)
-        out["active"] = steering.bank is not None
+        out["active"] = steering.slots is not None
         return out
 
     def esamp_release(self, groups: list[str]) -> int:
@@ -48,6 +51,10 @@ class EsampWorkerExtension:
             "runner_class": type(runner).__name__ if runner is not None else None,
             "runner_module": type(runner).__module__ if runner is not None else None,
             "processor": type(exchange.adapter).__name__ if exchange.adapter is not None else None,
-            "slots": steering.bank.capacity if steering is not None and steering.bank else 0,
+            "slots": steering.slots.capacity if steering is not None and steering.slots else 0,
             "taps_put": exchange.taps_put,
+            # this worker's place in the tensor-parallel group; rank 0 owns the Distiller bank
+            "tp_rank": steering.tp.rank if steering is not None else None,
+            "tp_size": steering.tp.size if steering is not None else None,
+            "owns_bank": steering is not None and steering.bank is not None,
         }

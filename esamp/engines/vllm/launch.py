@@ -22,6 +22,7 @@ GGUF_MODES = ("convert", "native")
 # a busy machine); 4 GiB serves the dashboard and tests. Thread pinning off: it measured best on
 # small shared machines.
 CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"  # vLLM's choice of model runner (docs/vllm.md)
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,15 @@ def engine_args(facts: ModelFacts, esamp=None, *, cuda: bool) -> dict[str, Any]:
 def cpu_env(environ=os.environ) -> dict[str, str]:
     """vLLM's environment on a CPU: ``CPU_ENV`` unless the environment sets its own."""
     return {k: environ.get(k, v) for k, v in CPU_ENV.items()}
+
+
+def parallel_env(tensor_parallel_size: int) -> dict[str, str]:
+    """What vLLM needs in its environment for ``tensor_parallel_size`` workers: under tensor
+    parallelism the V1 runner (ESamp's Model Runner V2 adapter refuses it; ``mrv2.refusal``),
+    unless the environment chose a runner itself."""
+    if tensor_parallel_size <= 1 or RUNNER_ENV in os.environ:
+        return {}
+    return {RUNNER_ENV: "0"}
 
 
 def as_flags(args: dict[str, Any]) -> list[str]:

@@ -34,6 +34,8 @@ class _TapMixin:
     def __init__(self, *, vllm_config, prefix: str = "", **kwargs) -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
         self.esamp_hidden = int(self.config.hidden_size)
+        # Under tensor parallelism the head's weight is one vocabulary shard per worker.
+        self.esamp_head_sharded = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1) > 1
         settings = engine_config(vllm_config)
         self.esamp_taps: tuple[int, int] | None = None
         if settings is not None:
@@ -107,12 +109,14 @@ class _TapMixin:
     def esamp_lm_head(self) -> torch.Tensor:
         """The LM head as a dense [V, H] matrix (vocab padding included, never read past V).
 
-        Unquantised heads return their weight. A quantised head (GGUF) has no dense weight; it is
-        materialised once by running the head on the H unit vectors, which gives W^T exactly.
+        Unquantised heads on one worker return their weight. A quantised head (GGUF) has no dense
+        weight, and a tensor-parallel worker holds one vocabulary shard of it; then the whole head
+        is materialised once by running the head (gathered) on the H unit vectors, which gives W^T
+        exactly.
         """
         weight = getattr(self.lm_head, "weight", None)
         H = self.esamp_hidden
-        if (isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[1] == H
+        if (not self.esamp_head_sharded and isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[1] == H
                 and weight.dtype.is_floating_point and weight.dtype.itemsize >= 2):
             return weight
         cached = getattr(self, "_esamp_dense_head", None)

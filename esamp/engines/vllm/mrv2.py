@@ -64,6 +64,11 @@ def refusal(vllm_config) -> str | None:
         return ("ESamp does not run with speculative decoding (a steered request needs one logits row per "
                 "step): start the engine without a speculative config")
     parallel = getattr(vllm_config, "parallel_config", None)
+    if int(getattr(parallel, "tensor_parallel_size", 1) or 1) > 1:
+        # The late path computes d from the LM head's weight, which is one vocabulary shard per
+        # worker under tensor parallelism; the V1 runner's joint GEMM gathers it (docs/vllm.md).
+        return ("ESamp runs under tensor parallelism on vLLM's V1 runner only, not on Model Runner V2: "
+                "start the engine with VLLM_USE_V2_MODEL_RUNNER=0")
     if getattr(parallel, "enable_batch_sharded_sampling", False):
         return ("ESamp does not run with batch-sharded sampling (it bypasses the ESamp model's "
                 "compute_logits): start the engine without enable_batch_sharded_sampling")

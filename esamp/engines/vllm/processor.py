@@ -24,6 +24,7 @@ from esamp.engines.vllm import settings as es
 from esamp.engines.vllm.exchange import exchange_for
 from esamp.engines.vllm.rows import request_row
 from esamp.engines.vllm.steering import BatchPlan, EngineSteering
+from esamp.engines.vllm.tp import tensor_parallel
 
 try:  # the V1 runner's interface (Model Runner V2's has its own adapter: mrv2.py)
     from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
@@ -39,8 +40,9 @@ def make_steering(vllm_config, device: torch.device, cls: type[EngineSteering] =
         es.engine_config(vllm_config), hidden=int(vllm_config.model_config.get_hidden_size()),
         vocab=int(vllm_config.model_config.get_vocab_size()),
         max_rows=int(vllm_config.scheduler_config.max_num_seqs), device=device,
-        record_all=not server.get("records_requested", False), retain_seconds=server.get("records_retain_s"))
-    if steering.config is not None:
+        record_all=not server.get("records_requested", False), retain_seconds=server.get("records_retain_s"),
+        tp=tensor_parallel(vllm_config))
+    if steering.config is not None and steering.tp.owner:  # the worker with the bank has the records
         from esamp.engines.vllm import channel
 
         steering.channel = channel.start(steering, server, vllm_config)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from esamp.core import payload as pl
 from esamp.core.config import EsampConfig, Filters, Steering
-from esamp.core.distiller import DistillerBank
+from esamp.core.distiller import SlotLedger
 from esamp.errors import EsampError
 
 IDLE_RELEASE_STEPS = 256  # a group with no row in the batch this long gives its slot back
@@ -57,8 +57,8 @@ def request_row(extra_args, seed: int | None, output_ids: list[int], groups: "Gr
 class Groups:
     """Prompt groups: their Distiller slots, when each was last in a batch, its samples."""
 
-    def __init__(self, bank: DistillerBank | None) -> None:
-        self.bank = bank
+    def __init__(self, bank: SlotLedger | None) -> None:
+        self.bank = bank  # the Distiller bank, or (a tensor-parallel worker without it) its slot ledger
         self.last_seen: dict[str, int] = {}
         self.samples_seen: dict[str, set[int]] = collections.defaultdict(set)
         self.arrivals: dict[str, dict[int, tuple[list[int], int]]] = collections.defaultdict(dict)

