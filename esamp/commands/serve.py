@@ -261,7 +261,7 @@ def build(args, passthrough: list[str]) -> Plan:
            "PYTHONPATH": plugin.scope_env()["PYTHONPATH"]}
     if not cuda:
         env.update(launch.cpu_env())
-    env.update(launch.parallel_env(tensor_parallel))
+    env.update(launch.parallel_env(tensor_parallel, cuda=cuda))
     channels = f"127.0.0.1:{channel_port}" + (f"..{channel_port + ranks - 1}" if ranks > 1 else "")
     port = _value(rest, ("--port",)) or str(DEFAULT_PORT)
     if tensor_parallel > 1:

@@ -138,10 +138,17 @@ def test_tensor_parallel_size_one_is_fine():
 
 @pytest.mark.parametrize("argv", [("-tp", "2"), ("--tensor-parallel-size=2",), ("--tensor_parallel_size", "2")])
 def test_tensor_parallel_passes_to_vllm_on_the_v1_runner(argv, monkeypatch):
-    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    import os
+
+    from esamp.platform.devices import cuda_available
+
+    for name in ("VLLM_USE_V2_MODEL_RUNNER", "OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND"):
+        monkeypatch.delenv(name, raising=False)
     p = plan(PRESET, *argv)
     assert p.command.count(argv[0]) == 1  # passed through to vLLM
     assert p.env["VLLM_USE_V2_MODEL_RUNNER"] == "0"  # ESamp's MRV2 adapter refuses tensor parallelism
+    if not cuda_available():  # unpinned CPU workers: each its share of the cores
+        assert p.env["OMP_NUM_THREADS"] == str(max(1, os.cpu_count() // 2))
     assert any("worker 0 of each engine owns the Distiller" in note for note in p.notes)
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")  # the operator's choice stands (MRV2 then says why not)
     assert "VLLM_USE_V2_MODEL_RUNNER" not in plan(PRESET, *argv).env

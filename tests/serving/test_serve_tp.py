@@ -11,7 +11,6 @@ two GPUs the 0.5B dummy preset splits over 2. That every worker draws the same t
 from __future__ import annotations
 
 import json
-import os
 import time
 
 import pytest
@@ -34,13 +33,8 @@ TP, MODEL_ARGS, MODEL = _layout()
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    saved = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"  # on a CPU: one thread per worker, the workers share the cores
-    try:
-        yield from serve(tmp_path_factory, [*MODEL_ARGS, "--tensor-parallel-size", str(TP), "--slots", "4",
-                                            "--max-model-len", "256"])
-    finally:
-        os.environ.pop("OMP_NUM_THREADS") if saved is None else os.environ.__setitem__("OMP_NUM_THREADS", saved)
+    yield from serve(tmp_path_factory, [*MODEL_ARGS, "--tensor-parallel-size", str(TP), "--slots", "4",
+                                        "--max-model-len", "256"])
 
 
 def rank_values(server, name: str) -> dict[str, float]:

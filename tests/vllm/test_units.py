@@ -355,3 +355,17 @@ def test_a_tensor_parallel_worker_without_the_bank_plans_and_mixes_as_rank_0():
     assert owner.counters["port_hits"] == follower.counters["port_hits"] > 0
     assert owner.drain()["steps"] and follower.drain()["steps"] == []  # records: rank 0's only
     assert follower.metrics()["train_steps"] == 0 < owner.metrics()["train_steps"]
+
+
+def test_tensor_parallel_workers_get_the_v1_runner_and_their_share_of_a_cpu():
+    from esamp.engines.vllm.launch import parallel_env
+
+    assert parallel_env(1, cuda=False, environ={}) == {}
+    assert parallel_env(2, cuda=True, environ={}) == {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+    cpu = parallel_env(3, cuda=False, environ={})
+    assert cpu["VLLM_USE_V2_MODEL_RUNNER"] == "0" and cpu["VLLM_CPU_KVCACHE_SPACE"] == "1"  # 4 GiB over 3
+    assert int(cpu["OMP_NUM_THREADS"]) >= 1
+    # what the operator set stands (esamp's own 4 GiB default is split either way)
+    given = {"VLLM_USE_V2_MODEL_RUNNER": "1", "OMP_NUM_THREADS": "2", "VLLM_CPU_KVCACHE_SPACE": "3"}
+    assert parallel_env(3, cuda=False, environ=given) == {}
+    assert "OMP_NUM_THREADS" not in parallel_env(3, cuda=False, environ={"VLLM_CPU_OMP_THREADS_BIND": "auto"})

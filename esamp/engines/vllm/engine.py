@@ -81,6 +81,11 @@ class VllmEngine(RecordedEngine):
         workers per engine (TP rank 0 owns the Distiller and shares ŷ: ``esamp.engines.vllm.tp``)."""
         super().__init__(esamp)
         cuda = cuda_available()
+        tensor_parallel_size = int((llm_kwargs or {}).get("tensor_parallel_size", tensor_parallel_size))
+        if tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size={tensor_parallel_size}: at least 1 worker",
+                              hint="e.g. tensor_parallel_size=2 for a model split over two GPUs")
+        workers_env = launch.parallel_env(tensor_parallel_size, cuda=cuda)  # before cpu_env fills in
         if not cuda:
             for key, value in launch.cpu_env().items():
                 os.environ.setdefault(key, value)
@@ -101,12 +106,6 @@ class VllmEngine(RecordedEngine):
         config_dir = facts.config_dir
         self.num_layers, self.hidden = facts.num_layers, facts.hidden_size
         self.context = max_model_len
-        tensor_parallel_size = int((llm_kwargs or {}).get("tensor_parallel_size", tensor_parallel_size))
-        if tensor_parallel_size < 1:
-            raise ConfigError(f"tensor_parallel_size={tensor_parallel_size}: at least 1 worker",
-                              hint="e.g. tensor_parallel_size=2 for a model split over two GPUs")
-        for key, value in launch.parallel_env(tensor_parallel_size).items():
-            os.environ.setdefault(key, value)
         kwargs: dict = dict(launch.engine_args(facts, None if plain else self.esamp, cuda=cuda),
                             seed=seed, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                             tensor_parallel_size=tensor_parallel_size)
@@ -119,7 +118,7 @@ class VllmEngine(RecordedEngine):
         # only the processes of this engine see (plugin.processor_scope).
         scope = contextlib.nullcontext() if plain else plugin.processor_scope()
         try:
-            with scope:
+            with scope, launch.environment(workers_env):
                 self.llm = LLM(**kwargs)
         except (ValueError, RuntimeError, OSError) as exc:
             raise EngineError(f"vLLM could not load {self.resolved.name}: {exc}",

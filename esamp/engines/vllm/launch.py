@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass
@@ -21,8 +22,10 @@ GGUF_MODES = ("convert", "native")
 # vLLM on a CPU sizes its KV cache from the node's memory unless told otherwise (and then fails on
 # a busy machine); 4 GiB serves the dashboard and tests. Thread pinning off: it measured best on
 # small shared machines.
-CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+KV_ENV = "VLLM_CPU_KVCACHE_SPACE"  # GiB of KV cache per worker on a CPU
+CPU_ENV = {KV_ENV: "4", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"  # vLLM's choice of model runner (docs/vllm.md)
+THREADS_ENV = "OMP_NUM_THREADS"
 
 
 @dataclass(frozen=True)
@@ -96,13 +99,39 @@ def cpu_env(environ=os.environ) -> dict[str, str]:
     return {k: environ.get(k, v) for k, v in CPU_ENV.items()}
 
 
-def parallel_env(tensor_parallel_size: int) -> dict[str, str]:
-    """What vLLM needs in its environment for ``tensor_parallel_size`` workers: under tensor
-    parallelism the V1 runner (ESamp's Model Runner V2 adapter refuses it; ``mrv2.refusal``),
-    unless the environment chose a runner itself."""
-    if tensor_parallel_size <= 1 or RUNNER_ENV in os.environ:
+def parallel_env(tensor_parallel_size: int, *, cuda: bool, environ=os.environ) -> dict[str, str]:
+    """What vLLM needs in its environment for ``tensor_parallel_size`` workers, unless the
+    environment says otherwise: the V1 runner (ESamp's Model Runner V2 adapter refuses tensor
+    parallelism: ``mrv2.refusal``); on a CPU each worker's share of esamp's default KV cache
+    (vLLM gives every worker the whole ``VLLM_CPU_KVCACHE_SPACE``; another value is taken as
+    given, per worker) and, without thread pinning, each worker's share of the cores as its
+    OpenMP threads (each would otherwise start a thread per core)."""
+    if tensor_parallel_size <= 1:
         return {}
-    return {RUNNER_ENV: "0"}
+    env = {RUNNER_ENV: environ.get(RUNNER_ENV, "0")}
+    if not cuda:
+        kv = CPU_ENV[KV_ENV]
+        if environ.get(KV_ENV, kv) == kv:
+            env[KV_ENV] = str(max(1, int(kv) // tensor_parallel_size))
+        if cpu_env(environ)["VLLM_CPU_OMP_THREADS_BIND"] == "nobind":
+            env[THREADS_ENV] = environ.get(THREADS_ENV, str(max(1, (os.cpu_count() or 1) // tensor_parallel_size)))
+    return {k: v for k, v in env.items() if environ.get(k) != v}
+
+
+@contextlib.contextmanager
+def environment(values: dict[str, str]):
+    """``values`` in this process's environment while an engine is built (vLLM reads them then,
+    and the worker processes it starts inherit them), the environment as it was afterwards."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def as_flags(args: dict[str, Any]) -> list[str]:

@@ -34,6 +34,7 @@ import torch
 
 from esamp.engines.vllm import settings as es
 from esamp.engines.vllm.exchange import exchange_for
+from esamp.engines.vllm.launch import RUNNER_ENV
 from esamp.engines.vllm.processor import make_steering
 from esamp.engines.vllm.rows import RequestRow, request_row
 from esamp.engines.vllm.steering import BatchPlan, EngineSteering
@@ -68,7 +69,7 @@ def refusal(vllm_config) -> str | None:
         # The late path computes d from the LM head's weight, which is one vocabulary shard per
         # worker under tensor parallelism; the V1 runner's joint GEMM gathers it (docs/vllm.md).
         return ("ESamp runs under tensor parallelism on vLLM's V1 runner only, not on Model Runner V2: "
-                "start the engine with VLLM_USE_V2_MODEL_RUNNER=0")
+                f"start the engine with {RUNNER_ENV}=0")
     if getattr(parallel, "enable_batch_sharded_sampling", False):
         return ("ESamp does not run with batch-sharded sampling (it bypasses the ESamp model's "
                 "compute_logits): start the engine without enable_batch_sharded_sampling")

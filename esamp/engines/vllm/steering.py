@@ -196,7 +196,7 @@ class EngineSteering:
     def prepare(self, aux: torch.Tensor, source: int, target: int, normalize, head_dtype: torch.dtype) -> None:
         """Capture the Distiller step of every bucketed shape up to the batch's rows, before any
         request (``aux``: any [rows, A·H] tap columns, for their width and dtype)."""
-        if self._prepared or torch.cuda.is_current_stream_capturing():
+        if self._prepared or self.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
             return
         if self.bank is None:  # a tensor-parallel worker without the bank: only the filter to warm
             self._prepared = True
