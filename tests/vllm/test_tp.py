@@ -77,12 +77,17 @@ def runs():
     require_vllm()
     if MODEL is None:
         require_model()
-    saved = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"  # per worker (the engine gives each its share of the cores)
+    # A KV cache of 1 GiB per worker (the engine gives each its share of the cores), and the
+    # engine core in a process of its own: vLLM adds a worker extension's methods to its worker
+    # class, which in this process already has the ones of the other modules' engines.
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
         yield {tp: _run(tp) for tp in ((1, TP) if MODEL is None else (TP,))}
     finally:
-        os.environ.pop("VLLM_CPU_KVCACHE_SPACE") if saved is None else os.environ.__setitem__("VLLM_CPU_KVCACHE_SPACE", saved)
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
 
 
 def test_every_worker_runs_this_checkout(runs):
