@@ -182,8 +182,17 @@ def test_processor_logits_equal_core_function(engine, mix):
         a, b = iv.mix_coefficients([(s.mix, s.beta) for s in t["steering"]])
         want = iv.steer(scaled, mask, t["prediction"], head, a, b)
         got = t["steered"]
-        assert torch.equal(torch.isfinite(got), torch.isfinite(want))
-        fin = torch.isfinite(want)
+        # With top-k the engine filters with vLLM's own function: it keeps every token tied with the
+        # k-th value, and at the top-p cut its sort order decides which of a tied group stay; the
+        # core keeps exactly k, in topk's order. bf16 logits tie often, so the two may differ, but
+        # only inside the tie group at the cut: every token kept by one side only has the value of
+        # the lowest token the core kept.
+        kept_got, kept_want = torch.isfinite(got).cpu(), torch.isfinite(want).cpu()
+        differ = kept_got ^ kept_want
+        for r in differ.any(-1).nonzero().flatten().tolist():
+            lowest = scaled[r][kept_want[r]].min()
+            assert (scaled[r][differ[r]] == lowest).all(), r
+        fin = kept_want & kept_got
         # d comes from the bf16 head GEMM over [h; ŷ] rather than gathered rows: bf16 rounding
         assert torch.allclose(got[fin], want[fin].to(got.device), atol=0.1, rtol=1e-2)
         d = (t["prediction"].to(head.dtype) @ head[: scaled.shape[1]].t()).float()
