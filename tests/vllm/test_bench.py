@@ -22,7 +22,7 @@ def test_bench_runs_three_sides_and_writes_its_json(tmp_path):
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_CPU_KVCACHE_SPACE="1")
     cmd = [sys.executable, "-m", "esamp", "bench", "--model", str(resolved.hf_dir()),
            "--workloads", "2xn2x6", "--trials", "2", "--floor", "--max-model-len", "256",
-           "--logits", "flat,realistic", "--min-trial-seconds", "1.5", "--json", str(out)]
+           "--logits", "flat,realistic", "--min-trial-seconds", "0.5", "--json", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "floor (ESamp engine, ESamp off)" in proc.stdout
@@ -35,8 +35,10 @@ def test_bench_runs_three_sides_and_writes_its_json(tmp_path):
     assert "realistic logits: head rows" in proc.stdout
     sides = [t["side"] for t in w["trials"]]
     assert sides == ["baseline", "floor", "esamp", "esamp", "floor", "baseline"]
-    rounds = w["rounds"]  # one pass is far below 1.5 s here, even on a loaded machine: each trial repeats it
-    assert rounds > 1 and all(t["rounds"] == rounds for t in w["trials"])
+    # Every side of every trial runs the same number of passes; how many depends on this machine's
+    # speed (a pass under --min-trial-seconds is repeated: rounds_for, tested on its own below).
+    rounds = w["rounds"]
+    assert rounds >= 1 and all(t["rounds"] == rounds and len(t["pass_tok_s"]) == rounds for t in w["trials"])
     assert all(t["tokens"] == 2 * 2 * 6 * rounds for t in w["trials"])
     assert w["ratio_min"] <= w["ratio_median"] <= w["ratio_max"]
     assert w["floor_ratio_min"] <= w["floor_ratio_median"] <= w["floor_ratio_max"]
