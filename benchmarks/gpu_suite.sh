@@ -102,8 +102,12 @@ case "${1:-}" in
   matrix)  # the n = 32 eval matrix (benchmarks/eval_matrix_gpu.toml) on the embedded model
     install || exit 1
     shift
+    # MATRIX_SECONDS bounds the sampling (Ctrl-C keeps every finished group; a later call resumes);
+    # the report then covers the problems every arm finished.
+    timeout -s INT "${MATRIX_SECONDS:-86400}" python3 -m esamp eval --matrix-file benchmarks/eval_matrix_gpu.toml \
+      --model "$ESAMP_TEST_GGUF" --out /tmp/eval-gpu-arith-n32 "$@" 2>&1 | tee -a /tmp/eval-gpu-arith-n32.log | grep -v "$QUIET" | tail -40
     python3 -m esamp eval --matrix-file benchmarks/eval_matrix_gpu.toml --model "$ESAMP_TEST_GGUF" \
-      --out /tmp/eval-gpu-arith-n32 "$@" 2>&1 | tee -a /tmp/eval-gpu-arith-n32.log | grep -v "$QUIET" | tail -40
+      --out /tmp/eval-gpu-arith-n32 --report-only "$@" 2>&1 | tail -25
     cp /tmp/eval-gpu-arith-n32.log /tmp/eval-gpu-arith-n32/run.log
     tar -czf "$OUT/eval-gpu-arith-n32.tar.gz" -C /tmp eval-gpu-arith-n32 ;;
   steps)
