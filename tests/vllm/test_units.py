@@ -369,3 +369,34 @@ def test_tensor_parallel_workers_get_the_v1_runner_and_their_share_of_a_cpu():
     given = {"VLLM_USE_V2_MODEL_RUNNER": "1", "OMP_NUM_THREADS": "2", "VLLM_CPU_KVCACHE_SPACE": "3"}
     assert parallel_env(3, cuda=False, environ=given) == {}
     assert "OMP_NUM_THREADS" not in parallel_env(3, cuda=False, environ={"VLLM_CPU_OMP_THREADS_BIND": "auto"})
+
+
+def test_on_a_gpu_vllm_starts_its_processes_with_spawn_unless_told_otherwise():
+    """A process that asked the CUDA driver anything cannot fork a CUDA child (the eval's embedder
+    does, through sentence-transformers); spawn is the default on a GPU, the operator's choice stands."""
+    from esamp.engines.vllm.launch import START_ENV, cuda_env
+
+    assert cuda_env(environ={}) == {START_ENV: "spawn"}
+    assert cuda_env(environ={START_ENV: "fork"}) == {}
+
+
+def test_the_bench_rescales_the_head_in_blocks_from_the_weights_as_loaded(monkeypatch):
+    """``--logits realistic``: factors apply to the weights as loaded (twice is not squared), in
+    blocks of rows (a 7B head in float32 would not fit beside the bench's three engines), and
+    None restores them."""
+    import torch
+
+    from esamp.engines.vllm import bench_extension as be
+
+    monkeypatch.setattr(be, "HEAD_BLOCK", 3)
+    weight = torch.arange(1.0, 15.0).reshape(7, 2).to(torch.bfloat16)
+    loaded = weight.clone()
+    worker = be.EsampBenchExtension.__new__(be.EsampBenchExtension)
+    worker._esamp_head = lambda: (weight, None, 7, 0)
+    factors = [0.5, 2.0, 1.0, 3.0, 0.25, 1.0, 2.0]
+    expected = (loaded.float() * torch.tensor(factors).unsqueeze(1)).to(torch.bfloat16)
+    worker.esamp_scale_head(factors)
+    worker.esamp_scale_head(factors)
+    assert torch.equal(weight, expected)
+    worker.esamp_scale_head(None)
+    assert torch.equal(weight, loaded) and worker._esamp_head_copy is None

@@ -86,6 +86,8 @@ class VllmEngine(RecordedEngine):
             raise ConfigError(f"tensor_parallel_size={tensor_parallel_size}: at least 1 worker",
                               hint="e.g. tensor_parallel_size=2 for a model split over two GPUs")
         workers_env = launch.parallel_env(tensor_parallel_size, cuda=cuda)  # before cpu_env fills in
+        if cuda:
+            workers_env.update(launch.cuda_env())
         if not cuda:
             for key, value in launch.cpu_env().items():
                 os.environ.setdefault(key, value)

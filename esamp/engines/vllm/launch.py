@@ -24,6 +24,7 @@ GGUF_MODES = ("convert", "native")
 # small shared machines.
 KV_ENV = "VLLM_CPU_KVCACHE_SPACE"  # GiB of KV cache per worker on a CPU
 CPU_ENV = {KV_ENV: "4", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+START_ENV = "VLLM_WORKER_MULTIPROC_METHOD"  # how vLLM starts its engine core and workers
 RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"  # vLLM's choice of model runner (docs/vllm.md)
 THREADS_ENV = "OMP_NUM_THREADS"
 
@@ -97,6 +98,15 @@ def engine_args(facts: ModelFacts, esamp=None, *, cuda: bool) -> dict[str, Any]:
 def cpu_env(environ=os.environ) -> dict[str, str]:
     """vLLM's environment on a CPU: ``CPU_ENV`` unless the environment sets its own."""
     return {k: environ.get(k, v) for k, v in CPU_ENV.items()}
+
+
+def cuda_env(environ=os.environ) -> dict[str, str]:
+    """vLLM's environment on a GPU: its processes started with spawn unless the environment says
+    otherwise. A process that has asked the CUDA driver anything (``torch.cuda.is_available()``,
+    as libraries such as sentence-transformers do) cannot fork a child that uses CUDA: the child
+    fails with "CUDA error: initialization error", and vLLM switches to spawn by itself only when
+    torch has fully initialised CUDA."""
+    return {} if START_ENV in environ else {START_ENV: "spawn"}
 
 
 def parallel_env(tensor_parallel_size: int, *, cuda: bool, environ=os.environ) -> dict[str, str]:
