@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -27,9 +28,10 @@ def free_port() -> int:
 
 class Served:
     """A running ``esamp serve`` process and how to reach it (``api_key``: the key it was started
-    with, which ``get``/``post`` send unless told ``key=None``)."""
+    with, which ``get``/``post`` send unless told ``key=None``; ``env``: variables set for it on
+    top of this process's)."""
 
-    def __init__(self, args: list[str], log: Path, api_key: str | None = None) -> None:
+    def __init__(self, args: list[str], log: Path, api_key: str | None = None, env: dict | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
@@ -37,7 +39,7 @@ class Served:
         if api_key:
             args = [*args, "--api-key", api_key]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-               "VLLM_CPU_KVCACHE_SPACE": "1"}
+               "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server's own engine core runs as vLLM decides
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "esamp", "serve", *args, "--host", "127.0.0.1", "--port", str(self.port)],
@@ -97,6 +99,15 @@ class Served:
 
 def serve(tmp_path_factory, args: list[str], api_key: str | None = None):
     """Start ``esamp serve`` on the embedded model with ``args``; yields it running, stops it after."""
+    with started(tmp_path_factory, [args], api_key) as servers:
+        yield servers[0]
+
+
+@contextlib.contextmanager
+def started(tmp_path_factory, runs: list[list[str]], api_key: str | None = None, env: dict | None = None):
+    """Start one ``esamp serve`` on the embedded model per item of ``runs`` (its arguments), all at
+    once, each on its own port and with its own side channel; gives the list once every one
+    answers, stops them all after."""
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
@@ -108,8 +119,11 @@ def serve(tmp_path_factory, args: list[str], api_key: str | None = None):
         resolve(None).hf_dir()  # convert the GGUF here (once), not inside the server's start
     except ModelNotFoundError as exc:
         pytest.skip(f"embedded model not installed: {exc}")
-    server = Served(args, tmp_path_factory.mktemp("serve") / "server.log", api_key)
+    servers: list[Served] = []
     try:
-        yield server.wait()
+        for args in runs:
+            servers.append(Served(args, tmp_path_factory.mktemp("serve") / "server.log", api_key, env))
+        yield [server.wait() for server in servers]
     finally:
-        server.stop()
+        for server in servers:
+            server.stop()
