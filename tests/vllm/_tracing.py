@@ -2,7 +2,8 @@
 
 It subclasses the production adapter with a steering subclass, so the hot path stays free of test
 hooks; an engine built with ``llm_kwargs={"logits_processors": [TRACER]}`` runs it instead of the
-plain one (the adapter built last is the live one).
+plain one (the adapter built last is the live one). Below it, what the tests of such an engine
+share: ``traced()`` to keep the steps of a block, ``collect`` to run groups to their end.
 """
 
 from __future__ import annotations
@@ -54,3 +55,49 @@ class TracingProcessor(EsampLogitsProcessor):
         # The entry point's adapter may have made the engine's steering first: trace it anyway.
         if not isinstance(self.steering, TracingSteering):
             self.steering.__class__ = TracingSteering
+
+
+# -- driving a traced engine in this process ---------------------------------------------------
+
+def exchange():
+    """The exchange of the module's engine (in this process: the tests run the engine core here)."""
+    from esamp.engines.vllm.exchange import live_exchanges
+
+    found = [x for x in live_exchanges() if type(x.adapter).__name__ == "TracingProcessor"]
+    assert found, "the ESamp logits processor is not in this process"
+    return found[-1]
+
+
+def steering():
+    return exchange().steering
+
+
+class traced:
+    """``with traced() as trace:`` — the steered steps the processor saw inside the block."""
+
+    def __enter__(self) -> list[dict]:
+        self.p = steering()
+        self.p.traces = []
+        return self.p.traces
+
+    def __exit__(self, *exc) -> None:
+        self.p.traces = []  # the block's list stays with the caller
+
+
+def collect(engine, starts, max_steps=400):
+    """Run groups to the end; ``starts`` maps a step number to a list of start() kwargs."""
+    events, step, keys = [], 0, []
+    while True:
+        for kw in starts.get(step, []):
+            keys.append(engine.start(**kw))
+        if not engine.has_unfinished() and step > max(starts):
+            break
+        events += engine.step()
+        step += 1
+        assert step < max_steps
+    engine.drain()
+    return keys, events
+
+
+def tokens_of(events, group, sample):
+    return [e.token_id for e in events if e.type == "token" and e.group == group and e.sample == sample]

@@ -50,15 +50,42 @@ def test_our_classes_register_and_subclass_the_right_bases():
     from vllm import ModelRegistry
 
     from esamp.engines.vllm import plugin
-    from esamp.engines.vllm.model import EsampLlamaForCausalLM, EsampQwen2ForCausalLM
+    from esamp.engines.vllm import settings as es
+    from esamp.engines.vllm.model import EsampGemma3ForCausalLM, EsampLlamaForCausalLM, EsampQwen2ForCausalLM
+    from vllm.model_executor.models.gemma3 import Gemma3ForCausalLM
     from vllm.model_executor.models.llama import LlamaForCausalLM
     from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 
     plugin.register()
     archs = set(ModelRegistry.get_supported_archs())
-    assert {"EsampLlamaForCausalLM", "EsampQwen2ForCausalLM"} <= archs
+    assert set(es.ARCHITECTURES.values()) <= archs
+    assert set(es.ARCHITECTURES) <= archs  # every base is one vLLM knows
     assert issubclass(EsampLlamaForCausalLM, LlamaForCausalLM)
     assert issubclass(EsampQwen2ForCausalLM, Qwen2ForCausalLM)
+    assert issubclass(EsampGemma3ForCausalLM, Gemma3ForCausalLM)
+
+
+def test_gemma3_parts_and_layer_loop_the_gemma3_tap_rebuilds():
+    """``EsampGemma3ForCausalLM`` builds the parts vLLM's Gemma3ForCausalLM builds (with its own
+    inner model) and runs the inner model's layer loop with taps. Both follow vLLM's: the same
+    attributes, a loop that hands each layer (hidden, residual) and adds them in the next layer's
+    input norm (so their sum is the stream between two layers), the final norm on both."""
+    import re
+
+    from vllm.model_executor.models.gemma3 import Gemma3DecoderLayer, Gemma3ForCausalLM, Gemma3Model
+
+    init = inspect.getsource(Gemma3ForCausalLM.__init__)
+    assert set(re.findall(r"self\.(\w+) =", init)) == {
+        "config", "quant_config", "model", "lm_head", "logits_processor", "make_empty_intermediate_tensors"}
+    assert "tie_weights(self.model.embed_tokens)" in init and "soft_cap=config.final_logit_softcapping" in init
+    assert not hasattr(Gemma3ForCausalLM, "set_aux_hidden_state_layers")  # else use vLLM's, as for Llama
+    forward = inspect.getsource(Gemma3Model.forward)
+    assert "hidden_states = self.embed_input_ids(input_ids)" in forward and "residual = None" in forward
+    assert "hidden_states, residual = layer(" in forward and "self.norm(hidden_states, residual)" in forward
+    assert "* self.normalizer" in inspect.getsource(Gemma3Model.embed_input_ids)
+    layer = inspect.getsource(Gemma3DecoderLayer.forward)
+    assert "self.input_layernorm(hidden_states, residual)" in layer
+    assert layer.rstrip().endswith("return hidden_states, residual")
 
 
 def test_entry_point_is_installed():

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _tracing import TRACER
+from _tracing import TRACER, collect, exchange, steering, tokens_of, traced
 from _vllm_helpers import cuda, require_model, require_vllm
 
 pytestmark = [pytest.mark.vllm]
@@ -64,53 +64,9 @@ def reference(engine):
     ref.close()
 
 
-def exchange():
-    """The exchange of the module's engine (in this process: the tests run the engine core here)."""
-    from esamp.engines.vllm.exchange import live_exchanges
-
-    found = [x for x in live_exchanges() if type(x.adapter).__name__ == "TracingProcessor"]
-    assert found, "the ESamp logits processor is not in this process"
-    return found[-1]
-
-
-def steering():
-    return exchange().steering
-
-
-class traced:
-    """``with traced() as trace:`` — the steered steps the processor saw inside the block."""
-
-    def __enter__(self) -> list[dict]:
-        self.p = steering()
-        self.p.traces = []
-        return self.p.traces
-
-    def __exit__(self, *exc) -> None:
-        self.p.traces = []  # the block's list stays with the caller
-
-
 def losses_of(trace: list[dict], group: str) -> list[float]:
     """The group's Distiller loss on every engine step it trained, in order."""
     return [t["losses"][group] for t in trace if group in t["losses"]]
-
-
-def collect(engine, starts, max_steps=400):
-    """Run groups to the end; ``starts`` maps a step number to a list of start() kwargs."""
-    events, step, keys = [], 0, []
-    while True:
-        for kw in starts.get(step, []):
-            keys.append(engine.start(**kw))
-        if not engine.has_unfinished() and step > max(starts):
-            break
-        events += engine.step()
-        step += 1
-        assert step < max_steps
-    engine.drain()
-    return keys, events
-
-
-def tokens_of(events, group, sample):
-    return [e.token_id for e in events if e.type == "token" and e.group == group and e.sample == sample]
 
 
 def sampling(**kw):

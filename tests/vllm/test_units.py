@@ -73,8 +73,10 @@ def test_layers_and_architectures_give_clear_errors():
     with pytest.raises(ConfigError) as err:
         resolve_layer(30, 30, "target")
     assert err.value.hint
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError) as err:
         es.esamp_architecture("GPT2LMHeadModel")
+    assert all(arch in err.value.hint for arch in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Gemma3ForCausalLM"))
+    assert es.esamp_architecture("Gemma3ForCausalLM") == "EsampGemma3ForCausalLM"
 
 
 @pytest.mark.vllm

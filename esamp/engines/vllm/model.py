@@ -1,8 +1,10 @@
-"""Out-of-tree model classes with graph-safe taps: ``EsampLlamaForCausalLM``, ``EsampQwen2ForCausalLM``.
+"""Out-of-tree model classes with graph-safe taps: ``EsampLlamaForCausalLM``, ``EsampQwen2ForCausalLM``,
+``EsampGemma3ForCausalLM`` (``settings.ARCHITECTURES`` says which serves which base architecture).
 
-They switch on vLLM's own auxiliary hidden-state outputs (the EAGLE-3 taps,
-``set_aux_hidden_state_layers``). The inner model collects, for each tapped layer k,
-``hidden + residual`` *before* layer k runs (k = 0 is the embeddings): the residual stream
+The Llama and Qwen2 taps switch on vLLM's own auxiliary hidden-state outputs (the EAGLE-3 taps,
+``set_aux_hidden_state_layers``); vLLM's Gemma 3 has none, so its tap brings an inner model of its
+own that collects the same states (``_build_gemma3``). The inner model collects, for each tapped
+layer k, ``hidden + residual`` *before* layer k runs (k = 0 is the embeddings): the residual stream
 entering layer k, before any norm, in increasing layer order and once per layer. So the input of
 ``layers[i].input_layernorm`` is the tap of layer i, and applying that module to the tapped rows
 gives exactly what the reference engine's forward hook on ``layers[i].input_layernorm`` sees.
@@ -29,7 +31,8 @@ from esamp.engines.vllm.settings import engine_config
 
 
 class _TapMixin:
-    """Mixed in front of a vLLM causal LM that implements ``SupportsEagle3``."""
+    """Mixed in front of a vLLM causal LM with ``set_aux_hidden_state_layers`` (vLLM's
+    ``SupportsEagle3``, or the Gemma 3 base below), whose forward then returns ``(h, [aux...])``."""
 
     def __init__(self, *, vllm_config, prefix: str = "", **kwargs) -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
@@ -148,4 +151,75 @@ def _build():
     return EsampLlamaForCausalLM, EsampQwen2ForCausalLM
 
 
+def _build_gemma3():
+    """Gemma 3 with the taps of the classes above.
+
+    vLLM's ``Gemma3Model`` returns only the final normed state. ``_TappedGemma3Model`` is that
+    model (its ``__init__``, its weights, its torch.compile wrapper: the decorator on the base class
+    compiles the subclass's ``forward``) with a forward that also returns, for each tapped layer k,
+    the residual stream entering layer k: ``hidden + residual`` before layer k runs, the scaled
+    embeddings (× √H, as vLLM's own) for k = 0. That is the input of ``layers[k].input_layernorm``,
+    as for Llama, and what the reference engine's hook on that norm normalises. Gemma's decoder
+    layer hands the next one ``(post-feed-forward-norm output, residual)`` and the next
+    ``input_layernorm`` adds them, so the sum is the stream between the two layers.
+
+    ``_Gemma3WithTaps`` builds the parts vLLM's ``Gemma3ForCausalLM`` builds, with the tapped inner
+    model in place of the plain one (vLLM names its inner class inside ``__init__``, so the base
+    ``__init__`` cannot be reused; tests/vllm/test_drift.py fails when vLLM's set of parts
+    changes). The head is tied to the embeddings when the config says so, and the logits
+    processor carries ``final_logit_softcapping`` (None for Gemma 3; a soft cap would send
+    ``compute_logits`` down its dense-head path).
+    """
+    from torch import nn
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+    from vllm.model_executor.models.gemma3 import Gemma3ForCausalLM, Gemma3Model
+    from vllm.model_executor.models.utils import maybe_prefix
+
+    class _TappedGemma3Model(Gemma3Model):
+        esamp_aux_layers: tuple[int, ...] = ()
+
+        def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
+            tapped = self.esamp_aux_layers
+            if not tapped:
+                return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
+            # One stage holds every layer (the taps and the logits must be in one process).
+            hidden = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
+            residual = None
+            aux = []
+            for index, layer in enumerate(self.layers):
+                if index in tapped:
+                    aux.append(hidden if residual is None else hidden + residual)
+                hidden, residual = layer(positions, hidden, residual, **kwargs)
+            hidden, _ = self.norm(hidden, residual)
+            return hidden, aux
+
+    class _Gemma3WithTaps(Gemma3ForCausalLM):
+        def __init__(self, *, vllm_config, prefix: str = "") -> None:
+            nn.Module.__init__(self)
+            config = vllm_config.model_config.hf_config
+            self.config = config
+            self.quant_config = vllm_config.quant_config
+            stages = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
+            if stages > 1:
+                raise ValueError(f"ESamp's Gemma 3 tap runs on one pipeline stage, not {stages}: "
+                                 "start the engine without pipeline parallelism")
+            self.model = _TappedGemma3Model(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, quant_config=self.quant_config,
+                                          prefix=maybe_prefix(prefix, "lm_head"))
+            if config.tie_word_embeddings:
+                self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
+            self.logits_processor = LogitsProcessor(config.vocab_size, soft_cap=config.final_logit_softcapping)
+            self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
+
+        def set_aux_hidden_state_layers(self, layers: tuple[int, ...]) -> None:
+            self.model.esamp_aux_layers = tuple(sorted(set(layers)))
+
+    class EsampGemma3ForCausalLM(_TapMixin, _Gemma3WithTaps):
+        pass
+
+    return EsampGemma3ForCausalLM
+
+
 EsampLlamaForCausalLM, EsampQwen2ForCausalLM = _build()
+EsampGemma3ForCausalLM = _build_gemma3()

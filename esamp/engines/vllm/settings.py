@@ -57,6 +57,7 @@ GROUP_ID_BYTES = 16  # random bytes in a server-issued group id (128 bits: not g
 ARCHITECTURES = {
     "LlamaForCausalLM": "EsampLlamaForCausalLM",
     "Qwen2ForCausalLM": "EsampQwen2ForCausalLM",
+    "Gemma3ForCausalLM": "EsampGemma3ForCausalLM",
 }
 
 
