@@ -61,3 +61,15 @@ def test_an_interrupted_workload_keeps_its_finished_trials():
 
 def test_an_interrupt_before_any_trial_finished_reports_no_workload():
     assert _measure(stop_at=6 + 2) == []
+
+
+def test_an_interrupted_bench_asks_the_engines_nothing_for_its_report():
+    """Ctrl-C reaches vLLM's engine processes too; neither the counters nor the peak memory are
+    asked of engines that may not answer (this hung a GPU run until the machine's time limit)."""
+
+    class Mute:
+        def __getattr__(self, name):
+            raise AssertionError(f"the engine was called ({name}) after an interrupt")
+
+    steer = Mute()
+    assert bench_run._engine_reports(steer, [("esamp", steer, True)], interrupted=True) == ({}, {})

@@ -163,15 +163,13 @@ def _run(args, loaded: list) -> int:
     except KeyboardInterrupt:
         interrupted = True
         _say("interrupted: writing what was measured (Ctrl-C again leaves at once)")
-    # Interrupted, the engines still hold the pass's requests: the report is written before any
-    # call into them (the counters then stay out), and the engines are closed last.
-    counters = {} if interrupted else steer.drain().get("counters", {})
+    counters, peaks = _engine_reports(steer, sides, interrupted)
     report = dict(
         command=" ".join(["esamp", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else " ".join(sys.argv),
         commit=provenance.commit(), device=provenance.device(), versions=provenance.versions(), model=steer.model_name,
         cuda_graphs=not args.eager, tensor_parallel_size=args.tensor_parallel_size, esamp=esamp.flat(), seed=sampling.seed, trials=trials,
         prompt_len=args.prompt_len, load_seconds=loads, calibration=calibration,
-        peak_memory_bytes={side: _peak_memory(eng) for side, eng, _ in sides},
+        peak_memory_bytes=peaks,
         esamp_counters=counters,
         host_ms_per_steady_step=round(counters["replay_host_ms"] / counters["replay_steps"], 4)
         if counters.get("replay_steps") else None,
@@ -245,6 +243,16 @@ def _workload(mode, preset_name, shape, sides, given_filters, given_beta, sampli
                                         [r for r in records if r["trial"] in done]), rounds=rounds, interrupted=True))
         raise
     results.append(dict(summary(mode, preset_name, name, shape, sampling_kw, beta, records), rounds=rounds))
+
+
+def _engine_reports(steer, sides, interrupted: bool) -> tuple[dict, dict]:
+    """(ESamp's counters, each side's peak GPU memory), asked of the engines; nothing when the
+    bench was interrupted: a Ctrl-C reaches vLLM's engine processes too (the terminal's whole
+    process group), and an engine that still holds the pass's requests or has stopped would not
+    answer, so the report is written without calling into them."""
+    if interrupted:
+        return {}, {}
+    return steer.drain().get("counters", {}), {side: _peak_memory(eng) for side, eng, _ in sides}
 
 
 def _peak_memory(engine) -> float | None:
