@@ -9,7 +9,7 @@ import json
 import pytest
 from _served import serve
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.scale]
 MODEL = "SmolLM2-135M-Instruct"
 
 

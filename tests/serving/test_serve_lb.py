@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 import pytest
 from _served import started
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.scale]
 
 MODEL = "SmolLM2-135M-Instruct"
 KEY = "lb-tenant-key-41d9"

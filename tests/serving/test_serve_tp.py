@@ -16,7 +16,7 @@ import time
 import pytest
 from _served import serve
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.scale]
 
 
 def _layout() -> tuple[int, list[str], str]:

@@ -26,7 +26,7 @@ import pytest
 from _tp_probe import PROBE
 from _vllm_helpers import require_model, require_vllm
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.scale]
 
 def _layout() -> tuple[int, str | None]:
     """(workers, model: None for the embedded one; workers 0 on a machine with one GPU)."""
