@@ -80,6 +80,8 @@ DEFAULT_HOST = "127.0.0.1"  # the API listens on this machine only unless --host
 SHUTDOWN_SECONDS = 5  # vLLM's --shutdown-timeout unless given: workers exit before the engine core
 DEFAULT_PORT = 8000  # vLLM's
 SECRETS = (CHANNEL_SECRET_ENV,)  # environment values never printed
+SECRET_FLAGS = ("--api-key", "--hf-token")  # flag values never printed (vLLM's own log hides them too)
+HIDDEN = "***"
 # what a printed command line shows for the secret: run, it makes a fresh one
 SECRET_SHELL = "\"$(python3 -c 'import secrets; print(secrets.token_hex(16))')\""
 NEUTRAL_GENERATION = {"repetition_penalty": 1.0}
@@ -119,10 +121,29 @@ class Plan:
     notes: list[str] = field(default_factory=list)
 
     def shell(self) -> str:
-        """The command as one shell line; secrets as an expression that makes a fresh one."""
+        """The command as one shell line: the channel secret as an expression that makes a fresh
+        one, the values of ``SECRET_FLAGS`` as ``HIDDEN`` (an API key never reaches a log)."""
         assignments = " ".join(f"{k}={SECRET_SHELL if k in SECRETS else shlex.quote(v)}"
                                for k, v in sorted(self.env.items()))
-        return (assignments + " " if assignments else "") + shlex.join(self.command)
+        return (assignments + " " if assignments else "") + shlex.join(hide_secrets(self.command))
+
+
+def hide_secrets(command: list[str]) -> list[str]:
+    """``command`` with every value of ``SECRET_FLAGS`` (``--api-key K1 K2`` or ``--api-key=K``)
+    replaced by ``HIDDEN``."""
+    out: list[str] = []
+    hiding = False
+    for token in command:
+        name = _name(token)
+        if name in SECRET_FLAGS and "=" in token:
+            out.append(f"{name}={HIDDEN}")
+            hiding = False
+        elif hiding and not token.startswith("-"):
+            out.append(HIDDEN)
+        else:
+            out.append(token)
+            hiding = name in SECRET_FLAGS
+    return out
 
 
 def run(args) -> int:
@@ -134,6 +155,8 @@ def run(args) -> int:
     if args.dry_run:
         for note in plan.notes:
             print(f"# {note}")
+        if hide_secrets(plan.command) != plan.command:
+            print(f"# the values of {', '.join(SECRET_FLAGS)} are shown as {HIDDEN}: put yours back to run the line")
         print(plan.shell())
         return 0
     for note in plan.notes:

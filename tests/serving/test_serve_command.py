@@ -245,3 +245,19 @@ def test_esamp_serve_on_a_busy_port_exits_2_at_once(tmp_path):
     assert done.returncode == 2, done.stderr
     assert f"port {port} on 127.0.0.1 is in use" in done.stderr and "hint:" in done.stderr
     assert "Traceback" not in done.stderr and time.monotonic() - t0 < 60
+
+
+def test_the_printed_line_never_shows_an_api_key(capsys):
+    """The line esamp serve prints (to its log, or for --dry-run) hides the key; vLLM gets it."""
+    from esamp.commands.cli import main
+    from esamp.commands.serve import hide_secrets
+
+    keyed = plan(PRESET, "--api-key", "k-one", "k-two", "--port", "9123")
+    at = keyed.command.index("--api-key")
+    assert keyed.command[at + 1:at + 3] == ["k-one", "k-two"]  # what vLLM runs with
+    assert "k-one" not in keyed.shell() and "k-two" not in keyed.shell() and "--port 9123" in keyed.shell()
+    assert hide_secrets(["vllm", "--api_key=secret", "--hf-token", "t", "--seed", "1"]) == \
+        ["vllm", "--api-key=***", "--hf-token", "***", "--seed", "1"]
+    assert main(["serve", PRESET, "--dry-run", "--api-key", "k-one"]) == 0
+    out = capsys.readouterr().out
+    assert "k-one" not in out and "--api-key '***'" in out and "put yours back" in out
