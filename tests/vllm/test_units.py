@@ -402,3 +402,16 @@ def test_the_bench_rescales_the_head_in_blocks_from_the_weights_as_loaded(monkey
     assert torch.equal(weight, expected)
     worker.esamp_scale_head(None)
     assert torch.equal(weight, loaded) and worker._esamp_head_copy is None
+
+
+def test_the_engine_context_is_the_default_or_the_models_own_when_shorter():
+    """A model built for 2,048 positions gets 2,048 (vLLM refuses more); a longer one the default."""
+    from esamp.engines.vllm.launch import MAX_MODEL_LEN, ModelFacts, context
+
+    def facts(config):
+        return ModelFacts("m", {}, None, config, False)
+
+    assert context(facts({"max_position_embeddings": 2048})) == 2048
+    assert context(facts({"max_position_embeddings": 32768})) == MAX_MODEL_LEN
+    assert context(facts({})) == MAX_MODEL_LEN
+    assert context(facts({"max_position_embeddings": 2048}), 512) == 512

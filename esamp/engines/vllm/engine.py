@@ -65,7 +65,7 @@ class VllmEngine(RecordedEngine):
         dtype: str | None = None,
         tokenizer: str | None = None,
         enforce_eager: bool | None = None,
-        max_model_len: int = 4096,
+        max_model_len: int | None = None,
         gpu_memory_utilization: float | None = None,
         max_num_seqs: int = 256,
         tensor_parallel_size: int = 1,
@@ -75,7 +75,8 @@ class VllmEngine(RecordedEngine):
         gguf: str = "convert",
         llm_kwargs: dict | None = None,
     ) -> None:
-        """``plain``: vLLM without ESamp (its own model class, no additional config), the
+        """``max_model_len``: the context, by default ``launch.MAX_MODEL_LEN`` or the model's own
+        if that is shorter. ``plain``: vLLM without ESamp (its own model class, no additional config), the
         baseline of ``esamp bench``. ``gguf``: "convert" loads the cached bf16 HF directory of a
         GGUF model, "native" lets vLLM read the GGUF itself. ``tensor_parallel_size``: vLLM's
         workers per engine (TP rank 0 owns the Distiller and shares ŷ: ``esamp.engines.vllm.tp``)."""
@@ -107,6 +108,7 @@ class VllmEngine(RecordedEngine):
         facts = launch.model_facts(self.resolved, gguf=gguf, dtype=dtype, tokenizer=tokenizer)
         config_dir = facts.config_dir
         self.num_layers, self.hidden = facts.num_layers, facts.hidden_size
+        max_model_len = launch.context(facts, max_model_len)
         self.context = max_model_len
         kwargs: dict = dict(launch.engine_args(facts, None if plain else self.esamp, cuda=cuda),
                             seed=seed, max_model_len=max_model_len, max_num_seqs=max_num_seqs,

@@ -27,6 +27,7 @@ CPU_ENV = {KV_ENV: "4", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 START_ENV = "VLLM_WORKER_MULTIPROC_METHOD"  # how vLLM starts its engine core and workers
 RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"  # vLLM's choice of model runner (docs/vllm.md)
 THREADS_ENV = "OMP_NUM_THREADS"
+MAX_MODEL_LEN = 4096  # the engine's context unless given, or the model's own if that is shorter
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,12 @@ class ModelFacts:
     @property
     def vocab_size(self) -> int:
         return int(self.config["vocab_size"])
+
+    @property
+    def context_length(self) -> int | None:
+        """The longest sequence the model was built for (``max_position_embeddings``), if it says."""
+        value = self.config.get("max_position_embeddings")
+        return int(value) if value else None
 
     @property
     def architecture(self) -> str:
@@ -79,6 +86,12 @@ def model_facts(resolved, *, gguf: str = "convert", dtype: str | None = None,
             load["tokenizer"] = str(Path(tokenizer).resolve())
     config = json.loads((config_dir / "config.json").read_text())
     return ModelFacts(resolved.name, load, config_dir, config, kind == "dummy")
+
+
+def context(facts: ModelFacts, given: int | None = None) -> int:
+    """vLLM's ``max_model_len``: as given, else ``MAX_MODEL_LEN`` or the model's own if shorter
+    (vLLM refuses a longer one)."""
+    return given or min(MAX_MODEL_LEN, facts.context_length or MAX_MODEL_LEN)
 
 
 def engine_args(facts: ModelFacts, esamp=None, *, cuda: bool) -> dict[str, Any]:
