@@ -24,4 +24,3 @@ which ``esamp generate --server``, ``esamp eval --server`` and ``esamp-tui --ser
 """
 
 MIDDLEWARE = "esamp.serving.middleware.EsampMiddleware"
-ROUTES = ("/esamp/metrics", "/esamp/records?group=ID", "/esamp/config")

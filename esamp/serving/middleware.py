@@ -55,9 +55,10 @@ from urllib.parse import parse_qs, quote
 from esamp.engines.vllm.channel import HOST, SECRET_HEADER, read_groups
 from esamp.engines.vllm.settings import CHANNEL_SECRET_ENV, ISSUED, SERVE_ENV
 from esamp.core import payload as pl
-from esamp.serving import ROUTES
 from esamp.serving.admission import Refused, admit, many_prompts_with_records, refuse_surrogates
 from esamp.serving.metrics import merge
+
+ROUTES = ("/esamp/metrics", "/esamp/records?group=ID", "/esamp/config")  # what this middleware serves
 
 log = logging.getLogger(__name__)
 
