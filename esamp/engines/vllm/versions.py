@@ -4,7 +4,7 @@ ESamp uses four vLLM seams (docs/vllm.md): the aux hidden-state taps of EAGLE-3
 (``set_aux_hidden_state_layers``), the runner's ``hidden_states[logits_indices] → compute_logits``,
 the logits-processor interfaces (V1's ``BatchUpdate`` one; Model Runner V2's ``add_request`` /
 ``apply(logits, ctx)`` one from 0.31) and the ``vllm.logits_processors`` entry-point group. Their
-source was read at every version in ``SUPPORTED`` and drift canaries (tests/vllm/test_drift.py)
+source was read at every version in ``SUPPORTED`` and drift canaries (tests/engines/vllm/test_drift.py)
 hold them on each version CI runs. Outside that range a seam may have moved, so the engine refuses
 to start with the range in the message instead of failing somewhere inside vLLM.
 

@@ -222,7 +222,7 @@ def test_the_extra_resolves_to_a_supported_vllm():
 
     from packaging.requirements import Requirement
 
-    root = pathlib.Path(__file__).resolve().parents[2]
+    root = pathlib.Path(__file__).resolve().parents[3]
     extra = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]["vllm"]
     (req,) = [Requirement(r) for r in extra]
     assert req.name == "vllm"

@@ -3,7 +3,7 @@
 import pathlib
 import tomllib
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_every_package_on_disk_is_listed_for_the_wheel():

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 STUB = """#!/bin/sh
 # a stand-in python: "-m venv DIR" makes DIR/bin/python (this script), anything else is logged

@@ -24,7 +24,7 @@ import pytest
 from esamp.engines import models
 from esamp.commands.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GIB = 1024 ** 3
 BAD_UTF8 = "Name a colour \udcff now."  # what Python makes of the byte 0xff in argv
 GEN = ["esamp", "generate"]

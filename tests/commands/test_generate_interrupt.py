@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LONG = ["Write a long story about a lighthouse keeper.", "-n", "2", "--max-tokens", "1500", "--threads", "1"]
 
 

@@ -13,7 +13,7 @@ import pytest
 from esamp.platform import threads
 from esamp.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_one_thread_unless_asked():

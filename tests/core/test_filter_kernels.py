@@ -97,8 +97,8 @@ def test_kernels_equal_the_reference_on_a_gpu():
 @pytest.mark.skipif(CUDA, reason="the kernels run on the GPU there (minutes in the interpreter)")
 def test_kernels_equal_the_reference_in_tritons_interpreter():
     pytest.importorskip("triton")
-    code = "import sys; sys.path.insert(0, 'tests'); import test_filter_kernels as t; t.check_kernels('cpu')"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = "import sys; sys.path.insert(0, 'tests/core'); import test_filter_kernels as t; t.check_kernels('cpu')"
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "TRITON_INTERPRET": "1"})
     assert done.returncode == 0, done.stderr[-3000:]

@@ -1,6 +1,6 @@
 """Gemma 3 (``--model gemma3-270m``) on the reference engine: a small random model of the same
 architecture (``tiny_gemma3``, tests/conftest.py) loads, taps its layers and steers; the real one
-where its package is installed. tests/vllm/test_gemma3_vllm.py does the same on the vLLM engine."""
+where its package is installed. tests/engines/vllm/test_gemma3_vllm.py does the same on the vLLM engine."""
 
 import importlib.util
 
