@@ -1,4 +1,4 @@
-"""The package's shape (docs/development.md, "Layout"): no import cycle among esamp's modules at
+"""The package's shape (docs/development.md, "Repository layout"): no import cycle among esamp's modules at
 import time, and no module that imports from a package above it (its own package's ``__init__``
 or an ancestor's), in ``esamp`` and in ``esamp_tui``. Read from the source, nothing imported."""
 
