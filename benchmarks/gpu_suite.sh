@@ -13,6 +13,10 @@
 #   bash benchmarks/gpu_suite.sh steps MODEL W [sides]  device time per steady step, kernel by kernel
 #                                                    (LOGITS=realistic for the rescaled head)
 #   bash benchmarks/gpu_suite.sh matrix [args]       the n = 32 eval matrix on the embedded model
+#   bash benchmarks/gpu_suite.sh frontier MODEL [args]  ESamp against the temperature curve
+#                                                    (eval_frontier_cpu.toml's arms, n = 8) on MODEL with
+#                                                    the vLLM engine, arith and open; for gemma3-270m its
+#                                                    five wheels travel under .whl/ (one per call, with stage)
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
@@ -110,6 +114,22 @@ case "${1:-}" in
       --out /tmp/eval-gpu-arith-n32 --report-only "$@" 2>&1 | tail -25
     cp /tmp/eval-gpu-arith-n32.log /tmp/eval-gpu-arith-n32/run.log
     tar -czf "$OUT/eval-gpu-arith-n32.tar.gz" -C /tmp eval-gpu-arith-n32 ;;
+  frontier)  # eval_frontier_cpu.toml's arms on MODEL with the vLLM engine, every problem of arith and open
+    install || exit 1
+    model=${2:-gemma3-270m}
+    shift 2
+    name=eval-frontier-${model//[:\/]/-}
+    mkdir -p /tmp/$name
+    for task in arith open; do
+      timeout -s INT "${FRONTIER_SECONDS:-86400}" python3 -m esamp eval --matrix-file benchmarks/eval_frontier_cpu.toml \
+        --task $task --model "$model" --engine vllm --parallel 40 --order problems --out /tmp/$name/$task "$@" 2>&1 \
+        | tee -a /tmp/$name/$task.log | grep -v "$QUIET" | tail -12
+      python3 -m esamp eval --matrix-file benchmarks/eval_frontier_cpu.toml --task $task --model "$model" \
+        --engine vllm --out /tmp/$name/$task --report-only "$@" > /dev/null 2>&1
+      grep "^- \*\*On pass@" /tmp/$name/$task/report.md
+      cp /tmp/$name/$task.log /tmp/$name/$task/run.log
+    done
+    tar -czf "$OUT/$name.tar.gz" -C /tmp $name ;;
   steps)
     install || exit 1
     model=${2:-qwen2.5-0.5b:dummy}; w=${3:-32xn8x256}; sides=${4:-"baseline floor esamp"}
