@@ -13,6 +13,7 @@ from _vllm_helpers import require_model, require_vllm
 
 
 @pytest.mark.vllm
+@pytest.mark.scale  # three engines at once: about 4 minutes on 2 cores
 def test_bench_runs_three_sides_and_writes_its_json(tmp_path):
     """Baseline, floor (ESamp off on the ESamp engine) and ESamp alternate; the JSON has the
     ratios with their spread, the Distiller's loss and port hits, and the command that made it."""
