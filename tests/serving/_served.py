@@ -127,3 +127,17 @@ def started(tmp_path_factory, runs: list[list[str]], api_key: str | None = None,
     finally:
         for server in servers:
             server.stop()
+
+
+def take_records(server, group: str, timeout: float = 10.0) -> list[tuple]:
+    """Every record row of ``group`` this server hands out (taken: read once), once none is still
+    on its way from the engine."""
+    rows, deadline = [], time.monotonic() + timeout
+    while True:
+        status, body = server.get(f"/esamp/records?group={group}")
+        assert status == 200, body
+        data = json.loads(body)
+        assert data.get("unreachable", []) == []  # every side channel of the server answered
+        rows += [tuple(r) for step in data["steps"] for r in step["rows"]]
+        if data["pending"] == 0 or time.monotonic() > deadline:
+            return rows

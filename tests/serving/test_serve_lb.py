@@ -14,12 +14,11 @@ import http.client
 import itertools
 import json
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
 import pytest
-from _served import started
+from _served import started, take_records
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.scale]
 
@@ -124,19 +123,6 @@ def counters(server) -> dict[str, float]:
     return out
 
 
-def records(server, group: str, timeout: float = 10.0) -> list[list]:
-    """Every record of ``group`` this server hands out (taken: read once)."""
-    rows, deadline = [], time.monotonic() + timeout
-    while True:
-        status, body = server.get(f"/esamp/records?group={group}")
-        assert status == 200, body
-        data = json.loads(body)
-        assert data["unreachable"] == []
-        rows += [row for step in data["steps"] for row in step["rows"]]
-        if data["pending"] == 0 or time.monotonic() > deadline:
-            return rows
-
-
 def test_the_key_holds_through_the_proxy(deployment):
     servers, url = deployment
     answered = []
@@ -178,8 +164,8 @@ def test_each_request_stays_on_one_server_and_requests_alternate(deployment):
     # A group is its server's: the other server has no record of it (and does not know it), the
     # one that answered has every sample's. Nothing passes between the servers.
     for group, here in groups.items():
-        assert records(servers[1 - here], group, timeout=0) == []
-        rows = records(servers[here], group)
+        assert take_records(servers[1 - here], group, timeout=0) == []
+        rows = take_records(servers[here], group)
         assert {row[0] for row in rows} == {group}
         assert {row[1] for row in rows} == set(range(N))
     channels = [json.loads(s.get("/esamp/config")[1])["channels"] for s in servers]

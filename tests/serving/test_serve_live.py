@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _served import take_records
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -32,18 +33,6 @@ def server(served):
 def openai_client(server):
     openai = pytest.importorskip("openai")
     return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
-
-
-def take_records(server, group: str, timeout: float = 10.0) -> list[tuple]:
-    """Every record row of ``group`` (taken), once none is still on its way from the engine."""
-    rows, deadline = [], time.monotonic() + timeout
-    while True:
-        status, body = server.get(f"/esamp/records?group={group}")
-        assert status == 200, body
-        data = json.loads(body)
-        rows += [tuple(r) for step in data["steps"] for r in step["rows"]]
-        if data["pending"] == 0 or time.monotonic() > deadline:
-            return rows
 
 
 def metrics(server) -> dict[str, float]:

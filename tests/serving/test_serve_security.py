@@ -17,7 +17,7 @@ import urllib.error
 import urllib.request
 
 import pytest
-from _served import serve
+from _served import serve, take_records
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -40,17 +40,6 @@ def metric(server, name: str) -> float:
     assert status == 200
     return sum(float(line.rsplit(" ", 1)[1]) for line in body.decode().splitlines()
                if line.startswith(name + "{"))
-
-
-def take_records(server, group: str, timeout: float = 10.0) -> list[tuple]:
-    rows, deadline = [], time.monotonic() + timeout
-    while True:
-        status, body = server.get(f"/esamp/records?group={group}")
-        assert status == 200, body
-        data = json.loads(body)
-        rows += [tuple(r) for step in data["steps"] for r in step["rows"]]
-        if data["pending"] == 0 or time.monotonic() > deadline:
-            return rows
 
 
 # -- the key ------------------------------------------------------------------------------------

@@ -8,6 +8,8 @@ import os
 import pytest
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+# vLLM >= 0.31: Model Runner V2's logits-processor interface
+HAS_MRV2_PROCESSORS = HAVE_VLLM and importlib.util.find_spec("vllm.v1.worker.gpu.sample.logits_processor") is not None
 
 
 def cuda() -> bool:

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 
 import pytest
 import torch
-from _vllm_helpers import require_vllm
+from _vllm_helpers import HAS_MRV2_PROCESSORS, require_vllm
 
 pytestmark = [pytest.mark.vllm]
 
-HAS_MRV2_PROCESSORS = importlib.util.find_spec("vllm") is not None and importlib.util.find_spec(
-    "vllm.v1.worker.gpu.sample.logits_processor") is not None
 
 
 @pytest.fixture(scope="module", autouse=True)

