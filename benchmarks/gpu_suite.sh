@@ -16,7 +16,7 @@
 #   bash benchmarks/gpu_suite.sh frontier MODEL [args]  ESamp against the temperature curve
 #                                                    (eval_frontier_cpu.toml's arms, n = 8) on MODEL with
 #                                                    the vLLM engine, arith and open; for gemma3-270m its
-#                                                    five wheels travel under .whl/ (one per call, with stage)
+#                                                    five wheels go into the kit (benchmarks/kit_add.sh)
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"

@@ -29,6 +29,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from esamp.engines import gguf_tokenizer
 from esamp.errors import ModelFormatError, ModelNotFoundError
 
 # esamp never downloads weights: keep huggingface_hub offline unless the user says otherwise.
@@ -249,6 +250,22 @@ class _Incomplete(Exception):
 def _gguf_tensors(path: Path) -> tuple[list[tuple[tuple[int, ...], int, int]], int, int]:
     """[(shape, ggml type, offset)], the data section's start and the file size; ``_Incomplete``
     when the file ends early. Reads only the header (a few MB at most for a large vocabulary)."""
+    tensors, data_start, size, _ = _gguf_header(path)
+    return tensors, data_start, size
+
+
+def gguf_metadata(path: Path, keys: frozenset[str] | set[str]) -> dict:
+    """The header's values for ``keys`` (those it has): numbers, strings, and arrays as lists,
+    strings as text. ``ModelFormatError`` when the header is cut short."""
+    try:
+        return _gguf_header(path, frozenset(keys))[3]
+    except _Incomplete:
+        raise ModelFormatError(f"{path} is damaged or incomplete: the file ends inside its header",
+                               hint="copy or download the file again, or pass another model") from None
+
+
+def _gguf_header(path: Path, keys: frozenset[str] = frozenset()):
+    """``_gguf_tensors``'s three values and the metadata named in ``keys``."""
     size = path.stat().st_size
     if size < 24:
         raise _Incomplete
@@ -276,16 +293,24 @@ def _gguf_tensors(path: Path) -> tuple[list[tuple[tuple[int, ...], int, int]], i
             skip(length)
             return bytes(buf[start:pos])
 
-        def value(kind: int):
+        def value(kind: int, keep: bool = False):
             if kind == _GGUF_STRING:
-                return string()
+                got = string()
+                return got.decode("utf-8", errors="replace") if keep else got
             if kind == _GGUF_ARRAY:
                 item, count = take("I"), take("Q")
                 if item in _GGUF_SCALARS:
-                    skip(count * struct.calcsize(_GGUF_SCALARS[item]))
-                else:
-                    for _ in range(count):
-                        value(item)
+                    width = struct.calcsize(_GGUF_SCALARS[item])
+                    if keep:
+                        start = pos
+                        skip(count * width)
+                        return list(struct.unpack_from(f"<{count}{_GGUF_SCALARS[item]}", buf, start))
+                    skip(count * width)
+                    return None
+                if keep:
+                    return [value(item, True) for _ in range(count)]
+                for _ in range(count):
+                    value(item)
                 return None
             if kind not in _GGUF_SCALARS:
                 raise _Incomplete  # a value type no GGUF version has: the bytes are not a header
@@ -296,10 +321,14 @@ def _gguf_tensors(path: Path) -> tuple[list[tuple[tuple[int, ...], int, int]], i
         wide = "Q" if version >= 2 else "I"
         n_tensors, n_kv = take(wide), take(wide)
         alignment = 32
+        metadata = {}
         for _ in range(n_kv):
-            key = string()
-            got = value(take("I"))
-            if key == b"general.alignment" and isinstance(got, int) and got > 0:
+            key = string().decode("utf-8", errors="replace")
+            keep = key in keys
+            got = value(take("I"), keep)
+            if keep:
+                metadata[key] = got
+            if key == "general.alignment" and isinstance(got, int) and got > 0:
                 alignment = got
         tensors = []
         for _ in range(n_tensors):
@@ -307,7 +336,7 @@ def _gguf_tensors(path: Path) -> tuple[list[tuple[tuple[int, ...], int, int]], i
             dims = tuple(take(wide) for _ in range(take("I")))
             tensors.append((dims, take("I"), take("Q")))
         data_start = -(-pos // alignment) * alignment
-    return tensors, data_start, size
+    return tensors, data_start, size, metadata
 
 
 def gguf_problem(path: Path) -> str | None:
@@ -393,10 +422,15 @@ def write_dummy_config(preset: str) -> Path:
     return out
 
 
+# Bumped whenever convert_gguf's output changes, so directories an older esamp wrote are redone
+# (2: the tokenizer is checked and repaired, esamp.engines.gguf_tokenizer).
+CONVERTER_VERSION = 2
+
+
 def _gguf_cache_key(path: Path) -> str:
     st = path.stat()
-    digest = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()
-    return f"{path.stem}-{digest[:12]}"
+    source = f"{path.resolve()}|{st.st_size}|{int(st.st_mtime)}|{CONVERTER_VERSION}"
+    return f"{path.stem}-{hashlib.sha256(source.encode()).hexdigest()[:12]}"
 
 
 def convert_gguf(path: Path) -> Path:
@@ -448,6 +482,8 @@ def convert_gguf(path: Path) -> Path:
     try:
         fresh.save_pretrained(tmp)
         tok.save_pretrained(tmp)
+        vocab = gguf_tokenizer.GgufVocab.from_header(gguf_metadata(path, gguf_tokenizer.HEADER_KEYS))
+        gguf_tokenizer.repair(tmp, path, vocab)
         (tmp / "esamp_source.json").write_text(json.dumps({"gguf": str(path.resolve())}))
         os.replace(tmp, out)
     finally:

@@ -9,7 +9,7 @@ import pytest
 from esamp.core.config import EsampConfig, SamplingConfig
 from esamp.engines import models
 from esamp.engines.base import run
-from esamp.events import DoneEvent, StepEvent
+from esamp.events import DoneEvent, StepEvent, TokenEvent
 
 pytestmark = pytest.mark.slow  # borrows the embedded model's tokenizer (its first start converts it)
 
@@ -40,5 +40,12 @@ def test_the_real_gemma3_270m_generates():
         assert engine.model_name == "gemma3-270m" and type(engine.model).__name__ == "Gemma3ForCausalLM"
         events = list(run(engine, "Name a colour.", SamplingConfig(n=2, max_tokens=8), EsampConfig().steering))
         assert len([e for e in events if isinstance(e, DoneEvent)]) == 2
+        # The model reads its prompt as Gemma means it (BOS first, whole words) and answers sensibly:
+        # without BOS, or cut into characters, Gemma 3 decodes " 1 1 1 ...".
+        assert engine.tokenizer("The capital of France is")["input_ids"][:2] == [2, 818]
+        greedy = SamplingConfig(n=1, max_tokens=8, temperature=0.0)
+        text = "".join(e.text for e in run(engine, "The capital of France is", greedy, EsampConfig().steering)
+                       if isinstance(e, TokenEvent))
+        assert "Paris" in text, text
     finally:
         engine.close()

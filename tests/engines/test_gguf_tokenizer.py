@@ -1,0 +1,122 @@
+"""The tokenizer of a converted GGUF (esamp.engines.gguf_tokenizer): a SentencePiece vocabulary
+that transformers saved as a word-cutting Unigram model without BOS (what transformers 5.17 does
+with Gemma 3, which then decodes " 1 1 1 ...") is rebuilt as BPE with BOS, a good one is left
+alone, and one that cannot be repaired is an error that says what to do."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from esamp.engines import gguf_tokenizer, models
+from esamp.engines.gguf_tokenizer import GgufVocab
+from esamp.errors import ModelFormatError
+
+SPACE = "\u2581"
+# A SentencePiece vocabulary in file order: specials, characters, then pieces as they merge.
+TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>", SPACE, "t", "h", "e", "a", "n", "d", "o", "f", "i", "s",
+          "  ", "he", SPACE + "t", SPACE + "the", "an", SPACE + "a", SPACE + "an", SPACE + "and",
+          SPACE + "o", SPACE + "of", SPACE + "i", SPACE + "is")
+BOS = 2
+
+
+def write_unigram(directory, tokens=TOKENS, *, whole_word_score=-100.0):
+    """A Gemma-shaped tokenizer.json whose Unigram model prefers single characters (every longer
+    piece scores ``whole_word_score``): the broken tokenizer, no BOS."""
+    from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers
+    from tokenizers.models import Unigram
+
+    vocab = [(t, -1.0 if len(t) == 1 or t.startswith("<") else whole_word_score) for t in tokens]
+    tok = Tokenizer(Unigram(vocab, unk_id=3, byte_fallback=False))
+    tok.normalizer = normalizers.Replace(" ", SPACE)
+    tok.pre_tokenizer = pre_tokenizers.Split(" ", "merged_with_previous")
+    tok.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.Fuse()])
+    tok.add_special_tokens(["<pad>", "<eos>", "<bos>", "<unk>"])
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
+        "unk_token": "<unk>", "pad_token": "<pad>"}))
+    return directory
+
+
+def encode(directory, text, **kw):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(directory)(text, **kw)["input_ids"]
+
+
+def spm(tokens=TOKENS, bos_id=BOS):
+    return GgufVocab(model="llama", tokens=tokens, has_merges=False, bos_id=bos_id)
+
+
+def test_a_word_cutting_sentencepiece_tokenizer_is_rebuilt_as_bpe_with_bos(tmp_path):
+    directory = write_unigram(tmp_path / "tok")
+    the = TOKENS.index(SPACE + "the")
+    assert encode(directory, " the", add_special_tokens=False) != [the]  # broken as transformers saved it
+    repaired = gguf_tokenizer.repair(directory, tmp_path / "model.gguf", spm())
+    assert repaired == ["SentencePiece vocabulary rebuilt as BPE", "BOS added"]
+    assert encode(directory, " the") == [BOS, the]
+    assert encode(directory, " the and is of") == [BOS] + [TOKENS.index(SPACE + w) for w in ("the", "and", "is", "of")]
+    assert json.loads((directory / "tokenizer_config.json").read_text())["add_bos_token"] is True
+    # a second pass finds nothing to do
+    assert gguf_tokenizer.repair(directory, tmp_path / "model.gguf", spm()) == []
+
+
+def test_bpe_merges_follow_file_order_and_blank_tokens_are_respelled():
+    model = gguf_tokenizer.spm_bpe_model(TOKENS)
+    assert model["type"] == "BPE" and model["byte_fallback"] and model["unk_token"] == "<unk>"
+    assert SPACE * 2 in model["vocab"] and "  " not in model["vocab"]  # a blank token, as SentencePiece spells it
+    merges = [tuple(m) for m in model["merges"]]
+    assert merges.index(("h", "e")) < merges.index((SPACE, "t")) < merges.index((SPACE + "t", "he"))
+    # a token with two splits lists the longer left part first
+    assert merges.index((SPACE + "a", "n")) < merges.index((SPACE, "an"))
+
+
+def test_a_good_tokenizer_is_left_alone(tmp_path):
+    directory = write_unigram(tmp_path / "tok", whole_word_score=-0.1)  # whole pieces win: not broken
+    before = (directory / "tokenizer.json").read_bytes()
+    assert gguf_tokenizer.repair(directory, tmp_path / "model.gguf", spm(bos_id=None)) == []
+    assert (directory / "tokenizer.json").read_bytes() == before
+
+
+def test_bos_only_is_added_where_the_header_asks(tmp_path):
+    directory = write_unigram(tmp_path / "tok", whole_word_score=-0.1)
+    assert gguf_tokenizer.repair(directory, tmp_path / "model.gguf", spm()) == ["BOS added"]
+    assert encode(directory, " of") == [BOS, TOKENS.index(SPACE + "of")]
+
+
+def test_a_tokenizer_esamp_cannot_repair_is_an_error_that_says_what_to_do(tmp_path):
+    directory = write_unigram(tmp_path / "tok")
+    byte_level = GgufVocab(model="gpt2", tokens=TOKENS, has_merges=True, bos_id=None)  # not rebuilt
+    with pytest.raises(ModelFormatError) as err:
+        gguf_tokenizer.repair(directory, tmp_path / "model.gguf", byte_level)
+    assert "cuts words its vocabulary holds whole" in str(err.value) and "upgrade transformers" in err.value.hint
+
+
+def test_the_header_reader_gives_the_embedded_models_vocabulary():
+    path = models.embedded_gguf()
+    if path is None:
+        pytest.skip(f"the embedded model's package ({models.EMBEDDED_PACKAGE}) is not installed")
+    vocab = GgufVocab.from_header(models.gguf_metadata(path, gguf_tokenizer.HEADER_KEYS))
+    assert vocab.model == "gpt2" and vocab.has_merges and vocab.bos_id is None
+    assert len(vocab.tokens) == 49152 and vocab.tokens[0] == "<|endoftext|>"
+
+
+def test_a_header_cut_short_is_damaged(tmp_path):
+    path = models.embedded_gguf()
+    if path is None:
+        pytest.skip(f"the embedded model's package ({models.EMBEDDED_PACKAGE}) is not installed")
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[:4096])
+    with pytest.raises(ModelFormatError, match="damaged or incomplete"):
+        models.gguf_metadata(cut, gguf_tokenizer.HEADER_KEYS)
+
+
+def test_a_new_converter_redoes_older_conversions(tmp_path, monkeypatch):
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    key = models._gguf_cache_key(gguf)
+    monkeypatch.setattr(models, "CONVERTER_VERSION", models.CONVERTER_VERSION + 1)
+    assert models._gguf_cache_key(gguf) != key
