@@ -138,6 +138,19 @@ def _first(x):
     return x[0] if isinstance(x, tuple) else x
 
 
+def _module_level(cls: type) -> type:
+    """Name ``cls`` (built inside a function, so that vLLM is imported only here) as this module's
+    attribute of its name, so that pickle finds it by reference: vLLM saves its torch.compile
+    artifact with the compiled model's class, and a class named ``_build_gemma3.<locals>...``
+    cannot be saved ("unable to save AOT compiled function"), so every start compiled again."""
+    cls.__qualname__ = cls.__name__
+    for attr in vars(cls).values():
+        if callable(attr) and getattr(attr, "__module__", None) == __name__ and hasattr(attr, "__qualname__"):
+            attr.__qualname__ = f"{cls.__name__}.{attr.__name__}"
+    globals()[cls.__name__] = cls
+    return cls
+
+
 def _build():
     from vllm.model_executor.models.llama import LlamaForCausalLM
     from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
@@ -218,8 +231,10 @@ def _build_gemma3():
     class EsampGemma3ForCausalLM(_TapMixin, _Gemma3WithTaps):
         pass
 
+    _module_level(_TappedGemma3Model)  # the compiled class: its artifact is saved with it
+    _module_level(_Gemma3WithTaps)
     return EsampGemma3ForCausalLM
 
 
-EsampLlamaForCausalLM, EsampQwen2ForCausalLM = _build()
-EsampGemma3ForCausalLM = _build_gemma3()
+EsampLlamaForCausalLM, EsampQwen2ForCausalLM = map(_module_level, _build())
+EsampGemma3ForCausalLM = _module_level(_build_gemma3())

@@ -415,3 +415,20 @@ def test_the_engine_context_is_the_default_or_the_models_own_when_shorter():
     assert context(facts({"max_position_embeddings": 32768})) == MAX_MODEL_LEN
     assert context(facts({})) == MAX_MODEL_LEN
     assert context(facts({"max_position_embeddings": 2048}), 512) == 512
+
+
+@pytest.mark.vllm
+def test_the_model_classes_pickle_by_name():
+    """vLLM saves its torch.compile artifact with the compiled model's class; a class named inside
+    a function cannot be pickled, so the save failed ("unable to save AOT compiled function") and
+    every start of Gemma 3 compiled again. Each of our classes, the tapped inner model's forward
+    included, pickles by reference to this module."""
+    import pickle
+
+    from esamp.engines.vllm import model
+
+    inner = model._TappedGemma3Model
+    for obj in (model.EsampLlamaForCausalLM, model.EsampQwen2ForCausalLM, model.EsampGemma3ForCausalLM,
+                inner, inner.forward, model._Gemma3WithTaps):
+        assert "<locals>" not in obj.__qualname__
+        assert pickle.loads(pickle.dumps(obj)) is obj
