@@ -489,4 +489,21 @@ def convert_gguf(path: Path) -> Path:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+    _drop_older_conversions(path, out)
     return out
+
+
+def _drop_older_conversions(path: Path, kept: Path) -> None:
+    """Remove the cached directories converted from the same GGUF path before ``kept`` (by an older
+    esamp, or from the file before it changed): a cache, a few hundred MB each, that nothing reads
+    again once the new one exists."""
+    source = str(path.resolve())
+    for other in kept.parent.iterdir():
+        if other == kept or other.name.startswith(".") or not other.is_dir():
+            continue
+        try:
+            same = json.loads((other / "esamp_source.json").read_text()).get("gguf") == source
+        except (OSError, ValueError, AttributeError):
+            continue
+        if same:
+            shutil.rmtree(other, ignore_errors=True)

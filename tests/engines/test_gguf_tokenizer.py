@@ -120,3 +120,28 @@ def test_a_new_converter_redoes_older_conversions(tmp_path, monkeypatch):
     key = models._gguf_cache_key(gguf)
     monkeypatch.setattr(models, "CONVERTER_VERSION", models.CONVERTER_VERSION + 1)
     assert models._gguf_cache_key(gguf) != key
+
+
+def test_a_new_conversion_drops_the_older_ones_of_the_same_file(tmp_path, monkeypatch):
+    """Directories converted from the same GGUF by an older esamp go once the new one exists; those
+    of other files, and anything without esamp's source note, stay."""
+    path = models.embedded_gguf()
+    if path is None:
+        pytest.skip(f"the embedded model's package ({models.EMBEDDED_PACKAGE}) is not installed")
+    monkeypatch.setenv("ESAMP_CACHE_DIR", str(tmp_path))
+    cache = tmp_path / "models"
+    cache.mkdir()
+
+    def converted(name, source):
+        d = cache / name
+        d.mkdir()
+        (d / "esamp_source.json").write_text(json.dumps({"gguf": str(source)}))
+        return d
+
+    older = converted("SmolLM2-old", path.resolve())
+    other = converted("other-model", tmp_path / "other.gguf")
+    mine = cache / "a-users-own-directory"
+    mine.mkdir()
+    out = models.convert_gguf(path)
+    assert out.parent == cache and (out / "config.json").is_file()
+    assert not older.exists() and other.exists() and mine.exists()
