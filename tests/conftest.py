@@ -29,7 +29,18 @@ def reference_engine():
 
 
 @pytest.fixture(scope="session")
-def tiny_gemma3(tmp_path_factory):
+def embedded_gguf():
+    """The embedded model's GGUF file; the test is skipped where its package is not installed."""
+    from esamp.engines import models
+
+    gguf = models.embedded_gguf()
+    if gguf is None:
+        pytest.skip(f"the embedded model's package ({models.EMBEDDED_PACKAGE}) is not installed")
+    return gguf
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3(tmp_path_factory, embedded_gguf):
     """A random Gemma3ForCausalLM, two layers wide as a thumbnail, with the embedded tokenizer: the
     architecture of ``--model gemma3-270m`` for both engines' tests (tests/engines/test_gemma3.py,
     tests/engines/vllm/test_gemma3_vllm.py)."""
@@ -37,10 +48,7 @@ def tiny_gemma3(tmp_path_factory):
 
     from esamp.engines import models
 
-    gguf = models.embedded_gguf()
-    if gguf is None:
-        pytest.skip(f"the embedded model's package ({models.EMBEDDED_PACKAGE}) is not installed: its tokenizer is borrowed")
-    embedded = models.convert_gguf(gguf)
+    embedded = models.convert_gguf(embedded_gguf)  # its tokenizer is borrowed
     folder = tmp_path_factory.mktemp("gemma3")
     tokenizer = AutoTokenizer.from_pretrained(embedded)
     config = Gemma3TextConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,

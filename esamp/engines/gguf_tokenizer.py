@@ -62,18 +62,18 @@ def spm_bpe_model(tokens: tuple[str, ...] | list[str]) -> dict:
     vocab: dict[str, int] = {}
     for index, token in enumerate(spelled):
         vocab[token] = index
-    merges: list[tuple[int, int, int, int, str, str]] = []
+    merges: list[tuple[int, int, str, str]] = []  # (the joined token's index, -len(left), left, right)
     for token, index in vocab.items():
         for cut in range(1, len(token)):
             left, right = token[:cut], token[cut:]
             if left in vocab and right in vocab:
-                merges.append((index, -len(left), vocab[left], vocab[right], left, right))
+                merges.append((index, -cut, left, right))
     merges.sort()
     return {
         "type": "BPE", "dropout": None, "unk_token": "<unk>" if "<unk>" in vocab else None,
         "continuing_subword_prefix": None, "end_of_word_suffix": None, "fuse_unk": True,
         "byte_fallback": True, "ignore_merges": False,
-        "vocab": vocab, "merges": [[m[4], m[5]] for m in merges],
+        "vocab": vocab, "merges": [[left, right] for _, _, left, right in merges],
     }
 
 

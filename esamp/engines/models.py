@@ -247,6 +247,9 @@ class _Incomplete(Exception):
     """The header or the tensor data runs past the end of the file."""
 
 
+_CUT_HEADER = "the file ends inside its header"
+
+
 def _gguf_tensors(path: Path) -> tuple[list[tuple[tuple[int, ...], int, int]], int, int]:
     """[(shape, ggml type, offset)], the data section's start and the file size; ``_Incomplete``
     when the file ends early. Reads only the header (a few MB at most for a large vocabulary)."""
@@ -260,8 +263,14 @@ def gguf_metadata(path: Path, keys: frozenset[str] | set[str]) -> dict:
     try:
         return _gguf_header(path, frozenset(keys))[3]
     except _Incomplete:
-        raise ModelFormatError(f"{path} is damaged or incomplete: the file ends inside its header",
-                               hint="copy or download the file again, or pass another model") from None
+        raise _damaged(path, _CUT_HEADER) from None
+
+
+def _damaged(path: Path, problem: str) -> ModelFormatError:
+    return ModelFormatError(
+        f"{path} is damaged or incomplete: {problem}",
+        hint="copy or download the file again (an interrupted copy leaves a short file), "
+        "or pass another model")
 
 
 def _gguf_header(path: Path, keys: frozenset[str] = frozenset()):
@@ -348,7 +357,7 @@ def gguf_problem(path: Path) -> str | None:
     try:
         tensors, data_start, size = _gguf_tensors(path)
     except _Incomplete:
-        return "the file ends inside its header"
+        return _CUT_HEADER
     if not tensors:
         return "it holds no tensors"
     end = data_start
@@ -445,10 +454,7 @@ def convert_gguf(path: Path) -> Path:
         return out
     problem = gguf_problem(path)
     if problem:
-        raise ModelFormatError(
-            f"{path} is damaged or incomplete: {problem}",
-            hint="copy or download the file again (an interrupted copy leaves a short file), "
-            "or pass another model")
+        raise _damaged(path, problem)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

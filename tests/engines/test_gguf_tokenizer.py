@@ -95,21 +95,15 @@ def test_a_tokenizer_esamp_cannot_repair_is_an_error_that_says_what_to_do(tmp_pa
     assert "cuts words its vocabulary holds whole" in str(err.value) and "upgrade transformers" in err.value.hint
 
 
-def test_the_header_reader_gives_the_embedded_models_vocabulary():
-    path = models.embedded_gguf()
-    if path is None:
-        pytest.skip(f"the embedded model's package ({models.EMBEDDED_PACKAGE}) is not installed")
-    vocab = GgufVocab.from_header(models.gguf_metadata(path, gguf_tokenizer.HEADER_KEYS))
+def test_the_header_reader_gives_the_embedded_models_vocabulary(embedded_gguf):
+    vocab = GgufVocab.from_header(models.gguf_metadata(embedded_gguf, gguf_tokenizer.HEADER_KEYS))
     assert vocab.model == "gpt2" and vocab.has_merges and vocab.bos_id is None
     assert len(vocab.tokens) == 49152 and vocab.tokens[0] == "<|endoftext|>"
 
 
-def test_a_header_cut_short_is_damaged(tmp_path):
-    path = models.embedded_gguf()
-    if path is None:
-        pytest.skip(f"the embedded model's package ({models.EMBEDDED_PACKAGE}) is not installed")
+def test_a_header_cut_short_is_damaged(tmp_path, embedded_gguf):
     cut = tmp_path / "cut.gguf"
-    cut.write_bytes(path.read_bytes()[:4096])
+    cut.write_bytes(embedded_gguf.read_bytes()[:4096])
     with pytest.raises(ModelFormatError, match="damaged or incomplete"):
         models.gguf_metadata(cut, gguf_tokenizer.HEADER_KEYS)
 
@@ -122,12 +116,10 @@ def test_a_new_converter_redoes_older_conversions(tmp_path, monkeypatch):
     assert models._gguf_cache_key(gguf) != key
 
 
-def test_a_new_conversion_drops_the_older_ones_of_the_same_file(tmp_path, monkeypatch):
+def test_a_new_conversion_drops_the_older_ones_of_the_same_file(tmp_path, monkeypatch, embedded_gguf):
     """Directories converted from the same GGUF by an older esamp go once the new one exists; those
     of other files, and anything without esamp's source note, stay."""
-    path = models.embedded_gguf()
-    if path is None:
-        pytest.skip(f"the embedded model's package ({models.EMBEDDED_PACKAGE}) is not installed")
+    path = embedded_gguf
     monkeypatch.setenv("ESAMP_CACHE_DIR", str(tmp_path))
     cache = tmp_path / "models"
     cache.mkdir()

@@ -80,24 +80,16 @@ def test_sharded_weights_and_other_tokenizers_count(tmp_path):
         assert models.resolve(str(path)).kind == "hf"
 
 
-def _embedded_or_skip():
-    path = models.embedded_gguf()
-    if path is None:
-        pytest.skip("the embedded model is not installed")
-    return path
-
-
-def test_the_embedded_gguf_is_whole():
-    path = _embedded_or_skip()
-    assert models.gguf_problem(path) is None
-    assert models.gguf_parameters(path) == 134_515_008  # SmolLM2-135M
+def test_the_embedded_gguf_is_whole(embedded_gguf):
+    assert models.gguf_problem(embedded_gguf) is None
+    assert models.gguf_parameters(embedded_gguf) == 134_515_008  # SmolLM2-135M
 
 
 @pytest.mark.parametrize("keep", [1_000, 4_000_000])
-def test_a_truncated_gguf_is_damaged_not_unsupported(tmp_path, monkeypatch, keep):
+def test_a_truncated_gguf_is_damaged_not_unsupported(tmp_path, monkeypatch, keep, embedded_gguf):
     """Cut in the header or in the tensors: "damaged or incomplete", before transformers is asked."""
     monkeypatch.setenv("ESAMP_CACHE_DIR", str(tmp_path / "cache"))
-    with open(_embedded_or_skip(), "rb") as src:
+    with open(embedded_gguf, "rb") as src:
         (tmp_path / "cut.gguf").write_bytes(src.read(keep))
     resolved = models.resolve(str(tmp_path / "cut.gguf"))
     with pytest.raises(ModelFormatError) as info:
