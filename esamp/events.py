@@ -36,6 +36,21 @@ class ReadyEvent(_Event):
     load_seconds: float = 0.0
 
 
+class LoadingEvent(_Event):
+    """How far the engine's start has come, before its ``ready``: a model being downloaded (bytes
+    or files ``done`` of ``total``), converted or loaded."""
+
+    type: Literal["loading"] = "loading"
+    stage: Literal["download", "convert", "load"]
+    text: str
+    done: float = Field(0.0, ge=0.0)
+    total: float = Field(0.0, ge=0.0, description="0 when not known")
+    unit: str = Field("", description='"B" for bytes, "" for a count of files or none')
+
+    def fraction(self) -> float | None:
+        return min(1.0, self.done / self.total) if self.total else None
+
+
 class TokenEvent(_Event):
     """One generated token of one sample."""
 
@@ -86,7 +101,7 @@ class ErrorEvent(_Event):
 
 
 Event = Annotated[
-    Union[ReadyEvent, TokenEvent, StepEvent, DoneEvent, ErrorEvent], Field(discriminator="type")
+    Union[LoadingEvent, ReadyEvent, TokenEvent, StepEvent, DoneEvent, ErrorEvent], Field(discriminator="type")
 ]
 _ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
 

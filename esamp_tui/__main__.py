@@ -18,8 +18,7 @@ Themes: dark, light, high-contrast, and your own TOML files in ~/.config/esamp/t
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from esamp.commands.cli import Parser
-    from esamp.engines import ENGINE_NAMES
+    from esamp.commands.cli import Parser, add_engine_flags
     from esamp.platform.threads import add_threads_flag
     from esamp_tui.options import MAX_PANES, add_setting_flags
 
@@ -27,13 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="esamp-tui", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
         description=f"Watch n samples (up to {MAX_PANES}) side by side with novelty heat; toggle ESamp and compare.",
     )
-    p.add_argument("--model", default=None,
-                   help="HF directory, .gguf file or a name in the local HF cache (default: embedded SmolLM2-135M)")
-    p.add_argument("--engine", default="reference", choices=ENGINE_NAMES,
-                   help="reference (CPU, default), vllm, or auto (vLLM when CUDA and vLLM are present)")
-    p.add_argument("--server", default=None, metavar="URL",
-                   help="attach to a running esamp serve endpoint (http://HOST:PORT) instead of starting an "
-                        "engine; --model then names a served model")
+    add_engine_flags(p, server_help="attach to a running esamp serve endpoint (http://HOST:PORT) instead of "
+                     "starting an engine; --model then names a served model")
     p.add_argument("--prompt", default=None, help="run this prompt at start")
     p.add_argument("--theme", default=None, help="theme name (dark, light, high-contrast or your own)")
     add_threads_flag(p)
@@ -50,11 +44,14 @@ def main(argv: list[str] | None = None) -> int:
         from esamp_tui.options import Options
         from esamp_tui.theming import check_theme, load_themes
 
-        # --server: the session's worker runs the client of the served endpoint (esamp.engines.server)
-        engine = "server" if args.server else args.engine
-        engine_options = {"url": args.server} if args.server else threads_option(args.engine, args.threads)
-        options = Options.from_args(args, engine=engine, model=args.model, prompt=args.prompt,
-                                    theme=args.theme, engine_options=engine_options)
+        from esamp.engines import EngineChoice, choose_engine
+
+        # --server: the session's worker runs the client of the served endpoint (esamp.engines.server);
+        # otherwise "auto" is decided here, so the status bar can say what was picked and why
+        choice = EngineChoice("server", "") if args.server else choose_engine(args.engine)
+        engine_options = {"url": args.server} if args.server else threads_option(choice.name, args.threads)
+        options = Options.from_args(args, engine=choice.name, engine_reason=choice.reason, model=args.model,
+                                    prompt=args.prompt, theme=args.theme, engine_options=engine_options)
         if args.theme is not None:
             check_theme(args.theme, *load_themes())
     except EsampError as exc:

@@ -3,6 +3,7 @@
 The screen never sees a process, a pipe or a thread. It calls ``start``/``restart``/``stop``,
 ``configure``, ``run`` and ``abort``, and receives typed messages:
 
+- ``EngineLoading``: how far its start has come (a download, a conversion, the load);
 - ``EngineReady``: the engine has loaded (its ``ReadyEvent``);
 - ``EventBatch``: tokens, steps, dones and per-run errors, in arrival order, at most every
   ``BATCH_SECONDS``, so n panes repaint together at ~10 Hz however fast tokens come;
@@ -26,7 +27,8 @@ from textual.widget import Widget
 from textual.worker import get_current_worker
 
 from esamp.core.config import SamplingConfig, Steering
-from esamp.events import ErrorEvent, Event, ReadyEvent
+from esamp.errors import EsampError
+from esamp.events import ErrorEvent, Event, LoadingEvent, ReadyEvent
 from esamp_tui.worker import Abort, Backend, Configure, RunPrompt, Session, SessionSpec
 
 BATCH_SECONDS = 0.1  # events reach the UI at most 10 times a second: a frame of 8 scrolling panes costs ~30 ms
@@ -37,6 +39,11 @@ class SessionController:
     class EngineReady(Message):
         generation: int
         info: ReadyEvent
+
+    @dataclass
+    class EngineLoading(Message):
+        generation: int
+        progress: LoadingEvent
 
     @dataclass
     class EventBatch(Message):
@@ -138,7 +145,9 @@ class SessionController:
                 wait = BATCH_SECONDS - (time.monotonic() - first) if batch else BATCH_SECONDS
                 got = backend.read(timeout=max(wait, 0.005))
                 for event in got or ():
-                    if isinstance(event, ReadyEvent):
+                    if isinstance(event, LoadingEvent):
+                        self._post(self.EngineLoading(generation, event))
+                    elif isinstance(event, ReadyEvent):
                         if generation == self.generation:
                             self.ready = event
                         self._post(self.EngineReady(generation, event))
@@ -155,6 +164,9 @@ class SessionController:
                     return
                 if batch and time.monotonic() - first >= BATCH_SECONDS:
                     flush()
+        except EsampError as exc:  # e.g. a script without its __main__ guard: its own words
+            flush()
+            self._fail(generation, ErrorEvent(message=exc.message, hint=exc.hint, fatal=True))
         except Exception as exc:  # the backend could not start or broke: say so, never crash the UI
             flush()
             self._fail(generation, ErrorEvent(message=f"could not run the engine: {type(exc).__name__}: {exc}",

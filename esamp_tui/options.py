@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from esamp.core.config import EsampConfig, SamplingConfig, Steering, add_flags, bound, from_flags, update_config
+from esamp.engines import DEFAULT_ENGINE
 from esamp.engines.base import check_prompt_text
 from esamp.errors import ConfigError, PromptError
 from esamp_tui.worker import SessionSpec, default_log_file
@@ -40,7 +41,8 @@ def add_setting_flags(parser: argparse.ArgumentParser) -> None:
 
 @dataclass
 class Options:
-    engine: str = "reference"
+    engine: str = DEFAULT_ENGINE
+    engine_reason: str = ""  # why ``auto`` picked ``engine`` ("" when the user named it)
     model: str | None = None
     esamp: EsampConfig = field(default_factory=EsampConfig)  # engine-wide settings + the first runs' steering
     sampling: SamplingConfig = field(default_factory=SamplingConfig)

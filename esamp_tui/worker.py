@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import atexit
 import importlib
+import inspect
 import multiprocessing as mp
 import os
 import queue
@@ -53,10 +54,12 @@ from pathlib import Path
 from typing import Any, Protocol, Union
 
 from esamp.core.config import EsampConfig, SamplingConfig, Steering, update_config
+from esamp.engines import DEFAULT_ENGINE
 from esamp.engines.base import group_key
 from esamp.errors import EsampError
 from esamp.events import DoneEvent, ErrorEvent, Event, TokenEvent
 from esamp.engines.models import cache_dir
+from esamp.platform.spawn import check_main_guard
 
 # -- commands ---------------------------------------------------------------------------------
 
@@ -112,7 +115,7 @@ class SessionSpec:
     the real process and pipes with it.
     """
 
-    engine: str = "reference"
+    engine: str = DEFAULT_ENGINE
     model: str | None = None
     esamp: EsampConfig = field(default_factory=EsampConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -129,14 +132,18 @@ def _traceback_tail(lines: int = 12) -> str:
     return "".join(traceback.format_exc().splitlines(keepends=True)[-lines:])
 
 
-def _build_engine(spec: SessionSpec):
+def _build_engine(spec: SessionSpec, progress):
+    """The spec's engine; ``progress`` hears of its start (a download, a conversion, the load)."""
     if spec.engine_factory:
         module_name, _, attr = spec.engine_factory.partition(":")
         factory = getattr(importlib.import_module(module_name), attr)
-        return factory(model=spec.model, esamp=spec.esamp, **spec.engine_options)
+        options = dict(spec.engine_options)
+        if "progress" in inspect.signature(factory).parameters:
+            options["progress"] = progress
+        return factory(model=spec.model, esamp=spec.esamp, **options)
     from esamp.engines import create_engine
 
-    return create_engine(spec.engine, model=spec.model, esamp=spec.esamp, **spec.engine_options)
+    return create_engine(spec.engine, model=spec.model, esamp=spec.esamp, progress=progress, **spec.engine_options)
 
 
 def _failure(exc: BaseException, what: str, hint: str, group: str | None = None,
@@ -179,7 +186,7 @@ class _Worker:
 
     def run(self) -> int:
         try:
-            self.engine = _build_engine(self.spec)
+            self.engine = _build_engine(self.spec, lambda event: self.emit([event]))
         except Exception as exc:
             self.emit([_failure(exc, "the engine failed to start",
                                 f"check --model and --engine; {self.log_hint}", fatal=True)])
@@ -415,6 +422,7 @@ class Session:
         self._closed = False
 
     def start(self) -> "Session":
+        check_main_guard("the dashboard's engine process")
         # Not a daemon: vLLM starts an engine-core process of its own, which a daemonic process
         # may not do. The child still never outlives us: close() stops it, and it stops itself
         # when this process disappears (see _watch_parent).

@@ -5,6 +5,10 @@ import shutil
 import pytest
 import torch
 
+# Tests never reach a hub: a model id resolves from a cache the test builds, or from a local
+# stand-in hub (tests/engines/_fake_hub.py) that a test names with HF_ENDPOINT.
+os.environ["HF_HUB_OFFLINE"] = "1"
+
 
 def pytest_collection_modifyitems(config, items):
     if os.environ.get("ESAMP_TEST_ORDER") == "reverse":  # the GPU suite must pass in any order
@@ -63,3 +67,26 @@ def tiny_gemma3(tmp_path_factory, embedded_gguf):
     tokenizer.save_pretrained(folder)
     yield folder
     shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory, embedded_gguf):
+    """A random LlamaForCausalLM two layers deep with the embedded tokenizer, saved as a hub
+    repository holds one (safetensors, tokenizer, generation config): what a hub id resolves to
+    in the hub tests (tests/engines/test_hub.py)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    from esamp.engines import models
+
+    embedded = models.convert_gguf(embedded_gguf)  # its tokenizer is borrowed
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tokenizer = AutoTokenizer.from_pretrained(embedded)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+

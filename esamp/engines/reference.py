@@ -69,7 +69,8 @@ class ReferenceEngine(EngineBase):
     name = "reference"
 
     def __init__(self, model: str | None = None, esamp: EsampConfig | None = None, *,
-                 device: str = "cpu", dtype: torch.dtype = torch.float32, threads: int | None = None) -> None:
+                 device: str = "cpu", dtype: torch.dtype = torch.float32, threads: int | None = None,
+                 progress=None) -> None:
         super().__init__(esamp)
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
@@ -77,13 +78,13 @@ class ReferenceEngine(EngineBase):
         hf_logging.disable_progress_bar()
         if device == "cpu":
             apply_threads(threads)
-        self.resolved = resolve(model)
+        self.resolved = resolve(model, progress)
         if self.resolved.kind == "dummy":
             raise EngineError(
                 f"{self.resolved.name} has random weights and only runs on the vLLM engine",
                 hint="use --engine vllm, or pass a real model to the reference engine",
             )
-        path = self.resolved.hf_dir()
+        path = self.resolved.hf_dir(progress)
         self.device = torch.device(device)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(self.device).eval()

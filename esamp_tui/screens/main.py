@@ -21,7 +21,7 @@ from esamp.core.mixes import MIXES
 from esamp.engines.base import check_prompt_text
 from esamp.errors import PromptError
 from esamp.eval.standing import standing
-from esamp.events import ErrorEvent, StepEvent
+from esamp.events import ErrorEvent, LoadingEvent, StepEvent
 from esamp_tui.controller import SessionController
 from esamp_tui.keymap import MAIN_BINDINGS, KeysScreen, footer_drop_actions
 from esamp_tui.messages import VendiScored
@@ -35,7 +35,7 @@ from esamp_tui.widgets.error_panel import ErrorPanel
 from esamp_tui.widgets.footer import KeysFooter
 from esamp_tui.widgets.history import RunHistory
 from esamp_tui.widgets.results import Results
-from esamp_tui.widgets.status import StatusBar
+from esamp_tui.widgets.status import StatusBar, loading_text
 
 SHORT = 36  # terminal rows below which the charts shrink to one line and the prompt box to one row
 TINY = 18  # rows below which the charts are hidden (the panes need them more)
@@ -64,6 +64,7 @@ class MainScreen(KeysScreen):
         self.last_prompt: str | None = options.prompt
         self.charts_chosen = False  # once the user picks a chart mode, the terminal's size no longer does
         self.speed: SpeedWatch | None = None
+        self.loading: LoadingEvent | None = None  # the engine's start, as far as it has come
 
     @property
     def steering(self) -> Steering:
@@ -94,6 +95,7 @@ class MainScreen(KeysScreen):
         self.prompt, self.results, self.history = self.query_one(Input), self.query_one(Results), self.query_one(RunHistory)
         self.charts, self.status, self.error_panel = self.query_one(ChartStrip), self.query_one(StatusBar), self.query_one(ErrorPanel)
         self.status.model = self.options.model or "embedded default"
+        self.status.engine, self.status.engine_reason = self.options.engine, self.options.engine_reason
         for name in ("esamp_on", "beta", "mix", "n"):
             self.watch(self, name, lambda _: self.controller.configure(self.steering, self.sampling), init=False)
         self.controller.start()
@@ -117,6 +119,12 @@ class MainScreen(KeysScreen):
             self.record.engine_ready()
             self.speed = SpeedWatch(SpeedRecord.load(info, self.speed_file))
             self.status.engine, self.status.model, self.status.device = info.engine, info.model, info.device
+            self.refresh_state()
+
+    @on(SessionController.EngineLoading)
+    def engine_loading(self, message: SessionController.EngineLoading) -> None:
+        if self.controller.current(message):
+            self.loading = message.progress
             self.refresh_state()
 
     @on(SessionController.EventBatch)
@@ -153,7 +161,8 @@ class MainScreen(KeysScreen):
     def refresh_state(self) -> None:
         """What the engine is doing, in the status bar, and the keys that work now, in the footer."""
         c, status = self.controller, self.status
-        status.state = "error" if c.failed else "starting engine" if not c.ready else "generating" if self.record.running() else "ready"
+        starting = f"starting engine: {loading_text(self.loading)}" if self.loading else "starting engine"
+        status.state = "error" if c.failed else starting if not c.ready else "generating" if self.record.running() else "ready"
         status.notice = status.notice if status.state == "generating" else ""
         self.refresh_bindings()
 
@@ -224,6 +233,7 @@ class MainScreen(KeysScreen):
     def action_restart(self) -> None:
         self.stop_runs("cut")  # what the old engine was running ends here
         self.error_panel.hide()
+        self.loading = None
         self.controller.restart()
         self.refresh_state()
         self.notify("Starting a fresh engine…", timeout=3)

@@ -1,4 +1,5 @@
-"""The status bar: engine, model, device, ESamp state, β, mix, n, what the engine is doing, the heat legend.
+"""The status bar: engine (and why ``auto`` picked it), model, device, ESamp state, β, mix, n, what the
+engine is doing (while it starts: a download's or a conversion's progress), the heat legend.
 
 The settings are reactives bound to the screen's (``data_bind``), so the bar follows every
 change without being told. On a narrow terminal the engine/model part is shortened first; the
@@ -12,10 +13,24 @@ from textual.reactive import reactive
 from textual.widget import Widget
 
 from esamp.core.config import SamplingConfig, Steering
+from esamp.events import LoadingEvent
 
 # The heat scale in the theme's own colours ($heat-0 … $heat-4 are theme variables).
 HEAT_LEGEND = "novelty 0 " + "".join(f"[$heat-{k}]██[/]" for k in range(5)) + " 1"
 HEAT_LEGEND_SHORT = "0" + "".join(f"[$heat-{k}]█[/]" for k in range(5)) + "1"
+
+
+def loading_text(event: LoadingEvent) -> str:
+    """A start's progress in a few words: "downloading bytes 1.2 of 15.2 GB (8%)"."""
+    fraction = event.fraction()
+    if fraction is None:
+        return event.text
+    if event.unit == "B":
+        done, total = event.done / 1e9, event.total / 1e9
+        amount = f"{done:.1f} of {total:.1f} GB" if total >= 1 else f"{1e3 * done:.0f} of {1e3 * total:.0f} MB"
+    else:
+        amount = f"{event.done:.0f} of {event.total:.0f}" + (f" {event.unit}" if event.unit else "")
+    return f"{event.text} {amount} ({100 * fraction:.0f}%)"
 
 
 class StatusBar(Widget):
@@ -30,9 +45,10 @@ class StatusBar(Widget):
     mix = reactive(Steering.model_fields["mix"].default)
     n = reactive(SamplingConfig.model_fields["n"].default)
     engine = reactive("…")
+    engine_reason = reactive("")  # why ``auto`` picked the engine, e.g. "auto: CUDA GPU and vLLM 0.20.0"
     model = reactive("…")
     device = reactive("…")
-    state = reactive("starting engine")  # starting engine | ready | generating | error
+    state = reactive("starting engine")  # starting engine[: what it is doing] | ready | generating | error
     notice = reactive("")  # e.g. the run is far slower than usual here
 
     def watch_state(self, state: str) -> None:
@@ -51,7 +67,8 @@ class StatusBar(Widget):
             right = Content.from_markup(f"{esamp} │ n={self.n} │ $state │ {legend}", state=state)
             if right.cell_length <= width:
                 break
-        where = Content(f"{self.engine} · {self.model} · {self.device}")
+        engine = f"{self.engine} ({self.engine_reason})" if self.engine_reason else self.engine
+        where = Content(f"{engine} · {self.model} · {self.device}")
         room = width - right.cell_length - 3
         if room < 8:
             return right

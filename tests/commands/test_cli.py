@@ -150,3 +150,35 @@ def test_damaged_weights_are_a_message_not_a_traceback(tmp_path, capsys):
     event = event_from_json(captured.out.strip().splitlines()[-1])
     assert event.type == "error" and "could not load" in event.message and "weights" in event.hint
     assert "Traceback" not in captured.err
+
+
+@pytest.mark.parametrize("cuda, vllm, picked, why", [
+    (True, "0.20.0", "vllm", "auto: CUDA GPU and vLLM 0.20.0"),
+    (False, "0.30.0", "reference", "auto: no CUDA GPU (vLLM 0.30.0 is installed)"),
+    (True, None, "reference", "auto: vLLM is not installed"),
+])
+def test_auto_picks_what_the_machine_does_best_and_says_why(monkeypatch, cuda, vllm, picked, why):
+    import esamp.engines
+
+    monkeypatch.setattr(esamp.engines, "cuda_available", lambda: cuda)
+    monkeypatch.setattr(esamp.engines, "vllm_version", lambda: vllm)
+    choice = esamp.engines.choose_engine()
+    assert (choice.name, choice.reason) == (picked, why)
+    assert esamp.engines.choose_engine("reference").label == "reference"  # named: no reason to give
+
+
+def test_every_command_that_starts_an_engine_defaults_to_auto():
+    """--engine, --model and --server are defined once; the dashboard, generate and eval share them."""
+    from esamp.commands.cli import build_parser
+    from esamp.engines import DEFAULT_ENGINE
+    from esamp_tui.__main__ import build_parser as tui_parser
+
+    assert DEFAULT_ENGINE == "auto"
+    subs = build_parser()._subparsers._group_actions[0].choices
+    assert subs["generate"].parse_args(["hi"]).engine == "auto"
+    assert subs["eval"].parse_args([]).engine is None  # a matrix file may name it; else DEFAULT_ENGINE
+    assert tui_parser().parse_args([]).engine == "auto"
+    for parser in (subs["generate"], subs["eval"], tui_parser()):
+        help_text = " ".join(parser.format_help().split())
+        assert "auto (default): the vLLM engine where a CUDA GPU and vLLM are present" in help_text
+        assert "Qwen/Qwen2.5-7B-Instruct" in help_text

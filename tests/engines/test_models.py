@@ -20,7 +20,7 @@ def test_unknown_path_says_where_it_looked(tmp_path, monkeypatch):
         models.resolve(str(tmp_path / "missing-model"))
     text = info.value.user_text()
     assert "missing-model" in text and str(tmp_path / "hub") in text
-    assert "never downloads" in info.value.hint
+    assert "ORG/NAME" in info.value.hint
 
 
 def test_a_file_that_is_not_gguf_is_rejected(tmp_path):
@@ -47,8 +47,11 @@ def test_hf_directory_and_local_cache_name(tmp_path, monkeypatch):
                       "config.json", "tokenizer.json", "model.safetensors")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     assert models.resolve(str(snap)).kind == "hf"
-    found = models.resolve("Qwen2.5-7B")
-    assert found.kind == "hf" and found.path == snap
+    for name in ("Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-7B-Instruct"):  # a cache without refs/: the newest snapshot
+        found = models.resolve(name)
+        assert found.kind == "hf" and found.path == snap and found.name == "Qwen/Qwen2.5-7B-Instruct"
+    with pytest.raises(ModelNotFoundError, match=r"Qwen/Qwen2\.5-7B \(.Qwen2\.5-7B. names it\): not in the local"):
+        models.resolve("Qwen2.5-7B")  # the base model, which this cache does not hold
 
 
 def test_dummy_presets_write_a_local_config(tmp_path, monkeypatch):
@@ -70,7 +73,7 @@ def test_an_incomplete_hf_directory_says_what_is_missing(tmp_path, files, missin
     text = info.value.user_text()
     for word in missing:
         assert word in text
-    assert "sentencepiece" not in text and "never downloads" in text
+    assert "sentencepiece" not in text and "fills in no files" in text
 
 
 def test_sharded_weights_and_other_tokenizers_count(tmp_path):

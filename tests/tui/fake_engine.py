@@ -20,7 +20,9 @@ Script:
 - model ``"missing"``: construction raises ``ModelNotFoundError``;
 - ``load_seconds``: construction spins the CPU that long first, like a cold model load;
 - ``named_lock``: construction creates a ``multiprocessing.RLock``, a named semaphore, as tqdm
-  does for the progress bar of the first start's model conversion.
+  does for the progress bar of the first start's model conversion;
+- ``download_seconds``: construction first reports a download of 2 GB through ``progress``
+  (``LoadingEvent``s), as a hub model's first start does, then holds at 1.5 GB until the time is up.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import os
 import time
 
 from esamp.errors import ModelNotFoundError, PromptError
-from esamp.events import DoneEvent, ReadyEvent, StepEvent, TokenEvent
+from esamp.events import DoneEvent, LoadingEvent, ReadyEvent, StepEvent, TokenEvent
 
 FACTORY = f"{__name__}:FakeEngine"  # the name this module was imported under; the child shares sys.path
 NOVELTY_CYCLE = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -47,7 +49,12 @@ class FakeEngine:
     name = "fake"
 
     def __init__(self, model=None, esamp=None, delay: float = 0.0, load_seconds: float = 0.0,
-                 named_lock: bool = False):
+                 named_lock: bool = False, download_seconds: float = 0.0, progress=None):
+        if download_seconds and progress is not None:
+            progress(LoadingEvent(stage="download", text=f"downloading {model}"))
+            for done in (0.5e9, 1.0e9, 1.5e9):
+                progress(LoadingEvent(stage="download", text="downloading bytes", done=done, total=2e9, unit="B"))
+            time.sleep(download_seconds)
         if named_lock and not NAMED_LOCKS:
             from multiprocessing import RLock
 

@@ -329,6 +329,29 @@ async def test_model_not_found_becomes_error_panel(make_app):
         assert screen.check_action("restart", ()) is True
 
 
+async def test_a_models_download_shows_in_the_status_bar_until_it_is_ready(make_app):
+    """A hub model's first start: the status bar says how far the download has come, then ready."""
+    from esamp_tui.widgets.status import StatusBar
+
+    app = make_app(model="Qwen/Qwen2.5-7B", engine_options=dict(download_seconds=1.5))
+    async with app.run_test(size=SIZE) as pilot:
+        status = app.main_screen.query_one(StatusBar)
+        await wait_for(pilot, lambda: "downloading bytes" in status.state, what="download progress")
+        assert status.state == "starting engine: downloading bytes 1.5 of 2.0 GB (75%)"
+        await wait_for(pilot, lambda: status.state == "ready", what="the engine to be ready")
+
+
+async def test_the_status_bar_says_which_engine_auto_picked_and_why(make_app):
+    from esamp_tui.widgets.status import StatusBar
+
+    app = make_app(engine="reference", engine_reason="auto: no CUDA GPU (vLLM 0.30.0 is installed)")
+    async with app.run_test(size=(200, 45)) as pilot:
+        status = app.main_screen.query_one(StatusBar)
+        await wait_for(pilot, lambda: status.state == "ready", what="the engine to be ready")
+        text = str(status.render())
+        assert text.startswith("fake (auto: no CUDA GPU (vLLM 0.30.0 is installed)) · scripted · cpu"), text
+
+
 async def test_every_binding_has_an_id_and_a_palette_entry(make_app):
     app = make_app(prompt="palette", max_tokens=3)
     async with app.run_test(size=SIZE) as pilot:

@@ -73,3 +73,45 @@ async def test_gemma3_270m_on_the_vllm_engine_streams_into_panes(tmp_path):
                       engine_options=dict(gpu_memory_utilization=0.3, max_model_len=1024))
     info, _row = await stream_one_run(options, tmp_path, 300, "vLLM to load Gemma 3 270M and generate", model="gemma3-270m")
     assert info.model == "gemma3-270m"
+
+
+@pytest.mark.vllm
+@pytest.mark.cuda
+async def test_on_a_gpu_auto_picks_vllm_and_the_memory_chart_shows_the_device(tmp_path):
+    """``esamp-tui`` as a user starts it on a GPU machine: ``auto`` picks the vLLM engine (the
+    status bar says why), and the memory chart plots the GPU the engine runs on over NVML, with
+    the share vLLM took. ``ESAMP_SCREENSHOT_DIR``: where to save the dashboard's SVG (docs/)."""
+    import torch
+
+    from esamp.engines import choose_engine
+    from esamp.platform.gpu import GIB, MemorySampler
+
+    choice = choose_engine()
+    assert choice.name == "vllm" and choice.reason.startswith("auto: CUDA GPU and vLLM"), choice
+    share = 0.3
+    options = Options(engine=choice.name, engine_reason=choice.reason, model=os.environ.get("ESAMP_TEST_GGUF") or None,
+                      sampling=SamplingConfig(n=4, max_tokens=48), log_file="",
+                      prompt="Name three colours and say what each makes you think of.",
+                      engine_options=dict(gpu_memory_utilization=share, max_model_len=1024))
+    sampler = MemorySampler()
+    app = EsampApp(options, memory_sampler=sampler, theme_dir=tmp_path, speed_file=tmp_path / "speed.json")
+    async with app.run_test(size=(140, 42)) as pilot:
+        screen = app.main_screen
+        await wait_for(pilot, lambda: run_finished(screen) or screen.controller.failed, timeout=400,
+                       what="vLLM to load the embedded model and generate")
+        assert screen.controller.failed is None, screen.controller.failed
+        await pilot.pause(2.5)  # a few more memory readings, the charts redrawn
+        sample, memory = screen.charts.memory_sample, screen.charts.memory
+        assert sample is not None and sample.kind == "gpu", sample
+        free, total = torch.cuda.mem_get_info()
+        assert sample.device == torch.cuda.get_device_name(0)
+        assert abs(sample.total - total) / total < 0.02
+        assert sample.used >= 0.9 * share * total  # vLLM's share (weights, KV cache, graphs) is in it
+        values = [v for _, v in memory.points]
+        assert len(values) >= 3 and all(0 < v <= total / GIB for v in values)
+        assert "GPU" in screen.charts.memory_sample.label()
+        assert screen.status.engine == "vllm" and screen.status.engine_reason == choice.reason
+        if os.environ.get("ESAMP_SCREENSHOT_DIR"):
+            from pathlib import Path
+
+            Path(os.environ["ESAMP_SCREENSHOT_DIR"], "dashboard-gpu-140x42.svg").write_text(app.export_screenshot())

@@ -23,13 +23,14 @@ from esamp.core import payload as pl
 from esamp.core.config import EsampConfig
 from esamp.core.distiller import bank_full
 from esamp.platform.devices import cuda_available
+from esamp.platform.spawn import check_main_guard
 from esamp.engines.base import Group, StepStats, stop_token_ids
 from esamp.engines.recorded import RecordedEngine, RecordedGroup, finish_reason
 from esamp.engines.vllm import launch, versions
 from esamp.engines.vllm import settings as es
 from esamp.errors import ConfigError, EngineError
-from esamp.events import Event
-from esamp.engines.models import resolve
+from esamp.events import Event, LoadingEvent
+from esamp.engines.models import resolve, stand_in_tokenizer
 
 GPU_SHARE = 0.85  # of the GPU's memory an engine takes unless told (vLLM's own default is 0.9)
 GPU_SHARE_ENV = "ESAMP_GPU_MEMORY_UTILIZATION"  # the operator's say, for every command at once
@@ -74,12 +75,16 @@ class VllmEngine(RecordedEngine):
         drain_interval: float = 0.025,
         gguf: str = "convert",
         llm_kwargs: dict | None = None,
+        progress=None,
     ) -> None:
         """``max_model_len``: the context, by default ``launch.MAX_MODEL_LEN`` or the model's own
         if that is shorter. ``plain``: vLLM without ESamp (its own model class, no additional config), the
         baseline of ``esamp bench``. ``gguf``: "convert" loads the cached bf16 HF directory of a
         GGUF model, "native" lets vLLM read the GGUF itself. ``tensor_parallel_size``: vLLM's
-        workers per engine (TP rank 0 owns the Distiller and shares ŷ: ``esamp.engines.vllm.tp``)."""
+        workers per engine (TP rank 0 owns the Distiller and shares ŷ: ``esamp.engines.vllm.tp``).
+        ``progress``: hears how the start goes (a hub model's download, a first conversion, the
+        load), as ``LoadingEvent``s. A random-weight preset reads and writes text through the
+        embedded model's tokenizer (``models.StandInTokenizer``)."""
         super().__init__(esamp)
         cuda = cuda_available()
         tensor_parallel_size = int((llm_kwargs or {}).get("tensor_parallel_size", tensor_parallel_size))
@@ -89,6 +94,8 @@ class VllmEngine(RecordedEngine):
         workers_env = launch.parallel_env(tensor_parallel_size, cuda=cuda)  # before cpu_env fills in
         if cuda:
             workers_env.update(launch.cuda_env())
+        if launch.spawns(tensor_parallel_size, workers_env):
+            check_main_guard(f"a vLLM engine (vLLM starts its processes with {launch.start_method(workers_env)})")
         if not cuda:
             for key, value in launch.cpu_env().items():
                 os.environ.setdefault(key, value)
@@ -104,8 +111,9 @@ class VllmEngine(RecordedEngine):
         self.ignore_eos = ignore_eos
         self.drain_interval = drain_interval
         self._last_drain = 0.0
-        self.resolved = resolve(model)
-        facts = launch.model_facts(self.resolved, gguf=gguf, dtype=dtype, tokenizer=tokenizer)
+        self.resolved = resolve(model, progress)
+        facts = launch.model_facts(self.resolved, gguf=gguf, dtype=dtype, tokenizer=tokenizer, progress=progress)
+        stand_in = stand_in_tokenizer(progress) if facts.dummy else None
         config_dir = facts.config_dir
         self.num_layers, self.hidden = facts.num_layers, facts.hidden_size
         max_model_len = launch.context(facts, max_model_len)
@@ -121,6 +129,9 @@ class VllmEngine(RecordedEngine):
         # ESamp's logits processor reaches this engine, and no other, through an entry point
         # only the processes of this engine see (plugin.processor_scope).
         scope = contextlib.nullcontext() if plain else plugin.processor_scope()
+        if progress is not None:
+            progress(LoadingEvent(stage="load", text=f"vLLM is loading {self.resolved.name}"
+                                  + (" and capturing CUDA graphs" if cuda and not kwargs.get("enforce_eager") else "")))
         try:
             with scope, launch.environment(workers_env):
                 self.llm = LLM(**kwargs)
@@ -128,7 +139,7 @@ class VllmEngine(RecordedEngine):
             raise EngineError(f"vLLM could not load {self.resolved.name}: {exc}",
                               hint="check the model path, --dtype and free GPU memory") from exc
         self.engine = self.llm.llm_engine
-        self.tokenizer = None if facts.dummy else self.llm.get_tokenizer()
+        self.tokenizer = stand_in if facts.dummy else self.llm.get_tokenizer()
         self.stop_ids = set() if facts.dummy else stop_token_ids(config_dir, self.tokenizer)
         self.by_request: dict[str, tuple[str, int]] = {}
         self.release: list[str] = []

@@ -62,9 +62,10 @@ class ModelFacts:
 
 
 def model_facts(resolved, *, gguf: str = "convert", dtype: str | None = None,
-                tokenizer: str | None = None) -> ModelFacts:
+                tokenizer: str | None = None, progress=None) -> ModelFacts:
     """What vLLM loads for ``resolved`` (``esamp.engines.models.resolve``). ``gguf``: "convert" loads the
-    cached bf16 HF directory of a GGUF model, "native" lets vLLM read the GGUF itself."""
+    cached bf16 HF directory of a GGUF model, "native" lets vLLM read the GGUF itself. ``progress``
+    hears of a first start's GGUF conversion."""
     if gguf not in GGUF_MODES:
         from esamp.errors import ConfigError
 
@@ -76,11 +77,11 @@ def model_facts(resolved, *, gguf: str = "convert", dtype: str | None = None,
         load = dict(model=str(config_dir), load_format="dummy", skip_tokenizer_init=True, dtype=dtype or "bfloat16")
     elif kind == "gguf" and gguf == "native":
         # vLLM 0.20 reads GGUF itself; fp16 activations (bf16/fp32 gave NaN logits there).
-        config_dir = Path(resolved.hf_dir())
+        config_dir = Path(resolved.hf_dir(progress))
         load = dict(model=str(resolved.path), dtype=dtype or "float16",
                     tokenizer=str(Path(tokenizer or resolved.tokenizer or config_dir).resolve()))
     else:  # an HF directory; a GGUF is dequantised once to a cached bf16 HF directory
-        config_dir = Path(resolved.hf_dir())
+        config_dir = Path(resolved.hf_dir(progress))
         load = dict(model=str(config_dir), dtype=dtype or "bfloat16")
         if tokenizer:
             load["tokenizer"] = str(Path(tokenizer).resolve())
@@ -120,6 +121,19 @@ def cuda_env(environ=os.environ) -> dict[str, str]:
     fails with "CUDA error: initialization error", and vLLM switches to spawn by itself only when
     torch has fully initialised CUDA."""
     return {} if START_ENV in environ else {START_ENV: "spawn"}
+
+
+def start_method(workers_env: dict[str, str], environ=os.environ) -> str:
+    """How vLLM will start its processes: as the environment or ``workers_env`` says, else its
+    own default (fork)."""
+    return environ.get(START_ENV) or workers_env.get(START_ENV) or "fork"
+
+
+def spawns(tensor_parallel_size: int, workers_env: dict[str, str], environ=os.environ) -> bool:
+    """Whether vLLM will start processes that import the main script again (spawn, forkserver):
+    an engine core unless multiprocessing is off, and workers for tensor parallelism."""
+    in_process = environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0" and tensor_parallel_size == 1
+    return not in_process and start_method(workers_env, environ) != "fork"
 
 
 def parallel_env(tensor_parallel_size: int, *, cuda: bool, environ=os.environ) -> dict[str, str]:
