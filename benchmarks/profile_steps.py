@@ -14,7 +14,15 @@ trial of the workload; ``--steps`` engine steps from the middle of the decode ph
 difference of the two summaries). One side per process: vLLM's engine core is not built twice in
 one process. CUDA only; it measures, it asserts nothing.
 
+``--tensor-parallel-size N``: the workers are processes of vLLM's own, so vLLM's profiler traces
+them (``profiler_config``, ``LLM.start_profile``/``stop_profile``: one trace per rank). The summary
+then holds ``ranks``, each rank's window and kernels (NCCL's broadcast and all-reduce among them),
+and each rank's ESamp counters (host time of the processor, plan builds, replays), so the cost of
+every piece under TP is read per rank: rank 0's Distiller step, the ŷ broadcast, the sharded head
+and its gather, and where one rank waits for the other (its device idle).
+
     python benchmarks/profile_steps.py --side esamp --model qwen2.5-7b:dummy --workload 32xn8x256
+    python benchmarks/profile_steps.py --side esamp --model qwen2.5-7b:dummy --workload fair --tensor-parallel-size 2
     python benchmarks/profile_steps.py --compare out/steps-baseline.json out/steps-esamp.json
 """
 
@@ -22,9 +30,11 @@ from __future__ import annotations
 
 import argparse
 import collections
+import glob
 import gzip
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -67,6 +77,15 @@ def summarize_trace(trace: dict, steps: int) -> dict:
 
 def compare(base_path: str, esamp_path: str, top: int) -> int:
     base, esamp = (json.loads(open(p).read()) for p in (base_path, esamp_path))
+    if base.get("ranks") and esamp.get("ranks"):  # tensor parallel: rank by rank
+        for rank, (b, e) in enumerate(zip(base["ranks"], esamp["ranks"])):
+            print(f"\n== rank {rank}")
+            _compare(dict(base, **b), dict(esamp, **e), top)
+        return 0
+    return _compare(base, esamp, top)
+
+
+def _compare(base: dict, esamp: dict, top: int) -> int:
     for side in (base, esamp):
         w = side["window"] or {}
         print(f"{side['side']:>8}: step median {side['step_ms_median']:.3f} ms (steady), "
@@ -103,6 +122,8 @@ def main() -> int:
                     help="per-request sampling seeds, as esamp bench --seed (the committed profiles used 0)")
     ap.add_argument("--logits", choices=("flat", "realistic"), default="flat",
                     help="realistic: the head rescaled as esamp bench --logits realistic (simulated profile)")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="workers per engine; above 1 each rank is traced by vLLM's profiler")
     ap.add_argument("--compare", nargs=2, metavar=("BASE", "ESAMP"))
     args = ap.parse_args()
     if args.compare:
@@ -118,13 +139,22 @@ def main() -> int:
     from esamp.core.config import EsampConfig
     from esamp.engines.vllm.engine import VllmEngine
 
-    P, n, L = parse_workload(args.workload)
-    sampling_kw = dict(temperature=0.8, top_p=0.95, min_p=0.1, top_k=0, seed=args.seed)
+    preset = workloads.PRESETS.get(args.workload, {}) if args.workload != "default" else {}
+    P, n, L = parse_workload(preset["workloads"][0] if preset else args.workload)
+    sampling_kw = dict(dict(temperature=0.8, top_p=0.95, min_p=0.1, top_k=0), **preset.get("sampling", {}),
+                       seed=args.seed)
     esamp = EsampConfig()
-    es = esamp.steering.model_copy(update={"enabled": args.side == "esamp"})
+    es = esamp.steering.model_copy(update={"enabled": args.side == "esamp", **preset.get("steering", {})})
+    tp = args.tensor_parallel_size
+    llm_kwargs = {"worker_extension_cls": BENCH_EXTENSION}
+    trace_dir = os.path.abspath(os.path.join(args.out, f"traces-{args.side}-{args.workload}-tp{tp}"))
+    if tp > 1:
+        os.makedirs(trace_dir, exist_ok=True)
+        llm_kwargs["profiler_config"] = {"profiler": "torch", "torch_profiler_dir": trace_dir,
+                                         "torch_profiler_with_stack": False}
     engine = VllmEngine(model=args.model, esamp=esamp, plain=args.side == "baseline", ignore_eos=True,
                         max_model_len=2048, gpu_memory_utilization=0.42, max_num_seqs=max(16, P * n),
-                        llm_kwargs={"worker_extension_cls": BENCH_EXTENSION})
+                        tensor_parallel_size=tp, llm_kwargs=llm_kwargs)
     vocab = int(json.loads((engine.resolved.hf_dir() / "config.json").read_text())["vocab_size"])
     if args.logits == "realistic":
         from esamp.commands.bench.calibrate import REAL_MODEL, calibrate_head
@@ -146,17 +176,23 @@ def main() -> int:
     def traced_step():
         i = len(walls)
         if i == skip:
-            if cuda:
-                torch.cuda.synchronize()
-            state["prof"] = profile(activities=activities)
-            state["prof"].__enter__()
+            if tp > 1:
+                engine.llm.start_profile(args.side)
+            else:
+                if cuda:
+                    torch.cuda.synchronize()
+                state["prof"] = profile(activities=activities)
+                state["prof"].__enter__()
         t0 = time.perf_counter()
         out = inner()
         walls.append(time.perf_counter() - t0)
-        if i == skip + args.steps - 1 and state["prof"] is not None:
-            if cuda:
-                torch.cuda.synchronize()
-            state["prof"].__exit__(None, None, None)
+        if i == skip + args.steps - 1:
+            if tp > 1:
+                engine.llm.stop_profile()
+            elif state["prof"] is not None:
+                if cuda:
+                    torch.cuda.synchronize()
+                state["prof"].__exit__(None, None, None)
         return out
 
     engine.engine.step = traced_step
@@ -166,9 +202,28 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"steps-{args.side}-{args.workload}-{args.logits}")
     summary = dict(side=args.side, model=args.model, workload=args.workload, tok_s=result["tok_s"],
+                   tensor_parallel_size=tp, ttft_ms=result.get("ttft_ms"),
                    step_ms=[round(1e3 * w, 3) for w in walls],
                    step_ms_median=round(1e3 * statistics.median(walls[skip:skip + 4 * args.steps] or walls), 3),
                    counters=engine.drain().get("counters", {}), window=None, kernels={})
+    if tp > 1:
+        # Every rank's counters (the processor's host time per rank), then every rank's trace.
+        per_rank = [] if args.side == "baseline" else [
+            answer.get("counters", {}) for answer in engine.workers("esamp_drain", [], [], False)]
+        ranks = []
+        for path in sorted(glob.glob(os.path.join(trace_dir, "*.json*"))):
+            opener = gzip.open if path.endswith(".gz") else open
+            with opener(path, "rt") as f:
+                trace = json.load(f)
+            rank = int(re.search(r"tp(\d+)", os.path.basename(path)).group(1)) if re.search(
+                r"tp(\d+)", os.path.basename(path)) else len(ranks)
+            ranks.append(dict(rank=rank, trace=os.path.basename(path), **summarize_trace(trace, args.steps)))
+        ranks.sort(key=lambda r: r["rank"])
+        for r in ranks:
+            r["counters"] = per_rank[r["rank"]] if r["rank"] < len(per_rank) else {}
+        summary["ranks"] = ranks
+        if ranks:
+            summary.update(window=ranks[0]["window"], kernels=ranks[0]["kernels"])
     if prof is not None:
         trace_path = stem + ".trace.json"
         prof.export_chrome_trace(trace_path)
@@ -184,8 +239,14 @@ def main() -> int:
     print(f"== {args.side} {args.workload} on {args.model}: {result['tok_s']} tok/s, steady step "
           f"{summary['step_ms_median']} ms, device busy {w.get('busy_us_per_step')} us/step, "
           f"idle {w.get('idle_share')}; counters {summary['counters']}", flush=True)
-    for name, (count, us) in list(summary["kernels"].items())[:args.top]:
-        print(f"{us / args.steps:>9.1f} us/step {count / args.steps:>6.1f}x  {name[:100]}")
+    for r in summary.get("ranks") or [dict(rank=0, window=summary["window"], kernels=summary["kernels"])]:
+        if tp > 1:
+            rw, c = r["window"] or {}, r.get("counters", {})
+            print(f"-- rank {r['rank']}: device busy {rw.get('busy_us_per_step')} us/step, idle {rw.get('idle_share')}; "
+                  f"host_ms {c.get('host_ms')}, replay_host_ms {c.get('replay_host_ms')}, replay_steps "
+                  f"{c.get('replay_steps')}, plan_builds {c.get('plan_builds')}")
+        for name, (count, us) in list(r["kernels"].items())[:args.top]:
+            print(f"{us / args.steps:>9.1f} us/step {count / args.steps:>6.1f}x  {name[:100]}")
     engine.close()
     return 0
 

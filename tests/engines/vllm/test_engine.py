@@ -27,7 +27,6 @@ def engine():
     from esamp.engines.vllm.engine import VllmEngine
 
     eng = VllmEngine(model=str(resolved.hf_dir()), esamp=EsampConfig(slots=8), max_model_len=1024,
-                     gpu_memory_utilization=0.3,
                      llm_kwargs={"enable_prefix_caching": False,  # same numerics for repeated prompts
                                  "logits_processors": [TRACER]})
     yield eng

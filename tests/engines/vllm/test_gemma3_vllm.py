@@ -47,8 +47,7 @@ def test_the_real_gemma3_270m_generates_and_steers_on_vllm():
     from esamp.engines.base import run
     from esamp.engines.vllm.engine import VllmEngine
 
-    engine = VllmEngine(model="gemma3-270m", esamp=EsampConfig(slots=2), max_model_len=512,
-                        gpu_memory_utilization=0.3)
+    engine = VllmEngine(model="gemma3-270m", esamp=EsampConfig(slots=2), max_model_len=512)
     try:
         info = engine.info()
         assert engine.model_name == "gemma3-270m" and info["model_class"] == "EsampGemma3ForCausalLM"
@@ -73,7 +72,6 @@ def engine(tiny_gemma3):
     from esamp.engines.vllm.engine import VllmEngine
 
     eng = VllmEngine(model=str(tiny_gemma3), esamp=EsampConfig(slots=4), max_model_len=512,
-                     gpu_memory_utilization=0.3,
                      llm_kwargs={"enable_prefix_caching": False, "logits_processors": [TRACER]})
     yield eng
     eng.close()

@@ -177,14 +177,18 @@ def _unsupported_v2_features(config, hide_esamp: bool = False) -> list[str]:
 def test_a_plain_engine_starts_on_vllms_runner_and_loads_no_esamp_processor():
     from vllm import LLM, SamplingParams
 
-    # On a GPU the suite's engines share the device (vLLM's default share would not fit beside them).
+    from esamp.engines.vllm.engine import gpu_share
+
+    # On a GPU the suite's engines share the device (ESAMP_GPU_MEMORY_UTILIZATION: gpu_suite.sh sets it).
     llm = LLM(model=str(require_model().hf_dir()), max_model_len=256, enforce_eager=True, seed=0,
-              gpu_memory_utilization=0.3)
+              gpu_memory_utilization=gpu_share(None))
     try:
         config = llm.llm_engine.vllm_config
         runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
         v2 = type(runner).__module__ in ("vllm.v1.worker.cpu.model_runner", "vllm.v1.worker.gpu.model_runner")
-        assert v2 == config.use_v2_model_runner == _vllm_config().use_v2_model_runner
+        # vLLM 0.20 has no Model Runner V2 choice on its config (the V1 runner only, unless asked)
+        chosen = getattr(config, "use_v2_model_runner", False)
+        assert v2 == chosen == getattr(_vllm_config(), "use_v2_model_runner", False)
         procs = runner.sampler.logits_processors if v2 else runner.input_batch.logitsprocs.all
         assert not any(type(p).__module__.startswith("esamp.") for p in procs)
         out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=2, temperature=0.0))

@@ -17,8 +17,7 @@ def test_a_random_weight_preset_reads_and_writes_text_through_a_stand_in_tokeniz
     from esamp.engines.models import StandInTokenizer
     from esamp.engines.vllm.engine import VllmEngine
 
-    engine = VllmEngine(model="qwen2.5-0.5b:dummy", esamp=EsampConfig(slots=4), max_model_len=256,
-                        gpu_memory_utilization=0.2, max_num_seqs=8)
+    engine = VllmEngine(model="qwen2.5-0.5b:dummy", esamp=EsampConfig(slots=4), max_model_len=256, max_num_seqs=8)
     try:
         assert isinstance(engine.tokenizer, StandInTokenizer) and engine.stop_ids == set()
         events = list(run(engine, "Name a colour.", SamplingConfig(n=2, max_tokens=6, seed=0)))

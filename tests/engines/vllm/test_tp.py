@@ -50,7 +50,7 @@ def _run(tp: int) -> dict:
     from esamp.engines.vllm.engine import VllmEngine
 
     eng = VllmEngine(model=MODEL or str(require_model().hf_dir()), esamp=EsampConfig(slots=4), dtype="float32",
-                     max_model_len=256, max_num_seqs=8, tensor_parallel_size=tp, gpu_memory_utilization=0.3,
+                     max_model_len=256, max_num_seqs=8, tensor_parallel_size=tp,
                      llm_kwargs={"enable_prefix_caching": False, "worker_extension_cls": PROBE})
     try:
         ids = eng.tokenizer.encode(PROMPT) if eng.tokenizer is not None else [100 + k for k in range(8)]
