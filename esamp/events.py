@@ -50,6 +50,18 @@ class LoadingEvent(_Event):
     def fraction(self) -> float | None:
         return min(1.0, self.done / self.total) if self.total else None
 
+    def describe(self) -> str:
+        """In a few words: "downloading bytes 1.2 of 15.2 GB (8%)"."""
+        fraction = self.fraction()
+        if fraction is None:
+            return self.text
+        if self.unit == "B":
+            done, total = self.done / 1e9, self.total / 1e9
+            amount = f"{done:.1f} of {total:.1f} GB" if total >= 1 else f"{1e3 * done:.1f} of {1e3 * total:.1f} MB"
+        else:
+            amount = f"{self.done:.0f} of {self.total:.0f}" + (f" {self.unit}" if self.unit else "")
+        return f"{self.text} {amount} ({100 * fraction:.0f}%)"
+
 
 class TokenEvent(_Event):
     """One generated token of one sample."""

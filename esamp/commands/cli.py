@@ -42,6 +42,29 @@ def add_engine_flags(parser, *, server_help: str, unset: bool = False) -> None:
     parser.add_argument("--server", default=None, metavar="URL", help=server_help)
 
 
+class ProgressPrinter:
+    """An engine start's progress (``LoadingEvent``s) on a terminal stream: one line rewritten in
+    place on a terminal; elsewhere (a log) a line per step, and a download's at most every
+    ``every`` seconds."""
+
+    def __init__(self, stream=None, every: float = 5.0) -> None:
+        self.stream = stream or sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.every = every
+        self._last = 0.0
+
+    def __call__(self, event) -> None:
+        import time
+
+        counting = event.fraction() is not None
+        if self.tty:
+            self.stream.write("\r\x1b[K" + event.describe() + ("" if counting else "\n"))
+        elif not counting or time.monotonic() - self._last >= self.every:
+            self._last = time.monotonic()
+            self.stream.write(event.describe() + "\n")
+        self.stream.flush()
+
+
 class Parser(argparse.ArgumentParser):
     """argparse with esamp's error form: the reason, then a hint, exit status 2."""
 

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 from esamp import engines
 from esamp.core.config import EsampConfig, SamplingConfig, add_flags, from_flags
-from esamp.commands.cli import add_engine_flags
+from esamp.commands.cli import ProgressPrinter, add_engine_flags
 from esamp.engines.base import check_prompt_text
 from esamp.errors import EngineError, EsampError
 from esamp.events import DoneEvent, ErrorEvent, Event, StepEvent, TokenEvent
@@ -82,7 +82,7 @@ def _load(args, esamp: EsampConfig):
     try:
         if args.server:
             return engines.create_engine("server", model=args.model, esamp=esamp, url=args.server)
-        return engines.create_engine(args.engine, model=args.model, esamp=esamp,
+        return engines.create_engine(args.engine, model=args.model, esamp=esamp, progress=ProgressPrinter(),
                                      **threads_option(args.engine, args.threads))
     except (EsampError, KeyboardInterrupt):
         raise

@@ -156,9 +156,10 @@ def _patterns(files: list[str]) -> list[str]:
     return ignore
 
 
-def _progress_class(report: Callable[[LoadingEvent], None]):
+def _progress_class(report: Callable[[LoadingEvent], None], repo_id: str):
     """A tqdm class that hands huggingface_hub's progress to ``report`` (at most every
-    ``PROGRESS_EVERY`` seconds) and draws nothing."""
+    ``PROGRESS_EVERY`` seconds, and at the end) and draws nothing. Byte counts are reported as
+    the download of ``repo_id``, a count of files as its files."""
     from tqdm.auto import tqdm
 
     state = {"last": 0.0}
@@ -172,11 +173,12 @@ def _progress_class(report: Callable[[LoadingEvent], None]):
         def update(self, n=1):
             result = super().update(n)
             now = time.monotonic()
-            finished = self.total and self.n >= self.total
+            finished = bool(self.total) and self.n >= self.total
             if now - state["last"] >= PROGRESS_EVERY or finished:
                 state["last"] = now
-                report(LoadingEvent(stage="download", text=str(self.desc or "fetching").rstrip(": "),
-                                    done=float(self.n), total=float(self.total or 0), unit=str(self.unit or "")))
+                unit = "B" if self.unit == "B" else "files"
+                report(LoadingEvent(stage="download", text=f"downloading {repo_id}" + (":" if unit == "files" else ""),
+                                    done=float(self.n), total=float(self.total or 0), unit=unit))
             return result
 
         def close(self):
@@ -242,7 +244,7 @@ def fetch(repo_id: str, spec: str | None = None, revision: str = "main",
         kwargs = dict(revision=revision, cache_dir=str(cache_roots()[0]), ignore_patterns=_patterns(files),
                       endpoint=endpoint)
         if progress is not None:
-            kwargs["tqdm_class"] = _progress_class(progress)
+            kwargs["tqdm_class"] = _progress_class(progress, repo_id)
             progress(LoadingEvent(stage="download", text=f"downloading {repo_id} into {cache_roots()[0]}"))
         path = Path(snapshot_download(repo_id, **kwargs))
     except GatedRepoError:
@@ -266,5 +268,5 @@ def fetch(repo_id: str, spec: str | None = None, revision: str = "main",
                          f"{str(exc)[:200]}) and the model is not in the local cache",
                          "check the network (or HF_ENDPOINT), or " + _fetch_hint(repo_id)) from None
     if progress is not None:
-        progress(LoadingEvent(stage="download", text=f"{repo_id} is in the local cache"))
+        progress(LoadingEvent(stage="download", text=f"{repo_id} downloaded into {cache_roots()[0]}"))
     return path

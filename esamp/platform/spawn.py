@@ -36,8 +36,12 @@ def _is_guard(node: ast.stmt) -> bool:
 
 def _main_frame():
     """The frame running the main script's top level, when the main thread is inside it (asked
-    from any thread: the dashboard starts its worker from a thread of its own)."""
+    from any thread: the dashboard starts its worker from a thread of its own), and spawn would
+    run that top level again (it does not for a package's ``__main__``: ``python -m esamp``)."""
     main = sys.modules.get("__main__")
+    name = getattr(getattr(main, "__spec__", None), "name", None) or ""
+    if name == "__main__" or name.endswith(".__main__"):
+        return None
     frame = sys._current_frames().get(threading.main_thread().ident)
     while frame is not None:
         if frame.f_code.co_name == "<module>" and frame.f_globals is getattr(main, "__dict__", None):

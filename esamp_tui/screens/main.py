@@ -35,7 +35,7 @@ from esamp_tui.widgets.error_panel import ErrorPanel
 from esamp_tui.widgets.footer import KeysFooter
 from esamp_tui.widgets.history import RunHistory
 from esamp_tui.widgets.results import Results
-from esamp_tui.widgets.status import StatusBar, loading_text
+from esamp_tui.widgets.status import StatusBar
 
 SHORT = 36  # terminal rows below which the charts shrink to one line and the prompt box to one row
 TINY = 18  # rows below which the charts are hidden (the panes need them more)
@@ -161,7 +161,7 @@ class MainScreen(KeysScreen):
     def refresh_state(self) -> None:
         """What the engine is doing, in the status bar, and the keys that work now, in the footer."""
         c, status = self.controller, self.status
-        starting = f"starting engine: {loading_text(self.loading)}" if self.loading else "starting engine"
+        starting = f"starting engine: {self.loading.describe()}" if self.loading else "starting engine"
         status.state = "error" if c.failed else starting if not c.ready else "generating" if self.record.running() else "ready"
         status.notice = status.notice if status.state == "generating" else ""
         self.refresh_bindings()

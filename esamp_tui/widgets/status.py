@@ -13,24 +13,10 @@ from textual.reactive import reactive
 from textual.widget import Widget
 
 from esamp.core.config import SamplingConfig, Steering
-from esamp.events import LoadingEvent
 
 # The heat scale in the theme's own colours ($heat-0 … $heat-4 are theme variables).
 HEAT_LEGEND = "novelty 0 " + "".join(f"[$heat-{k}]██[/]" for k in range(5)) + " 1"
 HEAT_LEGEND_SHORT = "0" + "".join(f"[$heat-{k}]█[/]" for k in range(5)) + "1"
-
-
-def loading_text(event: LoadingEvent) -> str:
-    """A start's progress in a few words: "downloading bytes 1.2 of 15.2 GB (8%)"."""
-    fraction = event.fraction()
-    if fraction is None:
-        return event.text
-    if event.unit == "B":
-        done, total = event.done / 1e9, event.total / 1e9
-        amount = f"{done:.1f} of {total:.1f} GB" if total >= 1 else f"{1e3 * done:.0f} of {1e3 * total:.0f} MB"
-    else:
-        amount = f"{event.done:.0f} of {event.total:.0f}" + (f" {event.unit}" if event.unit else "")
-    return f"{event.text} {amount} ({100 * fraction:.0f}%)"
 
 
 class StatusBar(Widget):

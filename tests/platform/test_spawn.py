@@ -66,3 +66,16 @@ def test_a_dashboard_session_at_a_scripts_top_level_is_refused(tmp_path):
             print("ERROR", exc.message)
         """)
     assert "ERROR" in out.stdout and "starts the dashboard's engine process at its top level" in out.stdout, out.stderr
+
+
+def test_a_packages_main_is_not_run_again_by_spawn_so_it_passes(tmp_path):
+    """``python -m package`` runs ``package/__main__.py``, which spawn never imports again (as
+    ``python -m esamp generate`` does): no error, whatever its top level does."""
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "__main__.py").write_text(
+        "from esamp.platform.spawn import check_main_guard\ncheck_main_guard('x')\nprint('PASSED')\n")
+    out = subprocess.run([sys.executable, "-m", "pkg"], capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": f"{ROOT}:{tmp_path}"})
+    assert "PASSED" in out.stdout, out.stderr
