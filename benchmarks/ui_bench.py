@@ -109,11 +109,11 @@ async def measure_engine(engine: str, model: str, seconds: float, n: int = 8, si
     received: dict[tuple[str, int], list[int]] = {}
     done: dict[tuple[str, int], int] = {}
     counts = {"tokens": 0, "batches": 0}
-    seen: set[int] = set()
+    seen: dict[int, object] = {}  # kept alive, so an id is never reused for another batch
 
     def hook(message) -> None:
         if isinstance(message, SessionController.EventBatch) and id(message) not in seen:
-            seen.add(id(message))
+            seen[id(message)] = message
             counts["batches"] += 1
             for event in message.events:
                 if isinstance(event, TokenEvent):

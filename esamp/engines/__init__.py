@@ -4,7 +4,7 @@ a served endpoint (``server``: ``esamp serve`` behind vLLM's OpenAI API)."""
 from dataclasses import dataclass
 
 from esamp.engines.base import Engine
-from esamp.platform.devices import cuda_available, vllm_version
+from esamp.platform.devices import gpu_visible, vllm_version
 
 ENGINE_NAMES = ("auto", "reference", "vllm")
 DEFAULT_ENGINE = "auto"  # what every command and the library start unless told
@@ -31,7 +31,7 @@ def choose_engine(name: str = DEFAULT_ENGINE) -> EngineChoice:
     version = vllm_version()
     if version is None:
         return EngineChoice("reference", "auto: vLLM is not installed")
-    if not cuda_available():
+    if not gpu_visible():
         return EngineChoice("reference", f"auto: no CUDA GPU (vLLM {version} is installed)")
     return EngineChoice("vllm", f"auto: CUDA GPU and vLLM {version}")
 

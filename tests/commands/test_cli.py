@@ -160,11 +160,22 @@ def test_damaged_weights_are_a_message_not_a_traceback(tmp_path, capsys):
 def test_auto_picks_what_the_machine_does_best_and_says_why(monkeypatch, cuda, vllm, picked, why):
     import esamp.engines
 
-    monkeypatch.setattr(esamp.engines, "cuda_available", lambda: cuda)
+    monkeypatch.setattr(esamp.engines, "gpu_visible", lambda: cuda)
     monkeypatch.setattr(esamp.engines, "vllm_version", lambda: vllm)
     choice = esamp.engines.choose_engine()
     assert (choice.name, choice.reason) == (picked, why)
     assert esamp.engines.choose_engine("reference").label == "reference"  # named: no reason to give
+
+
+def test_auto_asks_nvml_not_torch(monkeypatch):
+    """The dashboard decides its engine before any model loads: without importing torch."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from esamp.engines import choose_engine; choose_engine(); "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr
 
 
 def test_every_command_that_starts_an_engine_defaults_to_auto():

@@ -46,12 +46,13 @@ def test_a_vllm_engine_at_a_scripts_top_level_is_refused_with_what_to_do(tmp_pat
         except EsampError as exc:
             print("ERROR", exc.user_text())
         """
-    out = run_script(tmp_path, body, VLLM_WORKER_MULTIPROC_METHOD="spawn")
+    spawning = dict(VLLM_WORKER_MULTIPROC_METHOD="spawn", VLLM_ENABLE_V1_MULTIPROCESSING="1")
+    out = run_script(tmp_path, body, **spawning)
     assert "ERROR" in out.stdout and 'outside `if __name__ == "__main__":`' in out.stdout, out.stdout + out.stderr
     assert "docs/library.md" in out.stdout and "bootstrapping" not in out.stdout + out.stderr
 
     guarded = "def main():\n" + textwrap.indent(textwrap.dedent(body), "    ") + '\nif __name__ == "__main__":\n    main()\n'
-    out = run_script(tmp_path, guarded, VLLM_WORKER_MULTIPROC_METHOD="spawn")
+    out = run_script(tmp_path, guarded, **spawning)
     assert "ERROR" in out.stdout and "__main__" not in out.stdout and "not found" in out.stdout, out.stdout
 
 

@@ -339,6 +339,8 @@ async def test_a_models_download_shows_in_the_status_bar_until_it_is_ready(make_
         await wait_for(pilot, lambda: "downloading bytes" in status.state, what="download progress")
         assert status.state == "starting engine: downloading bytes 1.5 of 2.0 GB (75%)"
         await wait_for(pilot, lambda: status.state == "ready", what="the engine to be ready")
+        # the screen itself is never covered by Textual's loading indicator (a GPU screenshot was)
+        assert not app.main_screen.loading and not app.main_screen.query("LoadingIndicator")
 
 
 async def test_the_status_bar_says_which_engine_auto_picked_and_why(make_app):
