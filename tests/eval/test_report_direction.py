@@ -1,10 +1,12 @@
 """A change whose interval excludes 0 is bold in both reports and marked by its direction: a gain
 (▲, green in the HTML) or a loss (▼, red), as ``esamp.eval.direction`` says per metric; a change
 whose interval holds 0 is plain; the frontier headline is a gain only when a cell lies above the
-temperature curve."""
+temperature curve. Re-drawing a folder's report (``--report-only`` without a task) picks up the
+marks without sampling or summarising again."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -100,3 +102,41 @@ def test_every_reported_metric_has_a_direction():
         direction.better("perplexity")
     assert direction.change("vendi", -0.1, 0.1) is None and direction.change("vendi", float("nan"), 1.0) is None
     assert direction.change("vendi", 0.0, 0.2) is None  # touching 0 is not excluding it
+
+
+def test_report_only_without_a_task_draws_the_report_again(summary, tmp_path, capsys):
+    from esamp.commands.cli import main
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "report.json").write_text(json.dumps({**summary, "meta": {"commands": ["esamp eval --task t"]}}))
+    (out / "t-passk.png").write_bytes(b"\x89PNG\r\n\x1a\n")
+    assert main(["eval", "--report-only", "--out", str(out), "--quiet"]) == 0
+    md = (out / "report.md").read_text()
+    assert "**▼ -0.081 [-0.156, -0.012]**" in md and "esamp eval --task t" in md  # no sessions.json: the meta kept
+    assert "](t-passk.png)" in md and "t-plane.png" not in md  # the plots that are there
+    assert '<strong class="loss">' in (out / "report.html").read_text()
+    assert not (out / "samples.jsonl").exists()  # nothing sampled
+    assert "again from report.json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--report-only"], "name the folder"),
+    (["--report-only", "--out", "nowhere"], "report.json does not exist"),
+    (["--report-only", "--out", "{out}", "--matrix", "beta=0.4"], "--matrix needs a task"),
+])
+def test_report_only_without_a_task_refuses_what_it_cannot_do(args, needle, tmp_path, capsys):
+    from esamp.commands.cli import main
+
+    assert main(["eval", *[a.format(out=tmp_path) for a in args]]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and needle in err and "hint: " in err
+
+
+def test_report_only_refuses_a_report_of_an_older_esamp(tmp_path, capsys):
+    from esamp.commands.cli import main
+
+    (tmp_path / "report.json").write_text(json.dumps({"settings": {}, "arms": {}, "deltas": {}, "meta": {}}))
+    assert main(["eval", "--report-only", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "older esamp" in err and "--task" in err
