@@ -26,6 +26,7 @@ WARNING 11-27 00:39:22 [base.py:370] ValueError: Tokenizer not available when `s
 W1127 00:33:42.339000 3634 torch/_library/triton.py:53] Triton not available
 """
 FAILURE = """\
+(Worker pid=78) ERROR 11-27 01:02:03 [multiproc_executor.py:1055]
 (EngineCore pid=77) ERROR 11-27 01:02:03 [core.py:1000] EngineCore failed to start.
 (EngineCore pid=77) ERROR 11-27 01:02:03 [core.py:1000] Traceback (most recent call last):
 (EngineCore pid=77) ERROR 11-27 01:02:03 [core.py:1000]   File "/venv/vllm/v1/engine/core.py", line 90, in __init__

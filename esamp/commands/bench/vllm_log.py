@@ -30,6 +30,7 @@ _PROCESS = re.compile(r"^\(\w+ pid=\d+\)\s*")
 # record of several lines (a traceback) repeats the head on each
 _RECORD = re.compile(r"^(DEBUG|INFO|WARNING|ERROR|CRITICAL) \S+ \S+ \[[^\]]*\] ?(.*)$")
 # A traceback's own lines, which name no error: its first line, frames and their source lines
+# (an ERROR record with no message at all, which vLLM's workers write as a separator, says nothing either)
 _FRAME = re.compile(r"^(\s|Traceback \(most recent call last\)|\^+$)")
 # torch's C++ and logging records in glog form ("E1127 00:33:42.339 ...", "[E1127 ...]")
 _GLOG_ERROR = re.compile(r"^\[?E\d{4} ")
@@ -68,7 +69,7 @@ def stderr_to(path: Path) -> Iterator[Path]:
 def error_lines(path: Path, limit: int = ERROR_LINES) -> list[str]:
     """The last ``limit`` lines of the log at ``path`` that report an error, from any of the
     processes that wrote it: ERROR and CRITICAL records, torch's error records and the last line
-    of each Python traceback, never a traceback's frames. What vLLM logs as a warning is left out,
+    of each Python traceback, never a traceback's frames nor an empty record. What vLLM logs as a warning is left out,
     even with the traceback of an error it caught and carried on from. Nothing when the log
     cannot be read."""
     try:
@@ -80,7 +81,8 @@ def error_lines(path: Path, limit: int = ERROR_LINES) -> list[str]:
         line = _PROCESS.sub("", raw.rstrip())
         record = _RECORD.match(line)
         if record:
-            error = record.group(1) in ("ERROR", "CRITICAL") and not _FRAME.match(record.group(2))
+            message = record.group(2)
+            error = record.group(1) in ("ERROR", "CRITICAL") and bool(message.strip()) and not _FRAME.match(message)
         else:
             error = bool(_GLOG_ERROR.match(line) or _EXCEPTION.match(line))
         if error:
