@@ -94,7 +94,8 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "stopped run leaves whole problems done, which --report-only reports")
     output.add_argument("--report-only", action="store_true",
                         help="write the report of what --out holds (the problems every arm finished) and "
-                        "sample nothing")
+                        "sample nothing; without a task, draw report.md and report.html of --out again from "
+                        "its report.json and plots")
     output.add_argument("--regrade", action="store_true",
                         help="grade the replies already in --out again with the current graders, then go on")
     output.add_argument("--no-diversity", action="store_true", help="skip the embedding-based diversity measures")
@@ -287,6 +288,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.list_tasks:
         return _list_tasks()
+    if args.report_only and not (args.task or args.task_file or args.matrix_file):
+        return _rerender(args)
     data = _read_matrix_file(args.matrix_file) if args.matrix_file else {}
     if data:
         _merge_file(args, data)
@@ -441,21 +444,12 @@ def _write_report(out: Path, runs, args) -> None:
     """report.json, report.md, the PNG plots and report.html in ``out``; wall time adds up every
     session that sampled there."""
     from esamp.eval import plots
-    from esamp.eval.html import markdown_to_html
-    from esamp.eval.report import render_run_markdown, summarize
-    from esamp.eval.runner import read_records, read_sessions, with_recorded_cells
+    from esamp.eval.report import summarize
+    from esamp.eval.runner import read_records, with_recorded_cells
 
     summaries = [summarize(run.problems, read_records(run.folder), with_recorded_cells(run.settings, run.folder))
                  for run in runs]
-    sessions = read_sessions(out)
-    last = next((s for s in reversed(sessions) if s.get("environment")), {})
-    meta = {
-        # every command that sampled here, once each: a folder's cells may come from several runs
-        "commands": list(dict.fromkeys(s["command"] for s in sessions if s.get("command"))),
-        "environment": last.get("environment") or _environment_from_settings(runs[0].settings),
-        "wall_seconds": round(sum(s.get("wall_seconds", 0.0) for s in sessions), 1),
-        "sessions": len(sessions),
-    }
+    meta = _meta(out, lambda: _environment_from_settings(runs[0].settings))
     if len(summaries) == 1:
         report = {**summaries[0], "meta": meta}
     else:
@@ -464,6 +458,34 @@ def _write_report(out: Path, runs, args) -> None:
     images, problem = plots.write_plots(summaries, out)
     if problem:
         _note(f"note: no plots ({problem})")
+    _write_pages(out, summaries, meta, images, args)
+    files = ["report.md", "report.json", "report.html"] + sorted(f for t in images.values() for f in t.values())
+    _note(f"report in {out}/: " + ", ".join(files))
+
+
+def _meta(out: Path, environment) -> dict:
+    """The report's provenance from the folder's sessions: every command that sampled there, the
+    last engine one recorded (else ``environment()``), the wall time of them all."""
+    from esamp.eval.runner import read_sessions
+
+    sessions = read_sessions(out)
+    last = next((s for s in reversed(sessions) if s.get("environment")), {})
+    return {
+        # every command that sampled here, once each: a folder's cells may come from several runs
+        "commands": list(dict.fromkeys(s["command"] for s in sessions if s.get("command"))),
+        "environment": last.get("environment") or environment(),
+        "wall_seconds": round(sum(s.get("wall_seconds", 0.0) for s in sessions), 1),
+        "sessions": len(sessions),
+    }
+
+
+def _write_pages(out: Path, summaries, meta: dict, images: dict, args) -> None:
+    """report.md and report.html in ``out``; the Markdown on stdout and, unless --quiet, the
+    plots as text on stderr."""
+    from esamp.eval import plots
+    from esamp.eval.html import markdown_to_html
+    from esamp.eval.report import render_run_markdown
+
     markdown = render_run_markdown(summaries, meta, images)
     (out / "report.md").write_text(markdown, encoding="utf-8")
     (out / "report.html").write_text(markdown_to_html(markdown, out), encoding="utf-8")
@@ -475,5 +497,44 @@ def _write_report(out: Path, runs, args) -> None:
             charts = "(no terminal charts: plotext is not installed)"
         if charts:
             print(charts, file=sys.stderr)
-    files = ["report.md", "report.json", "report.html"] + sorted(f for t in images.values() for f in t.values())
-    _note(f"report in {out}/: " + ", ".join(files))
+
+
+# Options that change what a run samples or reports; a re-render (--report-only without a task)
+# draws the folder's report as it was computed, so it takes none of them.
+RUN_OPTIONS = {"matrix": "--matrix", "plain": "--plain", "k": "-k", "regrade": "--regrade", "limit": "--limit"}
+
+
+def _rerender(args: argparse.Namespace) -> int:
+    """``--report-only --out DIR`` without a task: report.md and report.html of DIR drawn again
+    from its report.json and the plots beside it (after a change to how reports look), nothing
+    sampled, summarised or plotted again. A folder without sessions.json keeps report.json's meta."""
+    from esamp.eval import plots
+    from esamp.eval.runner import read_sessions
+
+    again = "or pass the run's --task (or --matrix-file) with --report-only to report from its samples"
+    if not args.out:
+        raise ConfigError("--report-only without a task draws a finished folder's report again: name the folder",
+                          hint=f"esamp eval --report-only --out DIR; {again}")
+    given = [flag for key, flag in RUN_OPTIONS.items() if getattr(args, key, None)]
+    if given:
+        raise ConfigError(f"{given[0]} needs a task: --report-only without one draws the folder's report "
+                          "as it was computed", hint=f"drop {given[0]}, {again}")
+    out = Path(args.out)
+    path = out / "report.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{path} does not exist: there is no report to draw again",
+                          hint=f"check --out; {again}") from None
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read {path}: {exc}", hint=again) from None
+    stored = data.pop("meta", {}) if isinstance(data, dict) else {}
+    summaries = list(data["tasks"].values()) if isinstance(data, dict) and "tasks" in data else [data]
+    if not all(isinstance(x, dict) and {"task", "cells", "arms"} <= set(x) for x in summaries):
+        raise ConfigError(f"{path} was written by an older esamp, whose reports this one cannot draw again",
+                          hint="report from its samples: esamp eval --report-only --out DIR with the run's "
+                          "--task and settings flags")
+    meta = _meta(out, lambda: stored.get("environment") or _environment()) if read_sessions(out) else stored
+    _write_pages(out, summaries, meta, plots.existing_plots(summaries, out), args)
+    _note(f"drew {out}/report.md and report.html again from report.json")
+    return 0

@@ -3,6 +3,8 @@ with every PNG embedded as a data URI, so a run is shared as a single file.
 
 It converts only the Markdown that ``esamp.eval.report`` writes (headings, paragraphs, lists,
 tables, fenced blocks, images, bold and inline code), so the HTML always says what report.md says.
+A bold span that starts with a gain's or a loss's mark (``esamp.eval.direction``) is coloured by
+it, green for a gain and red for a loss; other bold spans keep the text's colour.
 """
 
 from __future__ import annotations
@@ -12,8 +14,12 @@ import html
 import re
 from pathlib import Path
 
+from esamp.eval.direction import MARKS
+
 _IMAGE = re.compile(r"^!\[(?P<alt>[^\]]*)\]\((?P<src>[^)]+)\)$")
 _BOLD = re.compile(r"\*\*(.+?)\*\*")
+_KIND = {mark: kind for kind, mark in MARKS.items()}  # ▲ -> "gain", the span's CSS class
+_MARKED = re.compile(r"\*\*(" + "|".join(map(re.escape, _KIND)) + r") (.+?)\*\*")
 _CODE = re.compile(r"`([^`]+)`")
 
 STYLE = """
@@ -26,12 +32,13 @@ th { background: #f3f3f3; } td.num { text-align: right; font-variant-numeric: ta
 tr:nth-child(even) td { background: #fafafa; }
 pre { background: #f6f6f6; padding: .7rem; overflow-x: auto; font-size: 12px; }
 img { max-width: 100%; border: 1px solid #eee; }
-strong { color: #0a5; }
+strong.gain { color: #0a7a3c; } strong.loss { color: #c62828; }
 """
 
 
 def _inline(text: str) -> str:
     text = html.escape(text, quote=False)
+    text = _MARKED.sub(lambda m: f'<strong class="{_KIND[m.group(1)]}">{m.group(1)} {m.group(2)}</strong>', text)
     text = _BOLD.sub(r"<strong>\1</strong>", text)
     return _CODE.sub(r"<code>\1</code>", text)
 

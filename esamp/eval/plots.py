@@ -26,6 +26,7 @@ from esamp.eval.matrix import BASELINE
 from esamp.eval.report import arm_label, metric_name
 
 DPI = 110
+VIEWS = ("passk", "plane", "frontier", "shifts")  # in the order they are drawn
 VERDICT_LEGEND = {"above": "above the curve", "below": "below the curve", "on": "on the curve",
                   "outside": "at or beyond the curve's end"}
 
@@ -63,19 +64,32 @@ def write_plots(summaries: Sequence[dict], folder: Path) -> tuple[dict[str, dict
     except ImportError:
         return {}, "matplotlib is not installed: pip install 'esamp[eval]'"
     images: dict[str, dict[str, str]] = {}
+    draws = {"passk": _passk, "plane": _plane, "frontier": _frontier, "shifts": _shifts}
     for summary in summaries:
         task = summary["task"]
         mine: dict[str, str] = {}
-        for view, draw in (("passk", _passk), ("plane", _plane), ("frontier", _frontier), ("shifts", _shifts)):
-            fig = draw(plt, summary)
+        for view in VIEWS:
+            fig = draws[view](plt, summary)
             if fig is None:
                 continue
-            name = f"{task}-{view}.png"
+            name = plot_name(task, view)
             fig.savefig(folder / name, dpi=DPI, bbox_inches="tight")
             plt.close(fig)
             mine[view] = name
         images[task] = mine
     return images, None
+
+
+def plot_name(task: str, view: str) -> str:
+    """The PNG file of one task's view."""
+    return f"{task}-{view}.png"
+
+
+def existing_plots(summaries: Sequence[dict], folder: Path) -> dict[str, dict[str, str]]:
+    """{task: {view: file name}} of the PNGs ``write_plots`` left in ``folder`` for these tasks,
+    for a report rendered again without drawing them again."""
+    return {s["task"]: {view: plot_name(s["task"], view) for view in VIEWS
+                        if (folder / plot_name(s["task"], view)).is_file()} for s in summaries}
 
 
 def _title(summary: dict, what: str) -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from typing import Mapping, Sequence
 
+from esamp.eval import direction
 from esamp.eval import frontier as frontier_lib
 from esamp.eval.matrix import BASELINE, SINGLE, format_value
 from esamp.eval.passk import pass_at_k
@@ -163,11 +164,6 @@ def headline_metrics(summary: dict) -> list[str]:
     return [m for m in picked if m in base]
 
 
-def excludes_zero(delta: dict) -> bool:
-    low, high = delta["low"], delta["high"]
-    return not (math.isnan(low) or math.isnan(high)) and (low > 0 or high < 0)
-
-
 # -- terminal chart --------------------------------------------------------------------------
 
 
@@ -206,15 +202,23 @@ VERDICT_WORDS = {frontier_lib.ABOVE: "above", frontier_lib.BELOW: "below", front
                  frontier_lib.OUTSIDE: "outside"}
 
 
-def _gap_text(g: dict, bold: bool = True) -> str:
-    """A point's gap to the curve with its interval and verdict."""
+def _marked(text: str, kind: str | None) -> str:
+    """``text`` in bold with its direction's mark when ``kind`` is a gain or a loss
+    (``esamp.eval.direction``), else as it is."""
+    return f"**{direction.MARKS[kind]} {text}**" if kind else text
+
+
+def _gap_text(g: dict, metric: str, bold: bool = True) -> str:
+    """A point's gap to the curve on ``metric`` with its interval and verdict; above or below the
+    curve in bold, marked as a gain or a loss."""
     if math.isnan(g["gap"]):
         return "beyond the curve's Vendi range"
     text = f"{_signed(g['gap'])} [{_signed(g['low'])}, {_signed(g['high'])}]"
     if g["verdict"] == frontier_lib.OUTSIDE:
         return f"{text}, at the curve's end ({g['outside']:.0%} of resamples off it)"
     text += f" {VERDICT_WORDS[g['verdict']]}"
-    return f"**{text}**" if bold and g["verdict"] == frontier_lib.ABOVE else text
+    decided = g["verdict"] in (frontier_lib.ABOVE, frontier_lib.BELOW)
+    return _marked(text, direction.change(metric, g["low"], g["high"]) if bold and decided else None)
 
 
 def _interval_text(x: dict, digits: int = 3) -> str:
@@ -239,14 +243,17 @@ def frontier_sentences(summary: dict) -> list[str]:
             (frontier_lib.BELOW, "below it"), (frontier_lib.ON, "on it within the interval"),
             (frontier_lib.OUTSIDE, "beyond or at the end of its Vendi range")) if by[v]]
         if by[frontier_lib.ABOVE]:
-            above = "; ".join(f"{arm_label(a)} by {_gap_text(gaps[a], bold=False)}" for a in by[frontier_lib.ABOVE])
-            text = (f"**On {metric}, {len(by[frontier_lib.ABOVE])} of {len(cells)} ESamp cells lie above the "
-                    f"temperature curve**: {above}" + (f"; {', '.join(parts)}" if parts else "") + ".")
+            above = "; ".join(f"{arm_label(a)} by {_gap_text(gaps[a], metric, bold=False)}"
+                              for a in by[frontier_lib.ABOVE])
+            # the only headline marked as a gain: what it says is that ESamp beats the curve
+            lead = _marked(f"On {metric}, {len(by[frontier_lib.ABOVE])} of {len(cells)} ESamp cells lie above "
+                           "the temperature curve", direction.GAIN)
+            text = f"{lead}: {above}" + (f"; {', '.join(parts)}" if parts else "") + "."
         else:
             text = (f"**On {metric}, no ESamp cell lies above the temperature curve** "
                     f"({len(cells)} cell{'s' if len(cells) != 1 else ''}: {', '.join(parts)}).")
         for arm in others:
-            text += f" Plain {arm}: {_gap_text(gaps[arm], bold=False)}."
+            text += f" Plain {arm}: {_gap_text(gaps[arm], metric, bold=False)}."
         lines.append(text)
     equal = front["temperature_equivalent"]
     said = [f"{arm_label(a)} at T {equal[a]:.2f}" for a in cells if equal[a] is not None]
@@ -266,7 +273,8 @@ def render_frontier(summary: dict, images: Mapping[str, str], level: int) -> lis
              f"The temperature curve is plain sampling at T {temps}, every other setting the baseline's. "
              + ("A point lies above it when its pass@k beats the curve's at the same Vendi; the gap is that "
                 "difference with a 95% paired bootstrap interval over problems (the curve resampled too), "
-                "**bold** when the whole interval is above 0." if metrics else
+                f"**bold** when the interval excludes 0: {_marked('above', direction.GAIN)} the curve (a gain) "
+                f"or {_marked('below', direction.LOSS)} it (a loss)." if metrics else
                 "This task has no answers, so there is no accuracy axis: each point's Vendi is read "
                 "against the curve as the temperature that gives the same diversity.")
              + f" Over {front['problems']} problems.", ""]
@@ -282,7 +290,8 @@ def render_frontier(summary: dict, images: Mapping[str, str], level: int) -> lis
         t = front["temperatures"].get(arm, plain.get(arm, {}).get("temperature", base_t))
         row = [arm, f"{t:g}", _interval_text(point["vendi"], 2)]
         for m in metrics:
-            row += [_interval_text(point[m]), "(curve)" if arm in front["curve"] else _gap_text(front["gaps"][m][arm])]
+            gap = "(curve)" if arm in front["curve"] else _gap_text(front["gaps"][m][arm], m)
+            row += [_interval_text(point[m]), gap]
         equal = front["temperature_equivalent"].get(arm)
         row.append("(curve)" if arm in front["curve"] else "—" if equal is None else f"{equal:.2f}")
         rows.append(row)
@@ -302,9 +311,19 @@ def _signed(value: float, digits: int = 3) -> str:
     return "n/a" if value is None or math.isnan(value) else f"{value:+.{digits}f}"
 
 
-def _delta_text(d: dict, bold: bool = True) -> str:
+def _delta_text(d: dict, metric: str) -> str:
+    """A change of ``metric`` with its interval; in bold, marked as a gain or a loss, when the
+    interval excludes 0."""
     text = f"{_signed(d['delta'])} [{_signed(d['low'])}, {_signed(d['high'])}]"
-    return f"**{text}**" if bold and excludes_zero(d) else text
+    return _marked(text, direction.change(metric, d["low"], d["high"]))
+
+
+def _legend() -> str:
+    """What bold and the marks of a table of changes mean."""
+    lower = [metric_name(m) for m in direction.lower_is_better()]
+    way = f"higher is better except for {', '.join(lower)}" if lower else "higher is better for every metric here"
+    return (f"**bold**: the interval excludes 0, {_marked('a gain', direction.GAIN)} or "
+            f"{_marked('a loss', direction.LOSS)} ({way})")
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence], align: Sequence[str] | None = None) -> list[str]:
@@ -397,14 +416,14 @@ def render_task(summary: dict, images: Mapping[str, str] | None = None, level: i
     if not single:
         lines += ["", f"{h} Cells against the baseline", "",
                   "Δ is the cell minus the baseline with its 95% paired bootstrap interval over problems; "
-                  "**bold**: the interval excludes 0.", ""]
+                  f"{_legend()}.", ""]
         header = ["arm"]
         for m in metrics:
             header += [metric_name(m), f"Δ {metric_name(m)}"]
         rows = [[BASELINE] + sum(([_fmt(arms[BASELINE][m]), "—"] for m in metrics), [])]
         for name in names:
             d = cells[name]["deltas"]
-            rows.append([name] + sum(([_fmt(arms[name][m]), _delta_text(d[m])] for m in metrics), []))
+            rows.append([name] + sum(([_fmt(arms[name][m]), _delta_text(d[m], m)] for m in metrics), []))
         lines += _table(header, rows)
 
     if summary.get("frontier"):
@@ -430,9 +449,9 @@ def render_task(summary: dict, images: Mapping[str, str] | None = None, level: i
                         [[arm] + [values[i] for _, values in extra] for i, arm in enumerate(every)])
     if not single:
         lines += ["", f"{h} Every metric", "",
-                  "Each cell's Δ against the baseline [95% interval]; **bold**: the interval excludes 0.", ""]
+                  f"Each cell's Δ against the baseline [95% interval]; {_legend()}.", ""]
         metric_keys = list(cells[names[0]]["deltas"])
-        rows = [[metric_name(m), _fmt(arms[BASELINE][m])] + [_delta_text(cells[c]["deltas"][m]) for c in names]
+        rows = [[metric_name(m), _fmt(arms[BASELINE][m])] + [_delta_text(cells[c]["deltas"][m], m) for c in names]
                 for m in metric_keys]
         lines += _table(["metric", "baseline"] + names, rows)
 

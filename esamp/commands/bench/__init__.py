@@ -24,6 +24,8 @@ of the per-trial ratios, with min and max), time to first token per side, the Di
 count and first/last loss, port hits, mean candidate count, the processor's host time per steady
 step and its start-up and plan costs, peak GPU memory of each engine, the calibration, device,
 versions and the exact command. Ctrl-C stops the bench and still writes what was measured.
+vLLM's own output, from this process and its engine processes, goes to a log beside the JSON
+(``vllm_log``), so the terminal shows the bench's lines only.
 
 Sampling draws without per-request seeds unless ``--seed`` is given: with a seed, vLLM's sampler
 draws each row with its own generator (one kernel launch per row and step), which slows both

@@ -7,9 +7,10 @@ import signal
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from esamp.commands.bench import calibrate, memory, provenance
+from esamp.commands.bench import calibrate, memory, provenance, vllm_log
 from esamp.commands.bench.trials import run_interleaved, run_trial
 from esamp.commands.bench.workloads import (CPU_TRIALS, CPU_WORKLOADS, MIN_TRIAL_SECONDS, PRESETS, parse_workloads,
                                             prompts, rounds_for, workload_name)
@@ -55,33 +56,66 @@ def configure(parser) -> None:
     parser.add_argument("--floor", action="store_true",
                         help="also time the ESamp engine with ESamp off on every request (the seams' own cost)")
     parser.add_argument("--json", dest="json_path", default=None,
-                        help="where to write the JSON result (default: benchmarks/results/bench-MODEL-DATE.json)")
+                        help="where to write the JSON result (default: benchmarks/results/bench-MODEL-DATE.json); "
+                             "vLLM's log goes beside it (NAME.vllm.log)")
 
 
 def run(args) -> int:
+    plan = _plan(args)  # every option checked, memory too, before anything loads
+    log = vllm_log.log_path(plan.path)
+    try:  # a folder that cannot be written is found now, not after the measurements
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_bytes(b"")
+    except OSError as exc:
+        raise ConfigError(f"--json {plan.path}: cannot write {log} beside it ({exc.strerror or exc})",
+                          hint="pass --json a path in a folder you can write") from None
+    _say(f"vLLM's log (its warnings and progress, off this terminal): {log}")
     loaded: list = []  # engines started so far, closed here when anything fails
     try:
-        return _run(args, loaded)
-    except BaseException as exc:
-        for eng in loaded:
+        with vllm_log.stderr_to(log):
             try:
-                eng.close()
-            except Exception:
-                pass
-        if isinstance(exc, (EsampError, KeyboardInterrupt)) or not isinstance(exc, Exception):
+                return _measure(args, plan, loaded, log)
+            except BaseException:
+                for eng in loaded:  # inside the redirection: their shutdown messages go to the log
+                    try:
+                        eng.close()
+                    except Exception:
+                        pass
+                raise
+    except EngineError as exc:
+        raise EngineError(exc.message, hint=vllm_log.failure_hint(log, exc.hint)) from None
+    except Exception as exc:
+        if isinstance(exc, EsampError):
             raise
         raise EngineError(
             f"esamp bench stopped: {type(exc).__name__}: {exc}",
-            hint="vLLM's log above has the cause; on a CPU it is usually memory (an engine process "
-            "killed): try --model qwen2.5-0.5b:dummy, fewer --workloads, or a smaller "
-            "VLLM_CPU_KVCACHE_SPACE") from None
+            hint=vllm_log.failure_hint(log, "on a CPU it is usually memory (an engine process killed): try "
+                                       "--model qwen2.5-0.5b:dummy, fewer --workloads, or a smaller "
+                                       "VLLM_CPU_KVCACHE_SPACE")) from None
 
 
 def _say(text: str) -> None:
     print(text, flush=True)
 
 
-def _run(args, loaded: list) -> int:
+@dataclass(frozen=True)
+class Plan:
+    """What a bench will run, from its options, checked before anything loads."""
+
+    workloads: list
+    trials: int
+    model: str | None
+    logits: list[str]
+    sampling: SamplingConfig
+    esamp: EsampConfig
+    given_filters: dict
+    given_beta: float | None
+    share: float
+    max_seqs: int
+    path: Path  # the JSON; vLLM's log goes beside it
+
+
+def _plan(args) -> Plan:
     from esamp.platform.devices import cuda_available
 
     gpu = cuda_available()
@@ -105,10 +139,12 @@ def _run(args, loaded: list) -> int:
     if args.gpu_memory_utilization is not None and not 0 < args.gpu_memory_utilization < 1:
         raise ConfigError(f"--gpu-memory-utilization={args.gpu_memory_utilization}: a share of the GPU per "
                           "engine is between 0 and 1", hint="use e.g. 0.42 (two engines) or 0.28 (three, with --floor)")
+    path = Path(args.json_path) if args.json_path else (
+        Path("benchmarks/results") / f"bench-{str(model or 'embedded').replace(':', '-').replace('/', '_')}-"
+        f"{time.strftime('%Y%m%d-%H%M%S')}.json")
     sampling = from_flags(args, SamplingConfig, SAMPLING_FLAGS, defaults=SAMPLING_DEFAULTS)
     esamp = from_flags(args, EsampConfig, ESAMP_FLAGS)
     given_filters = {f: getattr(sampling, f) for f in Filters.model_fields if getattr(args, f, None) is not None}
-    given_beta = getattr(args, "beta", None)
     groups = max(p for _, (p, _, _) in workloads)
     if esamp.slots < groups:
         raise ConfigError(f"--slots={esamp.slots}: a workload runs {groups} prompt groups at once, one "
@@ -117,9 +153,17 @@ def _run(args, loaded: list) -> int:
     max_seqs = max(p * n for _, (p, n, _) in workloads)
     share = args.gpu_memory_utilization or (0.28 if args.floor else 0.42)
     memory.check_memory(model, engines, share, rows=max(max_seqs, 16), tensor_parallel=args.tensor_parallel_size)
+    return Plan(workloads, trials, model, logits, sampling, esamp, given_filters, getattr(args, "beta", None),
+                share, max_seqs, path)
 
+
+def _measure(args, plan: Plan, loaded: list, log: Path) -> int:
+    """Start the engines, run every workload, write the JSON and print the table; with stderr
+    going to vLLM's log (``vllm_log``). Engines started go into ``loaded``."""
     from esamp.engines.vllm.bench_extension import BENCH_EXTENSION
     from esamp.engines.vllm.engine import VllmEngine
+
+    model, esamp, sampling = plan.model, plan.esamp, plan.sampling
 
     def load(side: str, **kw):
         _say(f"loading the {side} engine ({'plain vLLM' if kw.get('plain') else 'vLLM with ESamp'})...")
@@ -130,13 +174,12 @@ def _run(args, loaded: list) -> int:
             raise
         except Exception as exc:  # vLLM's own start-up errors (memory, an unsupported model, ...)
             raise EngineError(f"vLLM could not start {model or 'the embedded model'}: {type(exc).__name__}: {exc}",
-                              hint="see vLLM's log above; try --model qwen2.5-0.5b:dummy or a smaller "
-                              "--gpu-memory-utilization") from None
+                              hint="try --model qwen2.5-0.5b:dummy or a smaller --gpu-memory-utilization") from None
         loads[side] = round(time.perf_counter() - t0, 1)
         return loaded[-1]
 
-    common = dict(model=model, max_model_len=args.max_model_len, gpu_memory_utilization=share, ignore_eos=True,
-                  max_num_seqs=max(max_seqs, 16), enforce_eager=True if args.eager else None,
+    common = dict(model=model, max_model_len=args.max_model_len, gpu_memory_utilization=plan.share, ignore_eos=True,
+                  max_num_seqs=max(plan.max_seqs, 16), enforce_eager=True if args.eager else None,
                   tensor_parallel_size=args.tensor_parallel_size,
                   llm_kwargs={"worker_extension_cls": BENCH_EXTENSION})
     loads: dict[str, float] = {}
@@ -152,12 +195,12 @@ def _run(args, loaded: list) -> int:
         pass
     results, calibration, interrupted = [], {}, False
     try:
-        for mode in logits:
+        for mode in plan.logits:
             if mode == "realistic":
-                calibration = _calibrate(base, steer, sides, given_filters, args.prompt_len, vocab, esamp)
-            for preset_name, (P, n, L) in workloads:
-                _workload(mode, preset_name, (P, n, L), sides, given_filters, given_beta, sampling, esamp, vocab,
-                          args, trials, results)
+                calibration = _calibrate(base, steer, sides, plan.given_filters, args.prompt_len, vocab, esamp)
+            for preset_name, (P, n, L) in plan.workloads:
+                _workload(mode, preset_name, (P, n, L), sides, plan.given_filters, plan.given_beta, sampling, esamp,
+                          vocab, args, plan.trials, results)
             if mode == "realistic":
                 calibrate.scale_heads(sides, None)  # back to the dummy weights for the next mode
     except KeyboardInterrupt:
@@ -167,21 +210,19 @@ def _run(args, loaded: list) -> int:
     report = dict(
         command=" ".join(["esamp", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else " ".join(sys.argv),
         commit=provenance.commit(), device=provenance.device(), versions=provenance.versions(), model=steer.model_name,
-        cuda_graphs=not args.eager, tensor_parallel_size=args.tensor_parallel_size, esamp=esamp.flat(), seed=sampling.seed, trials=trials,
-        prompt_len=args.prompt_len, load_seconds=loads, calibration=calibration,
+        cuda_graphs=not args.eager, tensor_parallel_size=args.tensor_parallel_size, esamp=esamp.flat(),
+        seed=sampling.seed, trials=plan.trials, prompt_len=args.prompt_len, load_seconds=loads, calibration=calibration,
         peak_memory_bytes=peaks,
         esamp_counters=counters,
         host_ms_per_steady_step=round(counters["replay_host_ms"] / counters["replay_steps"], 4)
         if counters.get("replay_steps") else None,
         workloads=results, interrupted=interrupted, time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     )
-    path = Path(args.json_path) if args.json_path else (
-        Path("benchmarks/results") / f"bench-{str(model or 'embedded').replace(':', '-').replace('/', '_')}-"
-        f"{time.strftime('%Y%m%d-%H%M%S')}.json")
+    path = plan.path
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2))
     _print_table(report)
-    _say(f"wrote {path}")
+    _say(f"wrote {path}; vLLM's log: {log}")
     if interrupted:
         signal.signal(signal.SIGINT, signal.SIG_DFL)  # a second Ctrl-C while the engines close ends it
     for _, eng, _ in sides:

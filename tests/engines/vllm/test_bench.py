@@ -16,7 +16,9 @@ from _vllm_helpers import require_model, require_vllm
 @pytest.mark.scale  # three engines at once: about 4 minutes on 2 cores
 def test_bench_runs_three_sides_and_writes_its_json(tmp_path):
     """Baseline, floor (ESamp off on the ESamp engine) and ESamp alternate; the JSON has the
-    ratios with their spread, the Distiller's loss and port hits, and the command that made it."""
+    ratios with their spread, the Distiller's loss and port hits, and the command that made it.
+    vLLM's warnings and progress bars, from every process, go to the log beside the JSON; the
+    terminal shows the bench's own lines."""
     require_vllm()
     resolved = require_model()
     out = tmp_path / "bench.json"
@@ -27,6 +29,12 @@ def test_bench_runs_three_sides_and_writes_its_json(tmp_path):
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "floor (ESamp engine, ESamp off)" in proc.stdout
+    log = tmp_path / "bench.vllm.log"
+    assert f"vLLM's log: {log}" in proc.stdout and "trial 1    esamp:" in proc.stdout
+    noise = [line for line in proc.stderr.splitlines()
+             if any(mark in line for mark in ("WARNING", "Traceback", "pid=", "Triton", "Loading"))]
+    assert noise == [], proc.stderr[-3000:]
+    assert "(EngineCore pid=" in log.read_text()  # the engine cores' output is in the log
     report = json.loads(out.read_text())
     assert report["command"].startswith("esamp bench --model") and "--floor" in report["command"]
     assert report["seed"] is None and set(report["load_seconds"]) == {"baseline", "esamp", "floor"}
