@@ -29,7 +29,7 @@ from typing import Any, Mapping
 
 from esamp.core import payload as pl
 from esamp.core.config import Filters, Steering
-from esamp.errors import EsampError
+from esamp.errors import EsampError, shown
 
 PENALTIES = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
 # vLLM's values for a field a request leaves out (before the server's defaults)
@@ -188,13 +188,13 @@ def refuse_surrogates(body: Mapping[str, Any]) -> None:
     """``Refused`` naming the first lone surrogate in a body's text, if any."""
     found = surrogate(body)
     if found:
-        raise Refused(surrogate_message(*found), param=found[0].split(".")[0].split("[")[0])
+        raise Refused(surrogate_message(*found), param=shown(found[0].split(".")[0].split("[")[0], quote=False))
 
 
 def surrogate_message(field: str, position: int, ch: str) -> str:
-    return (f"{field}: character {position} is a lone UTF-16 surrogate (\\u{ord(ch):04x}), half of a character "
-            "that is not text on its own; send the whole character (a surrogate pair in JSON, or the character "
-            "itself in UTF-8), or drop it")
+    return (f"{shown(field, quote=False)}: character {position} is a lone UTF-16 surrogate (\\u{ord(ch):04x}), "
+            "half of a character that is not text on its own; send the whole character (a surrogate pair in JSON, "
+            "or the character itself in UTF-8), or drop it")
 
 
 def _param(body: Mapping[str, Any], message: str) -> str | None:

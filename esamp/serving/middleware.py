@@ -55,6 +55,7 @@ from urllib.parse import parse_qs, quote
 from esamp.engines.vllm.channel import HOST, SECRET_HEADER, read_groups
 from esamp.engines.vllm.settings import CHANNEL_SECRET_ENV, ISSUED, SERVE_ENV
 from esamp.core import payload as pl
+from esamp.errors import shown
 from esamp.serving.admission import Refused, admit, many_prompts_with_records, refuse_surrogates
 from esamp.serving.metrics import merge
 
@@ -381,8 +382,8 @@ class EsampMiddleware:
         handler = routes.get(path)
         if handler is None:
             await _respond(send, 404, json.dumps({"error": {
-                "message": f"no such ESamp route {path}", "type": "NotFoundError", "param": None, "code": 404,
-                "routes": list(ROUTES)}}), "application/json")
+                "message": f"no such ESamp route {shown(path, quote=False)}", "type": "NotFoundError", "param": None,
+                "code": 404, "routes": list(ROUTES)}}), "application/json")
             return
         if scope["method"] not in ("GET", "HEAD"):
             await _respond(send, 405, json.dumps(_error(405, f"{path} answers GET only")), "application/json")

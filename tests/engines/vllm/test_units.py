@@ -58,6 +58,7 @@ def test_prepare_leaves_plain_requests_alone_unless_serving(monkeypatch):
     (dict(extra_args={"esamp_mix": "sharp"}), ["esamp_mix", "paper"]),
     (dict(extra_args={"esamp_bta": 1.0}), ["esamp_bta", "esamp_beta"]),
     (dict(n=65, extra_args={"esamp": "on"}), ["n=65", "64"]),
+    (dict(extra_args={"esamp_mix": "x" * 5000}), ["esamp_mix='xxx", "… (5000 characters)"]),
 ])
 def test_prepare_refuses_what_esamp_cannot_serve(kw, words):
     with pytest.raises(ValueError) as err:
