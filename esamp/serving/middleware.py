@@ -6,11 +6,11 @@ from vLLM's own configuration (``app.state.vllm_config``: ``additional_config["e
 ``["esamp_server"]``, the data-parallel size; ``app.state.args``: ``--api-key``), so it needs no
 settings of its own. What it does (docs/serving.md says it for users):
 
-1. **Guards every route with the API key** (``--api-key``, or vLLM's ``VLLM_API_KEY``) except
-   ``OPEN``: the health checks and the two Prometheus texts. vLLM's own check covers only the
-   paths under ``/v1`` (and a few prefixes); ``/invocations``, ``/tokenize``, ``/docs``,
-   ``/esamp/records`` ... would answer anyone. Denied by default: a route vLLM adds later is
-   guarded too.
+1. **Guards every route with the API key** (``--api-key``; ``esamp serve`` passes it in the
+   environment, ``KEYS_ENV``, never on a command line) except ``OPEN``: the health checks and the
+   two Prometheus texts. vLLM's own check covers only the paths under ``/v1`` (and a few
+   prefixes); ``/invocations``, ``/tokenize``, ``/docs``, ``/esamp/records`` ... would answer
+   anyone. Denied by default: a route vLLM adds later is guarded too.
 2. **Refuses what ESamp cannot serve with a 400** before vLLM answers: completion and chat bodies
    (``/v1/completions``, ``/v1/chat/completions``, ``/invocations``) go through
    ``esamp.serving.admission`` (the engine's own check, on the body as vLLM reads it), so a
@@ -78,7 +78,8 @@ RANK_HEADER = b"x-data-parallel-rank"  # vLLM reads it as X-data-parallel-rank
 CHANNEL_TIMEOUT = 5.0  # seconds to wait for a rank's channel (it answers from a thread of the engine core)
 WATCH_INTERVAL = 0.2  # seconds between looks at whether the server is stopping
 PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"
-API_KEY_ENV = "VLLM_API_KEY"  # vLLM's own fallback for --api-key
+API_KEY_ENV = "VLLM_API_KEY"  # vLLM's own fallback for --api-key (one key)
+KEYS_ENV = "ESAMP_SERVE_API_KEYS"  # the keys esamp serve was given, as a JSON list (never on a command line)
 
 
 @dataclass(frozen=True)
@@ -137,14 +138,32 @@ async def fetch(host: str, port: int, path: str, secret: str, timeout: float = C
 
 
 def api_keys(app) -> list[bytes]:
-    """SHA-256 digests of the keys this server takes (``--api-key``, else ``VLLM_API_KEY``, as vLLM
-    decides), empty when it takes none."""
+    """SHA-256 digests of the keys this server takes, empty when it takes none: ``--api-key`` on
+    vLLM's command line (a ``vllm serve`` line of your own), else ``KEYS_ENV`` (where ``esamp serve``
+    puts them), else ``VLLM_API_KEY`` (vLLM's own fallback), as vLLM gives the command line
+    precedence."""
     args = getattr(getattr(app, "state", None), "args", None)
     given = getattr(args, "api_key", None)
     if isinstance(given, str):
         given = [given]
-    keys = [k for k in (given or [os.environ.get(API_KEY_ENV)]) if k]
+    keys = [k for k in (given or env_keys()) if k]
     return [hashlib.sha256(k.encode()).digest() for k in keys]
+
+
+def env_keys() -> list[str]:
+    """The keys in the environment: ``KEYS_ENV``'s list, else ``VLLM_API_KEY``. A ``KEYS_ENV`` that is
+    not a JSON list of strings is taken whole as one key: the server stays closed, never open."""
+    raw = os.environ.get(KEYS_ENV)
+    if not raw:  # unset (or set to nothing): vLLM's variable
+        return [os.environ.get(API_KEY_ENV) or ""]
+    try:
+        keys = json.loads(raw)
+    except ValueError:
+        keys = None
+    if not (isinstance(keys, list) and keys and all(isinstance(k, str) and k for k in keys)):
+        log.error("ESamp: %s is not a JSON list of keys; taking it whole as the one key", KEYS_ENV)
+        return [raw]
+    return keys
 
 
 def authorised(scope, keys: list[bytes]) -> bool:

