@@ -35,6 +35,9 @@ What it adds, and why (docs/serving.md):
 - ``ESAMP_CHANNEL_SECRET``: a per-launch secret the side channels ask of every reader (the API
   server's middleware), in the environment (a command line is readable by every user of the
   machine) and never printed;
+- ``--shutdown-timeout 5`` unless given: the engine's time to stop (open requests end at once on a
+  stop signal, the middleware's doing); a ``--shutdown-timeout`` the operator gives is also the
+  time running requests may take to finish (``DRAIN_ENV``);
 - ``--api-key`` and ``--hf-token`` values taken off vLLM's command line, for the same reason, and
   handed over in the environment instead: the keys as the middleware's ``KEYS_ENV`` (and vLLM's
   own ``VLLM_API_KEY`` when there is one key: vLLM's check takes one), the token as ``HF_TOKEN``
@@ -77,7 +80,7 @@ from esamp.engines.vllm.launch import EXTENSION
 from esamp.engines.vllm.settings import CHANNEL_SECRET_ENV, SERVE_ENV
 from esamp.errors import ConfigError, EngineError
 from esamp.serving import MIDDLEWARE
-from esamp.serving.middleware import API_KEY_ENV, KEYS_ENV
+from esamp.serving.middleware import API_KEY_ENV, DRAIN_ENV, KEYS_ENV
 
 HELP = "serve a model with ESamp behind vLLM's OpenAI-compatible API (vLLM's options pass through)"
 ESAMP_FIELDS = tuple(settings_fields(EsampConfig))
@@ -282,9 +285,11 @@ def build(args, passthrough: list[str]) -> Plan:
               if k != "model" and _value(rest, ("--" + k.replace("_", "-"),)) is None
               and not _has(rest, "--" + k.replace("_", "-"))}
     command += launch.as_flags(engine)
-    if _value(rest, ("--shutdown-timeout",)) is None:
+    drain = _value(rest, ("--shutdown-timeout",))
+    if drain is None:
         # vLLM's default (0) kills the engine core before its worker, which owns shared memory,
-        # has exited: the log then reports leaked shared memory. A few seconds let it finish.
+        # has exited: the log then reports leaked shared memory. A few seconds let it finish. Open
+        # requests still end at once on a stop signal (the middleware): this is the engine's time.
         command += ["--shutdown-timeout", str(SHUTDOWN_SECONDS)]
     if processors:
         command += ["--logits-processors", *processors]
@@ -302,6 +307,8 @@ def build(args, passthrough: list[str]) -> Plan:
     env = {SERVE_ENV: "1", CHANNEL_SECRET_ENV: secrets.token_hex(16),
            "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
            "PYTHONPATH": plugin.scope_env()["PYTHONPATH"]}
+    if drain is not None:  # the operator's: running requests may take that long to finish
+        env[DRAIN_ENV] = drain
     if keys:  # the middleware checks them all; vLLM's own check (paths under /v1) takes one key
         env[KEYS_ENV] = json.dumps(keys)
         env[API_KEY_ENV] = keys[0] if len(keys) == 1 else ""

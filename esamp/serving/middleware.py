@@ -31,11 +31,15 @@ settings of its own. What it does (docs/serving.md says it for users):
    ``X-data-parallel-rank`` header: the rank with the fewest samples in flight through this API
    server (several API server processes each balance their own requests). A request that already
    carries the header keeps it.
-5. **Ends every open response when the server stops.** On SIGTERM vLLM stops its engine and then
-   waits for open responses to finish, which they never do: a streaming client would hang until
-   its own timeout. Once the server is stopping (``server.should_exit``) or the engine has died,
-   every response still open gets an error (a 503 before its headers, an error event and
-   ``[DONE]`` inside a stream) and ends, so the server can exit.
+5. **Ends every open response when the server stops.** On SIGTERM or SIGINT vLLM first drains
+   its engine (``--shutdown-timeout`` seconds) and only then stops the HTTP server, so open
+   streams would wait for the engine and end with its death (vLLM's 500). The middleware hears the
+   signal itself, the moment it comes (its handler runs before vLLM's and then calls it), and so
+   also when the server is stopping otherwise (``server.should_exit``) or the engine has died:
+   every response still open gets the 503 "the server is shutting down" (a 503 before its
+   headers, an error event and ``[DONE]`` inside a stream) and ends, and vLLM aborts the requests,
+   so the engine stops with nothing in flight. With the operator's ``--shutdown-timeout``
+   (``DRAIN_ENV``) running requests may first go on that long, less ``DRAIN_MARGIN``.
 6. **Serves every rank's side channel:** ``GET /esamp/metrics`` (Prometheus text, samples
    labelled ``rank``), ``GET /esamp/records?group=G[,G...]`` (the groups' novelty records from
    every rank, taken: a record is handed out once) and ``GET /esamp/config`` (the server's ESamp
@@ -52,6 +56,9 @@ import json
 import logging
 import os
 import random
+import signal
+import sys
+import threading
 from dataclasses import asdict, dataclass
 from urllib.parse import parse_qs, quote
 
@@ -78,6 +85,13 @@ WATCH_INTERVAL = 0.2  # seconds between looks at whether the server is stopping
 PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"
 API_KEY_ENV = "VLLM_API_KEY"  # vLLM's own fallback for --api-key (one key)
 KEYS_ENV = "ESAMP_SERVE_API_KEYS"  # the keys esamp serve was given, as a JSON list (never on a command line)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # what vLLM's server stops on
+# Seconds a running request may take to finish after a stop signal: the --shutdown-timeout the
+# operator gave esamp serve (its own default gives the engine time to stop, not the requests: 0 here).
+DRAIN_ENV = "ESAMP_SERVE_DRAIN"
+DRAIN_MARGIN = 1.0  # a drained request ends this long before vLLM's deadline, while its engine still runs
+SHUTTING_DOWN = "the server is shutting down; this request did not finish: send it again (to a running server)"
+ENGINE_STOPPED = "the engine stopped; this request did not finish: send it again once the server is back"
 
 
 @dataclass(frozen=True)
@@ -164,6 +178,14 @@ def env_keys() -> list[str]:
     return keys
 
 
+def drain_seconds() -> float:
+    """``DRAIN_ENV``'s seconds (0 when unset or not a number: end at once)."""
+    try:
+        return max(0.0, float(os.environ.get(DRAIN_ENV) or 0))
+    except ValueError:
+        return 0.0
+
+
 def authorised(scope, keys: list[bytes]) -> bool:
     header = next((v for k, v in scope.get("headers", ()) if k.lower() == b"authorization"), b"")
     scheme, _, token = header.decode("latin-1").partition(" ")
@@ -236,6 +258,8 @@ class EsampMiddleware:
         self.secret = os.environ.get(CHANNEL_SECRET_ENV, "")
         self._stopping: asyncio.Future | None = None  # its result: why the server stops
         self._watcher: asyncio.Task | None = None
+        self._hearing = False  # our handler for the stop signals is in place (once per process)
+        self._drain_until = float("inf")  # (loop time) when open responses end once the server stops
         self._releasing: list[str] = []  # groups whose slots are to be freed
         self._release_task: asyncio.Task | None = None
         self.routes: dict[str, list[str]] | None = None  # the server's POST routes by kind (routes.classify)
@@ -292,9 +316,13 @@ class EsampMiddleware:
 
     async def _run(self, scope, receive, response: _Response) -> None:
         stopping = self._watch(scope.get("app"))
+        before = not stopping.done()  # a request that came before the stop may drain; a later one may not
         task = asyncio.ensure_future(self.app(scope, receive, response.send))
         try:
             await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            left = self._drain_until - asyncio.get_running_loop().time()
+            if not task.done() and before and left > 0:
+                await asyncio.wait({task}, timeout=left)
         except asyncio.CancelledError:
             task.cancel()
             raise
@@ -317,22 +345,52 @@ class EsampMiddleware:
             state = getattr(app, "state", None)
             if getattr(state, "server", None) is not None or getattr(state, "engine_client", None) is not None:
                 self._watcher = loop.create_task(self._watch_server(state, self._stopping))
+                self._hear_signals(loop, getattr(state, "server", None))
         return self._stopping
 
-    @staticmethod
-    async def _watch_server(state, stopping: asyncio.Future) -> None:
-        while True:
+    def _stop(self, reason: str, drain: float = 0.0) -> None:
+        """The server is stopping: new requests get a 503 at once; open ones after ``drain`` seconds
+        (less ``DRAIN_MARGIN``), at once by default."""
+        if self._stopping is not None and not self._stopping.done():
+            self._drain_until = self._stopping.get_loop().time() + max(0.0, drain - DRAIN_MARGIN)
+            log.warning("ESamp: %s: ending every open response with an error%s", reason.partition(";")[0],
+                        f" after {drain - DRAIN_MARGIN:.0f} s" if drain > DRAIN_MARGIN else "")
+            self._stopping.set_result(reason)
+
+    async def _watch_server(self, state, stopping: asyncio.Future) -> None:
+        """Stop when vLLM's server is stopping for a reason of its own, or its engine has died."""
+        while not stopping.done():
             await asyncio.sleep(WATCH_INTERVAL)
             server = getattr(state, "server", None)
             engine = getattr(state, "engine_client", None)
             if server is not None and (getattr(server, "should_exit", False) or getattr(server, "force_exit", False)):
-                reason = "the server is shutting down; this request did not finish: send it again (to a running server)"
-                break
-            if engine is not None and getattr(engine, "errored", False):
-                reason = "the engine stopped; this request did not finish: send it again once the server is back"
-                break
-        log.warning("ESamp: %s: ending every open response with an error", reason.partition(";")[0])
-        stopping.set_result(reason)
+                self._stop(SHUTTING_DOWN)
+            elif engine is not None and getattr(engine, "errored", False):
+                self._stop(ENGINE_STOPPED)
+
+    def _hear_signals(self, loop, server) -> None:
+        """Hear SIGTERM and SIGINT when they come, in vLLM's server process. vLLM's own handler (on its
+        event loop) drains the engine for ``--shutdown-timeout`` seconds before it stops the HTTP
+        server, which is what would keep open streams waiting; ours runs first, ends them, and then
+        calls vLLM's. Only in the main thread of a process that runs uvicorn's server (vLLM's), and
+        only over a handler that is a Python function (vLLM's event loop's): a default or ignored
+        signal is left as it is."""
+        uvicorn = sys.modules.get("uvicorn")
+        if uvicorn is None or not isinstance(server, uvicorn.Server) or self._hearing:
+            return
+        if threading.current_thread() is not threading.main_thread():
+            return
+        self._hearing = True
+        for sig in STOP_SIGNALS:
+            previous = signal.getsignal(sig)
+            if not callable(previous):
+                continue
+
+            def handler(signum, frame, previous=previous):
+                loop.call_soon_threadsafe(self._stop, SHUTTING_DOWN, drain_seconds())
+                previous(signum, frame)
+
+            signal.signal(sig, handler)
 
     # -- generation requests ---------------------------------------------------------------------
 
@@ -393,8 +451,8 @@ class EsampMiddleware:
         """Free ``groups``' Distiller slots on every rank (their request has ended), soon: the groups
         of requests that end meanwhile go along in the same call."""
         engine = getattr(getattr(app, "state", None), "engine_client", None)
-        if not groups or engine is None:
-            return
+        if not groups or engine is None or (self._stopping is not None and self._stopping.done()):
+            return  # nothing to free, or the engine is stopping and its slots go with it
         self._releasing += groups
         if self._release_task is None or self._release_task.done():
             self._release_task = asyncio.ensure_future(self._flush_releases(engine))

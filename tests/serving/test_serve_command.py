@@ -56,6 +56,12 @@ def test_the_plan_carries_esamp_and_passes_everything_else_through():
     generation = json.loads(option(command, "--override-generation-config"))
     assert generation == {"repetition_penalty": 1.0, "temperature": 0.8, "top_p": 0.95, "min_p": 0.1}
     assert "ESAMP_SERVE=1" in p.shell() and "--middleware" in p.shell()
+    # the engine's time to stop; open requests end at once on a stop signal, unless the operator
+    # gives --shutdown-timeout, which they may then take to finish
+    assert option(command, "--shutdown-timeout") == "5" and "ESAMP_SERVE_DRAIN" not in p.env
+    drained = plan(PRESET, "--shutdown-timeout", "30")
+    assert option(drained.command, "--shutdown-timeout", many=True) == ["30"]
+    assert drained.env["ESAMP_SERVE_DRAIN"] == "30"
 
 
 def test_every_esamp_setting_has_a_flag():

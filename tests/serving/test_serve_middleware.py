@@ -609,8 +609,58 @@ def test_when_the_server_stops_every_open_response_ends_with_an_error(monkeypatc
     events = [line[6:] for line in body.decode().split("\n") if line.startswith("data: ")]
     assert events[-1] == "[DONE]" and "shutting down" in json.loads(events[-2])["error"]["message"]
     assert whole[0] == 503 and "send it again" in json.loads(whole[1])["error"]["message"]
-    released = [g for method, (groups,) in app.engine.calls for g in groups]
-    assert len(es.ISSUED) == 0 and len(released) == 2 and headers[b"x-esamp-group"].decode() in released
+    assert len(es.ISSUED) == 0  # the groups are forgotten ...
+    assert app.engine.calls == []  # ... and the stopping engine is not asked to free slots that go with it
+
+
+@pytest.mark.parametrize("drain", [None, "1.6"])
+def test_a_stop_signal_ends_open_streams_at_once_and_still_reaches_vllms_handler(monkeypatch, drain):
+    """vLLM stops its HTTP server only after draining its engine; the middleware hears SIGTERM itself
+    and ends the open stream at once (or, with the operator's --shutdown-timeout, that long less a
+    second, while new requests get the 503 at once), and vLLM's own handler still runs."""
+    import os
+    import signal
+    import time
+
+    import uvicorn
+
+    from esamp.serving.middleware import DRAIN_ENV
+
+    monkeypatch.setattr("esamp.serving.middleware.WATCH_INTERVAL", 30.0)  # only the signal can end it in time
+    monkeypatch.setenv(es.SERVE_ENV, "1")
+    if drain:
+        monkeypatch.setenv(DRAIN_ENV, drain)
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    async def scenario():
+        heard = []
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, heard.append, "vllm")  # as vLLM's serve_http
+        server = uvicorn.Server(uvicorn.Config(app=lambda *_: None))
+        app = FakeVllm(1, 9, hold=asyncio.Event(), server=server)
+        middleware = EsampMiddleware(app)
+        stream = asyncio.create_task(call(middleware, app, "POST", "/v1/completions", completion(stream=True, n=2)))
+        while not app.seen:
+            await asyncio.sleep(0.01)
+        t0 = time.monotonic()
+        os.kill(os.getpid(), signal.SIGTERM)
+        await asyncio.sleep(0.05)
+        late = await asyncio.wait_for(call(middleware, app, "POST", "/v1/completions", completion()), 1)
+        late_took = time.monotonic() - t0
+        status, body = await asyncio.wait_for(stream, 5)
+        took = time.monotonic() - t0
+        return status, body, took, late, late_took, heard
+
+    try:
+        status, body, took, late, late_took, heard = run(scenario())
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+    events = [line[6:] for line in body.decode().split("\n") if line.startswith("data: ")]
+    assert status == 200 and events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["code"] == 503 and "shutting down" in events[-2]
+    assert late[0] == 503 and late_took < 0.5  # a request after the signal: at once, drain or not
+    assert (0.5 <= took < 1.5) if drain else took < 0.5
+    assert heard == ["vllm"]
 
 
 def test_a_dead_engine_ends_open_streams_too(monkeypatch):
