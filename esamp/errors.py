@@ -2,6 +2,20 @@
 
 from __future__ import annotations
 
+SHOWN_CHARS = 40  # characters of a value that an error message repeats
+
+
+def shown(value: object, quote: bool = True) -> str:
+    """``value`` as an error message repeats it: ``repr(value)`` (``quote``) or ``str(value)``, cut
+    to its first ``SHOWN_CHARS`` characters with an ellipsis and the whole length when longer. A
+    message names what was wrong; it does not send a client's 100 KB value back to it."""
+    text = repr(value) if quote else str(value)
+    if len(text) <= SHOWN_CHARS:
+        return text
+    length = len(value) if isinstance(value, (str, bytes, list, tuple, dict)) else len(text)
+    unit = "items" if isinstance(value, (list, tuple, dict)) else "characters"
+    return f"{text[:SHOWN_CHARS]}… ({length} {unit})"
+
 
 class EsampError(Exception):
     """Base class: ``str(err)`` is the message, ``err.hint`` tells the user what to do next."""

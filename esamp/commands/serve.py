@@ -34,7 +34,14 @@ What it adds, and why (docs/serving.md):
   ``--api-key`` (a warning says so);
 - ``ESAMP_CHANNEL_SECRET``: a per-launch secret the side channels ask of every reader (the API
   server's middleware), in the environment (a command line is readable by every user of the
-  machine) and never printed.
+  machine) and never printed;
+- ``--shutdown-timeout 5`` unless given: the engine's time to stop (open requests end at once on a
+  stop signal, the middleware's doing); a ``--shutdown-timeout`` the operator gives is also the
+  time running requests may take to finish (``DRAIN_ENV``);
+- ``--api-key`` and ``--hf-token`` values taken off vLLM's command line, for the same reason, and
+  handed over in the environment instead: the keys as the middleware's ``KEYS_ENV`` (and vLLM's
+  own ``VLLM_API_KEY`` when there is one key: vLLM's check takes one), the token as ``HF_TOKEN``
+  (read by Hugging Face's library). The printed line shows them as ``***``.
 
 Before anything is loaded, the API port is tried (``check_listen``): a port in use, a privileged
 port or an address this machine does not have is a clear error (exit status 2), not vLLM's
@@ -73,14 +80,18 @@ from esamp.engines.vllm.launch import EXTENSION
 from esamp.engines.vllm.settings import CHANNEL_SECRET_ENV, SERVE_ENV
 from esamp.errors import ConfigError, EngineError
 from esamp.serving import MIDDLEWARE
+from esamp.serving.middleware import API_KEY_ENV, DRAIN_ENV, KEYS_ENV
 
 HELP = "serve a model with ESamp behind vLLM's OpenAI-compatible API (vLLM's options pass through)"
 ESAMP_FIELDS = tuple(settings_fields(EsampConfig))
 DEFAULT_HOST = "127.0.0.1"  # the API listens on this machine only unless --host says otherwise
 SHUTDOWN_SECONDS = 5  # vLLM's --shutdown-timeout unless given: workers exit before the engine core
 DEFAULT_PORT = 8000  # vLLM's
-SECRETS = (CHANNEL_SECRET_ENV,)  # environment values never printed
-SECRET_FLAGS = ("--api-key", "--hf-token")  # flag values never printed (vLLM's own log hides them too)
+HF_TOKEN_ENV = "HF_TOKEN"  # where Hugging Face's library reads a token when vLLM is given none
+# Environment values never printed: the secrets esamp serve makes, and the ones it moves off the
+# command line (which every user of the machine can read in ps or /proc/PID/cmdline).
+MADE_SECRETS = (CHANNEL_SECRET_ENV,)
+GIVEN_SECRETS = (KEYS_ENV, API_KEY_ENV, HF_TOKEN_ENV)
 HIDDEN = "***"
 # what a printed command line shows for the secret: run, it makes a fresh one
 SECRET_SHELL = "\"$(python3 -c 'import secrets; print(secrets.token_hex(16))')\""
@@ -122,28 +133,39 @@ class Plan:
 
     def shell(self) -> str:
         """The command as one shell line: the channel secret as an expression that makes a fresh
-        one, the values of ``SECRET_FLAGS`` as ``HIDDEN`` (an API key never reaches a log)."""
-        assignments = " ".join(f"{k}={SECRET_SHELL if k in SECRETS else shlex.quote(v)}"
-                               for k, v in sorted(self.env.items()))
-        return (assignments + " " if assignments else "") + shlex.join(hide_secrets(self.command))
+        one, an API key or token as ``HIDDEN`` (none reaches a log)."""
+        def shown(name: str, value: str) -> str:
+            if name in MADE_SECRETS:
+                return SECRET_SHELL
+            return HIDDEN if name in GIVEN_SECRETS and value else shlex.quote(value)
+
+        assignments = " ".join(f"{k}={shown(k, v)}" for k, v in sorted(self.env.items()))
+        return (assignments + " " if assignments else "") + shlex.join(self.command)
+
+    @property
+    def hidden(self) -> list[str]:
+        """The variables ``shell`` shows as ``HIDDEN``."""
+        return [k for k in sorted(self.env) if k in GIVEN_SECRETS and self.env[k]]
 
 
-def hide_secrets(command: list[str]) -> list[str]:
-    """``command`` with every value of ``SECRET_FLAGS`` (``--api-key K1 K2`` or ``--api-key=K``)
-    replaced by ``HIDDEN``."""
-    out: list[str] = []
-    hiding = False
-    for token in command:
-        name = _name(token)
-        if name in SECRET_FLAGS and "=" in token:
-            out.append(f"{name}={HIDDEN}")
-            hiding = False
-        elif hiding and not token.startswith("-"):
-            out.append(HIDDEN)
+def take_secrets(tokens: list[str]) -> tuple[list[str], str | None, list[str]]:
+    """The API keys and the HF token given on the command line (as vLLM reads them: the last
+    ``--api-key`` with all its values, the last ``--hf-token`` with a value), and the tokens
+    without them. A bare ``--hf-token`` (use the token of ``hf auth login``) holds no secret and
+    stays."""
+    keys, rest = _values(tokens, ("--api-key",), many=True)
+    token, kept, i = None, [], 0
+    while i < len(rest):
+        item = rest[i]
+        if _name(item) == "--hf-token" and "=" in item:
+            token = item.partition("=")[2]
+        elif _name(item) == "--hf-token" and i + 1 < len(rest) and not rest[i + 1].startswith("-"):
+            token = rest[i + 1]
+            i += 1
         else:
-            out.append(token)
-            hiding = name in SECRET_FLAGS
-    return out
+            kept.append(item)
+        i += 1
+    return (keys[-1] if keys else []), token, kept
 
 
 def run(args) -> int:
@@ -155,8 +177,9 @@ def run(args) -> int:
     if args.dry_run:
         for note in plan.notes:
             print(f"# {note}")
-        if hide_secrets(plan.command) != plan.command:
-            print(f"# the values of {', '.join(SECRET_FLAGS)} are shown as {HIDDEN}: put yours back to run the line")
+        if plan.hidden:
+            print(f"# {', '.join(plan.hidden)} (the API key, the HF token) are shown as {HIDDEN}: put yours back to "
+                  "run the line; they go in the environment, never on the command line")
         print(plan.shell())
         return 0
     for note in plan.notes:
@@ -180,6 +203,7 @@ def build(args, passthrough: list[str]) -> Plan:
             raise ConfigError(f"two models given: {rest[0]!r} and --model {spec!r}", hint="give MODEL once")
         spec = rest.pop(0)
     _refuse_unsupported(rest)
+    keys, hf_token, rest = take_secrets(rest)
     tensor_parallel = _int(_value(rest, TP) or "1", TP[0])
     if importlib.util.find_spec("vllm") is None:
         raise EngineError("vLLM is not installed",
@@ -261,9 +285,11 @@ def build(args, passthrough: list[str]) -> Plan:
               if k != "model" and _value(rest, ("--" + k.replace("_", "-"),)) is None
               and not _has(rest, "--" + k.replace("_", "-"))}
     command += launch.as_flags(engine)
-    if _value(rest, ("--shutdown-timeout",)) is None:
+    drain = _value(rest, ("--shutdown-timeout",))
+    if drain is None:
         # vLLM's default (0) kills the engine core before its worker, which owns shared memory,
-        # has exited: the log then reports leaked shared memory. A few seconds let it finish.
+        # has exited: the log then reports leaked shared memory. A few seconds let it finish. Open
+        # requests still end at once on a stop signal (the middleware): this is the engine's time.
         command += ["--shutdown-timeout", str(SHUTDOWN_SECONDS)]
     if processors:
         command += ["--logits-processors", *processors]
@@ -275,13 +301,19 @@ def build(args, passthrough: list[str]) -> Plan:
         command += ["--host", host]
         notes.append(f"listening on {host} (this machine only); pass --host 0.0.0.0 to serve other machines, "
                      "with --api-key")
-    elif host is not None and not _loopback(host) and not _has(rest, "--api-key") \
-            and not os.environ.get("VLLM_API_KEY"):
+    elif host is not None and not _loopback(host) and not keys and not os.environ.get(API_KEY_ENV):
         notes.append(f"warning: --host {host} without --api-key: anyone who can reach this port can generate "
                      "text and read the server's records; give --api-key KEY (or set VLLM_API_KEY)")
     env = {SERVE_ENV: "1", CHANNEL_SECRET_ENV: secrets.token_hex(16),
            "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
            "PYTHONPATH": plugin.scope_env()["PYTHONPATH"]}
+    if drain is not None:  # the operator's: running requests may take that long to finish
+        env[DRAIN_ENV] = drain
+    if keys:  # the middleware checks them all; vLLM's own check (paths under /v1) takes one key
+        env[KEYS_ENV] = json.dumps(keys)
+        env[API_KEY_ENV] = keys[0] if len(keys) == 1 else ""
+    if hf_token:
+        env[HF_TOKEN_ENV] = hf_token
     if not cuda:
         env.update(launch.cpu_env())
     env.update(launch.parallel_env(tensor_parallel, cuda=cuda))
@@ -294,7 +326,7 @@ def build(args, passthrough: list[str]) -> Plan:
                  f"{additional[es.KEY]['target_layer']}, {esamp.slots} slots per rank, β {esamp.steering.beta}, mix "
                  f"{esamp.steering.mix}); OpenAI API on port {port} (/v1/...), ESamp on /esamp/metrics, "
                  f"/esamp/records?group=G, /esamp/config; rank side channels on {channels}")
-    if _has(rest, "--api-key") or os.environ.get("VLLM_API_KEY"):
+    if keys or os.environ.get(API_KEY_ENV):
         notes.append("--api-key guards every route but /health, /ping, /metrics and /esamp/metrics "
                      "(docs/serving.md, \"Security\")")
     return Plan(command, env, notes)

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from esamp.core import mixes
 from esamp.core.mixes import MixName
-from esamp.errors import ConfigError
+from esamp.errors import ConfigError, shown
 
 Optimizer = Literal["adam", "sgd"]
 TrainRows = Literal["all", "group"]
@@ -196,7 +196,7 @@ def settings_error(exc: ValidationError, model: type[BaseModel],
             lines.append(f"{label}: unknown setting (known: {known})")
             continue
         rng = f" (allowed: {allowed})" if allowed else ""
-        lines.append(f"{label}={err.get('input')!r}: {err['msg'].lower()}{rng}")
+        lines.append(f"{label}={shown(err.get('input'))}: {err['msg'].lower()}{rng}")
     return ConfigError("invalid setting: " + "; ".join(lines),
                        hint="change the value to one inside the allowed range")
 

@@ -35,7 +35,7 @@ from typing import Any, Mapping
 from pydantic import BaseModel
 
 from esamp.core.config import Filters, Steering, make_config
-from esamp.errors import ConfigError
+from esamp.errors import ConfigError, shown
 
 PREFIX = "esamp"
 
@@ -99,7 +99,7 @@ def decode(extra: Mapping[str, Any] | None) -> Payload | None:
         return None
     unknown = sorted(set(given) - KNOWN)
     if unknown:
-        raise ConfigError(f"unknown ESamp setting {', '.join(unknown)}",
+        raise ConfigError(f"unknown ESamp setting {', '.join(shown(k, quote=False) for k in unknown)}",
                           hint="per-request settings are " + ", ".join(USER_KEYS))
     steering = {name: given[key] for name, key in STEERING_KEYS.items() if key in given}
     if steering:  # validate what was given (ranges, names); keep only those fields
@@ -116,10 +116,10 @@ def decode(extra: Mapping[str, Any] | None) -> Payload | None:
             try:
                 route[name] = int(value)
             except (TypeError, ValueError):
-                raise ConfigError(f"{ROUTE_KEYS[name]}={value!r}: not an integer",
+                raise ConfigError(f"{ROUTE_KEYS[name]}={shown(value)}: not an integer",
                                   hint="leave it out; the engine sets it") from None
             if route[name] < 0:
-                raise ConfigError(f"{ROUTE_KEYS[name]}={value!r}: must be 0 or more",
+                raise ConfigError(f"{ROUTE_KEYS[name]}={shown(value)}: must be 0 or more",
                                   hint="leave it out; the engine sets it")
     records = route["records"]
     if records is not None:

@@ -4,9 +4,10 @@ vLLM checks a request's sampling parameters (our logits processor's ``validate_p
 ``esamp.engines.vllm.settings.prepare``) when the engine takes the request. For a streaming request
 that happens after the server has answered 200 and opened the stream, so a refusal arrives as an
 error event inside a successful response, which OpenAI clients do not treat as a bad request.
-The middleware therefore runs the very same ``prepare`` on the request body first and answers a
+The middleware therefore runs the very same check (``settings.check`` and
+``settings.refuse_server_keys``, which ``prepare`` runs) on the request body first and answers a
 refusal as a 400 in the form vLLM uses for its own (``{"error": {"message", "type", "param",
-"code"}}``). What ``prepare`` accepts here, vLLM accepts later: it is one function.
+"code"}}``). What the check accepts here, vLLM accepts later: they are the same functions.
 
 The body is read as vLLM reads it: through vLLM's own request model (``CompletionRequest``,
 ``ChatCompletionRequest``), so a number sent as a string (``"n": "1000"``) is the number vLLM
@@ -29,7 +30,7 @@ from typing import Any, Mapping
 
 from esamp.core import payload as pl
 from esamp.core.config import Filters, Steering
-from esamp.errors import EsampError
+from esamp.errors import EsampError, shown
 
 PENALTIES = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
 # vLLM's values for a field a request leaves out (before the server's defaults)
@@ -86,15 +87,15 @@ def admit(body: Mapping[str, Any], chat: bool | None = None) -> Admission:
     if not isinstance(xargs, Mapping):
         return Admission(steered=False, n=n)
     params = SimpleNamespace(extra_args=dict(xargs), **fields)
-    from esamp.engines.vllm.settings import prepare  # no vLLM import: the engine's own check
+    from esamp.engines.vllm.settings import check, refuse_server_keys  # no vLLM import: the engine's own check
 
     try:
-        prepare(params)
-        payload = pl.decode(params.extra_args)
+        refuse_server_keys(xargs)  # any group a client names, running or not, gets this one answer
+        payload = check(params)
     except (ValueError, EsampError) as exc:
         message = f"{exc.message} ({exc.hint})" if isinstance(exc, EsampError) and exc.hint else str(exc)
         raise Refused(message, _param(body, message)) from None
-    if payload is None or payload.filters is None:
+    if payload is None:
         return Admission(steered=False, n=n)
     prompts = _prompts(request)
     records = bool(payload.records)
@@ -188,13 +189,13 @@ def refuse_surrogates(body: Mapping[str, Any]) -> None:
     """``Refused`` naming the first lone surrogate in a body's text, if any."""
     found = surrogate(body)
     if found:
-        raise Refused(surrogate_message(*found), param=found[0].split(".")[0].split("[")[0])
+        raise Refused(surrogate_message(*found), param=shown(found[0].split(".")[0].split("[")[0], quote=False))
 
 
 def surrogate_message(field: str, position: int, ch: str) -> str:
-    return (f"{field}: character {position} is a lone UTF-16 surrogate (\\u{ord(ch):04x}), half of a character "
-            "that is not text on its own; send the whole character (a surrogate pair in JSON, or the character "
-            "itself in UTF-8), or drop it")
+    return (f"{shown(field, quote=False)}: character {position} is a lone UTF-16 surrogate (\\u{ord(ch):04x}), "
+            "half of a character that is not text on its own; send the whole character (a surrogate pair in JSON, "
+            "or the character itself in UTF-8), or drop it")
 
 
 def _param(body: Mapping[str, Any], message: str) -> str | None:

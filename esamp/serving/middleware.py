@@ -6,21 +6,24 @@ from vLLM's own configuration (``app.state.vllm_config``: ``additional_config["e
 ``["esamp_server"]``, the data-parallel size; ``app.state.args``: ``--api-key``), so it needs no
 settings of its own. What it does (docs/serving.md says it for users):
 
-1. **Guards every route with the API key** (``--api-key``, or vLLM's ``VLLM_API_KEY``) except
-   ``OPEN``: the health checks and the two Prometheus texts. vLLM's own check covers only the
-   paths under ``/v1`` (and a few prefixes); ``/invocations``, ``/tokenize``, ``/docs``,
-   ``/esamp/records`` ... would answer anyone. Denied by default: a route vLLM adds later is
-   guarded too.
+1. **Guards every route with the API key** (``--api-key``; ``esamp serve`` passes it in the
+   environment, ``KEYS_ENV``, never on a command line) except ``OPEN``: the health checks and the
+   two Prometheus texts. vLLM's own check covers only the paths under ``/v1`` (and a few
+   prefixes); ``/invocations``, ``/tokenize``, ``/docs``, ``/esamp/records`` ... would answer
+   anyone. Denied by default: a route vLLM adds later is guarded too.
 2. **Refuses what ESamp cannot serve with a 400** before vLLM answers: completion and chat bodies
    (``/v1/completions``, ``/v1/chat/completions``, ``/invocations``) go through
    ``esamp.serving.admission`` (the engine's own check, on the body as vLLM reads it), so a
    streaming request is refused as a bad request too, not with an error event inside a 200 stream.
-3. **Owns group identity.** Each steered request gets an unguessable group id from the server
-   (``settings.ISSUED``), written into its ``vllm_xargs`` and returned in the ``X-Esamp-Group``
-   response header; a request naming a group itself is refused. Its records are read with that
-   id. When the request ends (finished, failed or the client gone), its groups' Distiller slots
-   are freed on every rank at once (``esamp_release`` through vLLM's ``collective_rpc``, which
-   runs between engine steps): an idle server holds no slot.
+3. **Owns group identity.** Each request on a route that generates with ``vllm_xargs``
+   (``esamp.serving.routes``: the ``STEERED`` ones) gets a group from the server
+   (``settings.ISSUED``): its unguessable id goes back in the ``X-Esamp-Group`` response header,
+   and a private ticket for it into the request's ``vllm_xargs``; a request naming a group itself
+   is refused, whichever group it names. Its records are read with that id. When the request ends
+   (finished, failed or the client gone), its groups' Distiller slots are freed on every rank at
+   once (``esamp_release`` through vLLM's ``collective_rpc``, which runs between engine steps): an
+   idle server holds no slot. A request on any other route holds none (the engine steers only the
+   groups issued here); which routes the running server has is read from vLLM's app.
 4. **Keeps a group on one rank.** vLLM fans a request with n > 1 out into n child requests, and
    with ``--data-parallel-size N`` its load balancer places each child on its own (children of one
    request land on different ranks, each with its own Distiller bank). An ESamp group is one
@@ -28,11 +31,15 @@ settings of its own. What it does (docs/serving.md says it for users):
    ``X-data-parallel-rank`` header: the rank with the fewest samples in flight through this API
    server (several API server processes each balance their own requests). A request that already
    carries the header keeps it.
-5. **Ends every open response when the server stops.** On SIGTERM vLLM stops its engine and then
-   waits for open responses to finish, which they never do: a streaming client would hang until
-   its own timeout. Once the server is stopping (``server.should_exit``) or the engine has died,
-   every response still open gets an error (a 503 before its headers, an error event and
-   ``[DONE]`` inside a stream) and ends, so the server can exit.
+5. **Ends every open response when the server stops.** On SIGTERM or SIGINT vLLM first drains
+   its engine (``--shutdown-timeout`` seconds) and only then stops the HTTP server, so open
+   streams would wait for the engine and end with its death (vLLM's 500). The middleware hears the
+   signal itself, the moment it comes (its handler runs before vLLM's and then calls it), and so
+   also when the server is stopping otherwise (``server.should_exit``) or the engine has died:
+   every response still open gets the 503 "the server is shutting down" (a 503 before its
+   headers, an error event and ``[DONE]`` inside a stream) and ends, and vLLM aborts the requests,
+   so the engine stops with nothing in flight. With the operator's ``--shutdown-timeout``
+   (``DRAIN_ENV``) running requests may first go on that long, less ``DRAIN_MARGIN``.
 6. **Serves every rank's side channel:** ``GET /esamp/metrics`` (Prometheus text, samples
    labelled ``rank``), ``GET /esamp/records?group=G[,G...]`` (the groups' novelty records from
    every rank, taken: a record is handed out once) and ``GET /esamp/config`` (the server's ESamp
@@ -49,12 +56,17 @@ import json
 import logging
 import os
 import random
+import signal
+import sys
+import threading
 from dataclasses import asdict, dataclass
 from urllib.parse import parse_qs, quote
 
 from esamp.engines.vllm.channel import HOST, SECRET_HEADER, read_groups
 from esamp.engines.vllm.settings import CHANNEL_SECRET_ENV, ISSUED, SERVE_ENV
 from esamp.core import payload as pl
+from esamp.errors import shown
+from esamp.serving import routes as rt
 from esamp.serving.admission import Refused, admit, many_prompts_with_records, refuse_surrogates
 from esamp.serving.metrics import merge
 
@@ -62,13 +74,7 @@ ROUTES = ("/esamp/metrics", "/esamp/records?group=ID", "/esamp/config")  # what 
 
 log = logging.getLogger(__name__)
 
-GENERATE_PATHS = {"/v1/completions": False, "/v1/chat/completions": True, "/invocations": None}  # path → chat?
-# Other routes that generate with vllm_xargs: each request gets its group id and its slots freed at
-# its end too; their bodies are vLLM's to check (the engine's ``prepare`` refuses what ESamp cannot
-# serve, and any group a client names). Path → the field whose items are separate prompts.
-OTHER_GENERATE_PATHS = {"/v1/responses": None, "/v1/messages": None, "/v1/chat/completions/batch": "messages"}
-TEXT_PATHS = frozenset({"/tokenize"})  # other bodies whose text a tokenizer reads
-INSPECTED = frozenset({*GENERATE_PATHS, *OTHER_GENERATE_PATHS, *TEXT_PATHS})
+ADMITTED = {rt.COMPLETION: False, rt.CHAT: True, rt.EITHER: None}  # a route's check → admit's ``chat``
 # Answer without the API key: load balancers' health checks and Prometheus scrapes. Neither
 # generates text nor shows a tenant's data (counters only). Everything else needs the key.
 OPEN = frozenset({"/health", "/ping", "/metrics", "/esamp/metrics"})
@@ -77,7 +83,15 @@ RANK_HEADER = b"x-data-parallel-rank"  # vLLM reads it as X-data-parallel-rank
 CHANNEL_TIMEOUT = 5.0  # seconds to wait for a rank's channel (it answers from a thread of the engine core)
 WATCH_INTERVAL = 0.2  # seconds between looks at whether the server is stopping
 PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"
-API_KEY_ENV = "VLLM_API_KEY"  # vLLM's own fallback for --api-key
+API_KEY_ENV = "VLLM_API_KEY"  # vLLM's own fallback for --api-key (one key)
+KEYS_ENV = "ESAMP_SERVE_API_KEYS"  # the keys esamp serve was given, as a JSON list (never on a command line)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # what vLLM's server stops on
+# Seconds a running request may take to finish after a stop signal: the --shutdown-timeout the
+# operator gave esamp serve (its own default gives the engine time to stop, not the requests: 0 here).
+DRAIN_ENV = "ESAMP_SERVE_DRAIN"
+DRAIN_MARGIN = 1.0  # a drained request ends this long before vLLM's deadline, while its engine still runs
+SHUTTING_DOWN = "the server is shutting down; this request did not finish: send it again (to a running server)"
+ENGINE_STOPPED = "the engine stopped; this request did not finish: send it again once the server is back"
 
 
 @dataclass(frozen=True)
@@ -136,14 +150,40 @@ async def fetch(host: str, port: int, path: str, secret: str, timeout: float = C
 
 
 def api_keys(app) -> list[bytes]:
-    """SHA-256 digests of the keys this server takes (``--api-key``, else ``VLLM_API_KEY``, as vLLM
-    decides), empty when it takes none."""
+    """SHA-256 digests of the keys this server takes, empty when it takes none: ``--api-key`` on
+    vLLM's command line (a ``vllm serve`` line of your own), else ``KEYS_ENV`` (where ``esamp serve``
+    puts them), else ``VLLM_API_KEY`` (vLLM's own fallback), as vLLM gives the command line
+    precedence."""
     args = getattr(getattr(app, "state", None), "args", None)
     given = getattr(args, "api_key", None)
     if isinstance(given, str):
         given = [given]
-    keys = [k for k in (given or [os.environ.get(API_KEY_ENV)]) if k]
+    keys = [k for k in (given or env_keys()) if k]
     return [hashlib.sha256(k.encode()).digest() for k in keys]
+
+
+def env_keys() -> list[str]:
+    """The keys in the environment: ``KEYS_ENV``'s list, else ``VLLM_API_KEY``. A ``KEYS_ENV`` that is
+    not a JSON list of strings is taken whole as one key: the server stays closed, never open."""
+    raw = os.environ.get(KEYS_ENV)
+    if not raw:  # unset (or set to nothing): vLLM's variable
+        return [os.environ.get(API_KEY_ENV) or ""]
+    try:
+        keys = json.loads(raw)
+    except ValueError:
+        keys = None
+    if not (isinstance(keys, list) and keys and all(isinstance(k, str) and k for k in keys)):
+        log.error("ESamp: %s is not a JSON list of keys; taking it whole as the one key", KEYS_ENV)
+        return [raw]
+    return keys
+
+
+def drain_seconds() -> float:
+    """``DRAIN_ENV``'s seconds (0 when unset or not a number: end at once)."""
+    try:
+        return max(0.0, float(os.environ.get(DRAIN_ENV) or 0))
+    except ValueError:
+        return 0.0
 
 
 def authorised(scope, keys: list[bytes]) -> bool:
@@ -218,8 +258,11 @@ class EsampMiddleware:
         self.secret = os.environ.get(CHANNEL_SECRET_ENV, "")
         self._stopping: asyncio.Future | None = None  # its result: why the server stops
         self._watcher: asyncio.Task | None = None
+        self._hearing = False  # our handler for the stop signals is in place (once per process)
+        self._drain_until = float("inf")  # (loop time) when open responses end once the server stops
         self._releasing: list[str] = []  # groups whose slots are to be freed
         self._release_task: asyncio.Task | None = None
+        self.routes: dict[str, list[str]] | None = None  # the server's POST routes by kind (routes.classify)
 
     async def __call__(self, scope, receive, send) -> None:
         kind = scope["type"]
@@ -239,11 +282,14 @@ class EsampMiddleware:
         if kind == "websocket":
             await self.app(scope, receive, send)
             return
+        if self.routes is None:
+            self._read_routes(scope.get("app"))
         if path == "/esamp" or path.startswith("/esamp/"):
             await self._route(scope, path, send)
             return
-        if scope["method"] == "POST" and path in INSPECTED and _is_json(scope):
-            await self._inspect(scope, path, receive, send)
+        route = rt.POST_ROUTES.get(path)
+        if scope["method"] == "POST" and route is not None and route.check and _is_json(scope):
+            await self._inspect(scope, route, receive, send)
             return
         await self._run(scope, receive, _Response(send))
 
@@ -256,13 +302,27 @@ class EsampMiddleware:
                 self.info, self._looked = server_info(config), True
         return self.info
 
+    def _read_routes(self, app) -> None:
+        """The POST routes vLLM's app serves, by kind (``routes.classify``), read once; a route esamp
+        does not know is logged: its requests are sampled without ESamp."""
+        if app is None or not hasattr(app, "routes"):
+            return
+        self.routes = rt.classify(rt.posts(app))
+        for path in self.routes[rt.UNKNOWN]:
+            log.warning("ESamp: this vLLM serves POST %s, a route esamp does not know: its requests are sampled "
+                        "without ESamp and hold no Distiller slot (docs/serving.md, \"Routes\")", path)
+
     # -- every request vLLM answers: ended when the server stops -----------------------------------
 
     async def _run(self, scope, receive, response: _Response) -> None:
         stopping = self._watch(scope.get("app"))
+        before = not stopping.done()  # a request that came before the stop may drain; a later one may not
         task = asyncio.ensure_future(self.app(scope, receive, response.send))
         try:
             await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            left = self._drain_until - asyncio.get_running_loop().time()
+            if not task.done() and before and left > 0:
+                await asyncio.wait({task}, timeout=left)
         except asyncio.CancelledError:
             task.cancel()
             raise
@@ -285,26 +345,56 @@ class EsampMiddleware:
             state = getattr(app, "state", None)
             if getattr(state, "server", None) is not None or getattr(state, "engine_client", None) is not None:
                 self._watcher = loop.create_task(self._watch_server(state, self._stopping))
+                self._hear_signals(loop, getattr(state, "server", None))
         return self._stopping
 
-    @staticmethod
-    async def _watch_server(state, stopping: asyncio.Future) -> None:
-        while True:
+    def _stop(self, reason: str, drain: float = 0.0) -> None:
+        """The server is stopping: new requests get a 503 at once; open ones after ``drain`` seconds
+        (less ``DRAIN_MARGIN``), at once by default."""
+        if self._stopping is not None and not self._stopping.done():
+            self._drain_until = self._stopping.get_loop().time() + max(0.0, drain - DRAIN_MARGIN)
+            log.warning("ESamp: %s: ending every open response with an error%s", reason.partition(";")[0],
+                        f" after {drain - DRAIN_MARGIN:.0f} s" if drain > DRAIN_MARGIN else "")
+            self._stopping.set_result(reason)
+
+    async def _watch_server(self, state, stopping: asyncio.Future) -> None:
+        """Stop when vLLM's server is stopping for a reason of its own, or its engine has died."""
+        while not stopping.done():
             await asyncio.sleep(WATCH_INTERVAL)
             server = getattr(state, "server", None)
             engine = getattr(state, "engine_client", None)
             if server is not None and (getattr(server, "should_exit", False) or getattr(server, "force_exit", False)):
-                reason = "the server is shutting down; this request did not finish: send it again (to a running server)"
-                break
-            if engine is not None and getattr(engine, "errored", False):
-                reason = "the engine stopped; this request did not finish: send it again once the server is back"
-                break
-        log.warning("ESamp: %s: ending every open response with an error", reason.partition(";")[0])
-        stopping.set_result(reason)
+                self._stop(SHUTTING_DOWN)
+            elif engine is not None and getattr(engine, "errored", False):
+                self._stop(ENGINE_STOPPED)
+
+    def _hear_signals(self, loop, server) -> None:
+        """Hear SIGTERM and SIGINT when they come, in vLLM's server process. vLLM's own handler (on its
+        event loop) drains the engine for ``--shutdown-timeout`` seconds before it stops the HTTP
+        server, which is what would keep open streams waiting; ours runs first, ends them, and then
+        calls vLLM's. Only in the main thread of a process that runs uvicorn's server (vLLM's), and
+        only over a handler that is a Python function (vLLM's event loop's): a default or ignored
+        signal is left as it is."""
+        uvicorn = sys.modules.get("uvicorn")
+        if uvicorn is None or not isinstance(server, uvicorn.Server) or self._hearing:
+            return
+        if threading.current_thread() is not threading.main_thread():
+            return
+        self._hearing = True
+        for sig in STOP_SIGNALS:
+            previous = signal.getsignal(sig)
+            if not callable(previous):
+                continue
+
+            def handler(signum, frame, previous=previous):
+                loop.call_soon_threadsafe(self._stop, SHUTTING_DOWN, drain_seconds())
+                previous(signum, frame)
+
+            signal.signal(sig, handler)
 
     # -- generation requests ---------------------------------------------------------------------
 
-    async def _inspect(self, scope, path: str, receive, send) -> None:
+    async def _inspect(self, scope, route: rt.Route, receive, send) -> None:
         body = await _read_body(receive)
         if body is None:
             return  # the client left before sending its request
@@ -316,12 +406,12 @@ class EsampMiddleware:
             await self._run(scope, _replay(body, receive), _Response(send))  # not a JSON object: vLLM answers it
             return
         try:
-            if path in TEXT_PATHS:
+            if route.check == rt.TEXT:
                 refuse_surrogates(request)
                 await self._run(scope, _replay(body, receive), _Response(send))
                 return
-            admission = admit(request, GENERATE_PATHS[path]) if path in GENERATE_PATHS else \
-                other_admission(request, OTHER_GENERATE_PATHS[path])
+            admission = admit(request, ADMITTED[route.check]) if route.check in ADMITTED else \
+                other_admission(request, route.prompts)
         except Refused as refused:
             await _respond(send, 400, json.dumps(refused.body()), "application/json")
             return
@@ -330,15 +420,16 @@ class EsampMiddleware:
             await self._run(scope, _replay(body, receive), _Response(send))
             return
         info = self._server(scope)
-        token, headers, rank = None, [], None
+        issued, headers, rank = None, [], None
         if admission.steered:
-            token = ISSUED.issue()
+            issued = ISSUED.issue()
             xargs = request.get("vllm_xargs") or {}
-            request["vllm_xargs"] = {**xargs, pl.ROUTE_KEYS["group"]: token}
+            # the ticket rides to the engine (prepare claims it); the client sees only the group's id
+            request["vllm_xargs"] = {**xargs, pl.ROUTE_KEYS["group"]: issued.ticket}
             body = json.dumps(request, ensure_ascii=False).encode()
             scope = dict(scope, headers=[(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
                          + [(b"content-length", str(len(body)).encode())])
-            headers.append((GROUP_HEADER, token.encode()))
+            headers.append((GROUP_HEADER, issued.group.encode()))
             if info is not None and info.ranks > 1 and not any(k.lower() == RANK_HEADER for k, _ in scope["headers"]):
                 rank = self._pin(admission.n * admission.prompts, info.ranks)
                 scope = dict(scope, headers=[*scope["headers"], (RANK_HEADER, str(rank).encode())])
@@ -347,8 +438,8 @@ class EsampMiddleware:
         finally:
             if rank is not None:
                 self.load[rank] -= admission.n * admission.prompts
-            if token is not None:
-                self._release(scope.get("app"), ISSUED.end(token))
+            if issued is not None:
+                self._release(scope.get("app"), ISSUED.end(issued.ticket))
 
     def _pin(self, samples: int, ranks: int) -> int:
         start = next(self._turn)
@@ -360,8 +451,8 @@ class EsampMiddleware:
         """Free ``groups``' Distiller slots on every rank (their request has ended), soon: the groups
         of requests that end meanwhile go along in the same call."""
         engine = getattr(getattr(app, "state", None), "engine_client", None)
-        if not groups or engine is None:
-            return
+        if not groups or engine is None or (self._stopping is not None and self._stopping.done()):
+            return  # nothing to free, or the engine is stopping and its slots go with it
         self._releasing += groups
         if self._release_task is None or self._release_task.done():
             self._release_task = asyncio.ensure_future(self._flush_releases(engine))
@@ -381,8 +472,8 @@ class EsampMiddleware:
         handler = routes.get(path)
         if handler is None:
             await _respond(send, 404, json.dumps({"error": {
-                "message": f"no such ESamp route {path}", "type": "NotFoundError", "param": None, "code": 404,
-                "routes": list(ROUTES)}}), "application/json")
+                "message": f"no such ESamp route {shown(path, quote=False)}", "type": "NotFoundError", "param": None,
+                "code": 404, "routes": list(ROUTES)}}), "application/json")
             return
         if scope["method"] not in ("GET", "HEAD"):
             await _respond(send, 405, json.dumps(_error(405, f"{path} answers GET only")), "application/json")
@@ -404,6 +495,7 @@ class EsampMiddleware:
     async def _config(self, scope, send, info: ServerInfo) -> None:
         out = asdict(info)
         out["channels"] = [f"http://{host}:{port}" for _, host, port in info.channels()]
+        out["routes"] = self.routes  # the server's POST routes by kind: which generate, and how
         await _respond(send, 200, json.dumps(out), "application/json")
 
     async def _gather(self, info: ServerInfo, path: str) -> dict[int, tuple[int, bytes] | Exception]:
@@ -445,8 +537,9 @@ class EsampMiddleware:
 
 
 def other_admission(request: dict, prompts_field: str | None):
-    """A request on one of ``OTHER_GENERATE_PATHS``: steered unless it says ``esamp: off`` (or its
-    ``vllm_xargs`` is not a mapping: vLLM refuses that); text checked for lone surrogates."""
+    """A request on a ``routes.XARGS`` route, whose body is vLLM's to check: steered unless it says
+    ``esamp: off`` (or its ``vllm_xargs`` is not a mapping: vLLM refuses that); a group or another key
+    only the server sets refused; text checked for lone surrogates."""
     from esamp.serving.admission import Admission
 
     from esamp.engines.vllm.settings import refuse_server_keys

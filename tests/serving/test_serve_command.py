@@ -56,6 +56,12 @@ def test_the_plan_carries_esamp_and_passes_everything_else_through():
     generation = json.loads(option(command, "--override-generation-config"))
     assert generation == {"repetition_penalty": 1.0, "temperature": 0.8, "top_p": 0.95, "min_p": 0.1}
     assert "ESAMP_SERVE=1" in p.shell() and "--middleware" in p.shell()
+    # the engine's time to stop; open requests end at once on a stop signal, unless the operator
+    # gives --shutdown-timeout, which they may then take to finish
+    assert option(command, "--shutdown-timeout") == "5" and "ESAMP_SERVE_DRAIN" not in p.env
+    drained = plan(PRESET, "--shutdown-timeout", "30")
+    assert option(drained.command, "--shutdown-timeout", many=True) == ["30"]
+    assert drained.env["ESAMP_SERVE_DRAIN"] == "30"
 
 
 def test_every_esamp_setting_has_a_flag():
@@ -247,17 +253,24 @@ def test_esamp_serve_on_a_busy_port_exits_2_at_once(tmp_path):
     assert "Traceback" not in done.stderr and time.monotonic() - t0 < 60
 
 
-def test_the_printed_line_never_shows_an_api_key(capsys):
-    """The line esamp serve prints (to its log, or for --dry-run) hides the key; vLLM gets it."""
+def test_keys_and_tokens_go_in_the_environment_never_on_a_command_line(capsys, monkeypatch):
+    """vLLM's command line is readable by every user of the machine (ps, /proc/PID/cmdline): the API
+    keys and the HF token reach vLLM in the environment, and the printed line (the log, --dry-run)
+    shows them as ***."""
     from esamp.commands.cli import main
-    from esamp.commands.serve import hide_secrets
+    from esamp.serving.middleware import KEYS_ENV
 
-    keyed = plan(PRESET, "--api-key", "k-one", "k-two", "--port", "9123")
-    at = keyed.command.index("--api-key")
-    assert keyed.command[at + 1:at + 3] == ["k-one", "k-two"]  # what vLLM runs with
-    assert "k-one" not in keyed.shell() and "k-two" not in keyed.shell() and "--port 9123" in keyed.shell()
-    assert hide_secrets(["vllm", "--api_key=secret", "--hf-token", "t", "--seed", "1"]) == \
-        ["vllm", "--api-key=***", "--hf-token", "***", "--seed", "1"]
+    monkeypatch.setenv("VLLM_API_KEY", "exported-earlier")
+    keyed = plan(PRESET, "--api-key", "k-one", "k-two", "--port", "9123", "--hf-token", "hf-secret")
+    assert not {"--api-key", "k-one", "k-two", "--hf-token", "hf-secret"} & set(keyed.command)
+    assert json.loads(keyed.env[KEYS_ENV]) == ["k-one", "k-two"] and keyed.env["HF_TOKEN"] == "hf-secret"
+    assert keyed.env["VLLM_API_KEY"] == ""  # vLLM's own check takes one key: the middleware checks both
+    shell = keyed.shell()
+    assert not any(secret in shell for secret in ("k-one", "k-two", "hf-secret", "exported-earlier"))
+    assert "--port 9123" in shell and "HF_TOKEN=***" in shell
+    one = plan(PRESET, "--api-key=only", "--api-key", "last")  # as vLLM reads it: the last --api-key
+    assert json.loads(one.env[KEYS_ENV]) == ["last"] and one.env["VLLM_API_KEY"] == "last"
+    assert "--hf-token" in plan(PRESET, "--hf-token", "--port", "9123").command  # bare: no secret in it
     assert main(["serve", PRESET, "--dry-run", "--api-key", "k-one"]) == 0
     out = capsys.readouterr().out
-    assert "k-one" not in out and "--api-key '***'" in out and "put yours back" in out
+    assert "k-one" not in out and "VLLM_API_KEY=***" in out and "put yours back" in out

@@ -74,10 +74,10 @@ class FakeVllm:
             args=SimpleNamespace(api_key=api_key), engine_client=self.engine,
             **({"server": server} if server is not None else {}))
         self.seen: list[tuple[dict, bytes]] = []
+        self.prepared: list[str] = []  # the group of every prompt the engine steered
         self.hold = hold
 
-    @staticmethod
-    def prepare(body: bytes) -> None:
+    def prepare(self, body: bytes) -> None:
         """What vLLM does with a request the middleware sent on: ``prepare`` for each prompt."""
         try:
             request = json.loads(body)
@@ -88,9 +88,11 @@ class FakeVllm:
             return
         prompts = request.get("prompt")
         for _ in prompts if isinstance(prompts, list) else [prompts]:
-            es.prepare(SimpleNamespace(n=int(request.get("n", 1)), temperature=1.0, top_p=1.0, top_k=0, min_p=0.0,
-                                       seed=None, repetition_penalty=1.0, presence_penalty=0.0,
-                                       frequency_penalty=0.0, extra_args=dict(xargs)))
+            params = SimpleNamespace(n=int(request.get("n", 1)), temperature=1.0, top_p=1.0, top_k=0, min_p=0.0,
+                                     seed=None, repetition_penalty=1.0, presence_penalty=0.0,
+                                     frequency_penalty=0.0, extra_args=dict(xargs))
+            es.prepare(params)
+            self.prepared.append(params.extra_args["esamp_group"])
 
     async def __call__(self, scope, receive, send):
         body = b""
@@ -292,6 +294,24 @@ def test_cors_preflights_and_servers_without_a_key_pass(ranks, monkeypatch):
     assert run(call(middleware, env_app, "GET", "/v1/models", headers=[(b"authorization", b"Bearer from-env")]))[0] == 200
 
 
+@pytest.mark.parametrize("raw, taken, refused", [
+    ('["k1", "k2"]', [b"k1", b"k2"], [b"from-env", b"k3"]),  # esamp serve's list wins over VLLM_API_KEY
+    ("not a list", [b"not a list"], [b"from-env", b""]),  # malformed: taken whole, never open
+    ("[]", [b"[]"], [b"from-env", b""]),
+])
+def test_keys_from_the_environment_never_leave_the_server_open(monkeypatch, raw, taken, refused):
+    from esamp.serving.middleware import KEYS_ENV
+
+    monkeypatch.setenv(KEYS_ENV, raw)
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")
+    app = FakeVllm(1, None)
+    middleware = EsampMiddleware(app)
+    for key in taken:
+        assert run(call(middleware, app, "GET", "/v1/models", headers=[(b"authorization", b"Bearer " + key)]))[0] == 200
+    for key in refused:
+        assert run(call(middleware, app, "GET", "/v1/models", headers=[(b"authorization", b"Bearer " + key)]))[0] == 401
+
+
 def test_a_websocket_without_the_key_is_closed():
     app = FakeVllm(1, None, api_key=["k1"])
     sent = []
@@ -324,8 +344,9 @@ def test_each_steered_request_gets_an_unguessable_group_of_its_own(monkeypatch):
     groups = []
     for _ in range(2):
         status, _, headers = run(call(middleware, app, "POST", "/v1/completions", completion(n=2), full=True))
-        group = xargs_of(app.seen[-1][1])["esamp_group"]
-        assert status == 200 and headers[b"x-esamp-group"].decode() == group
+        group = headers[b"x-esamp-group"].decode()
+        ticket = xargs_of(app.seen[-1][1])["esamp_group"]  # what rode to the engine: the private ticket
+        assert status == 200 and app.prepared[-1] == group and ticket != group and group not in ticket
         groups.append(group)
     assert groups[0] != groups[1] and all(len(g) >= 24 for g in groups)
     assert len(es.ISSUED) == 0  # nothing kept once the requests ended
@@ -355,35 +376,94 @@ def test_a_request_cannot_name_or_join_a_group(monkeypatch, xargs, words):
     assert app.seen == []
 
 
-def test_the_engine_side_refuses_what_the_middleware_did_not_see(monkeypatch):
-    """Routes the middleware does not rewrite (``/v1/responses``, ...) reach ``prepare`` directly:
-    a group it did not issue, and every key the engine sets, are refused there too."""
+def test_the_engine_steers_only_groups_the_middleware_issued(monkeypatch):
+    """``prepare`` (vLLM's check of every request, on every route): a group only for a request that
+    carries a ticket the middleware issued for a request in flight. A group any client names, the
+    id of a running group included, is refused with the same answer; every key the engine sets is
+    refused; and a request without a ticket (a route the middleware does not steer) is sampled
+    plainly, holding no Distiller slot."""
     monkeypatch.setenv(es.SERVE_ENV, "1")
 
     class Params(SimpleNamespace):  # like vLLM's SamplingParams, it takes a weak reference
         pass
 
     def params(**extra):
-        return Params(n=2, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, seed=None,
-                               repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, extra_args=extra)
+        return Params(n=2, temperature=0.7, top_p=0.9, top_k=0, min_p=0.0, seed=None,
+                      repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, extra_args=extra or None)
 
-    for extra in ({"esamp_group": "victim"}, {"esamp_sample": 0}, {"esamp_temperature": 0.5, "esamp_group": "v"}):
-        with pytest.raises(ValueError, match="set by the server"):
+    issued = es.ISSUED.issue()  # what the middleware writes: the ticket; the client sees the group
+    answers = set()
+    for extra in ({"esamp_group": issued.group}, {"esamp_group": "eg-not-running"}, {"esamp_sample": 0},
+                  {"esamp_temperature": 0.5, "esamp_group": issued.ticket}):
+        with pytest.raises(ValueError, match="set by the server") as err:
             es.prepare(params(**extra))
-    token = es.ISSUED.issue()  # what the middleware writes: the request's own id, one group per prompt
-    first, second = params(esamp_group=token), params(esamp_group=token)
+        answers.add(str(err.value))
+    assert len(answers) == 3  # the group's answer is one, running or not; esamp_sample's, esamp_temperature's
+    first, second = params(esamp_group=issued.ticket), params(esamp_group=issued.ticket)
     es.prepare(first)
     es.prepare(second)
-    assert (first.extra_args["esamp_group"], second.extra_args["esamp_group"]) == (token, token + ".1")
+    group = issued.group
+    assert (first.extra_args["esamp_group"], second.extra_args["esamp_group"]) == (group, group + ".1")
+    assert first.top_p == 1.0 and first.extra_args["esamp_top_p"] == 0.9  # steered: the filters moved
     before = dict(first.extra_args)
     es.prepare(first)  # the same params again: unchanged
     assert first.extra_args == before
-    assert es.ISSUED.end(token) == [token, token + ".1"] and token not in es.ISSUED
+    assert es.ISSUED.end(issued.ticket) == [group, group + ".1"] and issued.ticket not in es.ISSUED
     with pytest.raises(ValueError):
-        es.prepare(params(esamp_group=token))  # ended: no longer a group anyone may name
-    fresh = params()
-    es.prepare(fresh)
-    assert len(fresh.extra_args["esamp_group"]) == 32  # a route without the middleware: a random group
+        es.prepare(params(esamp_group=issued.ticket))  # ended: no longer anyone's
+    plain = params()
+    es.prepare(plain)  # no ticket: plain sampling with its own filters, no group
+    assert plain.extra_args is None and plain.top_p == 0.9
+    with pytest.raises(ValueError, match="served without ESamp") as err:
+        es.prepare(params(esamp_beta=1.0))  # asks for ESamp where it cannot be had: told so
+    assert "/v1/completions" in str(err.value)
+    off = params(esamp="off")
+    es.prepare(off)
+    assert off.top_p == 0.9
+
+
+def test_naming_a_running_group_gets_the_answer_any_name_gets(monkeypatch):
+    """A running group's id tells a client nothing: naming it is refused exactly as naming any other."""
+    monkeypatch.setenv(es.SERVE_ENV, "1")
+
+    async def scenario():
+        hold = asyncio.Event()
+        app = FakeVllm(1, 9, hold)
+        middleware = EsampMiddleware(app)
+        running = asyncio.create_task(call(middleware, app, "POST", "/v1/completions", completion(n=2), full=True))
+        while not app.prepared:
+            await asyncio.sleep(0.01)
+        live = app.prepared[-1]
+        answers = []
+        for path in ("/v1/completions", "/v1/responses"):
+            for name in (live, "eg-" + "x" * 22):
+                answers.append(await call(middleware, app, "POST", path, completion(vllm_xargs={"esamp_group": name})))
+        hold.set()
+        await running
+        return answers
+
+    answers = run(scenario())
+    assert {status for status, _ in answers} == {400}
+    assert answers[0] == answers[1] and answers[2] == answers[3]
+
+
+@pytest.mark.parametrize("fields, param, words, absent", [
+    (dict(n=-1), "n", ["n=-1", "at least 1"], ["esamp_n"]),
+    (dict(n=0), "n", ["n=0", "at least 1"], ["esamp_n"]),
+    (dict(vllm_xargs={"esamp_mix": "x" * 100_000}), "vllm_xargs", ["esamp_mix='xxx", "… (100000 characters)"], []),
+    (dict(vllm_xargs={"esamp_" + "y" * 50_000: 1}), "vllm_xargs", ["unknown ESamp setting", "(50006 characters)"],
+     []),
+])
+def test_a_refusal_names_the_field_sent_and_quotes_a_long_value_short(monkeypatch, fields, param, words, absent):
+    monkeypatch.setenv(es.SERVE_ENV, "1")
+    app = FakeVllm(1, 9)
+    status, body = run(call(EsampMiddleware(app), app, "POST", "/v1/completions", completion(**fields)))
+    error = json.loads(body)["error"]
+    assert status == 400 and error["param"] == param and len(body) < 1000, error
+    for word in words:
+        assert word in error["message"], error["message"]
+    for word in absent:
+        assert word not in error["message"], error["message"]
 
 
 def test_several_prompts_are_several_groups_and_records_need_one(monkeypatch):
@@ -529,8 +609,58 @@ def test_when_the_server_stops_every_open_response_ends_with_an_error(monkeypatc
     events = [line[6:] for line in body.decode().split("\n") if line.startswith("data: ")]
     assert events[-1] == "[DONE]" and "shutting down" in json.loads(events[-2])["error"]["message"]
     assert whole[0] == 503 and "send it again" in json.loads(whole[1])["error"]["message"]
-    released = [g for method, (groups,) in app.engine.calls for g in groups]
-    assert len(es.ISSUED) == 0 and len(released) == 2 and headers[b"x-esamp-group"].decode() in released
+    assert len(es.ISSUED) == 0  # the groups are forgotten ...
+    assert app.engine.calls == []  # ... and the stopping engine is not asked to free slots that go with it
+
+
+@pytest.mark.parametrize("drain", [None, "1.6"])
+def test_a_stop_signal_ends_open_streams_at_once_and_still_reaches_vllms_handler(monkeypatch, drain):
+    """vLLM stops its HTTP server only after draining its engine; the middleware hears SIGTERM itself
+    and ends the open stream at once (or, with the operator's --shutdown-timeout, that long less a
+    second, while new requests get the 503 at once), and vLLM's own handler still runs."""
+    import os
+    import signal
+    import time
+
+    import uvicorn
+
+    from esamp.serving.middleware import DRAIN_ENV
+
+    monkeypatch.setattr("esamp.serving.middleware.WATCH_INTERVAL", 30.0)  # only the signal can end it in time
+    monkeypatch.setenv(es.SERVE_ENV, "1")
+    if drain:
+        monkeypatch.setenv(DRAIN_ENV, drain)
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    async def scenario():
+        heard = []
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, heard.append, "vllm")  # as vLLM's serve_http
+        server = uvicorn.Server(uvicorn.Config(app=lambda *_: None))
+        app = FakeVllm(1, 9, hold=asyncio.Event(), server=server)
+        middleware = EsampMiddleware(app)
+        stream = asyncio.create_task(call(middleware, app, "POST", "/v1/completions", completion(stream=True, n=2)))
+        while not app.seen:
+            await asyncio.sleep(0.01)
+        t0 = time.monotonic()
+        os.kill(os.getpid(), signal.SIGTERM)
+        await asyncio.sleep(0.05)
+        late = await asyncio.wait_for(call(middleware, app, "POST", "/v1/completions", completion()), 1)
+        late_took = time.monotonic() - t0
+        status, body = await asyncio.wait_for(stream, 5)
+        took = time.monotonic() - t0
+        return status, body, took, late, late_took, heard
+
+    try:
+        status, body, took, late, late_took, heard = run(scenario())
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+    events = [line[6:] for line in body.decode().split("\n") if line.startswith("data: ")]
+    assert status == 200 and events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["code"] == 503 and "shutting down" in events[-2]
+    assert late[0] == 503 and late_took < 0.5  # a request after the signal: at once, drain or not
+    assert (0.5 <= took < 1.5) if drain else took < 0.5
+    assert heard == ["vllm"]
 
 
 def test_a_dead_engine_ends_open_streams_too(monkeypatch):
@@ -559,7 +689,7 @@ def test_other_generating_routes_get_server_groups_too(monkeypatch):
     status, _, headers = run(call(middleware, app, "POST", "/v1/responses",
                                   json.dumps({"model": "tiny", "input": "hi"}).encode(), full=True))
     group = headers[b"x-esamp-group"].decode()
-    assert status == 200 and xargs_of(app.seen[-1][1]) == {"esamp_group": group}
+    assert status == 200 and list(xargs_of(app.seen[-1][1])) == ["esamp_group"] and app.prepared == [group]
     status, _, headers = run(call(middleware, app, "POST", "/v1/chat/completions/batch", json.dumps(
         {"model": "tiny", "messages": [[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]]}).encode(),
         full=True))

@@ -11,6 +11,7 @@
 - ``records``: per-step novelty records, read back without waiting on the GPU.
 - ``extension`` (and ``bench_extension``): worker methods called through ``collective_rpc``.
 - ``channel``: a served engine core's side channel (metrics and records per rank).
+- ``shutdown``: a served engine's workers leave their exit to the engine core on a stop signal.
 - ``engine``: ``VllmEngine``, the streaming loop (``add_request`` + ``step`` with delta outputs).
 - ``plugin``: registration with vLLM (the model classes; the processor's scoped entry point).
 - ``settings``: how ESamp settings travel through vLLM (engine-wide and per request).

@@ -46,6 +46,10 @@ def make_steering(vllm_config, device: torch.device, cls: type[EngineSteering] =
         from esamp.engines.vllm import channel
 
         steering.channel = channel.start(steering, server, vllm_config)
+    if server:  # esamp serve's engine: a stop signal to every process must not cut a step in half
+        from esamp.engines.vllm.shutdown import worker_waits_for_engine_core
+
+        worker_waits_for_engine_core()
     return steering
 
 

@@ -22,13 +22,19 @@ Which requests ``prepare`` steers: those carrying ESamp keys (not ``esamp=off``)
 server started by ``esamp serve`` (``SERVE_ENV`` set), every other request too, with the server's
 defaults.
 
-In a server, group identity is the server's, never a client's (docs/serving.md, "Groups"): a client
+In a server, group identity is the server's, never a client's (docs/serving.md, "Security"): a client
 may send only the steering keys and ``esamp_records``. The API server's middleware issues each
-request an unguessable group id (``ISSUED``) and writes it into the request; ``prepare`` accepts a
-group only if it was issued in this process, and refuses every key the engine sets (the filters,
-``esamp_sample``, ``esamp_seed``, ``esamp_n``) unless ``prepare`` itself wrote them on these very
-params. A route the middleware does not rewrite (``/v1/responses``, ...) gets a fresh random group
-per prompt. So no request can join, train or read another request's group.
+request it steers a group (``ISSUED``): a public id, returned to the client in ``X-Esamp-Group``,
+and a private ticket, written into the request's ``vllm_xargs`` and never shown to anyone.
+``prepare`` steers a request only if it carries a ticket issued in this process for a request in
+flight, and refuses every key the engine sets (the group, the filters, ``esamp_sample``,
+``esamp_seed``, ``esamp_n``) unless ``prepare`` itself wrote them on these very params. What a
+client can know (its own group's public id, any other string) is never a ticket, so every group a
+client names gets the same refusal, whether or not that group is running. A request without a
+ticket (a route the middleware does not steer, such as ``/generative_scoring``) is sampled plainly:
+it holds no Distiller slot, so a slot is only ever held by a group whose request the middleware
+is serving and will free when that request ends. So no request can join, train or read another
+request's group, and nothing a client sends outlives its request.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ import secrets
 import threading
 import uuid
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 from esamp.core import payload as pl
@@ -121,43 +128,54 @@ def _filters_of(params) -> Filters:
                        top_k=top_k if top_k > 0 else 0, min_p=float(params.min_p or 0.0))
 
 
-class IssuedGroups:
-    """Group ids the API server's middleware issued to the requests it is serving (this process).
+@dataclass(frozen=True)
+class Issued:
+    """A steered request's group: ``group`` is its public id (the client reads its records with it),
+    ``ticket`` the private proof, written into the request, that the middleware issued it."""
 
-    ``issue`` makes a request's id; ``take`` is ``prepare`` claiming it for one prompt of that
-    request (a request with several prompts gets ``ID``, ``ID.1``, ``ID.2``, ...: one group per
-    prompt); ``end`` forgets the request and returns the groups it became, for their Distiller
-    slots to be freed. Only requests in flight are held: nothing outlives its request.
+    group: str
+    ticket: str
+
+
+class IssuedGroups:
+    """Groups the API server's middleware issued to the requests it is serving (this process).
+
+    ``issue`` makes a request's group; ``take`` is ``prepare`` claiming it, by its ticket, for one
+    prompt of that request (a request with several prompts gets ``ID``, ``ID.1``, ``ID.2``, ...: one
+    group per prompt); ``end`` forgets the request and returns the groups it became, for their
+    Distiller slots to be freed. Only requests in flight are held: nothing outlives its request.
     ``prepare`` runs on vLLM's renderer threads, hence the lock.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._groups: dict[str, list[str]] = {}
+        self._groups: dict[str, tuple[str, list[str]]] = {}  # ticket → (public id, groups taken)
 
-    def issue(self) -> str:
-        token = "eg-" + secrets.token_urlsafe(GROUP_ID_BYTES)
+    def issue(self) -> Issued:
+        issued = Issued(group="eg-" + secrets.token_urlsafe(GROUP_ID_BYTES),
+                        ticket="et-" + secrets.token_urlsafe(GROUP_ID_BYTES))
         with self._lock:
-            self._groups[token] = []
-        return token
+            self._groups[issued.ticket] = (issued.group, [])
+        return issued
 
-    def take(self, token: str) -> str | None:
-        """The group for the next prompt of the request ``token``; None when ``token`` was not issued
-        here or has ended."""
+    def take(self, ticket: str) -> str | None:
+        """The group for the next prompt of the request holding ``ticket``; None when ``ticket`` was
+        not issued here or its request has ended."""
         with self._lock:
-            groups = self._groups.get(token)
-            if groups is None:
+            held = self._groups.get(ticket)
+            if held is None:
                 return None
+            token, groups = held
             group = token if not groups else f"{token}.{len(groups)}"
             groups.append(group)
             return group
 
-    def end(self, token: str) -> list[str]:
+    def end(self, ticket: str) -> list[str]:
         with self._lock:
-            return self._groups.pop(token, [])
+            return self._groups.pop(ticket, ("", []))[1]
 
-    def __contains__(self, token: object) -> bool:
-        return token in self._groups
+    def __contains__(self, ticket: object) -> bool:
+        return ticket in self._groups
 
     def __len__(self) -> int:
         return len(self._groups)
@@ -188,54 +206,90 @@ def prepare(params) -> None:
     if _PREPARED.get(id(params)) is params:
         return  # prepared already (vLLM may validate a request more than once)
     extra = params.extra_args or {}
-    try:
-        payload = pl.decode(extra)
-    except EsampError as exc:
-        raise ValueError(f"{exc.message} ({exc.hint})") from None
     served = bool(os.environ.get(SERVE_ENV))
-    group = None
+    given = extra.get(pl.ROUTE_KEYS["group"])
+    ticket = given if isinstance(given, str) and given in ISSUED else None
+    if ticket is not None:
+        extra = {k: v for k, v in extra.items() if k != pl.ROUTE_KEYS["group"]}
     if served:
-        token = extra.get(pl.ROUTE_KEYS["group"])
-        if isinstance(token, str) and token in ISSUED:
-            extra = {k: v for k, v in extra.items() if k != pl.ROUTE_KEYS["group"]}
-            payload = pl.decode(extra)
-            group = token  # claimed below, once the request is known to be steered
         refuse_server_keys(extra)
-    if payload is None and not served:
+        if ticket is None:
+            _refuse_unsteerable(extra)
+            return  # no group of the server's: sampled plainly, holding no Distiller slot
+    payload = check(params, extra, served)
+    if payload is None:
+        if ticket is not None:
+            params.extra_args = extra or None  # not steered after all: the ticket goes with nothing else
         return
-    if payload is not None and payload.enabled is False:
-        params.extra_args = extra or None
-        return
-    if payload is not None and payload.filters is not None:
-        return  # prepared by the caller (the library engine does not, but may)
-    if (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
-            or params.frequency_penalty != 0.0):
-        raise ValueError("ESamp cannot steer a request with repetition, presence or frequency "
-                         "penalties (they would act after steering): drop them, or send "
-                         "vllm_xargs {\"esamp\": \"off\"} for plain sampling")
-    n = int(getattr(params, "n", 1) or 1)
-    most = bound(SamplingConfig, "n", "le")
-    if n > most:
-        raise ValueError(f"n={n}: an ESamp group holds at most {most} samples; send fewer, "
-                         "or split them over several requests")
-    try:
-        filters = _filters_of(params)
-    except EsampError as exc:
-        raise ValueError(f"{exc.message} ({exc.hint})") from None
-    if group is not None:
-        group = ISSUED.take(group)
+    group = ISSUED.take(ticket) if ticket is not None else None
     if group is None:
-        group = payload.group if payload and payload.group else uuid.uuid4().hex
+        group = payload.group if payload.group else uuid.uuid4().hex
     # The base seed names the samples (child i has seed + i). vLLM takes any integer as a seed (and
     # -1 as none); a negative one is not a sample name, so those samples are numbered as they arrive.
     seed = params.seed
-    moved = pl.encode(filters=filters, n=n, group=group,
-                      seed=seed if seed is not None and seed >= 0 and not (payload and payload.sample is not None)
-                      else None)
+    moved = pl.encode(filters=_filters_of(params), n=_samples(params), group=group,
+                      seed=seed if seed is not None and seed >= 0 and payload.sample is None else None)
     params.extra_args = {**extra, **moved}
-    for name, value in neutral_filters(filters.temperature).items():
+    for name, value in neutral_filters(float(params.temperature)).items():
         setattr(params, name, value)
     try:
         _PREPARED[id(params)] = params
     except TypeError:  # params that take no weak reference: prepared twice is then refused in a server
         pass
+
+
+def check(params, extra: dict | None = None, served: bool | None = None) -> pl.Payload | None:
+    """Whether ESamp steers a request with these ``params`` (and ``extra``, its ``extra_args`` without
+    the server's ticket), without changing anything: its payload when it is steered, None when it
+    is not (no ESamp keys outside a server, or ``esamp: off``). A ``ValueError`` that says what to
+    change for a request ESamp cannot serve. ``served``: whether this process is ``esamp serve``'s
+    server, where every request the middleware issues a group is steered (default: from the
+    environment). The middleware's admission runs this very check before vLLM answers."""
+    extra = (params.extra_args or {}) if extra is None else extra
+    served = bool(os.environ.get(SERVE_ENV)) if served is None else served
+    try:
+        payload = pl.decode(extra)
+    except EsampError as exc:
+        raise ValueError(f"{exc.message} ({exc.hint})") from None
+    if payload is None and not served:
+        return None
+    if payload is not None and payload.enabled is False:
+        return None
+    if payload is not None and payload.filters is not None:
+        return None  # prepared by the caller (the library engine does not, but may)
+    if (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
+            or params.frequency_penalty != 0.0):
+        raise ValueError("ESamp cannot steer a request with repetition, presence or frequency "
+                         "penalties (they would act after steering): drop them, or send "
+                         "vllm_xargs {\"esamp\": \"off\"} for plain sampling")
+    n = _samples(params)
+    most = bound(SamplingConfig, "n", "le")
+    if n < 1:  # named as the client sent it, before it becomes the engine's esamp_n
+        raise ValueError(f"n={n}: a request asks for at least 1 sample; send n from 1 to {most}")
+    if n > most:
+        raise ValueError(f"n={n}: an ESamp group holds at most {most} samples; send fewer, "
+                         "or split them over several requests")
+    try:
+        _filters_of(params)
+    except EsampError as exc:
+        raise ValueError(f"{exc.message} ({exc.hint})") from None
+    return payload or pl.Payload()
+
+
+def _samples(params) -> int:
+    n = getattr(params, "n", None)
+    return 1 if n is None else int(n)
+
+
+def _refuse_unsteerable(extra) -> None:
+    """In a server, a request the middleware issued no group (a route it does not steer) is sampled
+    plainly; one that asks for ESamp by its keys is told so rather than silently sampled plainly."""
+    try:
+        payload = pl.decode(extra)
+    except EsampError as exc:
+        raise ValueError(f"{exc.message} ({exc.hint})") from None
+    if payload is not None and payload.enabled is not False:
+        keys = ", ".join(sorted(k for k in extra if isinstance(k, str) and k in pl.KNOWN))
+        raise ValueError(f"vllm_xargs {keys}: this route is served without ESamp (it cannot carry the server's "
+                         "group); send the request to /v1/completions or /v1/chat/completions for ESamp, or "
+                         "leave the esamp keys out (docs/serving.md, \"Requests\")")

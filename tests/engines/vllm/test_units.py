@@ -38,7 +38,7 @@ def test_prepare_moves_the_filters_and_names_the_group():
 
 
 @pytest.mark.vllm
-def test_prepare_leaves_plain_requests_alone_unless_serving(monkeypatch):
+def test_prepare_leaves_plain_requests_alone_and_serves_only_issued_groups(monkeypatch):
     plain = _params()
     es.prepare(plain)
     assert plain.extra_args in (None, {}) and plain.top_p == 0.9
@@ -46,9 +46,14 @@ def test_prepare_leaves_plain_requests_alone_unless_serving(monkeypatch):
     es.prepare(off)
     assert off.top_p == 0.9 and "esamp_group" not in off.extra_args
     monkeypatch.setenv(es.SERVE_ENV, "1")
-    served = _params(n=2)
+    unissued = _params(n=2)  # in a server, a request the middleware issued no group: plain, no slot
+    es.prepare(unissued)
+    assert unissued.top_p == 0.9 and not unissued.extra_args
+    issued = es.ISSUED.issue()
+    served = _params(n=2, extra_args={"esamp_group": issued.ticket})
     es.prepare(served)
-    assert served.top_p == 1.0 and served.extra_args["esamp_group"]
+    assert served.top_p == 1.0 and served.extra_args["esamp_group"] == issued.group
+    assert es.ISSUED.end(issued.ticket) == [issued.group]
 
 
 @pytest.mark.vllm
@@ -58,6 +63,7 @@ def test_prepare_leaves_plain_requests_alone_unless_serving(monkeypatch):
     (dict(extra_args={"esamp_mix": "sharp"}), ["esamp_mix", "paper"]),
     (dict(extra_args={"esamp_bta": 1.0}), ["esamp_bta", "esamp_beta"]),
     (dict(n=65, extra_args={"esamp": "on"}), ["n=65", "64"]),
+    (dict(extra_args={"esamp_mix": "x" * 5000}), ["esamp_mix='xxx", "… (5000 characters)"]),
 ])
 def test_prepare_refuses_what_esamp_cannot_serve(kw, words):
     with pytest.raises(ValueError) as err:
@@ -432,3 +438,72 @@ def test_the_model_classes_pickle_by_name():
                 inner, inner.forward, model._Gemma3WithTaps):
         assert "<locals>" not in obj.__qualname__
         assert pickle.loads(pickle.dumps(obj)) is obj
+
+
+WORKER = """
+import signal, sys, time
+from esamp.engines.vllm import shutdown
+
+def vllm_handler(signum, frame):  # what vLLM 0.30's worker does on a stop signal
+    raise SystemExit(7)
+
+vllm_handler.__qualname__ = shutdown.VLLM_WORKER_HANDLER
+for sig in shutdown.SIGNALS:
+    signal.signal(sig, vllm_handler)
+shutdown.DEFER_SECONDS = 1.0
+assert shutdown.worker_waits_for_engine_core()
+print("ready", flush=True)
+while True:
+    time.sleep(0.02)
+"""
+
+
+@pytest.mark.parametrize("signals", [1, 2])
+def test_a_served_worker_puts_off_one_stop_signal_and_never_ignores_it(signals):
+    """A served engine's worker outlives a stop signal to the whole server long enough for its engine
+    core to stop it (esamp.engines.vllm.shutdown), then exits as vLLM's worker does; a second signal
+    ends it at once. vLLM's own clean-ups send one SIGTERM and wait, so one is never ignored."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    child = subprocess.Popen([sys.executable, "-c", WORKER], stdout=subprocess.PIPE, text=True, cwd=root,
+                             env={**os.environ, "PYTHONPATH": str(root)})
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        t0 = time.monotonic()
+        for _ in range(signals):
+            child.send_signal(signal.SIGTERM)
+            time.sleep(0.1)
+        if signals == 1:
+            time.sleep(0.4)
+            assert child.poll() is None  # still there, for its engine core to stop it
+        assert child.wait(10) == 7  # vLLM's handler ended it
+        took = time.monotonic() - t0
+        assert (0.9 < took < 3.0) if signals == 1 else took < 0.9
+    finally:
+        child.kill()
+
+
+def test_only_vllms_worker_handler_is_replaced():
+    import signal
+
+    from esamp.engines.vllm.shutdown import SIGNALS, worker_waits_for_engine_core
+
+    saved = {sig: signal.getsignal(sig) for sig in SIGNALS}
+
+    def engine_core_handler(signum, frame):  # an engine core that runs its worker in its own process
+        pass
+
+    try:
+        for sig in SIGNALS:
+            signal.signal(sig, engine_core_handler)
+        assert worker_waits_for_engine_core() is False
+        assert all(signal.getsignal(sig) is engine_core_handler for sig in SIGNALS)
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
