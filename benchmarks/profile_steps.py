@@ -157,11 +157,11 @@ def main() -> int:
                         tensor_parallel_size=tp, llm_kwargs=llm_kwargs)
     vocab = int(json.loads((engine.resolved.hf_dir() / "config.json").read_text())["vocab_size"])
     if args.logits == "realistic":
-        from esamp.commands.bench.calibrate import REAL_MODEL, calibrate_head
+        from esamp.commands.bench.calibrate import REAL_MODEL, calibrate_head, head_sigma
         from esamp.commands.bench.workloads import PRESETS
 
-        sigma = engine.engine.collective_rpc("esamp_head_sigma")[0]
-        cal = calibrate_head(sigma, REAL_MODEL["default"], PRESETS["default"]["sampling"])
+        # every worker's shard of the head (a tensor-parallel rank answers for its own)
+        cal = calibrate_head(head_sigma(engine), REAL_MODEL["default"], PRESETS["default"]["sampling"])
         engine.engine.collective_rpc("esamp_scale_head", args=(cal.pop("factors"),))
     prompts = workloads.prompts(P, 32, vocab, seed=P * 1000 + n * 10 + L)
     run_trial(engine, prompts, n, min(L, 16), sampling_kw, es)

@@ -212,9 +212,10 @@ def build(args, passthrough: list[str]) -> Plan:
     from esamp.platform.devices import cuda_available
     from esamp.engines.vllm import launch, plugin
     from esamp.engines.vllm import settings as es
+    from esamp.commands.cli import ProgressPrinter
     from esamp.engines.models import resolve
 
-    resolved = resolve(spec)
+    resolved = resolve(spec, progress=ProgressPrinter())  # a hub id is downloaded here, before vLLM starts
     cuda = cuda_available()
     notes: list[str] = []
     if resolved.kind == "gguf":

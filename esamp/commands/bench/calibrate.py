@@ -60,6 +60,12 @@ def calibrate_head(sigma: list[float], target: dict, filters: dict, seed: int = 
     return best
 
 
+def head_sigma(engine) -> list[float]:
+    """The spread σ_v of every token's logit over the whole vocabulary: each tensor-parallel
+    worker answers for its shard, in rank order (``EsampBenchExtension.esamp_head_sigma``)."""
+    return [v for shard in engine.workers("esamp_head_sigma") for v in shard]
+
+
 def scale_heads(sides, factors: list[float] | None) -> None:
     for _, eng, _ in sides:
         eng.engine.collective_rpc("esamp_scale_head", args=(factors,))

@@ -232,7 +232,7 @@ def _measure(args, plan: Plan, loaded: list, log: Path) -> int:
 
 
 def _calibrate(base, steer, sides, given_filters, prompt_len, vocab, esamp) -> dict:
-    sigma = [v for shard in base.workers("esamp_head_sigma") for v in shard]  # one shard per TP worker
+    sigma = calibrate.head_sigma(base)
     filt = {**PRESETS["default"]["sampling"], **given_filters}
     target = calibrate.REAL_MODEL["default"]
     cal = calibrate.calibrate_head(sigma, target, filt)

@@ -54,6 +54,19 @@ def gpu_share(given: float | None) -> float:
     return share
 
 
+def _release_cached_gpu_memory() -> None:
+    """Hand what PyTorch's allocator cached in this process back to the device (an in-process
+    engine's memory), where CUDA is already in use here; never starts CUDA."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    try:
+        if torch is not None and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+    except Exception:
+        pass
+
+
 class VllmEngine(RecordedEngine):
     name = "vllm"
 
@@ -216,9 +229,19 @@ class VllmEngine(RecordedEngine):
                 self.drain()
             except Exception:
                 pass
+            # The engine core's own shutdown: it stops its processes, and an in-process core
+            # (VLLM_ENABLE_V1_MULTIPROCESSING=0) undoes the gc.freeze() of its start, without
+            # which its weights and KV cache would never be collected.
+            core = getattr(self.engine, "engine_core", None)
+            try:
+                if core is not None:
+                    core.shutdown()
+            except Exception:
+                pass
             del self.engine
             self.llm = None
             gc.collect()
+            _release_cached_gpu_memory()
 
     # -- the loop ----------------------------------------------------------------------------
 

@@ -194,6 +194,7 @@ def test_a_plain_engine_starts_on_vllms_runner_and_loads_no_esamp_processor():
         out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=2, temperature=0.0))
         assert len(out[0].outputs[0].token_ids) == 2
     finally:
+        llm.llm_engine.engine_core.shutdown()  # in this process: its memory goes back (gc.unfreeze)
         del llm
 
 

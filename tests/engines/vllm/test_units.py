@@ -507,3 +507,21 @@ def test_only_vllms_worker_handler_is_replaced():
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)
+
+
+def test_closing_an_engine_shuts_its_core_down_and_frees_cached_memory(monkeypatch):
+    """An in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0) froze the GC heap at its start;
+    only its own shutdown unfreezes it, so close() must call it or the GPU memory stays taken."""
+    import types
+
+    from esamp.engines.vllm import engine as vllm_engine
+
+    calls = []
+    core = types.SimpleNamespace(shutdown=lambda: calls.append("shutdown"))
+    engine = vllm_engine.VllmEngine.__new__(vllm_engine.VllmEngine)
+    engine.llm = object()
+    engine.engine = types.SimpleNamespace(engine_core=core)
+    engine.drain = lambda: calls.append("drain")
+    monkeypatch.setattr(vllm_engine, "_release_cached_gpu_memory", lambda: calls.append("released"))
+    engine._shutdown()
+    assert calls == ["drain", "shutdown", "released"] and engine.llm is None
