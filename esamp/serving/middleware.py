@@ -310,7 +310,7 @@ class EsampMiddleware:
         self.routes = rt.classify(rt.posts(app))
         for path in self.routes[rt.UNKNOWN]:
             log.warning("ESamp: this vLLM serves POST %s, a route esamp does not know: its requests are sampled "
-                        "without ESamp and hold no Distiller slot (docs/serving.md, \"Routes\")", path)
+                        "without ESamp and hold no Distiller slot (docs/serving.md, \"Routes: which generate, and how each is served\")", path)
 
     # -- every request vLLM answers: ended when the server stops -----------------------------------
 

@@ -1,5 +1,5 @@
 """vLLM's POST routes, classified for ESamp: which generate text, and what the middleware does with
-each (docs/serving.md, "Routes").
+each (docs/serving.md, "Routes: which generate, and how each is served").
 
 Whatever this table says, the API key guards every route but four (``middleware.OPEN``). Beyond
 that, a route is one of:

@@ -232,11 +232,13 @@ def test_the_client_engine_streams_training_groups_and_aborts(server):
         assert all(e.novelty is not None and 0 <= e.novelty <= 1 for e in tokens[:-1])
     assert any(e.loss is not None for e in steps) and sum(e.port_hits for e in steps) > 0
     key = client.start("Count to one hundred.", SamplingConfig(n=2, max_tokens=200, seed=1), Steering())
-    while not any(e.type == "token" for e in client.step()):
-        pass
+    before: list = []  # a sample may end (stop) in the step that brings the first tokens
+    while not any(e.type == "token" for e in before):
+        before += client.step()
     ended = client.abort(key)
-    assert sorted(e.sample for e in ended if e.type == "done") == [0, 1]
-    assert {e.finish_reason for e in ended if e.type == "done"} == {"abort"} and not client.has_unfinished()
+    dones = [e for e in before + ended if e.type == "done"]
+    assert sorted(e.sample for e in dones) == [0, 1]  # every sample ends once, by itself or by the abort
+    assert {e.finish_reason for e in ended if e.type == "done"} <= {"abort"} and not client.has_unfinished()
     from esamp.errors import ConfigError, PromptError
 
     with pytest.raises(PromptError):

@@ -27,6 +27,12 @@ def vllm_app(monkeypatch):
     pytest.importorskip("vllm")
     for name, value in SWITCHES.items():
         monkeypatch.setenv(name, value)
+    import vllm.envs
+
+    # An engine built earlier in this process may have made vLLM cache its environment
+    # (EngineCore enables the cache); the switches above must be read now.
+    if hasattr(vllm.envs, "disable_envs_cache"):
+        vllm.envs.disable_envs_cache()
     from vllm.entrypoints.launchers.app import build_app
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.tasks import GENERATION_TASKS, POOLING_TASKS
