@@ -6,7 +6,8 @@ The screen never sees a process, a pipe or a thread. It calls ``start``/``restar
 - ``EngineLoading``: how far its start has come (a download, a conversion, the load);
 - ``EngineReady``: the engine has loaded (its ``ReadyEvent``);
 - ``EventBatch``: tokens, steps, dones and per-run errors, in arrival order, at most every
-  ``BATCH_SECONDS``, so n panes repaint together at ~10 Hz however fast tokens come;
+  ``BATCH_SECONDS``, so n panes repaint together at ~10 Hz however fast tokens come (every
+  ``BUSY_BATCH_SECONDS`` past ``BUSY_TOKENS_PER_S``, where a frame costs more than its tokens);
 - ``EngineFailed``: the engine can take no more work (a fatal error event, the worker died, or
   the backend could not be started).
 
@@ -32,6 +33,24 @@ from esamp.events import ErrorEvent, Event, LoadingEvent, ReadyEvent
 from esamp_tui.worker import Abort, Backend, Configure, RunPrompt, Session, SessionSpec
 
 BATCH_SECONDS = 0.1  # events reach the UI at most 10 times a second: a frame of 8 scrolling panes costs ~30 ms
+# Past this many tokens a second, batches come at most every BUSY_BATCH_SECONDS instead: a frame's
+# cost is mostly per frame (8 panes scrolled and redrawn), not per token, so at a 7B model's
+# 1,000 tok/s fewer, larger batches keep the dashboard's own CPU share down (benchmarks/ui_bench.py).
+BUSY_TOKENS_PER_S = 600.0
+BUSY_BATCH_SECONDS = 0.2
+
+
+class _TokenRate:
+    """Tokens a second over the last second of batches (how busy the stream is)."""
+
+    def __init__(self, window: float = 1.0) -> None:
+        self.window = window
+        self.marks: list[tuple[float, int]] = []
+
+    def add(self, tokens: int, now: float | None = None) -> float:
+        now = time.monotonic() if now is None else now
+        self.marks = [(t, n) for t, n in self.marks if now - t < self.window] + [(now, tokens)]
+        return sum(n for _, n in self.marks) / self.window
 
 
 class SessionController:
@@ -132,17 +151,21 @@ class SessionController:
         worker = get_current_worker()
         batch: list[Event] = []
         first = 0.0  # when the oldest event of ``batch`` arrived
+        interval = BATCH_SECONDS
+        rate = _TokenRate()
 
         def flush() -> None:
-            nonlocal batch
+            nonlocal batch, interval
             if batch:
                 self._post(self.EventBatch(generation, batch))
+                busy = rate.add(sum(1 for e in batch if e.type == "token")) > BUSY_TOKENS_PER_S
+                interval = BUSY_BATCH_SECONDS if busy else BATCH_SECONDS
                 batch = []
 
         try:
             backend.start()
             while not worker.is_cancelled:
-                wait = BATCH_SECONDS - (time.monotonic() - first) if batch else BATCH_SECONDS
+                wait = interval - (time.monotonic() - first) if batch else interval
                 got = backend.read(timeout=max(wait, 0.005))
                 for event in got or ():
                     if isinstance(event, LoadingEvent):
@@ -162,7 +185,7 @@ class SessionController:
                     flush()
                     self._fail(generation, backend.lost())
                     return
-                if batch and time.monotonic() - first >= BATCH_SECONDS:
+                if batch and time.monotonic() - first >= interval:
                     flush()
         except EsampError as exc:  # e.g. a script without its __main__ guard: its own words
             flush()

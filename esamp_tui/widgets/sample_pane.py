@@ -101,13 +101,18 @@ class SamplePane(ScrollView, can_focus=False):
         return "".join(t for t, _ in self.tokens)
 
     def _update_header(self) -> None:
-        self.border_title = f"sample {self.sample + 1}"
+        # Assigning a border title refreshes the border even when the text is the same: only on a change.
+        title = f"sample {self.sample + 1}"
+        if self.border_title != title:
+            self.border_title = title
         parts = [f"{self.token_count} tok"]
         if self.mean_novelty is not None:
             parts.append(f"nov {self.mean_novelty:.2f}")
         if self.finish_reason:
             parts.append(self.finish_reason)
-        self.border_subtitle = " · ".join(parts)
+        subtitle = " · ".join(parts)
+        if self.border_subtitle != subtitle:
+            self.border_subtitle = subtitle
 
     def _set_extent(self, size: Size) -> None:
         """Grow the scrollable extent without a layout pass.
