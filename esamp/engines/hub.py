@@ -62,12 +62,14 @@ def offline() -> bool:
 
 
 def cache_roots() -> list[Path]:
-    """Where huggingface_hub keeps (and looks for) models, the first being where it writes."""
-    roots = []
-    if os.environ.get("HF_HUB_CACHE"):
-        roots.append(Path(os.environ["HF_HUB_CACHE"]))
+    """Where huggingface_hub keeps (and looks for) models, the first being where it writes: as it
+    reads its environment (``HF_HUB_CACHE``, the older ``HUGGINGFACE_HUB_CACHE``, ``HF_HOME``,
+    ``XDG_CACHE_HOME``), then its default."""
+    roots = [Path(os.environ[name]) for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE") if os.environ.get(name)]
     if os.environ.get("HF_HOME"):
         roots.append(Path(os.environ["HF_HOME"]) / "hub")
+    if os.environ.get("XDG_CACHE_HOME"):
+        roots.append(Path(os.environ["XDG_CACHE_HOME"]) / "huggingface" / "hub")
     roots.append(Path.home() / ".cache" / "huggingface" / "hub")
     return list(dict.fromkeys(p.expanduser() for p in roots))
 
@@ -151,7 +153,7 @@ def _patterns(files: list[str]) -> list[str]:
     safetensors = [f for f in files if f.endswith(".safetensors") and "/" not in f]
     if safetensors:
         ignore += PYTORCH_WEIGHTS
-        if any(f != "consolidated.safetensors" and not f.startswith("consolidated") for f in safetensors):
+        if any(not f.startswith("consolidated") for f in safetensors):
             ignore.append("consolidated*.safetensors")  # Mistral's second copy of the same weights
     return ignore
 
@@ -221,8 +223,7 @@ def fetch(repo_id: str, spec: str | None = None, revision: str = "main",
           progress: Callable[[LoadingEvent], None] | None = None) -> Path:
     """The local snapshot of ``repo_id``, downloaded into huggingface_hub's cache if it is not
     there yet (offline: only the cache is read). ``progress`` receives reports while files come
-    in; without it huggingface_hub draws its own bars on stderr. ``ModelNotFoundError`` says why
-    a model cannot be had and what to do."""
+    in. ``ModelNotFoundError`` says why a model cannot be had and what to do."""
     spec = spec or repo_id
     cached = cached_snapshot(repo_id, revision)
     if cached is not None:  # as it was fetched: `hf download` brings a newer revision

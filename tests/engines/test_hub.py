@@ -19,7 +19,8 @@ def hub_cache(tmp_path, monkeypatch):
     """An empty huggingface_hub cache of this test's own."""
     cache = tmp_path / "hub"
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
-    monkeypatch.delenv("HF_HOME", raising=False)
+    for name in ("HF_HOME", "HUGGINGFACE_HUB_CACHE", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(name, raising=False)
     return cache
 
 
