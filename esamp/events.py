@@ -86,6 +86,10 @@ class StepEvent(_Event):
     rows: int = Field(ge=0, description="sequences decoded in this step")
     tokens_per_s: float = Field(ge=0.0, description="generated tokens per second, recent window")
     loss: float | None = Field(None, description="mean Distiller loss of this step's training rows")
+    losses: dict[str, list[float]] = Field(
+        default_factory=dict,
+        description="each training group's Distiller loss, one value per optimizer step this event covers, "
+                    "oldest first; ``loss`` is the mean of them all")
     port_hits: int = Field(0, ge=0, description="tapped rows delivered to the Distiller this step")
     candidates: float = Field(0.0, ge=0.0, description="mean candidate-set size of steered rows")
     esamp: bool = Field(description="whether any row was steered by ESamp in this step")

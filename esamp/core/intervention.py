@@ -7,7 +7,8 @@ vLLM's sampler order), the argmax always kept.  For c in C
 
 and z'_c = −∞ outside C, where d = W_lm·ŷ are the Distiller logits (the LM head applied to the
 Distiller's prediction, no final norm, no temperature). With β = 0, (a, b) = (1, 0) and z' is z̃
-on C bit for bit, so sampling equals plain sampling.
+on C bit for bit, so sampling equals plain sampling. Rows of an entropy-matched mix then take
+``match_entropy``: z' scaled by the λ that gives it plain sampling's entropy over C.
 """
 
 from __future__ import annotations
@@ -110,9 +111,53 @@ def mix_coefficients(rows: Sequence[tuple[str, float]]) -> tuple[torch.Tensor, t
     return t[:, :1].contiguous(), t[:, 1:].contiguous()
 
 
+def entropy_matched(rows: Sequence[tuple[str, float]]) -> list[bool]:
+    """For rows given as (mix name, β): whether each row's mix matches plain sampling's entropy."""
+    return [mixes.matches_entropy(kind) for kind, _ in rows]
+
+
 def mixed(scaled_at: torch.Tensor, distiller_at: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """z' = a·z̃ − b·d, elementwise; ``a``, ``b`` broadcast per row ([R, 1])."""
     return a * scaled_at - b * distiller_at
+
+
+def candidate_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy [R] (nats) of softmax over each row's finite entries (−∞: not a candidate)."""
+    logp = logits.log_softmax(dim=-1)
+    return -torch.where(torch.isfinite(logp), logp.exp() * logp, torch.zeros_like(logp)).sum(dim=-1)
+
+
+# λ is found by bisection on log2 λ in [−SPAN, SPAN]: STEPS halvings leave it within 2·SPAN/2^STEPS
+# of itself in log2, a relative error of about 4e-11, in a fixed sequence of kernels (no host read).
+ENTROPY_SPAN = 20.0
+ENTROPY_STEPS = 40
+
+
+def match_entropy(mixed_at: torch.Tensor, scaled_at: torch.Tensor, novelty_at: torch.Tensor,
+                  rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row of ``mixed_at`` (z', [R, K], −∞ outside C) scaled by the λ > 0 that gives
+    softmax(λ·z') over C the entropy of softmax(z̃) over C (``scaled_at``, −∞ outside C): the mix
+    may move mass between candidates but not sharpen or flatten them as a temperature would.
+
+    Rows whose novelty term ``novelty_at`` (b·d) is the same at every candidate (β = 0, a Distiller
+    that does not tell the candidates apart, a single candidate) come back as ``scaled_at``, bit
+    for bit: plain sampling. Rows not in ``rows`` ([R] or [R, 1] bool, default all) come back as
+    ``mixed_at``. Where no λ in [2^−SPAN, 2^SPAN] reaches the entropy (z' has tied maxima) the
+    nearest end is taken.
+    """
+    finite = torch.isfinite(scaled_at)
+    reference = novelty_at.gather(1, scaled_at.argmax(dim=-1, keepdim=True))  # at a candidate
+    informative = ((novelty_at != reference) & finite).any(dim=-1, keepdim=True)
+    target = candidate_entropy(scaled_at).unsqueeze(1)
+    low = torch.full_like(target, -ENTROPY_SPAN)
+    high = torch.full_like(target, ENTROPY_SPAN)
+    for _ in range(ENTROPY_STEPS):  # entropy falls as λ grows: too flat → a larger λ
+        mid = 0.5 * (low + high)
+        flatter = candidate_entropy(mixed_at * torch.exp2(mid)).unsqueeze(1) > target
+        low, high = torch.where(flatter, mid, low), torch.where(flatter, high, mid)
+    rescaled = mixed_at * torch.exp2(0.5 * (low + high))
+    out = torch.where(informative, rescaled, scaled_at)
+    return out if rows is None else torch.where(rows.reshape(-1, 1).to(out.device), out, mixed_at)
 
 
 def filtered_logits(scaled: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -129,14 +174,19 @@ def steer(
     b: torch.Tensor,  # [R, 1]
     bias: torch.Tensor | None = None,
     width: int | None = None,
+    matched: torch.Tensor | None = None,  # [R, 1] bool: rows whose mix matches plain entropy
 ) -> torch.Tensor:
     """ESamp's logits [R, V]: the mix on each row's candidates, −∞ elsewhere, with d computed
-    only at the candidates (``width``: the widest row's candidate count, when known).
+    only at the candidates (``width``: the widest row's candidate count, when known); the
+    ``matched`` rows then take ``match_entropy``.
     """
     ids, valid = candidate_ids(mask, scaled, width)
     z_at = scaled.gather(1, ids)
     d_at = distiller_logits_at(prediction, lm_head, ids, bias)
-    steered = mixed(z_at, d_at, a.to(z_at.device), b.to(z_at.device)).masked_fill(~valid, NEG_INF)
+    a, b = a.to(z_at.device), b.to(z_at.device)
+    steered = mixed(z_at, d_at, a, b).masked_fill(~valid, NEG_INF)
+    if matched is not None:
+        steered = match_entropy(steered, z_at.masked_fill(~valid, NEG_INF), b * d_at, matched)
     out = torch.full_like(scaled, NEG_INF)
     # Scatter valid entries only: padded ids may repeat a real candidate's id.
     out.scatter_(1, torch.where(valid, ids, ids[:, :1]), torch.where(valid, steered, steered[:, :1]))

@@ -6,7 +6,9 @@
 2. ``filter``: z̃ = z / T, then the request's own min-p, top-k and top-p keep the candidates C;
    everything else becomes −∞ (``esamp.core.intervention.candidate_mask``).
 3. ``mix``: z' = a·z̃ − b·d on C, with d = W_lm·ŷ the Distiller logits and (a, b) from the row's
-   mix and β (``esamp.core.mixes``). Engines then sample from z' as they would from z̃.
+   mix and β (``esamp.core.mixes``); rows of an entropy-matched mix are then rescaled to plain
+   sampling's entropy over C (``intervention.match_entropy``). Engines then sample from z' as they
+   would from z̃.
 
 An engine describes its steered rows once per batch as a ``StepPlan`` (each row's slot and
 settings, as device tensors) and runs the steps every decode step. The PyTorch functions of
@@ -18,7 +20,8 @@ to the reference:
   [U, W] shape, so one graph per shape serves every batch and every assignment of groups to
   slots; ``Steerer.prepare`` captures the common shapes before the first request.
 - filter and mix: ``backends.triton_filter.filter_and_mix`` does both in four passes over the
-  logits (no sort of the vocabulary), on rows picked by index where they lie.
+  logits (no sort of the vocabulary), on rows picked by index where they lie. It knows only the
+  (a, b) form: a plan with entropy-matched rows (or top-k) takes the PyTorch path instead.
 """
 
 from __future__ import annotations
@@ -75,9 +78,10 @@ class PlanBuffers:
         self.rows, self.units, self.width = rows, units, width
         self.cells = units * width
         self.device, self.scratch = torch.device(device), scratch
-        # long: units | gather | cell | row index | top-k ; float: weight | T | min-p | top-p | a | b
+        # long: units | gather | cell | row index | top-k ; float: weight | T | min-p | top-p | a | b | matched
         self._long_spans = _spans(units=units, gather=self.cells, cell=self.cells, index=rows, top_k=rows)
-        self._float_spans = _spans(weight=self.cells, temperature=rows, min_p=rows, top_p=rows, a=rows, b=rows)
+        self._float_spans = _spans(weight=self.cells, temperature=rows, min_p=rows, top_p=rows, a=rows, b=rows,
+                                   matched=rows)
         with torch.inference_mode(False):
             self.longs = torch.zeros(self._long_spans["_end"], dtype=torch.long, device=self.device)
             self.floats = torch.zeros(self._float_spans["_end"], dtype=torch.float32, device=self.device)
@@ -131,11 +135,25 @@ class StepPlan:
     a: torch.Tensor  # [R] weight of z̃ in the mix (1 for rows only filtered)
     b: torch.Tensor  # [R] weight of d (0 for rows only filtered)
     index: torch.Tensor | None = None  # [R] the engine's logits row of each row, when given
+    matched: torch.Tensor | None = None  # [R] 1.0 where the row's mix matches plain entropy; None: no row
 
     @property
     def key(self) -> tuple:
         """What the Distiller step's kernels depend on: equal keys replay the same graph."""
         return (self.layout.shape, bool(self.layout.training)) if self.layout is not None else ()
+
+    @property
+    def mix_key(self) -> tuple:
+        """What picks the filter-and-mix path beyond shapes (``Steerer.filter_and_mix``): rows with
+        top-k take the constructor's filter, entropy-matched rows the PyTorch mix. A graph of that
+        step is valid only for plans with the same ``mix_key``."""
+        return (self.top_k is not None, self.matched is not None)
+
+    def matched_rows(self, rows: int | None = None) -> torch.Tensor | None:
+        """[rows, 1] bool of the first ``rows`` rows (all by default): those to entropy-match."""
+        if self.matched is None:
+            return None
+        return (self.matched[:self.rows if rows is None else rows] > 0).reshape(-1, 1)
 
     @classmethod
     def build(cls, rows: Sequence[SteeredRow], device: torch.device | str = "cpu", *, steered: int | None = None,
@@ -154,16 +172,21 @@ class StepPlan:
             trains.append(r.may_train and r.steering.train and (r.steering.train_rows == "all" or r.slot not in seen))
             seen.add(r.slot)
         f = [r.filters for r in rows]
-        a, b = iv.mix_coefficients([(r.steering.mix, r.steering.beta) for r in rows[:s]])
+        mixing = [(r.steering.mix, r.steering.beta) for r in rows[:s]]
+        a, b = iv.mix_coefficients(mixing)
         values = dict(temperature=[x.temperature if x.temperature > 0 else 1.0 for x in f],
                       min_p=[x.min_p for x in f], top_p=[x.top_p for x in f],
                       a=a.flatten().tolist() + [1.0] * (n - s), b=b.flatten().tolist() + [0.0] * (n - s))
+        matched = [float(m) for m in iv.entropy_matched(mixing)] + [0.0] * (n - s)
+        uses_matched = any(matched)
+        if uses_matched:
+            values["matched"] = matched
         top_k = [x.top_k for x in f]
         uses_top_k = any(k > 0 for k in top_k)
         if buffers is None:
             layout = RowLayout.from_slots(slots, trains, device=device) if s else None
-            return cls(rows=n, steered=s, layout=layout,
-                       **{k: torch.tensor(v, dtype=torch.float32).to(device) for k, v in values.items()},
+            tensors = {k: torch.tensor(v, dtype=torch.float32).to(device) for k, v in values.items()}
+            return cls(rows=n, steered=s, layout=layout, **tensors,
                        top_k=torch.tensor(top_k, dtype=torch.long).to(device) if uses_top_k else None,
                        index=None if index is None else torch.tensor(list(index), dtype=torch.long).to(device))
         longs: dict[str, list[int]] = {"top_k": top_k, "index": list(index) if index is not None else []}
@@ -269,7 +292,13 @@ class Steerer:
 
     def mix_dense(self, plan: StepPlan, scaled: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """z' = a·z̃ − b·d over the whole vocabulary (d dense), in place; also |C| per row."""
-        return mix_and_count(scaled, d, plan.a.reshape(-1, 1), plan.b.reshape(-1, 1))
+        a, b = plan.a.reshape(-1, 1), plan.b.reshape(-1, 1)
+        if plan.matched is None:
+            return mix_and_count(scaled, d, a, b)
+        plain = scaled.clone()  # the entropy to match is z̃'s, which the fused mix overwrites
+        out, counts = mix_and_count(scaled, d, a, b)
+        out.copy_(iv.match_entropy(out, plain, b * d.float(), plan.matched_rows()))
+        return out, counts
 
     def mix_at_candidates(self, plan: StepPlan, scaled: torch.Tensor, prediction: torch.Tensor,
                           lm_head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -278,18 +307,24 @@ class Steerer:
         counts = mask.sum(dim=-1)
         width = int(counts.max()) if counts.numel() else 1  # one host read: the widest row's |C|
         return iv.steer(scaled, mask, prediction, lm_head, plan.a.reshape(-1, 1), plan.b.reshape(-1, 1),
-                        width=width), counts
+                        width=width, matched=plan.matched_rows()), counts
 
     def filter_and_mix(self, plan: StepPlan, logits: torch.Tensor, d: torch.Tensor | None) -> torch.Tensor:
         """Filter and mix the plan's rows of the engine's ``logits`` in place (rows ``plan.index``);
         ``d`` holds the Distiller logits of the plan's first ``d.shape[0]`` rows, the rest are only
-        filtered. Returns |C| per row. Rows with top-k take the filter given to the constructor."""
-        if plan.top_k is not None or not FUSED_FILTER:
+        filtered. Returns |C| per row. Rows with top-k take the filter given to the constructor;
+        plans with entropy-matched rows take this PyTorch path too (the fused kernel knows only
+        the (a, b) form), which matches over the whole vocabulary row: slower, for measuring."""
+        if plan.top_k is not None or plan.matched is not None or not FUSED_FILTER:
             scaled = self.filter(plan, logits.index_select(0, plan.index))
             counts = torch.isfinite(scaled).sum(dim=-1).to(torch.int32)
             if d is not None and d.shape[0]:
                 m = d.shape[0]
-                scaled[:m] = scaled[:m] * plan.a[:m].reshape(-1, 1) - plan.b[:m].reshape(-1, 1) * d.float()
+                a, b = plan.a[:m].reshape(-1, 1), plan.b[:m].reshape(-1, 1)
+                mixed = scaled[:m] * a - b * d.float()
+                if plan.matched is not None:
+                    mixed = iv.match_entropy(mixed, scaled[:m], b * d.float(), plan.matched_rows(m))
+                scaled[:m] = mixed
             logits.index_copy_(0, plan.index, scaled)
             return counts
         work = self._work

@@ -274,13 +274,19 @@ class StepStats:
     tokens: int = 0  # tokens sampled
     rows: int = 0  # rows decoded
     port_hits: int = 0  # tapped rows delivered to the Distiller
-    losses: list[float] = field(default_factory=list)  # per group that trained
+    losses: dict[str, list[float]] = field(default_factory=dict)  # group → its losses, oldest first
     candidates: list[float] = field(default_factory=list)  # mean |C| per steered group
 
+    def add_loss(self, group: str, loss: float) -> None:
+        """One optimizer step of ``group``'s Distiller took ``loss`` (what the eval attributes to
+        the group's step index, and the dashboard charts as the step's mean)."""
+        self.losses.setdefault(group, []).append(loss)
+
     def event(self, step: int, rate: "RateMeter") -> StepEvent:
+        every = [v for values in self.losses.values() for v in values]
         return StepEvent(
             step=step, rows=self.rows, tokens_per_s=round(rate.add(self.tokens), 3),
-            loss=sum(self.losses) / len(self.losses) if self.losses else None,
+            loss=sum(every) / len(every) if every else None, losses=self.losses,
             port_hits=self.port_hits,
             candidates=sum(self.candidates) / len(self.candidates) if self.candidates else 0.0,
             esamp=self.port_hits > 0,

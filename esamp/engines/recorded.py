@@ -55,7 +55,9 @@ class RecordedEngine(EngineBase):
             stats.port_hits += 1
         for cands in per_group.values():
             stats.candidates.append(sum(cands) / len(cands))
-        stats.losses.extend(v for v in rec["loss"].values() if math.isfinite(v))
+        for group, loss in rec["loss"].items():  # in step order: records are filed as they come
+            if math.isfinite(loss):
+                stats.add_loss(group, loss)
 
     def _advance(self, g: RecordedGroup, all_back: bool) -> list[Event]:
         events: list[Event] = []

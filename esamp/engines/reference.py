@@ -154,7 +154,7 @@ class ReferenceEngine(EngineBase):
             # The prediction that steers is the Distiller's before this step's update.
             prediction, errors, loss = self.steerer.distill(self._plan(g, x.shape[0]), x, y)
             if loss is not None:
-                stats.losses.append(float(loss.mean()))
+                stats.add_loss(g.key, float(loss.mean()))
             stats.port_hits += x.shape[0]
             if not first:  # this step's inputs were the tokens sampled last step
                 events += g.stream.novelties(g.alive, errors.tolist())

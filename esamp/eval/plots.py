@@ -12,7 +12,10 @@ Three views per task, each drawn from a task summary (``esamp.eval.report.summar
   (tasks without answers: Vendi against temperature, each cell at the temperature as diverse);
 - ``shifts``: per-problem movement. Graded tasks: per cell, the problems whose correct count
   rose or fell, the darker part those that went from 0/n to at least 1/n (or back), and beside
-  it each problem's change in correct samples. Tasks without answers: each prompt's ΔVendi.
+  it each problem's change in correct samples. Tasks without answers: each prompt's ΔVendi;
+- ``learning`` (when the records hold the Distiller's traces): each ESamp arm's mean Distiller
+  loss (left) and its tokens' mean novelty (right) against token position, with 95% bands
+  (``esamp.eval.learning`` computes the curves; this only draws them).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from esamp.eval.matrix import BASELINE
 from esamp.eval.report import arm_label, metric_name
 
 DPI = 110
-VIEWS = ("passk", "plane", "frontier", "shifts")  # in the order they are drawn
+VIEWS = ("passk", "plane", "frontier", "shifts", "learning")  # in the order they are drawn
 VERDICT_LEGEND = {"above": "above the curve", "below": "below the curve", "on": "on the curve",
                   "outside": "at or beyond the curve's end"}
 
@@ -64,7 +67,7 @@ def write_plots(summaries: Sequence[dict], folder: Path) -> tuple[dict[str, dict
     except ImportError:
         return {}, "matplotlib is not installed: pip install 'esamp[eval]'"
     images: dict[str, dict[str, str]] = {}
-    draws = {"passk": _passk, "plane": _plane, "frontier": _frontier, "shifts": _shifts}
+    draws = {"passk": _passk, "plane": _plane, "frontier": _frontier, "shifts": _shifts, "learning": _learning}
     for summary in summaries:
         task = summary["task"]
         mine: dict[str, str] = {}
@@ -293,6 +296,34 @@ def _shifts(plt, summary: dict):
     heat.set_title(f"{label} per problem, cell − baseline", fontsize=10)
     fig.colorbar(image, ax=heat, fraction=0.046, pad=0.04, label=label)
     fig.suptitle(_title(summary, "per-problem shifts"), fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
+def _learning(plt, summary: dict):
+    learned = summary.get("learning")
+    if not learned:
+        return None
+    arms = list(learned)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
+    for colour, arm in zip(_colours(len(arms)), arms):
+        for ax, key in ((left, "loss"), (right, "novelty")):
+            c = learned[arm][key]
+            if c is None:
+                continue
+            ax.plot(c["position"], c["mean"], color=colour, linewidth=1.6, label=arm_label(arm))
+            ax.fill_between(c["position"], c["low"], c["high"], color=colour, alpha=0.18, linewidth=0)
+    right.axhline(0.5, color="grey", linewidth=0.8, linestyle=":")
+    left.set_ylabel("Distiller loss (mean squared error)")
+    right.set_ylabel("novelty (0.5: as surprising as the group's recent tokens)")
+    left.set_title("Distiller loss of the step whose inputs were the tokens at p", fontsize=10)
+    right.set_title("mean novelty of the tokens at p", fontsize=10)
+    for ax in (left, right):
+        ax.set_xlabel("token position p in the reply (−1: the prompt's last token)")
+        ax.grid(True, alpha=0.3)
+    left.legend(fontsize=8, frameon=False)
+    fig.suptitle(_title(summary, "does the Distiller learn within a group?")
+                 + "\nmean over the arm's groups, bands: 95% intervals of the mean", fontsize=10)
     fig.tight_layout()
     return fig
 

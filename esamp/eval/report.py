@@ -7,7 +7,8 @@ A task's summary (``summarize``) holds every arm's metrics, and for each cell it
 the baseline (cell minus baseline, paired bootstrap over problems) and its per-problem shifts.
 With one cell, ``deltas`` also sits at the top of the summary, the shape of single-cell reports.
 With plain arms at other temperatures, ``frontier`` says where every cell stands against the
-temperature curve (``esamp.eval.frontier``).
+temperature curve (``esamp.eval.frontier``). ``learning`` holds, per ESamp arm, its Distiller's
+loss and its tokens' novelty against token position (``esamp.eval.learning``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Mapping, Sequence
 
 from esamp.eval import direction
 from esamp.eval import frontier as frontier_lib
+from esamp.eval import learning as learning_lib
 from esamp.eval.matrix import BASELINE, SINGLE, format_value
 from esamp.eval.passk import pass_at_k
 from esamp.eval.runner import EvalSettings
@@ -118,6 +120,9 @@ def summarize(problems: Sequence[Problem], records: dict[tuple[str, str], dict],
     front = frontier(settings, both, records, resamples)
     if front is not None:
         summary["frontier"] = front
+    learned = learning_lib.analyse({arm: [records[(p.id, arm)] for p in both] for arm in arms})
+    if learned:
+        summary["learning"] = learned
     return summary
 
 
@@ -471,6 +476,8 @@ def render_task(summary: dict, images: Mapping[str, str] | None = None, level: i
                    "Each cell's Δdistinct-2 (up) against its ΔVendi (right), with 95% intervals; "
                    "up and to the right is more diverse by both measures."), "",
                   f"![quality against diversity]({images['plane']})"]
+    if summary.get("learning"):
+        lines += render_learning(summary, images, level)
 
     if pass_keys:
         graded_rows = [r for r in summary["per_problem"] if r[BASELINE]["correct"] is not None]
@@ -518,6 +525,36 @@ def render_task(summary: dict, images: Mapping[str, str] | None = None, level: i
         else:
             rows = [[r["id"]] + [f"{r[a]['diversity']['vendi']:.2f}" for a in [BASELINE] + names] for r in div_rows]
             lines += _table(["prompt", BASELINE] + names, rows)
+    return lines
+
+
+def render_learning(summary: dict, images: Mapping[str, str], level: int) -> list[str]:
+    """The section that asks whether the Distiller learns within a group: each ESamp arm's loss
+    and novelty early in the replies and later, and the plot of both against position."""
+    h = "#" * level
+    w = learning_lib.WINDOW
+    lines = ["", f"{h} Learning within a group", "",
+             "Each ESamp arm's Distiller loss and its tokens' novelty against the token's position in the "
+             "reply, the mean over the arm's groups: the loss at position p is that of the optimizer step "
+             "whose inputs were the tokens at p (−1: the prompt's last token), the step that measured those "
+             "tokens' novelty. A falling loss means the Distiller learns the group as it goes. Novelty is "
+             "normalised per group against the group's recent errors (0.5: as surprising as its recent "
+             "tokens), so a falling loss shows in it only as far as the errors fall faster than that "
+             f"running mean follows. Positions are kept while at least "
+             f"{learning_lib.MIN_SHARE:.0%} of an arm's groups reach them.", ""]
+    rows = []
+    for arm, info in summary["learning"].items():
+        loss, novelty = info["loss"], info["novelty"]
+        lw, nw = info["windows"]["loss"] or {}, info["windows"]["novelty"] or {}
+        prompt = loss["mean"][0] if loss and loss["position"][0] == -1 else None
+        last = max((c["position"][-1] for c in (loss, novelty) if c), default=None)
+        rows.append([arm, info["groups"]["loss"] or info["groups"]["novelty"], _fmt(prompt, 4),
+                     _fmt(lw.get("first"), 4), _fmt(lw.get("rest"), 4),
+                     _fmt(nw.get("first"), 3), _fmt(nw.get("rest"), 3), "—" if last is None else last])
+    lines += _table(["arm", "groups", "loss at the prompt", f"loss, positions 0–{w - 1}", f"loss, {w} on",
+                     f"novelty, 0–{w - 1}", f"novelty, {w} on", "last position kept"], rows)
+    if "learning" in images:
+        lines += ["", f"![Distiller loss and novelty against token position]({images['learning']})"]
     return lines
 
 

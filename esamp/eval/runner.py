@@ -3,7 +3,9 @@ problems and seeds.
 
 An arm is ``baseline`` (ESamp off), a plain arm (ESamp off, its own filters) or a cell
 (``esamp.eval.matrix``): one prompt group per problem and arm, n samples each. Every finished group is graded at once and appended as one JSON
-line to ``samples.jsonl`` in the task's output folder, with its texts, verdicts and diversity.
+line to ``samples.jsonl`` in the task's output folder, with its texts, verdicts and diversity,
+and, for a steered group, how its Distiller learned (``GroupTrace``: the loss of each of its
+optimizer steps and the mean novelty at each token position).
 A later run with the same settings reads that file and skips what is done, so an interrupted
 evaluation resumes where it stopped, per group and so per cell, and ends with the same records as
 one that never stopped. Cells and plain arms can be added to a finished folder: only the new ones
@@ -17,7 +19,7 @@ import json
 import os
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
@@ -325,6 +327,41 @@ def regrade(out: Path, problems: Sequence[Problem], grade: "Grade") -> dict[tupl
 
 
 @dataclass
+class GroupTrace:
+    """How a group's Distiller learned, from the events every engine emits.
+
+    ``loss[s]``: the loss of the group's s-th optimizer step (``StepEvent.losses``), so its index
+    is the step within the group: on the reference engine step s's inputs are the tokens at
+    position s − 1 of every running sample (step 0: the prompt's last token). ``novelty[p]``: the
+    sum and count of the novelty of the samples' tokens at position p (``TokenEvent.novelty``,
+    measured on step p + 1). The same loss values make the dashboard's loss chart
+    (``StepEvent.loss`` is their mean over the groups of a step)."""
+
+    loss: list[float] = field(default_factory=list)
+    novelty_sum: list[float] = field(default_factory=list)
+    novelty_count: list[int] = field(default_factory=list)
+
+    def add_token(self, index: int, novelty: float | None) -> None:
+        if novelty is None:
+            return
+        while len(self.novelty_sum) <= index:
+            self.novelty_sum.append(0.0)
+            self.novelty_count.append(0)
+        self.novelty_sum[index] += novelty
+        self.novelty_count[index] += 1
+
+    def record(self) -> dict:
+        """The record's fields: ``loss`` (per step) and ``novelty`` (per position: the mean over
+        the samples with a value there, null where none has one, and how many had one); None
+        where the group gave none (ESamp off, or training off for the loss)."""
+        novelty = None
+        if any(self.novelty_count):
+            novelty = {"mean": [round(t / c, 4) if c else None for t, c in zip(self.novelty_sum, self.novelty_count)],
+                       "samples": list(self.novelty_count)}
+        return {"loss": [round(v, 6) for v in self.loss] or None, "novelty": novelty}
+
+
+@dataclass
 class _Running:
     problem: Problem
     arm: str
@@ -332,6 +369,7 @@ class _Running:
     finish: list[str | None]
     tokens: list[int]
     started: float
+    trace: GroupTrace = field(default_factory=GroupTrace)
 
 
 def arm_group_key(problem: Problem, arm: str) -> str:
@@ -377,6 +415,11 @@ def run_groups(problems: Sequence[Problem], engine, settings: EvalSettings, out:
                 kind = event.type
                 if kind == "token" and event.group in running:
                     running[event.group].texts[event.sample] += event.text
+                    running[event.group].trace.add_token(event.index, event.novelty)
+                elif kind == "step":
+                    for key, losses in event.losses.items():
+                        if key in running:
+                            running[key].trace.loss.extend(losses)
                 elif kind == "done" and event.group in running:
                     g = running[event.group]
                     g.finish[event.sample] = event.finish_reason
@@ -423,6 +466,7 @@ def _record(g: _Running, settings: EvalSettings, grade: Grade, measure: Measure)
         "verdicts": verdicts,
         "correct": None if verdicts is None else sum(bool(v["correct"]) for v in verdicts),
         "diversity": measure(g.texts),
+        **g.trace.record(),
     }
 
 

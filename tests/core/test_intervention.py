@@ -78,3 +78,63 @@ def test_greedy_rows_take_the_argmax():
     gen = torch.Generator().manual_seed(0)
     out = iv.sample(logits, torch.tensor([True, True]), gen)
     assert out.tolist() == [1, 0]
+
+
+# -- the entropy-matched mix ------------------------------------------------------------------
+
+
+def _steer(mix, beta, scaled, mask, pred, W):
+    rows = [(mix, beta)] * scaled.shape[0]
+    matched = torch.tensor(iv.entropy_matched(rows)).reshape(-1, 1)
+    return iv.steer(scaled, mask, pred, W, *iv.mix_coefficients(rows), matched=matched)
+
+
+def _entropy(logits, mask):
+    return iv.candidate_entropy(logits.masked_fill(~mask, float("-inf")))
+
+
+def test_the_matched_mix_keeps_plain_samplings_entropy_and_moves_mass_by_novelty():
+    torch.manual_seed(5)
+    R, V, H = 6, 80, 8
+    scaled = torch.randn(R, V) * 2
+    mask = torch.zeros(R, V, dtype=torch.bool)
+    mask[:, :4] = True
+    mask[0, 10:30] = True  # one wide row
+    pred, W = torch.randn(R, H), torch.randn(V, H)
+    out = _steer("matched", 0.8, scaled, mask, pred, W)
+    torch.testing.assert_close(_entropy(out, mask), _entropy(scaled, mask), atol=1e-5, rtol=0)
+    assert torch.isneginf(out[~mask]).all()
+    # the same candidates ranked as z/T − β·d ranks them: λ > 0 only rescales the unsharpened mix
+    flat = iv.steer(scaled, mask, pred, W, *iv.mix_coefficients([("unsharpened", 0.8)] * R))
+    for r in range(R):
+        assert torch.equal(out[r][mask[r]].argsort(), flat[r][mask[r]].argsort())
+    # and the mass did move: the candidate distributions differ from plain sampling's
+    assert not torch.allclose(out.softmax(-1), scaled.masked_fill(~mask, float("-inf")).softmax(-1), atol=1e-3)
+
+
+def test_the_matched_mix_is_plain_sampling_bit_for_bit_without_novelty():
+    """β = 0, or a Distiller whose logits are the same at every candidate: z/T on C exactly."""
+    torch.manual_seed(6)
+    R, V, H = 4, 60, 8
+    scaled = torch.randn(R, V) * 2
+    mask = iv.candidate_mask(scaled, _rows(R, 0, torch.long), _rows(R, 0.95), _rows(R, 0.05))
+    plain = iv.filtered_logits(scaled, mask)
+    pred, W = torch.randn(R, H), torch.randn(V, H)
+    assert torch.equal(_steer("matched", 0.0, scaled, mask, pred, W), plain)
+    same = torch.zeros(V, H)
+    same[:, 0] = 1.0  # every token's row of the LM head alike: d is constant over C, whatever ŷ is
+    assert torch.equal(_steer("matched", 0.8, scaled, mask, pred, same), plain)
+    gen = [torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)]
+    for _ in range(50):
+        assert torch.equal(iv.sample(_steer("matched", 0.8, scaled, mask, pred, same), _rows(R, False, torch.bool), gen[0]),
+                           iv.sample(plain, _rows(R, False, torch.bool), gen[1]))
+
+
+def test_entropy_matching_touches_only_the_rows_it_is_given():
+    torch.manual_seed(7)
+    scaled = torch.randn(3, 20)
+    mixed, novelty = torch.randn(3, 20), torch.randn(3, 20)
+    out = iv.match_entropy(mixed, scaled, novelty, torch.tensor([True, False, True]))
+    assert torch.equal(out[1], mixed[1])
+    torch.testing.assert_close(iv.candidate_entropy(out[[0, 2]]), iv.candidate_entropy(scaled[[0, 2]]),
+                               atol=1e-5, rtol=0)

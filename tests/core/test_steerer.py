@@ -107,3 +107,42 @@ def test_reference_steerer_equals_the_core_functions():
     got_counts = steerer.filter_and_mix(fixed, batch, d)
     torch.testing.assert_close(batch[[3, 1, 4]], want)
     assert got_counts.tolist() == mask.sum(-1).tolist()
+
+
+def test_entropy_matched_rows_take_the_pytorch_path_on_every_backend():
+    """A plan with rows of the matched mix: the reference step, the dense mix and the engine's
+    filter-and-mix (which leaves the fused kernel for it) all give the core's matched mix."""
+    torch.manual_seed(0)
+    bank = DistillerBank(H, rank=4, slots=2, seed=1)
+    bank.allocate("g")
+    steerer = Steerer(bank)
+    rows = [SteeredRow(0, Steering(beta=0.8, mix="matched"), Filters(top_p=0.9, min_p=0.02)),
+            SteeredRow(0, Steering(beta=0.8, mix="paper"), Filters(top_p=0.9, min_p=0.02)),
+            SteeredRow(0, Steering(beta=0.8, mix="matched"), Filters(top_p=0.9, min_p=0.02))]
+    plan = StepPlan.build(rows)
+    assert plan.matched.tolist() == [1.0, 0.0, 1.0] and plan.mix_key == (False, True)
+    assert StepPlan.build(rows[1:2]).matched is None and StepPlan.build(rows[1:2]).mix_key == (False, False)
+    x, z, W = torch.randn(3, H), torch.randn(3, V) * 3, torch.randn(V, H)
+    pred = bank.predict(x, plan.layout)
+    scaled = steerer.filter(plan, z.clone())
+    mask = torch.isfinite(scaled)
+    a, b = plan.a.reshape(-1, 1), plan.b.reshape(-1, 1)
+    want = iv.steer(z / 0.8, mask, pred, W, a, b, matched=torch.tensor([[True], [False], [True]]))
+    plain = iv.filtered_logits(z / 0.8, mask)
+    torch.testing.assert_close(iv.candidate_entropy(want[[0, 2]]), iv.candidate_entropy(plain[[0, 2]]),
+                               atol=1e-5, rtol=0)
+    at, _ = steerer.mix_at_candidates(plan, scaled.clone(), pred, W)
+    torch.testing.assert_close(at, want)
+    full, _ = steerer.mix_dense(plan, scaled.clone(), pred @ W.T)
+    torch.testing.assert_close(full, want)
+    buffers = PlanBuffers(rows=8, units=4, width=4, device=torch.device("cpu"), scratch=bank.scratch)
+    fixed = StepPlan.build(rows, index=[3, 1, 4], buffers=buffers)
+    assert fixed.matched.tolist() == [1.0, 0.0, 1.0]
+    address = fixed.matched.data_ptr()
+    batch = torch.randn(5, V)
+    batch[[3, 1, 4]] = z
+    steerer.filter_and_mix(fixed, batch, pred @ W.T)
+    torch.testing.assert_close(batch[[3, 1, 4]], want)
+    again = StepPlan.build(rows[::-1], index=[0, 1, 2], buffers=buffers)  # a captured step reads it there
+    assert again.matched.data_ptr() == address
+    assert StepPlan.build(rows[1:2], index=[0], buffers=buffers).matched is None  # idle: none matched

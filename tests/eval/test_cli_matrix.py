@@ -84,12 +84,12 @@ def test_matrix_end_to_end_with_plots_and_html(tmp_path, engines, capsys):
     for cell in cells:
         assert f"| {cell} |" in md
     assert "correct samples (of 16)" in md and "Quality against diversity" in md
-    for view in ("passk", "plane", "shifts"):
+    for view in ("passk", "plane", "shifts", "learning"):
         png = out / f"tasks-{view}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
         assert f"]({png.name})" in md
     html = (out / "report.html").read_text()
-    assert html.count("data:image/png;base64,") == 3
+    assert html.count("data:image/png;base64,") == 4
     assert "src=\"http" not in html and "<link" not in html  # one file, nothing fetched
     assert "<table>" in html and "beta=1.2,mix=unsharpened" in html
 

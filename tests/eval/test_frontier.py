@@ -143,4 +143,4 @@ def test_the_frontier_plot_is_drawn_and_embedded(tmp_path):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (tmp_path / name).stat().st_size > 5000
     md = render_markdown(summaries[0], {}, images["t"])
     assert "](t-frontier.png)" in md
-    assert markdown_to_html(md, tmp_path).count("data:image/png;base64,") == 4
+    assert markdown_to_html(md, tmp_path).count("data:image/png;base64,") == 5  # with the learning plot

@@ -38,8 +38,10 @@ def test_every_view_is_written_for_a_matrix(tmp_path):
                  summary_of(tmp_path, "stories", OPEN, ["beta=0.4,1.2", "mix=paper,unsharpened"])]
     images, problem = write_plots(summaries, tmp_path)
     assert problem is None
-    assert images == {"sums": {"passk": "sums-passk.png", "plane": "sums-plane.png", "shifts": "sums-shifts.png"},
-                      "stories": {"plane": "stories-plane.png", "shifts": "stories-shifts.png"}}
+    assert images == {"sums": {"passk": "sums-passk.png", "plane": "sums-plane.png", "shifts": "sums-shifts.png",
+                               "learning": "sums-learning.png"},
+                      "stories": {"plane": "stories-plane.png", "shifts": "stories-shifts.png",
+                                  "learning": "stories-learning.png"}}
     for views in images.values():
         for name in views.values():
             data = (tmp_path / name).read_bytes()
@@ -47,7 +49,7 @@ def test_every_view_is_written_for_a_matrix(tmp_path):
 
     markdown = render_run_markdown(summaries, {"commands": ["esamp eval ..."]}, images)
     page = markdown_to_html(markdown, tmp_path)
-    assert page.count("data:image/png;base64,") == 5
+    assert page.count("data:image/png;base64,") == 7
     assert page.startswith("<!DOCTYPE html>") and "<h2>sums</h2>" in page and "<table>" in page
     assert "**" not in page  # bold became <strong>
 
@@ -55,7 +57,7 @@ def test_every_view_is_written_for_a_matrix(tmp_path):
 def test_one_cell_and_no_diversity(tmp_path):
     summary = summary_of(tmp_path, "sums", MATH, diversity=False)
     images, _ = write_plots([summary], tmp_path)
-    assert set(images["sums"]) == {"passk", "shifts"}  # no Vendi, no plane
+    assert set(images["sums"]) == {"passk", "shifts", "learning"}  # no Vendi, no plane
 
 
 def test_terminal_charts_read_without_colour(tmp_path):

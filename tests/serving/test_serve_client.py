@@ -162,6 +162,7 @@ def test_chunks_and_records_become_the_library_engines_events(fake, steered):
     if steered:
         assert [(e.rows, e.port_hits) for e in steps] == [(2, 2), (2, 2), (1, 1)]
         assert all(e.loss == 0.5 and e.candidates == 5 for e in steps)
+        assert all(e.losses == {key: [0.5]} for e in steps)  # each group's own loss, per step
     else:
         assert sum(e.rows for e in steps) >= 2 and all(e.rows <= 2 for e in steps)
     for sample in (0, 1):  # per sample: indexes in order, done after the last token

@@ -271,7 +271,7 @@ class EngineSteering:
         reported = err is not None  # the worker that owns the bank keeps the records
         inputs = tuple(t for t in (logits, d, err, loss) if t is not None)
         # What the captured kernels read: every other input is a fixed buffer of the plan's.
-        key = (step.rows, s if steered else 0, step.key, logits.shape[0], logits.data_ptr()) + (
+        key = (step.rows, s if steered else 0, step.key, step.mix_key, logits.shape[0], logits.data_ptr()) + (
             (d.data_ptr(), d.stride(0), reported and err.data_ptr(), loss is not None and loss.data_ptr())
             if steered else ())
 

@@ -117,15 +117,16 @@ def test_taps_equal_reference_hooks_in_a_shrinking_mixed_batch(engine, reference
     assert worst["target"] < 0.05, worst
 
 
-@pytest.mark.parametrize("mix", ["paper", "unsharpened"])
-def test_processor_logits_equal_core_function(engine, mix):
+@pytest.mark.parametrize("mix, top_k", [("paper", 40), ("unsharpened", 40), ("matched", 0)])
+def test_processor_logits_equal_core_function(engine, mix, top_k):
     """End to end on vLLM, for each mix: the processor's steered logits are the core's
     ``intervention.steer`` on the same inputs, and the Distiller logits the model's fused LM-head
-    pass hands over are W·ŷ."""
+    pass hands over are W·ŷ. The matched mix runs without top-k, where the other mixes would take
+    the fused filter: its rows must leave it for the PyTorch path."""
     from esamp.core import intervention as iv
 
     with traced() as trace:
-        collect(engine, {0: [dict(prompt=PROMPT_A, sampling=sampling(n=2, max_tokens=4, top_k=40),
+        collect(engine, {0: [dict(prompt=PROMPT_A, sampling=sampling(n=2, max_tokens=4, top_k=top_k),
                                   steering=steer(beta=0.8, mix=mix))]})
     assert trace
     head = exchange().model.esamp_lm_head()
@@ -134,8 +135,10 @@ def test_processor_logits_equal_core_function(engine, mix):
         scaled = iv.scale_logits(t["logits"], torch.tensor([x.temperature for x in f]))
         mask = iv.candidate_mask(scaled, torch.tensor([x.top_k for x in f]), torch.tensor([x.top_p for x in f]),
                                  torch.tensor([x.min_p for x in f]))
-        a, b = iv.mix_coefficients([(s.mix, s.beta) for s in t["steering"]])
-        want = iv.steer(scaled, mask, t["prediction"], head, a, b)
+        mixing = [(s.mix, s.beta) for s in t["steering"]]
+        a, b = iv.mix_coefficients(mixing)
+        want = iv.steer(scaled, mask, t["prediction"], head, a, b,
+                        matched=torch.tensor(iv.entropy_matched(mixing)).reshape(-1, 1))
         got = t["steered"]
         # With top-k the engine filters with vLLM's own function: it keeps every token tied with the
         # k-th value, and at the top-p cut its sort order decides which of a tied group stay; the
@@ -154,6 +157,10 @@ def test_processor_logits_equal_core_function(engine, mix):
         assert torch.allclose(t["distiller_logits"], d, atol=0.05, rtol=1e-2)
         # β = 0.8 really moves the logits (the test would be empty otherwise)
         assert not torch.allclose(got[fin], scaled[fin].to(got.device))
+        if mix == "matched":  # and keeps plain sampling's entropy on the candidates
+            plain = scaled.masked_fill(~kept_got.to(scaled.device), float("-inf"))
+            torch.testing.assert_close(iv.candidate_entropy(got.float().cpu()), iv.candidate_entropy(plain.cpu()),
+                                       atol=1e-3, rtol=0)
 
 
 def test_beta_zero_equals_esamp_off(engine):
