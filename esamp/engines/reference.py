@@ -151,7 +151,8 @@ class ReferenceEngine(EngineBase):
 
     def _joint_plan(self, groups: list[_RefGroup]) -> StepPlan:
         """The shared Distiller's plan: a row per running sample of every group, group by group."""
-        key = tuple((g.key, len(g.alive)) for g in groups)
+        # Everything the plan is made of (a key may name a new group once its holder has ended).
+        key = tuple((g.key, g.slot, g.steering, g.sampling, len(g.alive)) for g in groups)
         if self._joint is None or self._joint[0] != key:
             rows = [SteeredRow(g.slot, g.steering, g.sampling, group=g.key) for g in groups for _ in g.alive]
             self._joint = (key, StepPlan.build(rows, self.device))

@@ -123,3 +123,22 @@ def test_slots_count_groups_and_an_abort_keeps_what_the_distiller_learnt(shared_
         for g in list(shared_engine.groups):
             shared_engine.abort(g)
     assert bank.free_slots == bank.capacity and bank.groups == {}
+
+
+def test_a_group_key_used_again_gets_a_plan_of_its_own(shared_engine, monkeypatch):
+    """Keys are free again once their group ends: the shared Distiller's plan follows the new
+    group's settings, not the old one's."""
+    trains = []
+    distill = shared_engine.steerer.distill
+
+    def spy(plan, x, y, *args, **kwargs):
+        trains.append(plan.trains)
+        return distill(plan, x, y, *args, **kwargs)
+
+    monkeypatch.setattr(shared_engine.steerer, "distill", spy)
+    sampling = SamplingConfig(n=2, max_tokens=3, seed=1)
+    for rows in ("all", "group"):
+        shared_engine.start(PROMPT_A, sampling, Steering(train_rows=rows), group="again")
+        while shared_engine.has_unfinished():
+            shared_engine.step()
+        assert trains[-1] == ((True, True) if rows == "all" else (True, False))
