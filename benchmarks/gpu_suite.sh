@@ -7,7 +7,8 @@
 #   bash benchmarks/gpu_suite.sh stage               copy the .device/ chunks carried with this call
 #   bash benchmarks/gpu_suite.sh install             stage, assemble vLLM, install esamp (editable)
 #   bash benchmarks/gpu_suite.sh tests [reverse]     the GPU tests in file order (or reversed)
-#   bash benchmarks/gpu_suite.sh bench MODEL [args]  esamp bench on MODEL
+#   bash benchmarks/gpu_suite.sh bench MODEL [args]  esamp bench on MODEL (BENCH_NAME=bench-7b-shared with
+#                                                    --distiller shared: the published runtime's shared Distiller)
 #   bash benchmarks/gpu_suite.sh before MODEL [args] esamp bench of the tree in .before/ (an older
 #                                                    commit), installed in place of this one
 #   bash benchmarks/gpu_suite.sh steps MODEL W [sides]  device time per steady step, kernel by kernel

@@ -27,6 +27,7 @@ from esamp.core.mixes import MIXES
 from esamp.core.config import EsampConfig, SamplingConfig, add_flags, from_flags, make_config, settings_fields
 from esamp.engines import DEFAULT_ENGINE
 from esamp.errors import ConfigError
+from esamp.eval.matrix import ENGINE_KEYS, STEERING_KEYS
 from esamp.eval.runner import EVAL_DEFAULTS, EvalSettings
 
 from esamp.platform.threads import add_threads_flag, check_threads, threads_option
@@ -34,7 +35,7 @@ from esamp.platform.threads import add_threads_flag, check_threads, threads_opti
 HELP = "Pass@k and semantic diversity, ESamp cells against plain sampling, offline"
 
 SAMPLING_FLAGS = ["n", "max_tokens", "seed", "temperature", "top_p", "top_k", "min_p"]
-ESAMP_FLAGS = ["beta", "mix", "train", "train_rows", "optimizer", "lr", "rank"]
+ESAMP_FLAGS = ["beta", "mix", "train", "train_rows", "optimizer", "lr", "rank", "distiller"]
 ENGINE_FLAGS = ["slots"]
 # What a [task.NAME] table of the matrix file may set for one task.
 TASK_OVERRIDES = ("limit", "max_tokens", "temperature", "top_p", "top_k", "min_p")
@@ -55,9 +56,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     what.add_argument("--limit", type=int, metavar="L", help="only the first L problems of each task")
     what.add_argument("--matrix", nargs="+", metavar="KEY=V,V",
                       help="ESamp cells: the cross product of the listed values, e.g. "
-                      f"--matrix beta=0.4,0.8,1.2 mix={','.join(MIXES)}; keys: beta, mix, train, "
-                      "train_rows (per group), optimizer, lr, rank, source_layer, target_layer (one engine "
-                      "per value); without it, one ESamp arm")
+                      f"--matrix beta=0.4,0.8,1.2 mix={','.join(MIXES)}; keys: {', '.join(STEERING_KEYS)} "
+                      f"(per group), {', '.join(ENGINE_KEYS)} (one engine per value); without it, one ESamp arm")
     what.add_argument("--plain", nargs="+", action="append", metavar="KEY=V,V",
                       help="plain-sampling arms (ESamp off) beside the cells, the cross product of the "
                       "listed filter values, e.g. --plain temperature=0.4,1.2,1.6; keys: temperature, "
@@ -381,8 +381,7 @@ def _sample(args, runs, cells, todo, engine_name, total, started, out) -> None:
             if not any(todo[run.name][arm] for run in runs for arm in arms):
                 continue
             if len(groups) > 1:
-                wide = ", ".join(f"{k} {getattr(config, k)}" for k in ("optimizer", "lr", "rank",
-                                                                         "source_layer", "target_layer"))
+                wide = ", ".join(f"{k} {getattr(config, k)}" for k in ENGINE_KEYS)
                 _note(f"engine {index + 1} of {len(groups)} ({wide}): {', '.join(arms)}")
             options = _engine_options(args, engine_name)
             # An engine starts on its own defaults (EsampConfig()) unless the cells or --slots

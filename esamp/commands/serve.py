@@ -323,8 +323,10 @@ def build(args, passthrough: list[str]) -> Plan:
     if tensor_parallel > 1:
         notes.append(f"tensor parallel over {tensor_parallel} workers: worker 0 of each engine owns the "
                      "Distiller and shares ŷ with the others; metrics and records come from it")
+    distillers = (f"one shared Distiller per rank for up to {esamp.slots} groups" if esamp.shared_distiller
+                  else f"{esamp.slots} slots per rank")
     notes.append(f"{resolved.name} with ESamp ({architecture}, taps {additional[es.KEY]['source_layer']}→"
-                 f"{additional[es.KEY]['target_layer']}, {esamp.slots} slots per rank, β {esamp.steering.beta}, mix "
+                 f"{additional[es.KEY]['target_layer']}, {distillers}, β {esamp.steering.beta}, mix "
                  f"{esamp.steering.mix}); OpenAI API on port {port} (/v1/...), ESamp on /esamp/metrics, "
                  f"/esamp/records?group=G, /esamp/config; rank side channels on {channels}")
     if keys or os.environ.get(API_KEY_ENV):

@@ -3,7 +3,8 @@
 - ``Filters``: the request's own sampling filters (temperature, top-k, top-p, min-p).
 - ``SamplingConfig(Filters)``: a prompt group's sampling: n, max_tokens, seed, ignore_eos.
 - ``Steering``: how ESamp steers one prompt group: on/off, β, mix, training.
-- ``EsampConfig(Steering)``: the engine-wide Distiller bank and taps, and the default steering.
+- ``EsampConfig(Steering)``: the engine-wide Distiller (a bank or one shared) and taps, and the
+  default steering.
 
 Every client builds them the same way and gets the same errors: command-line flags
 (``add_flags`` / ``from_flags``), the dashboard, eval and bench settings, and the vLLM
@@ -29,6 +30,7 @@ from esamp.errors import ConfigError, shown
 
 Optimizer = Literal["adam", "sgd"]
 TrainRows = Literal["all", "group"]
+DistillerMode = Literal["bank", "shared"]
 
 
 def _flag(flag: str | None = None, **extra) -> dict:
@@ -78,8 +80,14 @@ class Steering(_Settings):
 
 
 class EsampConfig(_Settings):
-    """The engine-wide ESamp settings: the Distiller bank and its taps, fixed when an engine starts,
+    """The engine-wide ESamp settings: the Distiller and its taps, fixed when an engine starts,
     and ``steering``, the steering of a group that brings none of its own.
+
+    ``distiller`` is engine-wide rather than per group: a shared Distiller is one set of weights
+    that every group of the engine trains, so a group cannot have one of its own while the others
+    share, and a per-request switch would let one request decide what every other request's
+    Distiller is. ``slots`` counts prompt groups steered at once in both modes (the bank holds a
+    Distiller per slot; the shared Distiller steers up to that many groups).
 
     The steering's fields may also be given flat (``EsampConfig(beta=1.2)``, command-line flags,
     an older JSON form): they go into ``steering``."""
@@ -89,6 +97,9 @@ class EsampConfig(_Settings):
     optimizer: Optimizer = Field("adam", description="Distiller optimizer")
     source_layer: int = Field(0, description="decoder layer whose input norm is the source tap")
     target_layer: int = Field(-1, description="decoder layer whose input norm is the target tap (-1 = last)")
+    distiller: DistillerMode = Field(
+        "bank", description="bank: a Distiller per prompt group, novelty relative to its siblings; shared: one "
+                            "Distiller for every group, kept across groups (the published runtime's)")
     slots: int = Field(64, ge=1, le=4096, description="Distiller slots: prompt groups steered at once")
     seed: int = Field(0, ge=0, description="seed of the Distiller's initial weights",
                       json_schema_extra=_flag("--distiller-seed"))
@@ -106,6 +117,11 @@ class EsampConfig(_Settings):
                 data = {k: v for k, v in data.items() if k not in flat}
                 data["steering"] = {**nested, **flat}
         return data
+
+    @property
+    def shared_distiller(self) -> bool:
+        """Whether every group of the engine uses and trains one Distiller (``distiller="shared"``)."""
+        return self.distiller == "shared"
 
     def engine_settings(self) -> dict[str, Any]:
         """The fields fixed when an engine starts (everything but the steering)."""

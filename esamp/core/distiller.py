@@ -11,10 +11,19 @@ every slot that trains, the mean of e over its training rows: all of the group's
 (``train_rows="all"``) or one (``"group"``). Slots never share parameters or optimizer state, and
 each slot counts its own steps, so a re-initialised slot starts exactly fresh.
 
-One slot per prompt group, shared by its n samples: the Distiller learns what the group has
-already produced, so novelty is relative to the siblings. A group takes the lowest free slot when
-it starts and gives it back, re-initialised, when it ends; a full bank is an error
-(``BankFullError``), never a reuse of another group's slot.
+Two ways to give groups their Distillers (``EsampConfig.distiller``):
+
+- ``bank`` (the default): one slot per prompt group, shared by its n samples: the Distiller
+  learns what the group has already produced, so novelty is relative to the siblings. A group
+  takes the lowest free slot when it starts and gives it back, re-initialised, when it ends.
+- ``shared`` (the published runtime's default): the bank stores one Distiller, slot 0, and every
+  group holds it: every steered row of every group uses and trains it, its loss is the mean over
+  all the step's training rows, and it is never re-initialised while the engine runs, so it
+  keeps learning across groups and novelty is relative to everything the engine has decoded.
+  A step's rows then form one unit of the block below.
+
+In both, at most ``slots`` groups are steered at once; one more is an error (``BankFullError``),
+never a reuse of another group's slot.
 
 A step lays its rows out as a [U, W, H] block (U slots present, W rows of the widest slot), so
 every slot's products are one batched matmul. The block may be padded past what its rows need:
@@ -30,12 +39,16 @@ from __future__ import annotations
 import dataclasses
 import heapq
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from esamp.core.backends.flat import FlatParameters
 from esamp.errors import BankFullError
+
+if TYPE_CHECKING:
+    from esamp.core.config import EsampConfig
 
 INIT_STD = 0.02
 LN_EPS = 1e-5
@@ -136,23 +149,35 @@ def row_error(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (prediction.float() - target.float()).pow(2).mean(dim=-1)
 
 
-def bank_full(capacity: int) -> BankFullError:
-    return BankFullError(f"all {capacity} Distiller slots are held by running prompt groups",
-                         hint="wait for a group to finish, abort one, or start with more slots (--slots)")
+SHARED_SLOT = 0  # the slot of the shared Distiller, which every group holds
+
+
+def bank_full(capacity: int, shared: bool = False) -> BankFullError:
+    hint = "wait for a group to finish, abort one, or start with more slots (--slots)"
+    if shared:
+        return BankFullError(f"the shared Distiller already steers {capacity} prompt groups, as many as "
+                             f"--slots allows", hint=hint)
+    return BankFullError(f"all {capacity} Distiller slots are held by running prompt groups", hint=hint)
 
 
 class SlotLedger:
-    """Which group holds which of ``capacity`` slots: the lowest free slot goes to a new group.
+    """Which group holds which slot, for up to ``capacity`` groups at once.
+
+    A bank (``shared`` False) has ``capacity`` slots and the lowest free one goes to a new group.
+    A shared Distiller (``shared`` True) is one slot, ``SHARED_SLOT``, that every group holds; a
+    group's end frees its place, not the slot's weights.
 
     The bookkeeping of a ``DistillerBank`` without its tensors. A tensor-parallel worker that
     holds no bank keeps one of these, so that its slot assignment, and with it every plan it builds,
     is the one of the worker that owns the bank (``esamp.engines.vllm.steering``)."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, shared: bool = False) -> None:
         self.capacity = capacity
-        self.scratch = capacity  # the padding slot of fixed-shape steps (never a group's)
+        self.shared = shared
+        self.distillers = 1 if shared else capacity  # Distillers stored: one per slot, or the shared one
+        self.scratch = self.distillers  # the padding slot of fixed-shape steps (never a group's)
         self._groups: dict[str, int] = {}
-        self._free: list[int] = list(range(capacity))  # a min-heap
+        self._free: list[int] = [] if shared else list(range(capacity))  # a min-heap
 
     @property
     def groups(self) -> dict[str, int]:
@@ -161,51 +186,56 @@ class SlotLedger:
 
     @property
     def free_slots(self) -> int:
-        return len(self._free)
+        """How many more groups may be steered now."""
+        return self.capacity - len(self._groups)
 
     def allocate(self, group: str) -> int:
-        """The slot of ``group``, taking the lowest free one on first sight."""
+        """The slot of ``group``, taking the lowest free one (or the shared one) on first sight."""
         if group in self._groups:
             return self._groups[group]
-        if not self._free:
-            raise bank_full(self.capacity)
-        slot = heapq.heappop(self._free)
+        if len(self._groups) >= self.capacity:
+            raise bank_full(self.capacity, self.shared)
+        slot = SHARED_SLOT if self.shared else heapq.heappop(self._free)
         self._groups[group] = slot
         return slot
 
     def free(self, group: str) -> int | None:
         """Release ``group``'s slot; the slot it held, or None."""
         slot = self._groups.pop(group, None)
-        if slot is not None:
+        if slot is not None and not self.shared:
             heapq.heappush(self._free, slot)
         return slot
 
 
 class DistillerBank(SlotLedger):
-    """``slots`` Distillers of rank ``rank`` over hidden size ``hidden``, one per prompt group."""
+    """Distillers of rank ``rank`` over hidden size ``hidden``: ``slots`` of them, one per prompt
+    group, or (``shared``) one that every group uses, for up to ``slots`` groups at once."""
 
     PARAMS = ("AG", "b", "B", "ln_w", "ln_b")  # the trained tensors, in storage order
 
     def __init__(self, hidden: int, rank: int = 64, slots: int = 64, lr: float = 1e-3,
-                 optimizer: str = "adam", device: torch.device | str = "cpu", seed: int = 0) -> None:
+                 optimizer: str = "adam", device: torch.device | str = "cpu", seed: int = 0,
+                 shared: bool = False) -> None:
         if optimizer not in ("adam", "sgd"):
             raise ValueError(f"optimizer must be 'adam' or 'sgd', not {optimizer!r}")
-        super().__init__(slots)
+        super().__init__(slots, shared)
         self.hidden, self.rank = hidden, rank
         self.lr, self.optimizer, self.seed = lr, optimizer, seed
         self.device = torch.device(device)
         H, r = hidden, rank
         shapes = {"AG": (H, 2 * r), "b": (r,), "B": (r, H), "ln_w": (H,), "ln_b": (H,)}
-        self.store = FlatParameters({k: shapes[k] for k in self.PARAMS}, slots, self.device)
+        self.store = FlatParameters({k: shapes[k] for k in self.PARAMS}, self.distillers, self.device)
         assert self.store.scratch == self.scratch
         self.params = dict(self.store.params)  # name → [S + 1, ...] views, plus A and G
         self.params["A"], self.params["G"] = self.params["AG"][..., :r], self.params["AG"][..., r:]
-        self.store.initialise([init_slot(H, r, seed, s) for s in range(slots + 1)])  # + the scratch slot
+        # + the scratch slot. The shared Distiller starts as a bank's slot 0 does.
+        self.store.initialise([init_slot(H, r, seed, s) for s in range(self.distillers + 1)])
 
     def free(self, group: str) -> int | None:
-        """Release ``group``'s slot and re-initialise it, so the next holder starts fresh."""
+        """Release ``group``'s slot. A bank's slot is re-initialised, so the next holder starts
+        fresh; the shared Distiller keeps what it learnt."""
         slot = self._groups.get(group)
-        if slot is not None:
+        if slot is not None and not self.shared:
             self.store.reset(slot)
         return super().free(group)
 
@@ -266,3 +296,15 @@ class DistillerBank(SlotLedger):
                           self.optimizer, self.lr)
         prediction, err = prediction.detach(), err.detach()
         return prediction.index_select(0, layout.cell), err.index_select(0, layout.cell), loss.detach()
+
+
+def bank_for(config: "EsampConfig", hidden: int, device: torch.device | str = "cpu") -> DistillerBank:
+    """The Distiller bank of an engine with these settings, over hidden size ``hidden``."""
+    return DistillerBank(hidden, rank=config.rank, slots=config.slots, lr=config.lr, optimizer=config.optimizer,
+                         device=device, seed=config.seed, shared=config.shared_distiller)
+
+
+def ledger_for(config: "EsampConfig") -> SlotLedger:
+    """The slot bookkeeping of ``bank_for(config, ...)`` without its tensors (a tensor-parallel
+    worker that holds no bank)."""
+    return SlotLedger(config.slots, config.shared_distiller)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Hashable, Sequence
 
 import torch
 
@@ -53,6 +53,9 @@ class SteeredRow:
     steering: Steering
     filters: Filters
     may_train: bool = True  # False holds this row's training back (its group is not all there yet)
+    # The row's prompt group, for train_rows "group" (its first row in the step trains). None: the
+    # slot's rows are one group, as in a bank; rows of the shared Distiller must name their group.
+    group: Hashable | None = None
 
 
 def device_tensor(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -136,6 +139,7 @@ class StepPlan:
     b: torch.Tensor  # [R] weight of d (0 for rows only filtered)
     index: torch.Tensor | None = None  # [R] the engine's logits row of each row, when given
     matched: torch.Tensor | None = None  # [R] 1.0 where the row's mix matches plain entropy; None: no row
+    trains: tuple[bool, ...] = ()  # per steered row: whether it trains the Distiller this step (host)
 
     @property
     def key(self) -> tuple:
@@ -169,8 +173,9 @@ class StepPlan:
         slots = [r.slot for r in rows[:s]]
         trains, seen = [], set()
         for r in rows[:s]:  # train_rows "group": the group's first row in this step trains
-            trains.append(r.may_train and r.steering.train and (r.steering.train_rows == "all" or r.slot not in seen))
-            seen.add(r.slot)
+            group = r.slot if r.group is None else r.group
+            trains.append(r.may_train and r.steering.train and (r.steering.train_rows == "all" or group not in seen))
+            seen.add(group)
         f = [r.filters for r in rows]
         mixing = [(r.steering.mix, r.steering.beta) for r in rows[:s]]
         a, b = iv.mix_coefficients(mixing)
@@ -188,7 +193,8 @@ class StepPlan:
             tensors = {k: torch.tensor(v, dtype=torch.float32).to(device) for k, v in values.items()}
             return cls(rows=n, steered=s, layout=layout, **tensors,
                        top_k=torch.tensor(top_k, dtype=torch.long).to(device) if uses_top_k else None,
-                       index=None if index is None else torch.tensor(list(index), dtype=torch.long).to(device))
+                       index=None if index is None else torch.tensor(list(index), dtype=torch.long).to(device),
+                       trains=tuple(trains))
         longs: dict[str, list[int]] = {"top_k": top_k, "index": list(index) if index is not None else []}
         layout = None
         if s:
@@ -205,7 +211,7 @@ class StepPlan:
         buffers.write(longs, values)
         return cls(rows=n, steered=s, layout=layout, **{k: buffers.view(k, n) for k in values if k != "weight"},
                    top_k=buffers.view("top_k", n) if uses_top_k else None,
-                   index=buffers.view("index", n) if index is not None else None)
+                   index=buffers.view("index", n) if index is not None else None, trains=tuple(trains))
 
     @classmethod
     def shapes(cls, buffers: PlanBuffers, cells: int) -> list["StepPlan"]:

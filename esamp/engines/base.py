@@ -413,17 +413,22 @@ class EngineBase:
         A group that raises ends with an error event and the others keep running; a group whose
         samples are all done is forgotten and gives its slot back.
         """
+        return self._each_group(advance) + self._step_event(stats)
+
+    def _each_group(self, work) -> list[Event]:
+        """``work(group) -> events`` for every running group: a group that raises ends with an
+        error event and the others go on; a group whose samples are all done is forgotten."""
         events: list[Event] = []
         for key in list(self.groups):
             g = self.groups[key]
             try:
-                events += advance(g)
+                events += work(g)
             except Exception as exc:  # one failing group must not take the others down
                 events += self._failed(g, exc)
                 continue
             if g.stream.done:
                 self._finished(g)
-        return events + self._step_event(stats)
+        return events
 
     def _step_event(self, stats: StepStats) -> list[Event]:
         """The step's ``StepEvent`` (none when the step decoded nothing)."""

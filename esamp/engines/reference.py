@@ -6,6 +6,12 @@ samples, and every step feeds each running sample's last token.  When a sample f
 is dropped from the batch and the cache; rows are renumbered from ``alive`` every step, so no
 row index outlives the step that made it. Each step runs ``esamp.core.steerer.Steerer`` with the
 reference backends: the core's candidate filter, and d computed only at the candidates.
+
+A step runs every group's forward first. With a bank each group then takes its own Distiller
+step; with the shared Distiller (``distiller="shared"``) one Distiller step covers every steered
+row of every group, in group order, as the vLLM engine's step covers its whole batch. A group's
+first step feeds the shared Distiller its prompt's last position once per sample: vLLM sees n
+requests there, n rows.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import torch
 
 from esamp.core import intervention as iv
 from esamp.core.config import EsampConfig
-from esamp.core.distiller import DistillerBank
+from esamp.core.distiller import DistillerBank, bank_for
 from esamp.core.steerer import SteeredRow, Steerer, StepPlan
 from esamp.engines.base import EngineBase, Group, StepStats, resolve_layer, stop_token_ids
 from esamp.errors import EngineError
@@ -97,9 +103,8 @@ class ReferenceEngine(EngineBase):
         cfg = self.model.config
         self.hidden = cfg.hidden_size
         self.context = int(getattr(cfg, "max_position_embeddings", 2048))
-        self.steerer = Steerer(DistillerBank(
-            self.hidden, rank=self.esamp.rank, slots=self.esamp.slots, lr=self.esamp.lr,
-            optimizer=self.esamp.optimizer, device=self.device, seed=self.esamp.seed))
+        self.steerer = Steerer(bank_for(self.esamp, self.hidden, self.device))
+        self._joint: tuple[tuple, StepPlan] | None = None  # the shared Distiller's plan, by its groups' rows
         self.stop_ids = stop_token_ids(path, self.tokenizer)
         self.model_name, self.device_name = self.resolved.name, str(self.device)
         self._loaded()
@@ -144,18 +149,55 @@ class ReferenceEngine(EngineBase):
             g.plan = StepPlan.build([SteeredRow(g.slot, g.steering, g.sampling)] * rows, self.device)
         return g.plan
 
-    def _step_group(self, g: _RefGroup, stats: StepStats) -> list[Event]:
+    def _joint_plan(self, groups: list[_RefGroup]) -> StepPlan:
+        """The shared Distiller's plan: a row per running sample of every group, group by group."""
+        # Everything the plan is made of (a key may name a new group once its holder has ended).
+        key = tuple((g.key, g.slot, g.steering, g.sampling, len(g.alive)) for g in groups)
+        if self._joint is None or self._joint[0] != key:
+            rows = [SteeredRow(g.slot, g.steering, g.sampling, group=g.key) for g in groups for _ in g.alive]
+            self._joint = (key, StepPlan.build(rows, self.device))
+        return self._joint[1]
+
+    def _distill_shared(self, fed: dict, out: dict, stats: StepStats) -> list[Event]:
+        """One step of the shared Distiller on every steered row of the step (``fed``: each group's
+        forward); each group's (ŷ, e) goes into ``out``. If it fails, every steered group does."""
+        groups = [self.groups[k] for k in fed if self.groups[k].steered]
+        if not groups:
+            return []
+        try:
+            x = torch.cat([fed[g.key][1].expand(len(g.alive), -1) for g in groups])
+            y = torch.cat([fed[g.key][2].expand(len(g.alive), -1) for g in groups])
+            plan = self._joint_plan(groups)
+            prediction, errors, loss = self.steerer.distill(plan, x, y)
+        except Exception as exc:  # the one Distiller every group uses: none of them can be steered
+            return [e for g in groups for e in self._failed(g, exc)]
+        stats.port_hits += x.shape[0]
+        offset = 0
+        for g in groups:
+            rows = len(g.alive)
+            out[g.key] = (prediction[offset:offset + rows], errors[offset:offset + rows])
+            if loss is not None and any(plan.trains[offset:offset + rows]):
+                stats.add_loss(g.key, float(loss.mean()))  # the one step's loss, for each group it learned from
+            offset += rows
+        return []
+
+    def _step_group(self, g: _RefGroup, fed: tuple, shared: tuple | None, stats: StepStats) -> list[Event]:
+        """The rest of ``g``'s step after its forward (``fed``): its Distiller step (with a bank;
+        ``shared``: its rows' (ŷ, e) from the shared Distiller's), the filter, the mix, the draw."""
         events: list[Event] = []
         first = g.steps == 0
-        logits, x, y = self._forward(g)  # rows: 1 on the prefill step, else len(g.alive)
+        logits, x, y = fed  # rows: 1 on the prefill step, else len(g.alive)
         rows = len(g.alive)
         s = g.sampling
         if g.steered:
             # The prediction that steers is the Distiller's before this step's update.
-            prediction, errors, loss = self.steerer.distill(self._plan(g, x.shape[0]), x, y)
-            if loss is not None:
-                stats.add_loss(g.key, float(loss.mean()))
-            stats.port_hits += x.shape[0]
+            if self.bank.shared:
+                prediction, errors = shared
+            else:
+                prediction, errors, loss = self.steerer.distill(self._plan(g, x.shape[0]), x, y)
+                if loss is not None:
+                    stats.add_loss(g.key, float(loss.mean()))
+                stats.port_hits += x.shape[0]
             if not first:  # this step's inputs were the tokens sampled last step
                 events += g.stream.novelties(g.alive, errors.tolist())
             plan = self._plan(g, rows)
@@ -195,4 +237,15 @@ class ReferenceEngine(EngineBase):
     def step(self) -> list[Event]:
         """Advance every running group by one token."""
         stats = StepStats()
-        return self._advance_groups(lambda g: self._step_group(g, stats), stats)
+        fed: dict[str, tuple] = {}  # group → its forward's (logits, x, y)
+
+        def forward(g: _RefGroup) -> list[Event]:
+            fed[g.key] = self._forward(g)
+            return []
+
+        events = self._each_group(forward)
+        shared: dict[str, tuple] = {}
+        if self.bank.shared:
+            events += self._distill_shared(fed, shared, stats)
+        return events + self._advance_groups(
+            lambda g: self._step_group(g, fed[g.key], shared.get(g.key), stats), stats)

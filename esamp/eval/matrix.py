@@ -9,8 +9,11 @@ Matrix keys are of two sorts (``esamp.core.config``):
 
 - per-group steering (``Steering``: beta, mix, train, train_rows): cells that differ only there
   share one engine, each prompt group carrying its own ``Steering``;
-- engine-wide settings (optimizer, lr, rank, tap layers): fixed when an engine starts, so each
-  distinct combination gets its own engine (``engine_groups``), started one after another.
+- engine-wide settings (optimizer, lr, rank, tap layers, the Distiller bank or a shared one):
+  fixed when an engine starts, so each distinct combination gets its own engine
+  (``engine_groups``), started one after another. A shared Distiller keeps learning across the
+  groups of its engine, so every cell with one gets an engine of its own: what it samples then
+  depends on its own groups only, not on which other cells the run holds.
 
 Values are validated by the settings models themselves, so a bad one names the key and its
 allowed range exactly as ``esamp generate`` would.
@@ -37,7 +40,7 @@ BASELINE = "baseline"
 SINGLE = "esamp"  # the name of the one cell of a run without --matrix
 
 STEERING_KEYS = tuple(k for k in Steering.model_fields if k != "enabled")
-ENGINE_KEYS = ("optimizer", "lr", "rank", "source_layer", "target_layer")
+ENGINE_KEYS = ("optimizer", "lr", "rank", "source_layer", "target_layer", "distiller")
 MATRIX_KEYS = STEERING_KEYS + ENGINE_KEYS
 PLAIN_KEYS = tuple(Filters.model_fields)  # what a plain arm may set: its filters
 # Bank capacity changes no sample, so it is not part of what a cell is.
@@ -55,7 +58,10 @@ class Cell:
 
     @property
     def engine_key(self) -> tuple:
-        return tuple(getattr(self.config, k) for k in ENGINE_FIELDS)
+        """Cells with equal keys share an engine: their engine-wide settings, and for a shared
+        Distiller (which learns from every group its engine steers) the cell itself."""
+        key = tuple(getattr(self.config, k) for k in ENGINE_FIELDS)
+        return key + (self.name,) if self.config.shared_distiller else key
 
     def record(self) -> dict[str, Any]:
         """What run.json stores of this cell: every setting that can change a sample."""

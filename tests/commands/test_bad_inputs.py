@@ -80,6 +80,11 @@ CASES = [
     ("bench --slots below the workload", BENCH + ["--slots", "8", "--model", "qwen2.5-0.5b:dummy", "--workloads",
                                                   "16x64"], "--slots=8"),
     ("tui --slots 0", TUI + ["--slots", "0"], "--slots=0"),
+    # -- --distiller (bank | shared), where it is a flag ----------------------------------------
+    ("bench --distiller", BENCH + ["--distiller", "one"], "argument --distiller: invalid choice: 'one'"),
+    ("eval --distiller", EVAL + ["--distiller", "one", "--out", "{tmp}/e-d"], "argument --distiller: invalid choice"),
+    ("eval --matrix distiller", EVAL + ["--matrix", "distiller=bank,both", "--out", "{tmp}/e-md"],
+     "--matrix distiller='both'"),
     # -- prompts that are not text, or empty to the model -------------------------------------
     ("generate invalid UTF-8 prompt", GEN + [BAD_UTF8], "not valid UTF-8"),
     ("generate NUL prompt", GEN + ["\x00\x00"], "prompt is empty"),

@@ -69,8 +69,23 @@ def test_every_esamp_setting_has_a_flag():
     configure(p)
     flags = {o for a in p._actions for o in a.option_strings}
     assert {"--slots", "--rank", "--lr", "--optimizer", "--source-layer", "--target-layer", "--distiller-seed",
-            "--beta", "--mix", "--no-esamp", "--no-train", "--train-rows"} <= flags
-    assert len(ESAMP_FIELDS) == 12
+            "--distiller", "--beta", "--mix", "--no-esamp", "--no-train", "--train-rows"} <= flags
+    assert len(ESAMP_FIELDS) == 13
+
+
+def test_the_shared_distiller_is_an_engine_setting_of_the_server_not_of_a_request():
+    """``--distiller shared`` reaches every rank's engine in --additional-config and is said on
+    start; a request cannot choose it (it is no vllm_xargs key: one Distiller for every request)."""
+    from esamp.core import payload as pl
+
+    p = plan(PRESET, "--distiller", "shared", "--slots", "8")
+    extra = json.loads(option(p.command, "--additional-config"))
+    assert extra["esamp"]["distiller"] == "shared" and option(p.command, "--max-num-seqs") == "8"
+    assert any("one shared Distiller per rank for up to 8 groups" in note for note in p.notes)
+    assert json.loads(option(plan(PRESET).command, "--additional-config"))["esamp"]["distiller"] == "bank"
+    with pytest.raises(ConfigError) as err:
+        pl.decode({"esamp_distiller": "shared"})
+    assert "unknown ESamp setting esamp_distiller" in str(err.value)
 
 
 @pytest.mark.parametrize("argv, slots, seqs", [

@@ -14,6 +14,10 @@ a few minutes.
 running every request with ESamp off. Its ratio to the baseline is what the seams cost by
 themselves, before any Distiller or steering work.
 
+``--distiller shared`` runs the ESamp side with one Distiller for every group (the published
+runtime's mode: one Distiller block as wide as the batch, trained on every steered row) instead of
+a Distiller per group; the JSON's ``esamp`` settings say which.
+
 ``--logits`` chooses what a dummy model's next-token distributions look like: ``flat`` (the dummy
 weights as they are: near-uniform logits keep almost the whole vocabulary under the default
 filters, ESamp's worst case) or ``realistic`` (``calibrate``: the head rescaled to a real model's

@@ -21,7 +21,7 @@ HELP = "measure ESamp's throughput against plain vLLM (interleaved trials, JSON 
 LOGITS = ("flat", "realistic")
 GPU_MODEL = "qwen2.5-7b:dummy"
 SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "seed")
-ESAMP_FLAGS = ("beta", "mix", "train_rows", "optimizer", "lr", "rank", "slots")
+ESAMP_FLAGS = ("beta", "mix", "train_rows", "optimizer", "lr", "rank", "slots", "distiller")
 # Unlike generate, the bench draws without per-request seeds unless asked (module docstring).
 SAMPLING_DEFAULTS = {"seed": None}
 
@@ -166,7 +166,8 @@ def _measure(args, plan: Plan, loaded: list, log: Path) -> int:
     model, esamp, sampling = plan.model, plan.esamp, plan.sampling
 
     def load(side: str, **kw):
-        _say(f"loading the {side} engine ({'plain vLLM' if kw.get('plain') else 'vLLM with ESamp'})...")
+        what = "plain vLLM" if kw.get("plain") else f"vLLM with ESamp, Distiller {esamp.distiller}"
+        _say(f"loading the {side} engine ({what})...")
         t0 = time.perf_counter()
         try:
             loaded.append(VllmEngine(**kw))

@@ -172,7 +172,7 @@ class VllmEngine(RecordedEngine):
 
         steered = group.steered and not self.plain
         if steered and sum(1 for g in self.groups.values() if g.steered) >= self.esamp.slots:
-            raise bank_full(self.esamp.slots)
+            raise bank_full(self.esamp.slots, self.esamp.shared_distiller)
         g = RecordedGroup(**{**vars(group), "steering": group.steering.model_copy(update={"enabled": steered})})
         s = g.sampling
         g.arrived = [[] for _ in range(s.n)]

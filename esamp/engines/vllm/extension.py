@@ -52,6 +52,7 @@ class EsampWorkerExtension:
             "runner_module": type(runner).__module__ if runner is not None else None,
             "processor": type(exchange.adapter).__name__ if exchange.adapter is not None else None,
             "slots": steering.slots.capacity if steering is not None and steering.slots else 0,
+            "distiller": steering.config.distiller if steering is not None and steering.config is not None else None,
             "taps_put": exchange.taps_put,
             # this worker's place in the tensor-parallel group; rank 0 owns the Distiller bank
             "tp_rank": steering.tp.rank if steering is not None else None,

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 RETAIN_SECONDS = 300.0
+LossOwner = str | tuple[str, ...] | None  # whose a packed loss is: a group, several, or nobody's
 MAX_READY = 8192  # step records kept unread at most; beyond, the oldest go (counted as dropped)
 COLLECT_AFTER = 64  # records waiting before a step turns the oldest into plain ones itself
 
@@ -34,7 +35,7 @@ class _Step:
     groups: list[str]  # per row
     samples: list[int]
     generated: list[int]  # tokens each row's request had generated before this step
-    loss_groups: list[str | None]  # per packed loss, its group (None: a unit that did not train)
+    loss_groups: list[LossOwner]  # per packed loss, whose it is (``push``)
     keep: set[str] | None  # groups whose rows are kept (None: all)
     packed: torch.Tensor  # host: errors [n] | candidates [n] | losses [len(loss_groups)]
     event: object  # CUDA event of the copy, or None (already on the host)
@@ -63,10 +64,12 @@ class RecordStore:
         return torch.cat(parts)
 
     def push(self, step: int, groups: list[str], samples: list[int], generated: list[int],
-             packed: torch.Tensor, loss_groups: list[str], keep: set[str] | None = None) -> None:
+             packed: torch.Tensor, loss_groups: list[LossOwner], keep: set[str] | None = None) -> None:
         """Queue one step's record (of the ``keep`` groups' rows, or all) from its ``pack``ed
-        values, whose copy to the host starts now (a replayed graph's output is read before the
-        next replay overwrites it: the copy is queued on the same stream)."""
+        values; ``loss_groups``: per packed loss, the group whose loss it is, several groups (the
+        shared Distiller's one loss is each training group's), or None (a unit that did not
+        train). The values' copy to the host starts now (a replayed graph's output is read before
+        the next replay overwrites it: the copy is queued on the same stream)."""
         event = None
         if self.device.type == "cuda":
             free = self._buffers[packed.numel()]
@@ -91,7 +94,7 @@ class RecordStore:
             if s.event is not None:
                 self._buffers[s.packed.numel()].append(s.packed)
                 self._events.append(s.event)
-            loss = {g: v for g, v in zip(s.loss_groups, values[2 * n:]) if g is not None}
+            loss = {g: v for owner, v in zip(s.loss_groups, values[2 * n:]) for g in _owners(owner)}
             if loss:
                 mean = sum(loss.values()) / len(loss)
                 self.loss = mean if self.loss is None else 0.9 * self.loss + 0.1 * mean
@@ -148,6 +151,13 @@ class RecordStore:
                 if cols[0] or loss:
                     keep.append({**rec, "cols": cols, "loss": loss})
             self._ready = keep
+
+
+def _owners(owner: LossOwner) -> tuple[str, ...]:
+    """The groups a packed loss belongs to (``push``'s ``loss_groups`` entry)."""
+    if owner is None:
+        return ()
+    return (owner,) if isinstance(owner, str) else tuple(owner)
 
 
 def _select(cols: tuple[list, ...], keep) -> tuple[list, ...]:

@@ -5,6 +5,10 @@ adapter's rows when the batch changes, runs the Distiller step on the rows the m
 (``distill``), filters and mixes the sampler's logits (``apply``), keeps step records and
 counters, and frees groups. The model and the adapter meet through ``esamp.engines.vllm.exchange``.
 
+With the shared Distiller (``distiller="shared"``) every group holds the bank's one slot, so a
+step's steered rows are one unit of the Distiller block (as wide as the batch) and its loss, the
+mean over every training row, is reported for each group that trained in the step.
+
 Under tensor parallelism (``esamp.engines.vllm.tp``) only TP rank 0 owns the bank and keeps
 records; it broadcasts ŷ inside ``distill``. Every other worker keeps a ``SlotLedger`` in the
 bank's place (the same slots for the same groups, so the same plans), receives ŷ instead of
@@ -29,7 +33,7 @@ import torch
 
 from esamp.core.backends.graphs import GraphCache
 from esamp.core.config import EsampConfig, SamplingConfig, Steering, bound
-from esamp.core.distiller import DistillerBank, SlotLedger
+from esamp.core.distiller import DistillerBank, SlotLedger, bank_for, ledger_for
 from esamp.core.steerer import PlanBuffers, SteeredRow, Steerer, StepPlan, bucket, reference_filter
 from esamp.engines.vllm.records import RecordStore
 from esamp.engines.vllm.rows import Groups, RequestRow
@@ -53,7 +57,7 @@ class BatchPlan:
     members: list[RequestRow]  # the steered rows, in plan order
     groups: list[str]  # per steered row (what its records say)
     samples: list[int]
-    unit_groups: list[str | None]  # per Distiller unit, the group whose loss it reports (None: no training)
+    unit_groups: list[tuple[str, ...]]  # per Distiller unit, the groups whose loss it is (none: no training)
     recorded: set[str] | None  # groups whose records are kept (None: every group's)
 
     @property
@@ -116,21 +120,23 @@ class EngineSteering:
         bank = None
         self.slots: SlotLedger | None = None  # the bank's slots, or a ledger of them (a worker without it)
         if config is not None and not tp.owner:
-            self.slots = SlotLedger(config.slots)
+            self.slots = ledger_for(config)
         elif config is not None:
             with torch.inference_mode(False):
-                bank = DistillerBank(hidden, rank=config.rank, slots=config.slots, lr=config.lr,
-                                     optimizer=config.optimizer, device=self.device, seed=config.seed)
+                bank = bank_for(config, hidden, self.device)
             self.slots = bank
         self.steerer = Steerer(bank, filter=vllm_filter, graphs=GraphCache(
             enabled=graphs and bank is not None, after=0, size=DISTILL_GRAPHS, in_place=True, shared_pool=True)) \
             if bank is not None else Steerer(None, filter=vllm_filter)
         self.apply_graphs = GraphCache(enabled=graphs, after=1, size=APPLY_GRAPHS, in_place=True)
         self.steerer.reserve(max_rows, vocab, self.device)
-        n_max = bound(SamplingConfig, "n", "le")
-        self.buffers = PlanBuffers(
-            max_rows, units=bucket(min(config.slots if config else 1, max_rows)),
-            width=bucket(min(n_max, max_rows)), device=self.device, scratch=self.slots.scratch if self.slots else 0)
+        if self.slots is not None and self.slots.shared:  # one unit: every steered row of the batch
+            units, width = 1, bucket(max_rows)
+        else:  # a unit per group, as wide as a group's samples
+            units = bucket(min(config.slots if config else 1, max_rows))
+            width = bucket(min(bound(SamplingConfig, "n", "le"), max_rows))
+        self.buffers = PlanBuffers(max_rows, units=units, width=width, device=self.device,
+                                   scratch=self.slots.scratch if self.slots else 0)
         self.groups = Groups(self.slots)
         self.records = RecordStore(self.device) if retain_seconds is None else RecordStore(self.device, retain_seconds)
         self._taps: torch.Tensor | None = None  # [max_rows + 1, A·H] tapped rows (last row zero)
@@ -162,18 +168,20 @@ class EngineSteering:
         for _, row, _ in steered:
             self.groups.arrived(row)
         quiet = Steering(enabled=False, beta=0.0)
-        spec = ([SteeredRow(s, r.steering, r.filters, self.groups.complete(r)) for _, r, s in steered]
+        spec = ([SteeredRow(s, r.steering, r.filters, self.groups.complete(r), r.group) for _, r, s in steered]
                 + [SteeredRow(-1, quiet, r.filters) for _, r, _ in plain])
         index = [i for i, _, _ in steered] + [i for i, _, _ in plain]
         with torch.inference_mode(False):
             plan = StepPlan.build(spec, self.device, steered=len(steered), index=index, buffers=self.buffers)
         members = [r for _, r, _ in steered]
-        unit_groups: list[str | None] = []
+        unit_groups: list[tuple[str, ...]] = []
         if plan.layout is not None:
-            by_slot = {s: r.group for _, r, s in steered}
-            training = set(plan.layout.training)
-            unit_groups = [by_slot[s] if u in training else None for u, s in enumerate(plan.layout.slots)]
-            unit_groups += [None] * (plan.layout.shape[0] - len(unit_groups))
+            unit_of = {s: u for u, s in enumerate(plan.layout.slots)}
+            owners: list[dict[str, None]] = [{} for _ in range(plan.layout.shape[0])]  # ordered sets
+            for (_, r, s), trains in zip(steered, plan.trains):
+                if trains:
+                    owners[unit_of[s]][r.group] = None
+            unit_groups = [tuple(o) for o in owners]
         out = BatchPlan(rows=n_logits, step=plan, members=members, groups=[r.group for r in members],
                         samples=[r.sample for r in members], unit_groups=unit_groups,
                         recorded=None if self.record_all else {r.group for r in members if r.records})

@@ -27,13 +27,13 @@ class TracingSteering(EngineSteering):
             x, y = normalize(x, y)
         losses = {}
         if handoff.losses is not None:
-            losses = {g: v for g, v in zip(plan.unit_groups, handoff.losses.tolist()) if g is not None}
+            losses = {g: v for owners, v in zip(plan.unit_groups, handoff.losses.tolist()) for g in owners}
         m = plan.members
         self._trace = dict(meta=[(r.group, r.sample, len(r.output_ids)) for r in m],
                            filters=[r.filters for r in m], steering=[r.steering for r in m],
                            source=x.float().clone(), target=y.float().clone(),
                            prediction=handoff.prediction[:s].float().clone(), errors=handoff.errors[:s].clone(),
-                           losses=losses)
+                           losses=losses, trains=plan.step.trains)
         return handoff
 
     def apply(self, plan, logits, handoff):

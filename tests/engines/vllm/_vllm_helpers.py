@@ -42,3 +42,23 @@ def require_model():
         return resolve(test_model_spec())
     except ModelNotFoundError as exc:
         pytest.skip(f"embedded model not installed: {exc}")
+
+
+class Wire:
+    """vLLM's tensor-parallel broadcast between two ``EngineSteering`` of one process, called one
+    after the other: rank 0's call leaves the tensor on the wire, rank 1's takes it."""
+
+    def __init__(self) -> None:
+        self.tensor = None
+
+    def end(self, rank: int):
+        from types import SimpleNamespace
+
+        def broadcast(tensor, src=0):
+            if rank == src:
+                self.tensor = tensor.clone()
+            else:
+                tensor.copy_(self.tensor)
+            return tensor
+
+        return SimpleNamespace(broadcast=broadcast)

@@ -310,3 +310,45 @@ def test_mrv2_adapter_refuses_engines_it_cannot_steer(engine, words):
 
     with pytest.raises(ValueError, match=words):
         EsampLogitsProcessor(_config(**engine), _rstate(np.zeros(SLOTS, dtype=np.int32)))
+
+
+def test_with_the_shared_distiller_the_mrv2_adapter_steers_like_the_v1_adapter():
+    """The late path with every group on the shared Distiller (one unit per step): rows reordered
+    and a slot recycled, the same steered logits and records as the V1 adapter, and each step's
+    one loss recorded for every group that trained."""
+    from esamp.core.config import EsampConfig
+    from esamp.engines.vllm import settings as es
+
+    shared = {es.KEY: es.engine_settings(EsampConfig(rank=4, lr=0.05, slots=4, distiller="shared"), LAYERS)}
+    head = torch.randn(V, H, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        v1 = _V1Engine(_config(additional_config=shared), head)
+        v2 = _Mrv2Engine(_config(additional_config=shared), head)
+    assert v1.adapter.steering.bank.shared and v2.adapter.steering.bank.shared
+    requests = {"a0": _request("ga", 0, 2, temperature=0.7, top_p=0.9),
+                "a1": _request("ga", 1, 2, temperature=0.7, top_p=0.9),
+                "b0": _request("gb", 0, 1, temperature=1.0, min_p=0.1),
+                "c0": _request("gc", 0, 1, temperature=0.9)}
+    steps = [(["b0", "a1", "a0"], {"a0": 3, "a1": 0, "b0": 5}),
+             (["a0", "b0", "a1"], {}),
+             (["c0", "a1", "a0"], {"c0": 5})]  # c0 takes the slot b0 left
+    slot_of: dict[str, int] = {}
+    outputs = {n: [] for n in requests}
+    gen = torch.Generator().manual_seed(0)
+    for step, (order, arrivals) in enumerate(steps):
+        for name, slot in arrivals.items():
+            slot_of[name] = slot
+            assert v2.add(slot, requests[name], 3)
+        aux = {n: torch.randn(2 * H, generator=gen) for n in requests}
+        raw = {n: 3 * torch.randn(V, generator=gen) for n in requests}
+        with torch.inference_mode():
+            got_v1 = v1.step(order, requests, outputs, aux, raw)
+            got_v2 = v2.step(order, slot_of, {n: 3 + len(outputs[n]) for n in requests}, aux, raw)
+        assert torch.equal(got_v2, got_v1), step
+        for name in order:
+            outputs[name].append(1)
+    records = _records(v2.adapter.steering)
+    assert records == _records(v1.adapter.steering)
+    assert [sorted(r["loss"]) for r in records] == [["ga", "gb"], ["ga", "gb"], ["ga", "gc"]]
+    assert all(len(set(r["loss"].values())) == 1 for r in records)  # one Distiller, one loss per step
+    assert float(v2.adapter.steering.bank.store.steps[0]) == len(steps)

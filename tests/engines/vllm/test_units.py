@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _vllm_helpers import Wire as _Wire
 from esamp.core import intervention as iv
 from esamp.engines.vllm import settings as es
 from esamp.errors import ConfigError
@@ -291,26 +292,6 @@ def test_a_second_compute_logits_after_sampling_is_not_steered():
     adapter.update_state(None)  # the next step
     assert adapter.plan(1) is not None
     assert adapter.steering.keep_taps(torch.zeros(4, 16)) and not adapter.steering.keep_taps(torch.zeros(9, 16))
-
-
-class _Wire:
-    """vLLM's tensor-parallel broadcast between two ``EngineSteering`` of one process, called one
-    after the other: rank 0's call leaves the tensor on the wire, rank 1's takes it."""
-
-    def __init__(self) -> None:
-        self.tensor = None
-
-    def end(self, rank: int):
-        from types import SimpleNamespace
-
-        def broadcast(tensor, src=0):
-            if rank == src:
-                self.tensor = tensor.clone()
-            else:
-                tensor.copy_(self.tensor)
-            return tensor
-
-        return SimpleNamespace(broadcast=broadcast)
 
 
 @pytest.mark.vllm
