@@ -62,3 +62,20 @@ class Wire:
             return tensor
 
         return SimpleNamespace(broadcast=broadcast)
+
+
+def lockstep(workers, rows: dict, head, hidden: int, vocab: int):
+    """One step of every tensor-parallel worker on the same batch (``rows``: logits row → request
+    row), rank 0 first so that its broadcast is on the ``Wire`` for the others: (plans, logits out)."""
+    import torch
+
+    plans = [w.plan(rows, len(rows)) for w in workers]
+    aux = torch.randn(len(rows), 2 * hidden)
+    logits = torch.randn(len(rows), vocab)
+    outs = []
+    for w, p in zip(workers, plans):
+        assert w.keep_taps(aux)
+        handoff = w.distill(p, 0, 1, None, torch.float32)
+        handoff.d = handoff.prediction[:p.steered] @ head.t()
+        outs.append(w.apply(p, logits.clone(), handoff))
+    return plans, outs

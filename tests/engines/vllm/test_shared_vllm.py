@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from _tracing import TRACER, collect, exchange, steering, tokens_of, traced
-from _vllm_helpers import Wire, require_model, require_vllm
+from _vllm_helpers import Wire, lockstep, require_model, require_vllm
 
 pytestmark = [pytest.mark.vllm]
 
@@ -172,17 +172,9 @@ def test_served_slots_evictions_and_a_tp_follower_with_the_shared_distiller():
     for step, rows in enumerate(batches):
         if step == 2:
             assert owner.release("b") and follower.release("b")
-        plans = [w.plan(rows, len(rows)) for w in workers]
+        plans, outs = lockstep(workers, rows, head, H, V)
         assert plans[0].groups == plans[1].groups and plans[0].step.layout.slots == (SHARED_SLOT,)
         assert plans[0].unit_groups == plans[1].unit_groups == [tuple(dict.fromkeys(plans[0].groups))]
-        aux = torch.randn(len(rows), 2 * H)
-        logits = torch.randn(len(rows), V)
-        outs = []
-        for w, p in zip(workers, plans):  # rank 0 first: its broadcast is on the wire for rank 1
-            assert w.keep_taps(aux)
-            handoff = w.distill(p, 0, 1, None, torch.float32)
-            handoff.d = handoff.prediction[:p.steered] @ head.t()
-            outs.append(w.apply(p, logits.clone(), handoff))
         assert torch.equal(outs[0], outs[1]), step
         assert owner.slots.groups == follower.slots.groups
     assert owner.slots.groups == {"c": SHARED_SLOT, "d": SHARED_SLOT}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _vllm_helpers import Wire as _Wire
+from _vllm_helpers import Wire as _Wire, lockstep
 from esamp.core import intervention as iv
 from esamp.engines.vllm import settings as es
 from esamp.errors import ConfigError
@@ -325,17 +325,9 @@ def test_a_tensor_parallel_worker_without_the_bank_plans_and_mixes_as_rank_0():
     for step, rows in enumerate(batches):
         if step == 2:
             assert owner.release("b") and follower.release("b")
-        plans = [w.plan(rows, len(rows)) for w in workers]
+        plans, outs = lockstep(workers, rows, head, H, V)
         assert [p.groups for p in plans] == [plans[0].groups] * 2 and plans[0].steered
         assert plans[0].step.layout.slots == plans[1].step.layout.slots
-        aux = torch.randn(len(rows), 2 * H)
-        logits = torch.randn(len(rows), V)
-        outs = []
-        for w, p in zip(workers, plans):  # rank 0 first: its broadcast is on the wire for rank 1
-            assert w.keep_taps(aux)
-            handoff = w.distill(p, 0, 1, None, torch.float32)
-            handoff.d = handoff.prediction[:p.steered] @ head.t()
-            outs.append(w.apply(p, logits.clone(), handoff))
         assert torch.equal(outs[0], outs[1]), step
         assert owner.slots.groups == follower.slots.groups
     assert owner.slots.groups == {"c": 1, "d": 0}  # c took b's released slot, d evicted idle a
