@@ -45,7 +45,7 @@ class LoadingEvent(_Event):
     text: str
     done: float = Field(0.0, ge=0.0)
     total: float = Field(0.0, ge=0.0, description="0 when not known")
-    unit: str = Field("", description='"B" for bytes, "" for a count of files or none')
+    unit: str = Field("", description='"B" for bytes, "files" for a count of files, "" for none')
 
     def fraction(self) -> float | None:
         return min(1.0, self.done / self.total) if self.total else None

@@ -28,6 +28,7 @@ from textual.widget import Widget
 from textual.worker import get_current_worker
 
 from esamp.core.config import SamplingConfig, Steering
+from esamp.engines.base import RateMeter
 from esamp.errors import EsampError
 from esamp.events import ErrorEvent, Event, LoadingEvent, ReadyEvent
 from esamp_tui.worker import Abort, Backend, Configure, RunPrompt, Session, SessionSpec
@@ -38,19 +39,6 @@ BATCH_SECONDS = 0.1  # events reach the UI at most 10 times a second: a frame of
 # 1,000 tok/s fewer, larger batches keep the dashboard's own CPU share down (benchmarks/ui_bench.py).
 BUSY_TOKENS_PER_S = 600.0
 BUSY_BATCH_SECONDS = 0.2
-
-
-class _TokenRate:
-    """Tokens a second over the last second of batches (how busy the stream is)."""
-
-    def __init__(self, window: float = 1.0) -> None:
-        self.window = window
-        self.marks: list[tuple[float, int]] = []
-
-    def add(self, tokens: int, now: float | None = None) -> float:
-        now = time.monotonic() if now is None else now
-        self.marks = [(t, n) for t, n in self.marks if now - t < self.window] + [(now, tokens)]
-        return sum(n for _, n in self.marks) / self.window
 
 
 class SessionController:
@@ -152,7 +140,7 @@ class SessionController:
         batch: list[Event] = []
         first = 0.0  # when the oldest event of ``batch`` arrived
         interval = BATCH_SECONDS
-        rate = _TokenRate()
+        rate = RateMeter(window_s=1.0)  # the stream's recent tokens a second
 
         def flush() -> None:
             nonlocal batch, interval

@@ -11,6 +11,7 @@ import argparse
 import importlib
 import os
 import sys
+import time
 
 from esamp.errors import EsampError
 from esamp.platform.threads import prefer_passive_wait
@@ -54,8 +55,6 @@ class ProgressPrinter:
         self._last = 0.0
 
     def __call__(self, event) -> None:
-        import time
-
         counting = event.fraction() is not None
         if self.tty:
             self.stream.write("\r\x1b[K" + event.describe() + ("" if counting else "\n"))

@@ -72,5 +72,6 @@ def vllm_version() -> str | None:
 
 
 def vllm_usable() -> bool:
-    """True when vLLM is importable and a CUDA device is visible (what `auto` picks vLLM for)."""
-    return vllm_version() is not None and cuda_available()
+    """True when vLLM is installed and a GPU is visible: the rule by which ``auto`` picks the vLLM
+    engine (``esamp.engines.choose_engine`` gives the same answer with its reason)."""
+    return vllm_version() is not None and gpu_visible()

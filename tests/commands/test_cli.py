@@ -193,3 +193,20 @@ def test_every_command_that_starts_an_engine_defaults_to_auto():
         help_text = " ".join(parser.format_help().split())
         assert "auto (default): the vLLM engine where a CUDA GPU and vLLM are present" in help_text
         assert "Qwen/Qwen2.5-7B-Instruct" in help_text
+
+
+def test_esamp_tui_on_a_gpu_machine_picks_vllm_and_passes_the_hub_id_on(monkeypatch):
+    """``esamp-tui --model Qwen2.5-7B`` where a GPU and vLLM are present: the vLLM engine, the
+    reason for the status bar, and the model name as typed (the worker resolves and downloads it)."""
+    import esamp.engines
+    import esamp_tui.__main__ as tui
+
+    monkeypatch.setattr(esamp.engines, "gpu_visible", lambda: True)
+    monkeypatch.setattr(esamp.engines, "vllm_version", lambda: "0.20.0")
+    seen = {}
+    monkeypatch.setattr(tui, "run_app", lambda options: seen.setdefault("options", options) and 0)
+    assert tui.main(["--model", "Qwen2.5-7B"]) == 0
+    options = seen["options"]
+    assert (options.engine, options.engine_reason) == ("vllm", "auto: CUDA GPU and vLLM 0.20.0")
+    spec = options.session_spec(options.esamp.steering, options.sampling)
+    assert spec.engine == "vllm" and spec.model == "Qwen2.5-7B" and "threads" not in spec.engine_options
