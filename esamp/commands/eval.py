@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from esamp.commands.cli import SAMPLING_FLAGS, add_engine_flags
+from esamp.commands.cli import FILTER_FLAGS, SAMPLING_FLAGS, add_engine_flags
 from esamp.core.mixes import MIXES
 from esamp.core.config import EsampConfig, SamplingConfig, add_flags, from_flags, make_config, settings_fields
 from esamp.engines import DEFAULT_ENGINE
@@ -39,7 +39,7 @@ HELP = "Pass@k and semantic diversity, ESamp cells against plain sampling, offli
 ESAMP_FLAGS = ("beta", "mix", "train", "train_rows", "optimizer", "lr", "rank", "distiller")
 ENGINE_FLAGS = ("slots",)
 # What a [task.NAME] table of the matrix file may set for one task.
-TASK_OVERRIDES = ("limit", "max_tokens", "temperature", "top_p", "top_k", "min_p")
+TASK_OVERRIDES = ("limit", "max_tokens", *FILTER_FLAGS)
 FILE_KEYS = ("tasks", "task_files", "limit", "k", "engine", "model", "threads", "parallel", "out",
              "no_diversity", *SAMPLING_FLAGS, *ESAMP_FLAGS, *ENGINE_FLAGS, "matrix", "plain", "task")
 DEFAULT_PARALLEL = {"reference": 1, "vllm": 16, "server": 16}
