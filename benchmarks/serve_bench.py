@@ -40,6 +40,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from urllib.parse import urlsplit
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -48,6 +49,7 @@ API_KEY_ENV = "ESAMP_API_KEY"
 from esamp.commands.bench.provenance import commit, versions  # noqa: E402
 from esamp.commands.bench.workloads import parse_workload, prompts as make_prompts  # noqa: E402
 from esamp.core.config import Filters  # noqa: E402
+from esamp.platform import http_client  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -174,38 +176,15 @@ def start_servers(args, log_dir: Path) -> tuple[Server, Server]:
 
 
 async def post(url: str, path: str, body: dict, timeout: float) -> dict:
-    """One HTTP/1.1 request on its own connection (closed after the answer)."""
-    host, _, port = url.split("://", 1)[1].partition(":")
-    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port or 80)), timeout)
-    try:
-        data = json.dumps(body).encode()
-        key = os.environ.get(API_KEY_ENV)
-        auth = f"Authorization: Bearer {key}\r\n" if key else ""
-        writer.write(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n{auth}"
-                     f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode() + data)
-        await writer.drain()
-        raw = await asyncio.wait_for(reader.read(), timeout)
-    finally:
-        writer.close()
-    head, _, payload = raw.partition(b"\r\n\r\n")
-    status = int(head.split(b" ", 2)[1])
-    if b"transfer-encoding: chunked" in head.lower():
-        payload = _unchunk(payload)
+    """One JSON request on its own connection (closed after the answer), with the API key if set."""
+    parts = urlsplit(url)
+    key = os.environ.get(API_KEY_ENV)
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    status, payload = await http_client.request(parts.hostname, parts.port or 80, path, method="POST",
+                                                headers=headers, body=json.dumps(body).encode(), timeout=timeout)
     if status != 200:
         raise RuntimeError(f"{path}: HTTP {status}: {payload[:500].decode(errors='replace')}")
     return json.loads(payload)
-
-
-def _unchunk(data: bytes) -> bytes:
-    out, rest = [], data
-    while rest:
-        size, _, rest = rest.partition(b"\r\n")
-        n = int(size.split(b";")[0], 16)
-        if n == 0:
-            break
-        out.append(rest[:n])
-        rest = rest[n + 2:]
-    return b"".join(out)
 
 
 async def trial(url: str, model: str, prompts: list[list[int]], n: int, tokens: int, seed: int | None,

@@ -1,8 +1,9 @@
 """``esamp-tui``: the dashboard's command line. Bad flags: a clear message and exit status 2.
 
-The ESamp and sampling flags (``--beta``, ``--mix``, ``-n``, ``--max-tokens``, ``--seed``,
-``--no-esamp``, the filters) are built from ``esamp.core.config``: their defaults, ranges and
-error messages are the core's. ``-n`` is further limited to the panes the dashboard can show.
+The ESamp and sampling flags (``--beta``, ``--mix``, ``--distiller``, ``-n``, ``--max-tokens``,
+``--seed``, ``--no-esamp``, the filters) are built from ``esamp.core.config``, the same as
+``esamp generate``'s: their defaults, ranges and error messages are the core's. ``-n`` is
+further limited to the panes the dashboard can show.
 """
 
 from __future__ import annotations
@@ -44,7 +45,10 @@ def main(argv: list[str] | None = None) -> int:
         from esamp_tui.options import Options
         from esamp_tui.theming import check_theme, load_themes
 
+        from esamp.commands.cli import refuse_server_distiller
         from esamp.engines import EngineChoice, choose_engine
+
+        refuse_server_distiller(args)
 
         # --server: the session's worker runs the client of the served endpoint (esamp.engines.server);
         # otherwise "auto" is decided here, so the status bar can say what was picked and why

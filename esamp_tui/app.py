@@ -47,7 +47,6 @@ class EsampApp(App):
         self.memory_sampler = memory_sampler
         self.speed_file = speed_file
         self.main_screen: MainScreen | None = None
-        self.signalled: int | None = None
         # One theme list: the dashboard's own (built in + the user's files). ``--theme``, ``t``
         # and the palette's theme picker all offer exactly these.
         themes, self.theme_problems = load_themes(theme_dir)
@@ -87,7 +86,6 @@ class EsampApp(App):
             loop.add_signal_handler(signum, self.quit_on_signal, signum)
 
     def quit_on_signal(self, signum: int) -> None:
-        self.signalled = signum
         self.exit(return_code=128 + signum)
 
     def on_unmount(self) -> None:

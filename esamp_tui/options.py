@@ -12,6 +12,7 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Any
 
+from esamp.commands.cli import GROUP_ESAMP_FLAGS, SAMPLING_FLAGS
 from esamp.core.config import EsampConfig, SamplingConfig, Steering, add_flags, bound, from_flags, update_config
 from esamp.engines import DEFAULT_ENGINE
 from esamp.engines.base import check_prompt_text
@@ -21,17 +22,13 @@ from esamp_tui.worker import SessionSpec, default_log_file
 MAX_PANES = 8  # samples shown side by side; more would leave each pane too narrow to read
 BETA_STEP = 0.1  # what + and - change β by
 
-# The settings a user can set at launch, by the model that defines them.
-STEERING_FLAGS = ("enabled", "beta", "mix", "slots")
-SAMPLING_FLAGS = ("n", "max_tokens", "seed", "temperature", "top_p", "top_k", "min_p")
-
 
 BETA_RANGE = (bound(Steering, "beta", "ge"), bound(Steering, "beta", "le"))  # what + and - clamp to
 
 
 def add_setting_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("ESamp and sampling")
-    add_flags(group, EsampConfig, STEERING_FLAGS)
+    add_flags(group, EsampConfig, GROUP_ESAMP_FLAGS)  # the settings esamp generate takes
     add_flags(group, SamplingConfig, SAMPLING_FLAGS)
     n = SamplingConfig.model_fields["n"]
     for action in group._group_actions:  # the dashboard shows fewer samples than a group may have
@@ -55,7 +52,7 @@ class Options:
     @classmethod
     def from_args(cls, args: argparse.Namespace, **values) -> "Options":
         """Options from parsed flags (``add_setting_flags``); a bad value names its flag."""
-        return cls(esamp=from_flags(args, EsampConfig, STEERING_FLAGS),
+        return cls(esamp=from_flags(args, EsampConfig, GROUP_ESAMP_FLAGS),
                    sampling=from_flags(args, SamplingConfig, SAMPLING_FLAGS), **values).validate()
 
     def validate(self) -> "Options":

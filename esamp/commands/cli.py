@@ -13,7 +13,8 @@ import os
 import sys
 import time
 
-from esamp.errors import EsampError
+from esamp.core.config import Filters
+from esamp.errors import ConfigError, EsampError
 from esamp.platform.threads import prefer_passive_wait
 
 SUBCOMMANDS = {
@@ -24,12 +25,32 @@ SUBCOMMANDS = {
 }
 
 
-MODEL_HELP = ("a Hugging Face hub id, downloaded once into huggingface_hub's cache "
+# What ``--model`` takes, the same on every command (esamp.engines.models resolves it).
+MODEL_SPEC = ("a Hugging Face hub id, downloaded once into huggingface_hub's cache "
               "(Qwen/Qwen2.5-7B-Instruct; short names such as Qwen2.5-7B name their organisation's), "
               "an HF model directory, a .gguf file, a packaged model (gemma3-270m) or a random-weight "
-              "preset (qwen2.5-7b:dummy); default: the embedded SmolLM2-135M-Instruct")
+              "preset (qwen2.5-7b:dummy)")
 ENGINE_HELP = ("auto (default): the vLLM engine where a CUDA GPU and vLLM are present, else the reference "
                "engine; reference: transformers on the CPU (the oracle); vllm")
+
+# Which settings flags a command offers. Each flag is built from its settings field
+# (``esamp.core.config.add_flags``), so its spelling, default, range and help are the field's.
+FILTER_FLAGS = tuple(Filters.model_fields)  # temperature, top-p, top-k, min-p
+SAMPLING_FLAGS = ("n", "max_tokens", "seed", *FILTER_FLAGS)  # a prompt group's sampling
+# ESamp on a command that runs one prompt group at a time (generate, the dashboard): steering on
+# or off, its strength and mix, and the engine's Distiller (slots, a bank or one shared).
+GROUP_ESAMP_FLAGS = ("enabled", "beta", "mix", "slots", "distiller")
+
+
+def add_model_flag(parser, *, default: str | None = None, dest: str = "model") -> None:
+    """``--model``: what it takes is the same on every command. ``default`` says what a command
+    loads without it (the embedded model unless the command says otherwise); ``dest`` is for a
+    command that also takes the model another way (esamp serve's MODEL)."""
+    if default is None:
+        from esamp.engines.models import EMBEDDED_NAME
+
+        default = f"the embedded {EMBEDDED_NAME}"
+    parser.add_argument("--model", dest=dest, default=None, metavar="MODEL", help=f"{MODEL_SPEC}; default: {default}")
 
 
 def add_engine_flags(parser, *, server_help: str, unset: bool = False) -> None:
@@ -38,9 +59,17 @@ def add_engine_flags(parser, *, server_help: str, unset: bool = False) -> None:
     is then ``esamp.engines.DEFAULT_ENGINE`` as everywhere."""
     from esamp.engines import DEFAULT_ENGINE, ENGINE_NAMES
 
-    parser.add_argument("--model", default=None, help=MODEL_HELP)
+    add_model_flag(parser)
     parser.add_argument("--engine", default=None if unset else DEFAULT_ENGINE, choices=ENGINE_NAMES, help=ENGINE_HELP)
     parser.add_argument("--server", default=None, metavar="URL", help=server_help)
+
+
+def refuse_server_distiller(args) -> None:
+    """``--distiller`` with ``--server``: a served engine's Distiller is chosen when the server
+    starts, and a client cannot change it; refused rather than silently ignored."""
+    if getattr(args, "server", None) and getattr(args, "distiller", None) is not None:
+        raise ConfigError(f"--distiller {args.distiller} with --server: the server chose its Distiller when it started",
+                          hint=f"leave --distiller out, or start the server with esamp serve --distiller {args.distiller}")
 
 
 class ProgressPrinter:

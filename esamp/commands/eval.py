@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from esamp.commands.cli import add_engine_flags
+from esamp.commands.cli import FILTER_FLAGS, SAMPLING_FLAGS, add_engine_flags
 from esamp.core.mixes import MIXES
 from esamp.core.config import EsampConfig, SamplingConfig, add_flags, from_flags, make_config, settings_fields
 from esamp.engines import DEFAULT_ENGINE
@@ -34,11 +34,12 @@ from esamp.platform.threads import add_threads_flag, check_threads, threads_opti
 
 HELP = "Pass@k and semantic diversity, ESamp cells against plain sampling, offline"
 
-SAMPLING_FLAGS = ["n", "max_tokens", "seed", "temperature", "top_p", "top_k", "min_p"]
-ESAMP_FLAGS = ["beta", "mix", "train", "train_rows", "optimizer", "lr", "rank", "distiller"]
-ENGINE_FLAGS = ["slots"]
+# No --no-esamp: the baseline is the arm with ESamp off; the training settings are here since
+# --matrix compares them.
+ESAMP_FLAGS = ("beta", "mix", "train", "train_rows", "optimizer", "lr", "rank", "distiller")
+ENGINE_FLAGS = ("slots",)
 # What a [task.NAME] table of the matrix file may set for one task.
-TASK_OVERRIDES = ("limit", "max_tokens", "temperature", "top_p", "top_k", "min_p")
+TASK_OVERRIDES = ("limit", "max_tokens", *FILTER_FLAGS)
 FILE_KEYS = ("tasks", "task_files", "limit", "k", "engine", "model", "threads", "parallel", "out",
              "no_diversity", *SAMPLING_FLAGS, *ESAMP_FLAGS, *ENGINE_FLAGS, "matrix", "plain", "task")
 DEFAULT_PARALLEL = {"reference": 1, "vllm": 16, "server": 16}
@@ -166,7 +167,7 @@ def _merge_file(args: argparse.Namespace, data: dict) -> None:
     make_config(SamplingConfig, {f: f"{name}: {f}" for f in SamplingConfig.model_fields}, **{**EVAL_DEFAULTS, **sampling})
     esamp = {k: data[k] for k in ESAMP_FLAGS + ENGINE_FLAGS if k in data}
     make_config(EsampConfig, label, **esamp)
-    for key in SAMPLING_FLAGS + ESAMP_FLAGS + ENGINE_FLAGS + ["limit", "engine", "model", "threads", "parallel", "out"]:
+    for key in SAMPLING_FLAGS + ESAMP_FLAGS + ENGINE_FLAGS + ("limit", "engine", "model", "threads", "parallel", "out"):
         if key in data and getattr(args, key, None) is None:
             setattr(args, key, data[key])
     if args.k is None and "k" in data:
@@ -362,7 +363,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _sample(args, runs, cells, todo, engine_name, total, started, out) -> None:
-    from esamp.eval.matrix import BASELINE, engine_groups
+    from esamp.eval.matrix import engine_groups
     from esamp.eval.runner import Graders, SessionLog, run_groups
 
     command = "esamp " + " ".join(shlex.quote(a) for a in sys.argv[1:])

@@ -16,7 +16,8 @@ from contextlib import contextmanager
 
 from esamp import engines
 from esamp.core.config import EsampConfig, SamplingConfig, add_flags, from_flags
-from esamp.commands.cli import ProgressPrinter, add_engine_flags
+from esamp.commands.cli import (GROUP_ESAMP_FLAGS, SAMPLING_FLAGS, ProgressPrinter, add_engine_flags,
+                                refuse_server_distiller)
 from esamp.engines.base import check_prompt_text
 from esamp.errors import EngineError, EsampError
 from esamp.events import DoneEvent, ErrorEvent, Event, StepEvent, TokenEvent
@@ -26,9 +27,6 @@ HELP = "generate n samples of a prompt with ESamp (or without, --no-esamp)"
 JSON_TYPES = ("token", "step", "done", "error")
 INTERRUPTED = 130  # the shell's status for a command ended by SIGINT
 
-SAMPLING_FLAGS = ("n", "max_tokens", "seed", "temperature", "top_p", "top_k", "min_p")
-ESAMP_FLAGS = ("beta", "mix", "enabled", "slots")
-
 # 256-colour ramp from cool (expected) to hot (novel), 11 stops for novelty 0.0 .. 1.0.
 HEAT_256 = (39, 38, 37, 36, 71, 106, 142, 178, 208, 202, 196)
 
@@ -36,7 +34,7 @@ HEAT_256 = (39, 38, 37, 36, 71, 106, 142, 178, 208, 202, 196)
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", help="the prompt (the chat template is applied unless --raw)")
     add_flags(p, SamplingConfig, SAMPLING_FLAGS)
-    add_flags(p, EsampConfig, ESAMP_FLAGS)
+    add_flags(p, EsampConfig, GROUP_ESAMP_FLAGS)
     add_engine_flags(p, server_help="generate on an esamp serve endpoint (http://HOST:PORT) instead of a local "
                      "engine")
     add_threads_flag(p)
@@ -46,7 +44,8 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 def settings_from_args(args) -> tuple[SamplingConfig, EsampConfig]:
     """The group's settings from the flags the user typed; an error names the flag."""
-    return from_flags(args, SamplingConfig, SAMPLING_FLAGS), from_flags(args, EsampConfig, ESAMP_FLAGS)
+    refuse_server_distiller(args)
+    return from_flags(args, SamplingConfig, SAMPLING_FLAGS), from_flags(args, EsampConfig, GROUP_ESAMP_FLAGS)
 
 
 def use_colour(stream) -> bool:

@@ -74,6 +74,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from esamp.commands.cli import add_model_flag
 from esamp.core.config import EsampConfig, add_flags, from_flags, settings_fields
 from esamp.engines.vllm.channel import HOST as CHANNEL_HOST
 from esamp.engines.vllm.launch import EXTENSION
@@ -111,9 +112,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.usage = "esamp serve [MODEL] [ESamp options] [vLLM serve options]"
     p.description = (HELP + ". MODEL (first, or --model) is resolved as by every esamp command; every "
                      "option not listed here goes to vLLM unchanged (see vllm serve --help).")
-    p.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
-                   help="HF directory, .gguf file, local HF-cache name or dummy preset (default: the "
-                        "embedded SmolLM2-135M-Instruct)")
+    # MODEL may also come first, as vllm serve takes it: the flag has a dest of its own, and build()
+    # refuses the two together.
+    add_model_flag(p, dest="model_flag")
     group = p.add_argument_group("ESamp (engine-wide; the steering settings are every request's defaults)")
     add_flags(group, EsampConfig, ESAMP_FIELDS)
     p.add_argument("--channel-port", type=int, default=None, metavar="PORT",

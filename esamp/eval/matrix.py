@@ -32,6 +32,8 @@ import itertools
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
+from pydantic import BaseModel
+
 from esamp.core.mixes import MIXES
 from esamp.core.config import ENGINE_FIELDS, EsampConfig, Filters, SamplingConfig, Steering, make_config, setting
 from esamp.errors import ConfigError
@@ -98,20 +100,20 @@ def parse_axes(items: Sequence[str], origin: str = "--matrix") -> dict[str, list
     return axes
 
 
-def validate_axes(axes: Mapping[str, Iterable], base: EsampConfig, origin: str = "--matrix") -> dict[str, list]:
-    """Each key checked against ``MATRIX_KEYS`` and each value against its settings field."""
+def _check_axes(axes: Mapping[str, Iterable], keys: Sequence[str], model: type[BaseModel], base: Mapping[str, Any],
+               origin: str, unknown_hint: str, example: str = "A,B") -> dict[str, list]:
+    """Each key checked against ``keys`` and each value against its field of ``model`` (over the
+    settings ``base``), so a bad one is refused as its flag would be; every value listed once."""
     out: dict[str, list] = {}
     for key, raw_values in axes.items():
-        if key not in MATRIX_KEYS:
-            raise ConfigError(f"{origin}: unknown key {key!r}",
-                              hint="matrix keys: " + ", ".join(MATRIX_KEYS))
+        if key not in keys:
+            raise ConfigError(f"{origin}: unknown key {key!r}", hint=unknown_hint)
         raw_values = list(raw_values) if isinstance(raw_values, (list, tuple)) else [raw_values]
         if not raw_values:
-            raise ConfigError(f"{origin} {key} lists no values", hint=f"e.g. {key}=A,B")
+            raise ConfigError(f"{origin} {key} lists no values", hint=f"e.g. {key}={example}")
         values = []
         for raw in raw_values:
-            cfg = make_config(EsampConfig, {key: f"{origin} {key}"}, **{**base.flat(), key: raw})
-            value = setting(cfg, key)
+            value = setting(make_config(model, {key: f"{origin} {key}"}, **{**base, key: raw}), key)
             if value in values:
                 raise ConfigError(f"{origin} {key} lists {format_value(value)} twice",
                                   hint="list every value once")
@@ -120,17 +122,27 @@ def validate_axes(axes: Mapping[str, Iterable], base: EsampConfig, origin: str =
     return out
 
 
+def validate_axes(axes: Mapping[str, Iterable], base: EsampConfig, origin: str = "--matrix") -> dict[str, list]:
+    """The matrix's axes (``MATRIX_KEYS``), each value checked against its settings field."""
+    return _check_axes(axes, MATRIX_KEYS, EsampConfig, base.flat(), origin,
+                      unknown_hint="matrix keys: " + ", ".join(MATRIX_KEYS))
+
+
+def _combinations(axes: Mapping[str, Sequence]) -> list[tuple[str, dict]]:
+    """The cross product of ``axes``: each combination's name (``beta=0.4,mix=paper``) and values."""
+    keys = list(axes)
+    out = []
+    for combo in itertools.product(*(axes[k] for k in keys)):
+        values = dict(zip(keys, combo))
+        out.append((",".join(f"{k}={format_value(v)}" for k, v in values.items()), values))
+    return out
+
+
 def build_cells(axes: Mapping[str, Sequence], base: EsampConfig) -> list[Cell]:
     """The cross product of ``axes`` over ``base``; without axes, the one cell ``esamp``."""
     if not axes:
         return [Cell(SINGLE, base)]
-    keys = list(axes)
-    cells = []
-    for combo in itertools.product(*(axes[k] for k in keys)):
-        values = dict(zip(keys, combo))
-        name = ",".join(f"{k}={format_value(v)}" for k, v in values.items())
-        cells.append(Cell(name, make_config(EsampConfig, **{**base.flat(), **values})))
-    return cells
+    return [Cell(name, make_config(EsampConfig, **{**base.flat(), **values})) for name, values in _combinations(axes)]
 
 
 def engine_groups(cells: Sequence[Cell]) -> list[tuple[EsampConfig, list[Cell]]]:
@@ -164,28 +176,7 @@ def build_plain_arms(specs: Sequence[Mapping[str, Iterable]], base: SamplingConf
     """Each spec's cross product of filter values, checked like flags. Arms are named by what
     they set (``temperature=1.2``); ``EvalSettings`` refuses one that samples like another or like
     the baseline."""
-    arms: list[PlainArm] = []
-    for spec in specs:
-        axes: dict[str, list] = {}
-        for key, raw_values in spec.items():
-            if key not in PLAIN_KEYS:
-                raise ConfigError(f"{origin}: unknown key {key!r}",
-                                  hint="plain arms set their filters: " + ", ".join(PLAIN_KEYS)
-                                  + " (ESamp settings go to --matrix)")
-            raw_values = list(raw_values) if isinstance(raw_values, (list, tuple)) else [raw_values]
-            if not raw_values:
-                raise ConfigError(f"{origin} {key} lists no values", hint=f"e.g. {key}=0.4,1.2")
-            values = []
-            for raw in raw_values:
-                cfg = make_config(SamplingConfig, {key: f"{origin} {key}"}, **{**base.model_dump(), key: raw})
-                value = getattr(cfg, key)
-                if value in values:
-                    raise ConfigError(f"{origin} {key} lists {format_value(value)} twice", hint="list every value once")
-                values.append(value)
-            axes[key] = values
-        keys = list(axes)
-        for combo in itertools.product(*(axes[k] for k in keys)):
-            filters = dict(zip(keys, combo))
-            name = ",".join(f"{k}={format_value(v)}" for k, v in filters.items())
-            arms.append(PlainArm(name, filters))
-    return arms
+    hint = "plain arms set their filters: " + ", ".join(PLAIN_KEYS) + " (ESamp settings go to --matrix)"
+    return [PlainArm(name, filters) for spec in specs
+            for name, filters in _combinations(_check_axes(spec, PLAIN_KEYS, SamplingConfig, base.model_dump(), origin,
+                                                         unknown_hint=hint, example="0.4,1.2"))]

@@ -11,7 +11,7 @@ This is unbiased for the true pass@k of a model that solves the problem with som
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Iterable
 
 from esamp.errors import ConfigError
 
@@ -28,13 +28,6 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     for i in range(n - c + 1, n + 1):
         miss *= 1.0 - k / i
     return 1.0 - miss
-
-
-def mean_pass_at_k(n: int, correct: Sequence[int], k: int) -> float:
-    """pass@k averaged over problems, each with ``n`` samples and ``correct[i]`` right."""
-    if not correct:
-        raise ConfigError("no problems to average over", hint="run at least one problem")
-    return sum(pass_at_k(n, c, k) for c in correct) / len(correct)
 
 
 def parse_ks(text: str | Iterable[int], n: int) -> list[int]:

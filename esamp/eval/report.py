@@ -230,10 +230,6 @@ def _interval_text(x: dict, digits: int = 3) -> str:
     return f"{_fmt(x['mean'], digits)} [{_fmt(x['low'], digits)}, {_fmt(x['high'], digits)}]"
 
 
-def _names(arms: Sequence[str]) -> str:
-    return ", ".join(arm_label(a) for a in arms)
-
-
 def frontier_sentences(summary: dict) -> list[str]:
     """Where the cells (and the plain arms off the curve) stand against the temperature curve,
     in words: one sentence per metric."""

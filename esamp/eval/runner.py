@@ -28,7 +28,6 @@ from esamp.errors import ConfigError, EngineError, EsampError
 from esamp.eval.matrix import BASELINE, SINGLE, Cell, PlainArm
 from esamp.eval.tasks import Problem
 
-ARMS = (BASELINE, SINGLE)  # the arms of a run without --matrix
 RECORDS = "samples.jsonl"
 SETTINGS = "run.json"
 SESSIONS = "sessions.json"

@@ -94,10 +94,6 @@ class Results(VerticalScroll):
             if group.key in self.rows:
                 self.rows[group.key].stopped()
 
-    def refresh_headers(self) -> None:
-        for row in self.rows.values():
-            row.refresh_header()
-
     def score(self, group: GroupRecord) -> None:
         pending = diversity.vendi_available() and group.complete and all(s.tokens for s in group.samples)
         if row := self.rows.get(group.key):

@@ -117,12 +117,37 @@ def test_generate_flags_come_from_the_settings_models():
     sub = build_parser()._subparsers._group_actions[0].choices["generate"]
     flags = {s for a in sub._actions for s in a.option_strings}
     for model, fields in ((SamplingConfig, ("n", "max_tokens", "seed", "temperature", "top_p", "top_k", "min_p")),
-                          (EsampConfig, ("beta", "mix", "enabled", "slots"))):
+                          (EsampConfig, ("beta", "mix", "enabled", "slots", "distiller"))):
         for field in fields:
             assert flag_of(model, field) in flags
     assert "--threads" in flags
     help_text = sub.format_help()
     assert "default 128" in help_text and "<= 64" in help_text  # --max-tokens, -n from the models
+
+
+@pytest.mark.slow
+def test_distiller_reaches_the_engine(monkeypatch, capsys):
+    """--distiller shared: the engine esamp generate starts has one shared Distiller."""
+    import esamp.engines
+
+    real, seen = esamp.engines.create_engine, {}
+
+    def create(*args, **kwargs):
+        engine = real(*args, **kwargs)
+        seen.update(distiller=engine.esamp.distiller, shared=engine.bank.shared)
+        return engine
+
+    monkeypatch.setattr(esamp.engines, "create_engine", create)
+    assert main(["generate", "Name a colour.", "-n", "2", "--max-tokens", "2", "--engine", "reference",
+                 "--distiller", "shared", "--json"]) == 0
+    assert seen == {"distiller": "shared", "shared": True}
+
+
+def test_distiller_with_a_server_is_refused_not_ignored(capsys):
+    """A served engine's Distiller is the server's: --distiller with --server says so, before connecting."""
+    assert main(["generate", "hello", "--server", "http://127.0.0.1:9", "--distiller", "shared"]) == 2
+    err = capsys.readouterr().err
+    assert "--distiller shared with --server" in err and "esamp serve --distiller shared" in err
 
 
 @pytest.mark.slow
@@ -179,7 +204,8 @@ def test_auto_asks_nvml_not_torch(monkeypatch):
 
 
 def test_every_command_that_starts_an_engine_defaults_to_auto():
-    """--engine, --model and --server are defined once; the dashboard, generate and eval share them."""
+    """--engine, --model and --server are defined once; the dashboard, generate and eval share them,
+    and serve and bench share --model (with a default of their own for bench)."""
     from esamp.commands.cli import build_parser
     from esamp.engines import DEFAULT_ENGINE
     from esamp_tui.__main__ import build_parser as tui_parser
@@ -193,6 +219,10 @@ def test_every_command_that_starts_an_engine_defaults_to_auto():
         help_text = " ".join(parser.format_help().split())
         assert "auto (default): the vLLM engine where a CUDA GPU and vLLM are present" in help_text
         assert "Qwen/Qwen2.5-7B-Instruct" in help_text
+    for name, default in (("serve", "default: the embedded SmolLM2-135M-Instruct"),
+                          ("bench", "default: qwen2.5-7b:dummy (random weights) on a GPU")):
+        help_text = " ".join(subs[name].format_help().split())  # --model alone: what it takes, written once
+        assert "Qwen/Qwen2.5-7B-Instruct" in help_text and default in help_text
 
 
 def test_esamp_tui_on_a_gpu_machine_picks_vllm_and_passes_the_hub_id_on(monkeypatch):

@@ -3,7 +3,7 @@ from math import comb
 import pytest
 
 from esamp.errors import ConfigError
-from esamp.eval.passk import mean_pass_at_k, parse_ks, pass_at_k
+from esamp.eval.passk import parse_ks, pass_at_k
 
 
 @pytest.mark.parametrize(
@@ -42,10 +42,6 @@ def test_large_n_does_not_overflow():
 def test_rejects_impossible_arguments(n, c, k):
     with pytest.raises(ConfigError):
         pass_at_k(n, c, k)
-
-
-def test_mean_over_problems():
-    assert mean_pass_at_k(4, [0, 4, 2], 1) == pytest.approx((0 + 1 + 0.5) / 3)
 
 
 def test_parse_ks():

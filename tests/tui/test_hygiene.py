@@ -48,6 +48,8 @@ def test_esamp_works_when_textual_is_not_installed(tmp_path):
     (["--engine", "tpu"], "invalid choice"),
     (["-n", "four"], "invalid int value"),
     (["--threads", "0"], "argument --threads: 0 is not a thread count"),
+    (["--distiller", "solo"], "invalid choice: 'solo'"),
+    (["--server", "http://127.0.0.1:9", "--distiller", "shared"], "the server chose its Distiller"),
 ], ids=lambda v: repr(v)[:30])
 def test_bad_flags_exit_2_with_a_message(args, needle):
     result = subprocess.run([sys.executable, "-m", "esamp_tui", *args], cwd=ROOT, capture_output=True,
@@ -74,7 +76,7 @@ def test_help_lists_the_flags():
                             text=True, timeout=60)
     assert result.returncode == 0
     for flag in ("--model", "--engine", "-n", "--beta", "--mix", "--no-esamp", "--seed", "--prompt", "--theme",
-                 "--max-tokens", "--threads", "--temperature"):
+                 "--max-tokens", "--threads", "--temperature", "--distiller"):
         assert flag in result.stdout
 
 

@@ -289,3 +289,20 @@ def test_no_orphan_when_the_parent_dies_during_a_cold_start(tmp_path, how):
     finally:
         parent.kill()
         parent.wait()
+
+
+@pytest.mark.slow
+def test_distiller_flag_reaches_the_engine(monkeypatch):
+    """``esamp-tui --distiller shared``: the engine the worker builds has one shared Distiller."""
+    import esamp_tui.__main__ as tui
+    from esamp_tui.worker import _build_engine
+
+    seen = {}
+    monkeypatch.setattr(tui, "run_app", lambda options: seen.setdefault("options", options) and 0)
+    assert tui.main(["--engine", "reference", "--distiller", "shared"]) == 0
+    options = seen["options"]
+    engine = _build_engine(options.session_spec(options.esamp.steering, options.sampling), progress=lambda event: None)
+    try:
+        assert engine.esamp.distiller == "shared" and engine.bank.shared
+    finally:
+        engine.close()

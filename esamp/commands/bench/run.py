@@ -14,22 +14,22 @@ from esamp.commands.bench import calibrate, memory, provenance, vllm_log
 from esamp.commands.bench.trials import run_interleaved, run_trial
 from esamp.commands.bench.workloads import (CPU_TRIALS, CPU_WORKLOADS, MIN_TRIAL_SECONDS, PRESETS, parse_workloads,
                                             prompts, rounds_for, workload_name)
+from esamp.commands.cli import FILTER_FLAGS, add_model_flag
 from esamp.core.config import EsampConfig, Filters, SamplingConfig, add_flags, from_flags
 from esamp.errors import ConfigError, EngineError, EsampError
 
 HELP = "measure ESamp's throughput against plain vLLM (interleaved trials, JSON result)"
 LOGITS = ("flat", "realistic")
 GPU_MODEL = "qwen2.5-7b:dummy"
-SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "seed")
+SAMPLING_FLAGS = (*FILTER_FLAGS, "seed")  # each workload (PxnNxL) sets n and the tokens
 ESAMP_FLAGS = ("beta", "mix", "train_rows", "optimizer", "lr", "rank", "slots", "distiller")
 # Unlike generate, the bench draws without per-request seeds unless asked (module docstring).
 SAMPLING_DEFAULTS = {"seed": None}
 
 
 def configure(parser) -> None:
-    parser.add_argument("--model", default=None,
-                        help=f"model spec (default: {GPU_MODEL}, random weights, on a GPU; the embedded model "
-                             "on a CPU)")
+    # Not the embedded model on a GPU: the bench measures vLLM at the size it is used at.
+    add_model_flag(parser, default=f"{GPU_MODEL} (random weights) on a GPU, the embedded model on a CPU")
     parser.add_argument("--workloads", default=None,
                         help="comma-separated workloads: PxL, PxnNxL or a preset (fair) (default: "
                              f"{','.join(PRESETS['default']['workloads'])} on a GPU, {','.join(CPU_WORKLOADS)} on a CPU)")
