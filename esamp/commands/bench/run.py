@@ -12,8 +12,9 @@ from pathlib import Path
 
 from esamp.commands.bench import calibrate, memory, provenance, vllm_log
 from esamp.commands.bench.trials import run_interleaved, run_trial
-from esamp.commands.bench.workloads import (CPU_TRIALS, CPU_WORKLOADS, MIN_TRIAL_SECONDS, PRESETS, parse_workloads,
-                                            prompts, rounds_for, workload_name)
+from esamp.commands.bench.workloads import (CPU_TRIALS, CPU_WORKLOADS, MAX_LENGTHENINGS, MAX_ROUNDS,
+                                            MIN_TRIAL_SECONDS, PRESETS, SPREAD_TARGET, parse_workloads, prompts,
+                                            rounds_for, spread, workload_name)
 from esamp.commands.cli import FILTER_FLAGS, add_model_flag
 from esamp.core.config import EsampConfig, Filters, SamplingConfig, add_flags, from_flags
 from esamp.errors import ConfigError, EngineError, EsampError
@@ -44,6 +45,10 @@ def configure(parser) -> None:
     parser.add_argument("--min-trial-seconds", type=float, default=MIN_TRIAL_SECONDS,
                         help="repeat a short workload within each trial until it lasts about this long, "
                              "the same passes on every side, interleaved (0: one pass; default: %(default)s)")
+    parser.add_argument("--spread", type=float, default=SPREAD_TARGET,
+                        help="trust a workload's ratios when every trial's lies within this share of their median; "
+                             f"past it, run its trials again with passes twice as long, up to {MAX_LENGTHENINGS} "
+                             "times (0: never; default: %(default)s)")
     parser.add_argument("--prompt-len", type=int, default=32, help="prompt length in tokens")
     parser.add_argument("--eager", action="store_true", help="every side without CUDA graphs")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None,
@@ -136,6 +141,9 @@ def _plan(args) -> Plan:
     if not 0 <= args.min_trial_seconds <= 600:
         raise ConfigError(f"--min-trial-seconds={args.min_trial_seconds}: a trial's length is 0 to 600 s",
                           hint=f"use e.g. {MIN_TRIAL_SECONDS} (0: one pass per trial)")
+    if not 0 <= args.spread < 1:
+        raise ConfigError(f"--spread={args.spread}: a share of the median ratio, from 0 (never lengthen) to below 1",
+                          hint=f"use e.g. {SPREAD_TARGET} (every trial's ratio within ±{SPREAD_TARGET:.0%} of the median)")
     if args.gpu_memory_utilization is not None and not 0 < args.gpu_memory_utilization < 1:
         raise ConfigError(f"--gpu-memory-utilization={args.gpu_memory_utilization}: a share of the GPU per "
                           "engine is between 0 and 1", hint="use e.g. 0.42 (two engines) or 0.28 (three, with --floor)")
@@ -275,16 +283,40 @@ def _workload(mode, preset_name, shape, sides, given_filters, given_beta, sampli
         _say(f"  {mode:>9} {name:>18} trial {r['trial']} {r['side']:>8}: {r['tok_s']:>10.1f} tok/s  "
              f"(client cpu {r['client_cpu_share']:.0%}{ttft})")
 
-    records: list[dict] = []
-    try:
-        run_interleaved(trial_sides, batch, n, L, sampling_kw, trials, rounds, report=show, out=records)
-    except KeyboardInterrupt:
-        done = {r["trial"] for r in records if r["side"] == "esamp"}
-        if done:
-            results.append(dict(summary(mode, preset_name, name, shape, sampling_kw, beta,
-                                        [r for r in records if r["trial"] in done]), rounds=rounds, interrupted=True))
-        raise
-    results.append(dict(summary(mode, preset_name, name, shape, sampling_kw, beta, records), rounds=rounds))
+    target = getattr(args, "spread", 0.0)
+    earlier: list[dict] = []  # the attempts whose ratios spread past the target
+    while True:
+        records: list[dict] = []
+        try:
+            run_interleaved(trial_sides, batch, n, L, sampling_kw, trials, rounds, report=show, out=records)
+        except KeyboardInterrupt:
+            done = {r["trial"] for r in records if r["side"] == "esamp"}
+            if done:
+                results.append(dict(summary(mode, preset_name, name, shape, sampling_kw, beta,
+                                            [r for r in records if r["trial"] in done]), rounds=rounds,
+                                    interrupted=True, spread_target=target, earlier=earlier))
+            elif earlier:  # the longer passes had not finished a trial: the last whole attempt stands
+                results.append(dict(earlier[-1]["summary"], interrupted=True, spread_target=target,
+                                    earlier=earlier[:-1]))
+            raise
+        result = dict(summary(mode, preset_name, name, shape, sampling_kw, beta, records), rounds=rounds,
+                      spread_target=target)
+        if not target or result["spread"] <= target or len(earlier) == MAX_LENGTHENINGS or rounds >= MAX_ROUNDS:
+            result.update(earlier=[_attempt(e["summary"]) for e in earlier],
+                          within_target=not target or result["spread"] <= target)
+            results.append(result)
+            return
+        earlier.append(dict(summary=result))
+        rounds = min(MAX_ROUNDS, 2 * rounds)
+        _say(f"  {mode:>9} {name:>18}: ratios spread ±{result['spread']:.1%} (target ±{target:.0%}): "
+             f"again with {rounds} passes per trial")
+
+
+def _attempt(result: dict) -> dict:
+    """What a report keeps of an attempt whose ratios spread past the target."""
+    keys = ("rounds", "ratio_median", "ratio_min", "ratio_max", "spread", "floor_ratio_median", "floor_ratio_min",
+            "floor_ratio_max")
+    return {k: result[k] for k in keys if k in result}
 
 
 def _engine_reports(steer, sides, interrupted: bool) -> tuple[dict, dict]:
@@ -310,7 +342,7 @@ def summary(mode, preset, name, shape, sampling_kw, beta, trials) -> dict:
     per_trial = {side: {r["trial"]: r for r in trials if r["side"] == side} for side in ("baseline", "esamp", "floor")}
     ratios = [per_trial["esamp"][t]["tok_s"] / per_trial["baseline"][t]["tok_s"] for t in sorted(per_trial["esamp"])]
     es_trials = [r for r in trials if r["side"] == "esamp"]
-    extra = {}
+    extra, floor_ratios = {}, []
     if by["floor"]:
         floor_ratios = [per_trial["floor"][t]["tok_s"] / per_trial["baseline"][t]["tok_s"] for t in sorted(per_trial["floor"])]
         extra = dict(floor_tok_s_median=statistics.median(by["floor"]),
@@ -323,7 +355,7 @@ def summary(mode, preset, name, shape, sampling_kw, beta, trials) -> dict:
         extra.update(ttft_ms_baseline=b, ttft_ms_esamp=e, ttft_ratio=round(e / b, 4) if b else None)
     return dict(
         logits=mode, preset=preset, workload=name, prompts=P, n=n, tokens=L, sampling=sampling_kw, beta=beta,
-        trials=trials, baseline_tok_s_median=statistics.median(by["baseline"]),
+        trials=trials, spread=round(max(spread(r) for r in (ratios, floor_ratios) if r), 4), baseline_tok_s_median=statistics.median(by["baseline"]),
         esamp_tok_s_median=statistics.median(by["esamp"]),
         ratio_median=round(statistics.median(ratios), 4), ratio_min=round(min(ratios), 4),
         ratio_max=round(max(ratios), 4),
@@ -335,20 +367,29 @@ def summary(mode, preset, name, shape, sampling_kw, beta, trials) -> dict:
         **extra)
 
 
+def _spread_cell(r: dict) -> str:
+    mark = "*" if r.get("within_target") is False else ""
+    return f"±{r['spread']:.1%}{mark}" if "spread" in r else "-"
+
+
 def _print_table(report: dict) -> None:
     print()
     print(f"{'logits':>9} {'workload':>18} {'baseline tok/s':>15} {'esamp tok/s':>12} {'ratio':>7} "
-          f"{'(min..max)':>14} {'floor':>7} {'TTFT':>6} {'losses':>7} {'port hits':>10} {'mean |C|':>9}")
+          f"{'(min..max)':>14} {'spread':>7} {'floor':>7} {'TTFT':>6} {'losses':>7} {'port hits':>10} {'mean |C|':>9}")
     for r in report["workloads"]:
         floor = f"{r['floor_ratio_median']:.3f}" if "floor_ratio_median" in r else "-"
         ttft = f"{r['ttft_ratio']:.2f}" if r.get("ttft_ratio") else "-"
         print(f"{r['logits']:>9} {r['workload']:>18} {r['baseline_tok_s_median']:>15.1f} "
               f"{r['esamp_tok_s_median']:>12.1f} {r['ratio_median']:>7.3f} "
-              f"{r['ratio_min']:>6.3f}..{r['ratio_max']:<6.3f} {floor:>7} {ttft:>6} {r['loss_count'][-1]:>7} "
+              f"{r['ratio_min']:>6.3f}..{r['ratio_max']:<6.3f} {_spread_cell(r):>7} {floor:>7} {ttft:>6} {r['loss_count'][-1]:>7} "
               f"{r['port_hits'][-1]:>10} {r['candidates_mean'][-1]:>9.1f}")
         if "floor_ratio_median" in r:
             print(f"{'':>28} floor (ESamp engine, ESamp off): {r['floor_tok_s_median']:.1f} tok/s, ratio "
                   f"{r['floor_ratio_median']:.3f} {r['floor_ratio_min']:.3f}..{r['floor_ratio_max']:.3f}")
+    wide = [r["workload"] for r in report["workloads"] if r.get("within_target") is False]
+    if wide:
+        print(f"* ratios spread past ±{report['workloads'][0]['spread_target']:.0%} even with the longest passes "
+              f"({', '.join(wide)}): read them as a range, or raise --min-trial-seconds or --trials")
     if report.get("host_ms_per_steady_step") is not None:
         print(f"processor host time per steady step: {report['host_ms_per_steady_step']} ms")
     if report.get("interrupted"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import random
 import re
+import statistics
 
 from esamp.core.config import Filters, Steering
 from esamp.errors import ConfigError
@@ -23,6 +24,10 @@ CPU_TRIALS = 2
 # every side, interleaved round by round with the other sides).
 MIN_TRIAL_SECONDS = 1.0
 MAX_ROUNDS = 100
+# A workload's ratios are trusted when every trial's ratio lies within this share of their median;
+# past it, the trials are run again with passes twice as long, at most MAX_LENGTHENINGS times.
+SPREAD_TARGET = 0.03
+MAX_LENGTHENINGS = 2
 
 
 def parse_workload(spec: str) -> tuple[int, int, int]:
@@ -58,6 +63,12 @@ def prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     """``count`` random token-id prompts of ``length`` tokens (ids away from the special ones)."""
     rng = random.Random(seed)
     return [[rng.randrange(100, vocab - 100) for _ in range(length)] for _ in range(count)]
+
+
+def spread(ratios: list[float]) -> float:
+    """How far the farthest ratio lies from the median, as a share of the median."""
+    mid = statistics.median(ratios)
+    return max(abs(r - mid) for r in ratios) / mid if mid else math.inf
 
 
 def rounds_for(one_pass_seconds: float, min_seconds: float) -> int:

@@ -90,3 +90,63 @@ def test_an_interrupted_bench_asks_the_engines_nothing_for_its_report():
 
     steer = Mute()
     assert bench_run._engine_reports(steer, [("esamp", steer, True)], interrupted=True) == ({}, {})
+
+
+class NoisyEngine:
+    """Every fourth timed pass of ``slow_side`` takes twice as long (something else on the machine):
+    trials of one pass spread widely, trials of four passes do not spread at all."""
+
+    def __init__(self, clock: StepClock, slow: bool, tokens: int) -> None:
+        self.clock, self.slow, self.tokens, self.passes, self.pending = clock, slow, tokens, 0, []
+
+    def start(self, prompt, sampling, steering):
+        if not self.pending and sampling.max_tokens == self.tokens:
+            self.passes += 1
+        self.pending.append(sampling.n * sampling.max_tokens)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.pending)
+
+    def step(self):
+        slow = self.slow and self.pending and self.passes % 4 == 0
+        self.clock.now += 2e-3 if slow else 1e-3
+        done = [SimpleNamespace(type="done", tokens=t) for t in self.pending]
+        self.pending = []
+        return [SimpleNamespace(type="step", port_hits=1, loss=0.5, candidates=2.0), *done]
+
+    def drain(self) -> dict:
+        return {}
+
+
+def _noisy(monkeypatch, spread: float) -> dict:
+    clock = StepClock()
+    monkeypatch.setattr(trials_mod, "time", clock)
+    sides = [("baseline", NoisyEngine(clock, False, 32), False), ("esamp", NoisyEngine(clock, True, 32), True)]
+    args = SimpleNamespace(prompt_len=4, min_trial_seconds=0.0, spread=spread)
+    results: list[dict] = []
+    bench_run._workload("flat", "default", (1, 1, 32), sides, {}, None, SamplingConfig(seed=0), EsampConfig(),
+                        32_000, args, 4, results)
+    (r,) = results
+    return r
+
+
+def test_trials_that_spread_past_the_target_run_again_with_longer_passes(monkeypatch):
+    r = _noisy(monkeypatch, spread=0.03)
+    assert [e["rounds"] for e in r["earlier"]] == [1, 2] and r["rounds"] == 4
+    assert r["earlier"][0]["spread"] > 0.03 and r["spread"] == 0.0 and r["within_target"] is True
+    assert r["ratio_min"] == r["ratio_max"] == 0.8  # four passes, one of them twice as long
+    assert {t["rounds"] for t in r["trials"]} == {4}  # the report's trials are the trusted attempt's
+
+
+def test_a_spread_target_of_zero_keeps_the_first_trials(monkeypatch):
+    r = _noisy(monkeypatch, spread=0.0)
+    assert r["rounds"] == 1 and r["earlier"] == [] and r["spread"] > 0.03 and r["within_target"] is True
+
+
+def test_the_table_marks_ratios_that_stayed_wide(monkeypatch, capsys):
+    monkeypatch.setattr(bench_run, "MAX_LENGTHENINGS", 0)
+    r = _noisy(monkeypatch, spread=0.03)
+    assert r["within_target"] is False
+    bench_run._print_table(dict(workloads=[r], device="cpu", versions=dict(vllm="-", torch="-")))
+    out = capsys.readouterr().out
+    assert f"±{r['spread']:.1%}*" in out and "read them as a range" in out
