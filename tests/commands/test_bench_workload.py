@@ -122,10 +122,10 @@ def _noisy(monkeypatch, spread: float) -> dict:
     clock = StepClock()
     monkeypatch.setattr(trials_mod, "time", clock)
     sides = [("baseline", NoisyEngine(clock, False, 32), False), ("esamp", NoisyEngine(clock, True, 32), True)]
-    args = SimpleNamespace(prompt_len=4, min_trial_seconds=0.0, spread=spread)
+    args = SimpleNamespace(prompt_len=4, min_trial_seconds=0.0)
     results: list[dict] = []
     bench_run._workload("flat", "default", (1, 1, 32), sides, {}, None, SamplingConfig(seed=0), EsampConfig(),
-                        32_000, args, 4, results)
+                        32_000, args, 4, results, spread=spread)
     (r,) = results
     return r
 

@@ -45,10 +45,10 @@ def configure(parser) -> None:
     parser.add_argument("--min-trial-seconds", type=float, default=MIN_TRIAL_SECONDS,
                         help="repeat a short workload within each trial until it lasts about this long, "
                              "the same passes on every side, interleaved (0: one pass; default: %(default)s)")
-    parser.add_argument("--spread", type=float, default=SPREAD_TARGET,
+    parser.add_argument("--spread", type=float, default=None,
                         help="trust a workload's ratios when every trial's lies within this share of their median; "
                              f"past it, run its trials again with passes twice as long, up to {MAX_LENGTHENINGS} "
-                             "times (0: never; default: %(default)s)")
+                             f"times (0: never; default: {SPREAD_TARGET} on a GPU, 0 on a CPU)")
     parser.add_argument("--prompt-len", type=int, default=32, help="prompt length in tokens")
     parser.add_argument("--eager", action="store_true", help="every side without CUDA graphs")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None,
@@ -116,6 +116,7 @@ class Plan:
     given_filters: dict
     given_beta: float | None
     share: float
+    spread: float  # the trust target of a workload's ratios (0: any spread)
     max_seqs: int
     path: Path  # the JSON; vLLM's log goes beside it
 
@@ -141,7 +142,7 @@ def _plan(args) -> Plan:
     if not 0 <= args.min_trial_seconds <= 600:
         raise ConfigError(f"--min-trial-seconds={args.min_trial_seconds}: a trial's length is 0 to 600 s",
                           hint=f"use e.g. {MIN_TRIAL_SECONDS} (0: one pass per trial)")
-    if not 0 <= args.spread < 1:
+    if args.spread is not None and not 0 <= args.spread < 1:
         raise ConfigError(f"--spread={args.spread}: a share of the median ratio, from 0 (never lengthen) to below 1",
                           hint=f"use e.g. {SPREAD_TARGET} (every trial's ratio within ±{SPREAD_TARGET:.0%} of the median)")
     if args.gpu_memory_utilization is not None and not 0 < args.gpu_memory_utilization < 1:
@@ -161,8 +162,9 @@ def _plan(args) -> Plan:
     max_seqs = max(p * n for _, (p, n, _) in workloads)
     share = args.gpu_memory_utilization or (0.28 if args.floor else 0.42)
     memory.check_memory(model, engines, share, rows=max(max_seqs, 16), tensor_parallel=args.tensor_parallel_size)
+    spread = args.spread if args.spread is not None else (SPREAD_TARGET if gpu else 0.0)
     return Plan(workloads, trials, model, logits, sampling, esamp, given_filters, getattr(args, "beta", None),
-                share, max_seqs, path)
+                share, max_seqs, spread, path)
 
 
 def _measure(args, plan: Plan, loaded: list, log: Path) -> int:
@@ -209,7 +211,7 @@ def _measure(args, plan: Plan, loaded: list, log: Path) -> int:
                 calibration = _calibrate(base, steer, sides, plan.given_filters, args.prompt_len, vocab, esamp)
             for preset_name, (P, n, L) in plan.workloads:
                 _workload(mode, preset_name, (P, n, L), sides, plan.given_filters, plan.given_beta, sampling, esamp,
-                          vocab, args, plan.trials, results)
+                          vocab, args, plan.trials, results, spread=plan.spread)
             if mode == "realistic":
                 calibrate.scale_heads(sides, None)  # back to the dummy weights for the next mode
     except KeyboardInterrupt:
@@ -257,7 +259,7 @@ def _calibrate(base, steer, sides, given_filters, prompt_len, vocab, esamp) -> d
 
 
 def _workload(mode, preset_name, shape, sides, given_filters, given_beta, sampling, esamp, vocab, args,
-              trials, results: list[dict]) -> None:
+              trials, results: list[dict], spread: float = 0.0) -> None:
     """Measure one workload and append its summary to ``results``; interrupted, the trials that
     finished on every side are summarised (``interrupted: true``) before the interrupt goes on."""
     P, n, L = shape
@@ -283,7 +285,7 @@ def _workload(mode, preset_name, shape, sides, given_filters, given_beta, sampli
         _say(f"  {mode:>9} {name:>18} trial {r['trial']} {r['side']:>8}: {r['tok_s']:>10.1f} tok/s  "
              f"(client cpu {r['client_cpu_share']:.0%}{ttft})")
 
-    target = getattr(args, "spread", 0.0)
+    target = spread
     earlier: list[dict] = []  # the attempts whose ratios spread past the target
     while True:
         records: list[dict] = []
