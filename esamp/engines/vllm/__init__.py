@@ -5,8 +5,9 @@
   tapped rows to the engine's step exchange and runs the LM head once on ``[h; ŷ]``.
 - ``exchange``: the per-step meeting point of the model and the live logits-processor adapter.
 - ``steering``: ESamp in one engine (the Distiller bank, plans, the step, records, counters).
-- ``processor`` (vLLM's V1 interface) and ``mrv2`` (Model Runner V2's): the adapters; ``entry``
-  is the class vLLM's loaders build, which picks the adapter of the runner that loads it.
+- ``v1`` (``V1Adapter``, vLLM's V1 interface) and ``mrv2`` (``Mrv2Adapter``, Model Runner V2's):
+  the adapters; ``entry`` is the class vLLM's loaders build, which picks the adapter of the runner
+  that loads it.
 - ``rows``: requests as ESamp rows, prompt groups and their Distiller slots.
 - ``records``: per-step novelty records, read back without waiting on the GPU.
 - ``extension`` (and ``bench_extension``): worker methods called through ``collective_rpc``.

@@ -35,9 +35,10 @@ from esamp.core.backends.graphs import GraphCache
 from esamp.core.config import EsampConfig, SamplingConfig, Steering, bound
 from esamp.core.distiller import DistillerBank, SlotLedger, bank_for, ledger_for
 from esamp.core.steerer import PlanBuffers, SteeredRow, Steerer, StepPlan, bucket, reference_filter
+from esamp.engines.vllm import settings as es
 from esamp.engines.vllm.records import RecordStore
 from esamp.engines.vllm.rows import Groups, RequestRow
-from esamp.engines.vllm.tp import ALONE, TensorParallel
+from esamp.engines.vllm.tp import ALONE, TensorParallel, tensor_parallel
 
 DISTILL_GRAPHS = 64  # captured Distiller shapes kept (every bucketed shape of a 256-row batch is 39)
 APPLY_GRAPHS = 4  # captured filter-and-mix steps kept
@@ -350,3 +351,23 @@ class EngineSteering:
                     records_dropped=self.records.dropped,
                     host_ms=round(1e3 * self.host_seconds, 1), replay_host_ms=round(1e3 * self.replay_seconds, 1),
                     plan_ms=round(1e3 * self.plan_seconds, 1))
+
+
+def make_steering(vllm_config, device: torch.device, cls: type[EngineSteering] = EngineSteering) -> EngineSteering:
+    """The engine's ``EngineSteering`` from its vLLM configuration (what either adapter builds)."""
+    server = (getattr(vllm_config, "additional_config", None) or {}).get(es.SERVER_KEY) or {}
+    steering = cls(
+        es.engine_config(vllm_config), hidden=int(vllm_config.model_config.get_hidden_size()),
+        vocab=int(vllm_config.model_config.get_vocab_size()),
+        max_rows=int(vllm_config.scheduler_config.max_num_seqs), device=device,
+        record_all=not server.get("records_requested", False), retain_seconds=server.get("records_retain_s"),
+        tp=tensor_parallel(vllm_config))
+    if steering.config is not None and steering.tp.owner:  # the worker with the bank has the records
+        from esamp.engines.vllm import channel
+
+        steering.channel = channel.start(steering, server, vllm_config)
+    if server:  # esamp serve's engine: a stop signal to every process must not cut a step in half
+        from esamp.engines.vllm.shutdown import worker_waits_for_engine_core
+
+        worker_waits_for_engine_core()
+    return steering

@@ -83,7 +83,7 @@ def test_v1_loader_loads_the_entry_point_and_builds_the_v1_adapter():
     from vllm.v1.sample.logits_processor import _load_custom_logitsprocs
 
     from esamp.engines.vllm.entry import EsampLogitsProcessor
-    from esamp.engines.vllm.processor import EsampLogitsProcessor as V1Adapter
+    from esamp.engines.vllm.v1 import V1Adapter
 
     assert _load_custom_logitsprocs(None) == []  # installed esamp: nothing
     with plugin.processor_scope():
@@ -104,7 +104,7 @@ def test_mrv2_loader_accepts_the_entry_point_and_builds_the_mrv2_adapter():
     from vllm.v1.worker.gpu.sample.logits_processor import loader
 
     from esamp.engines.vllm.entry import EsampLogitsProcessor
-    from esamp.engines.vllm.mrv2 import EsampMrv2LogitsProcessor
+    from esamp.engines.vllm.mrv2 import Mrv2Adapter
 
     assert loader._load_v2_logitsprocs_plugins() == []
     with plugin.processor_scope():
@@ -118,7 +118,7 @@ def test_mrv2_loader_accepts_the_entry_point_and_builds_the_mrv2_adapter():
                                                           logits_processors=None),
                              scheduler_config=SimpleNamespace(max_num_seqs=4), additional_config={})
     built = EsampLogitsProcessor(config, _rstate())  # as build_custom_logits_processors calls it
-    assert type(built) is EsampMrv2LogitsProcessor
+    assert type(built) is Mrv2Adapter
     assert built.add_request(0, _params()) is False  # a plain request: vLLM skips us for it
 
 
@@ -129,7 +129,7 @@ def test_a_v1_only_class_is_what_mrv2_refuses():
     from vllm.v1.worker.gpu.sample.logits_processor import loader
 
     with pytest.raises(ValueError, match="not a subclass"):
-        loader._load_v2_logitsprocs_by_fqcns(["esamp.engines.vllm.processor:EsampLogitsProcessor"])
+        loader._load_v2_logitsprocs_by_fqcns(["esamp.engines.vllm.v1:V1Adapter"])
 
 
 @pytest.mark.slow

@@ -276,13 +276,13 @@ def test_a_second_compute_logits_after_sampling_is_not_steered():
     from vllm.v1.sample.logits_processor import BatchUpdate
 
     from esamp.core.config import EsampConfig
-    from esamp.engines.vllm.processor import EsampLogitsProcessor
+    from esamp.engines.vllm.v1 import V1Adapter
 
     config = SimpleNamespace(
         model_config=SimpleNamespace(get_vocab_size=lambda: 32, get_hidden_size=lambda: 8, logits_processors=None),
         scheduler_config=SimpleNamespace(max_num_seqs=4),
         additional_config={es.KEY: es.engine_settings(EsampConfig(slots=2, rank=2), 2)})
-    adapter = EsampLogitsProcessor(config, torch.device("cpu"), False)
+    adapter = V1Adapter(config, torch.device("cpu"), False)
     params = SamplingParams(extra_args={"esamp": "on"})
     es.prepare(params)
     adapter.update_state(BatchUpdate(batch_size=1, removed=[], added=[(0, params, [1, 2], [])], moved=[]))
