@@ -1,6 +1,7 @@
 """The package's shape (docs/development.md, "Repository layout"): no import cycle among esamp's modules at
-import time, and no module that imports from a package above it (its own package's ``__init__``
-or an ancestor's), in ``esamp`` and in ``esamp_tui``. Read from the source, nothing imported."""
+import time, no module that imports from a package above it (its own package's ``__init__``
+or an ancestor's), in ``esamp`` and in ``esamp_tui``, and no import, lazy or not, that points up a
+layer (``LAYERS``). Read from the source, nothing imported."""
 
 from __future__ import annotations
 
@@ -10,6 +11,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository (this file sits in tests/project/)
+# The layers, top first: a module imports from its own layer and the ones below it, never from one
+# above (the engines know nothing of the server, the commands or the dashboard).
+LAYERS = (("esamp_tui", "esamp.commands"), ("esamp.serving", "esamp.eval"), ("esamp.engines",),
+          ("esamp.core", "esamp.platform"), ("esamp.errors", "esamp.events"))
 
 
 def _modules(package: str) -> dict[str, Path]:
@@ -113,3 +118,41 @@ def test_the_checks_see_a_cycle_and_an_arrow_back_up():
     graph = {"p": set(), "p.a": {"p.b"}, "p.b": {"p.a"}, "p.c": {"p"}}
     assert _cycles(graph) == [["p.a", "p.b"]]
     assert _upward(graph) == [("p.c", "p")]
+
+
+def _layer(module: str) -> int | None:
+    return next((i for i, names in enumerate(LAYERS) if any(module == n or module.startswith(n + ".")
+                                                            for n in names)), None)
+
+
+def _up_a_layer(imports: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(module, what it imports from a layer above its own)."""
+    return sorted((m, t) for m, targets in imports.items() for t in targets
+                  if _layer(m) is not None and _layer(t) is not None and _layer(t) < _layer(m))
+
+
+def _every_import(package: str) -> dict[str, set[str]]:
+    """Module → every module it names in an absolute import, inside functions too."""
+    out = {}
+    for module, path in _modules(package).items():
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                names |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names.add(node.module)
+        out[module] = names
+    return out
+
+
+@pytest.mark.parametrize("package", ["esamp", "esamp_tui"])
+def test_no_import_points_up_a_layer(package):
+    assert _up_a_layer(_every_import(package)) == []
+
+
+def test_the_layer_check_sees_an_arrow_up():
+    """The canary: an engine that imports the server's package, and a lazy import found."""
+    graph = {"esamp.engines.vllm.x": {"esamp.serving.channel", "esamp.core.config"},
+             "esamp.serving.y": {"esamp.engines.vllm.hooks"}}
+    assert _up_a_layer(graph) == [("esamp.engines.vllm.x", "esamp.serving.channel")]
+    assert "esamp.engines.vllm" in _every_import("esamp")["esamp.engines.vllm.engine"]  # plugin, in a function

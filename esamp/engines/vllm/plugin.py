@@ -10,7 +10,8 @@
   the V1 runner. So the entry point lives in a folder of its own (``SCOPE``, a ``.dist-info``
   inside this package) that only the engines esamp starts see: ``processor_scope()`` puts it on
   the path of the process that builds an ESamp engine and of the processes vLLM spawns for it
-  (``PYTHONPATH``), and ``scope_env`` does the same for ``esamp serve``'s server. Loaded from an
+  (``PYTHONPATH``), and ``scope_env`` does the same for ``esamp serve``'s server (with the scope
+  of ``esamp.serving.plugin``, what only a served engine has). Loaded from an
   entry point rather than named in ``logits_processors``, the processor does not make vLLM's V1
   runner keep every request's output ids and wait for each step's sampled tokens (it does that for
   processors passed by name). The class it names (``entry.EsampLogitsProcessor``) is accepted by
@@ -42,12 +43,13 @@ def register() -> None:
             ModelRegistry.register_model(esamp_arch, f"{MODEL_MODULE}:{esamp_arch}")
 
 
-def scope_env(env: dict[str, str] | None = None) -> dict[str, str]:
-    """``env`` (default: this process's) with ``SCOPE`` on ``PYTHONPATH``: for a process that
-    runs one ESamp engine or server and nothing else."""
+def scope_env(env: dict[str, str] | None = None, scopes: tuple[Path, ...] = (SCOPE,)) -> dict[str, str]:
+    """``env`` (default: this process's) with ``scopes`` (default: ``SCOPE``) first on
+    ``PYTHONPATH``: for a process that runs one ESamp engine or server and nothing else."""
     env = dict(os.environ if env is None else env)
-    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(SCOPE)]
-    env["PYTHONPATH"] = os.pathsep.join([str(SCOPE), *paths])
+    first = [str(scope) for scope in scopes]
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in first]
+    env["PYTHONPATH"] = os.pathsep.join([*first, *paths])
     return env
 
 

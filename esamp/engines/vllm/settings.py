@@ -56,7 +56,6 @@ from esamp.errors import ConfigError, EsampError
 KEY = "esamp"  # additional_config["esamp"]: EsampConfig
 SERVER_KEY = "esamp_server"  # additional_config["esamp_server"]: what ``esamp serve`` adds
 SERVE_ENV = "ESAMP_SERVE"  # set by ``esamp serve``: ordinary requests are steered too
-CHANNEL_SECRET_ENV = "ESAMP_CHANNEL_SECRET"  # set by ``esamp serve``: the side channels' per-launch secret
 CLIENT_KEYS = frozenset(pl.USER_KEYS)  # what a served request may put in vllm_xargs; the rest is the server's
 GROUP_ID_BYTES = 16  # random bytes in a server-issued group id (128 bits: not guessable)
 
@@ -109,6 +108,16 @@ def engine_config(vllm_config) -> EsampConfig | None:
     if isinstance(raw, str):  # --additional-config '{"esamp": "{...}"}'
         raw = json.loads(raw)
     return make_config(EsampConfig, **raw)
+
+
+def server_settings(vllm_config) -> dict[str, Any]:
+    """What ``esamp serve`` wrote for this engine (``additional_config["esamp_server"]``: its side
+    channel, which records to keep), or {} for an engine it did not start."""
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    raw = extra.get(SERVER_KEY) if isinstance(extra, dict) else None
+    if isinstance(raw, str):
+        raw = json.loads(raw)
+    return raw or {}
 
 
 def neutral_filters(temperature: float) -> dict[str, Any]:

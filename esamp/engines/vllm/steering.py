@@ -35,6 +35,7 @@ from esamp.core.backends.graphs import GraphCache
 from esamp.core.config import EsampConfig, SamplingConfig, Steering, bound
 from esamp.core.distiller import DistillerBank, SlotLedger, bank_for, ledger_for
 from esamp.core.steerer import PlanBuffers, SteeredRow, Steerer, StepPlan, bucket, reference_filter
+from esamp.engines.vllm import hooks
 from esamp.engines.vllm import settings as es
 from esamp.engines.vllm.records import RecordStore
 from esamp.engines.vllm.rows import Groups, RequestRow
@@ -145,7 +146,6 @@ class EngineSteering:
         self._prepared = False
         self._last_expire = time.monotonic()
         self.forget_rows = None  # weak method of the live adapter: drops a released group's rows
-        self.channel = None
 
     @property
     def bank(self) -> DistillerBank | None:
@@ -354,20 +354,14 @@ class EngineSteering:
 
 
 def make_steering(vllm_config, device: torch.device, cls: type[EngineSteering] = EngineSteering) -> EngineSteering:
-    """The engine's ``EngineSteering`` from its vLLM configuration (what either adapter builds)."""
-    server = (getattr(vllm_config, "additional_config", None) or {}).get(es.SERVER_KEY) or {}
+    """The engine's ``EngineSteering`` from its vLLM configuration (what either adapter builds), then
+    the steps other packages registered for it (``hooks``)."""
+    server = es.server_settings(vllm_config)
     steering = cls(
         es.engine_config(vllm_config), hidden=int(vllm_config.model_config.get_hidden_size()),
         vocab=int(vllm_config.model_config.get_vocab_size()),
         max_rows=int(vllm_config.scheduler_config.max_num_seqs), device=device,
         record_all=not server.get("records_requested", False), retain_seconds=server.get("records_retain_s"),
         tp=tensor_parallel(vllm_config))
-    if steering.config is not None and steering.tp.owner:  # the worker with the bank has the records
-        from esamp.engines.vllm import channel
-
-        steering.channel = channel.start(steering, server, vllm_config)
-    if server:  # esamp serve's engine: a stop signal to every process must not cut a step in half
-        from esamp.engines.vllm.shutdown import worker_waits_for_engine_core
-
-        worker_waits_for_engine_core()
+    hooks.steering_ready(steering, vllm_config)  # what other packages add here (none for a library engine)
     return steering

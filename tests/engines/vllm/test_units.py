@@ -294,6 +294,34 @@ def test_a_second_compute_logits_after_sampling_is_not_steered():
     assert adapter.steering.keep_taps(torch.zeros(4, 16)) and not adapter.steering.keep_taps(torch.zeros(9, 16))
 
 
+def test_building_an_engines_steering_starts_nothing_and_runs_the_steps_registered_here(monkeypatch):
+    """``make_steering`` starts no thread and touches no signal handler, even for an engine with
+    esamp serve's settings: what a served engine adds are steps that only esamp serve's processes
+    register (``esamp.serving.plugin``). Registered steps run with the steering and the configuration."""
+    import signal
+    import threading
+    from types import SimpleNamespace
+
+    from esamp.core.config import EsampConfig
+    from esamp.engines.vllm import hooks
+    from esamp.engines.vllm.steering import make_steering
+
+    config = SimpleNamespace(
+        model_config=SimpleNamespace(get_vocab_size=lambda: 32, get_hidden_size=lambda: 8),
+        scheduler_config=SimpleNamespace(max_num_seqs=4),
+        additional_config={es.KEY: es.engine_settings(EsampConfig(slots=2, rank=2), 2),
+                           es.SERVER_KEY: {"records_requested": True, "host": "127.0.0.1", "port": 1}})
+    monkeypatch.setattr(hooks, "_STEPS", [])
+    threads, handler = set(threading.enumerate()), signal.getsignal(signal.SIGTERM)
+    steering = make_steering(config, torch.device("cpu"))
+    assert set(threading.enumerate()) <= threads and signal.getsignal(signal.SIGTERM) is handler
+    assert not steering.record_all  # esamp serve's settings still reach the steering
+    seen = []
+    hooks.when_steering_ready(lambda *args: seen.append(args))
+    steering = make_steering(config, torch.device("cpu"))
+    assert seen == [(steering, config)]
+
+
 @pytest.mark.vllm
 def test_a_tensor_parallel_worker_without_the_bank_plans_and_mixes_as_rank_0():
     """Rank 0 owns the bank and shares ŷ; rank 1 keeps only a slot ledger, yet builds the same plan
@@ -411,75 +439,6 @@ def test_the_model_classes_pickle_by_name():
                 inner, inner.forward, model._Gemma3WithTaps):
         assert "<locals>" not in obj.__qualname__
         assert pickle.loads(pickle.dumps(obj)) is obj
-
-
-WORKER = """
-import signal, sys, time
-from esamp.engines.vllm import shutdown
-
-def vllm_handler(signum, frame):  # what vLLM 0.30's worker does on a stop signal
-    raise SystemExit(7)
-
-vllm_handler.__qualname__ = shutdown.VLLM_WORKER_HANDLER
-for sig in shutdown.SIGNALS:
-    signal.signal(sig, vllm_handler)
-shutdown.DEFER_SECONDS = 1.0
-assert shutdown.worker_waits_for_engine_core()
-print("ready", flush=True)
-while True:
-    time.sleep(0.02)
-"""
-
-
-@pytest.mark.parametrize("signals", [1, 2])
-def test_a_served_worker_puts_off_one_stop_signal_and_never_ignores_it(signals):
-    """A served engine's worker outlives a stop signal to the whole server long enough for its engine
-    core to stop it (esamp.engines.vllm.shutdown), then exits as vLLM's worker does; a second signal
-    ends it at once. vLLM's own clean-ups send one SIGTERM and wait, so one is never ignored."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[3]
-    child = subprocess.Popen([sys.executable, "-c", WORKER], stdout=subprocess.PIPE, text=True, cwd=root,
-                             env={**os.environ, "PYTHONPATH": str(root)})
-    try:
-        assert child.stdout.readline().strip() == "ready"
-        t0 = time.monotonic()
-        for _ in range(signals):
-            child.send_signal(signal.SIGTERM)
-            time.sleep(0.1)
-        if signals == 1:
-            time.sleep(0.4)
-            assert child.poll() is None  # still there, for its engine core to stop it
-        assert child.wait(10) == 7  # vLLM's handler ended it
-        took = time.monotonic() - t0
-        assert (0.9 < took < 3.0) if signals == 1 else took < 0.9
-    finally:
-        child.kill()
-
-
-def test_only_vllms_worker_handler_is_replaced():
-    import signal
-
-    from esamp.engines.vllm.shutdown import SIGNALS, worker_waits_for_engine_core
-
-    saved = {sig: signal.getsignal(sig) for sig in SIGNALS}
-
-    def engine_core_handler(signum, frame):  # an engine core that runs its worker in its own process
-        pass
-
-    try:
-        for sig in SIGNALS:
-            signal.signal(sig, engine_core_handler)
-        assert worker_waits_for_engine_core() is False
-        assert all(signal.getsignal(sig) is engine_core_handler for sig in SIGNALS)
-    finally:
-        for sig, handler in saved.items():
-            signal.signal(sig, handler)
 
 
 def test_closing_an_engine_shuts_its_core_down_and_frees_cached_memory(monkeypatch):
