@@ -13,7 +13,8 @@
   that loads it.
 - ``rows``: requests as ESamp rows, prompt groups and their Distiller slots.
 - ``records``: per-step novelty records, read back without waiting on the GPU.
-- ``extension`` (and ``bench_extension``): worker methods called through ``collective_rpc``.
+- ``extension``: worker methods called through ``collective_rpc`` (``esamp bench`` adds its own:
+  ``esamp.commands.bench.worker_extension``).
 - ``engine``: ``VllmEngine``, the streaming loop (``add_request`` + ``step`` with delta outputs).
 - ``plugin``: registration with vLLM (the model classes; the processor's scoped entry point).
 - ``settings``: how ESamp settings travel through vLLM (engine-wide and per request).

@@ -389,28 +389,6 @@ def test_on_a_gpu_vllm_starts_its_processes_with_spawn_unless_told_otherwise():
     assert cuda_env(environ={START_ENV: "fork"}) == {}
 
 
-def test_the_bench_rescales_the_head_in_blocks_from_the_weights_as_loaded(monkeypatch):
-    """``--logits realistic``: factors apply to the weights as loaded (twice is not squared), in
-    blocks of rows (a 7B head in float32 would not fit beside the bench's three engines), and
-    None restores them."""
-    import torch
-
-    from esamp.engines.vllm import bench_extension as be
-
-    monkeypatch.setattr(be, "HEAD_BLOCK", 3)
-    weight = torch.arange(1.0, 15.0).reshape(7, 2).to(torch.bfloat16)
-    loaded = weight.clone()
-    worker = be.EsampBenchExtension.__new__(be.EsampBenchExtension)
-    worker._esamp_head = lambda: (weight, None, 7, 0)
-    factors = [0.5, 2.0, 1.0, 3.0, 0.25, 1.0, 2.0]
-    expected = (loaded.float() * torch.tensor(factors).unsqueeze(1)).to(torch.bfloat16)
-    worker.esamp_scale_head(factors)
-    worker.esamp_scale_head(factors)
-    assert torch.equal(weight, expected)
-    worker.esamp_scale_head(None)
-    assert torch.equal(weight, loaded) and worker._esamp_head_copy is None
-
-
 def test_the_engine_context_is_the_default_or_the_models_own_when_shorter():
     """A model built for 2,048 positions gets 2,048 (vLLM refuses more); a longer one the default."""
     from esamp.engines.vllm.launch import MAX_MODEL_LEN, ModelFacts, context
