@@ -22,7 +22,7 @@ process over to vLLM. What ESamp adds rides on vLLM's public seams:
 - ``admission``: the request check the middleware runs (the engine's own ``settings.prepare``).
 - ``metrics``: every rank's counters as one Prometheus text.
 
-The client side is ``esamp.engines.server.ServerEngine`` (``create_engine("server", url=...)``),
+The client side is ``esamp.engines.endpoint.EndpointEngine`` (``create_engine("server", url=...)``),
 which ``esamp generate --server``, ``esamp eval --server`` and ``esamp-tui --server`` use.
 """
 

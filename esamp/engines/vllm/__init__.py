@@ -12,7 +12,7 @@
   the adapters; ``entry`` is the class vLLM's loaders build, which picks the adapter of the runner
   that loads it.
 - ``rows``: requests as ESamp rows, prompt groups and their Distiller slots.
-- ``records``: per-step novelty records, read back without waiting on the GPU.
+- ``step_records``: per-step novelty records, read back without waiting on the GPU.
 - ``extension``: worker methods called through ``collective_rpc`` (``esamp bench`` adds its own:
   ``esamp.commands.bench.worker_extension``).
 - ``engine``: ``VllmEngine``, the streaming loop (``add_request`` + ``step`` with delta outputs).

@@ -37,8 +37,8 @@ from esamp.core.distiller import DistillerBank, SlotLedger, bank_for, ledger_for
 from esamp.core.steerer import PlanBuffers, SteeredRow, Steerer, StepPlan, bucket, reference_filter
 from esamp.engines.vllm import hooks
 from esamp.engines.vllm import settings as es
-from esamp.engines.vllm.records import RecordStore
 from esamp.engines.vllm.rows import Groups, RequestRow
+from esamp.engines.vllm.step_records import RecordStore
 from esamp.engines.vllm.tp import ALONE, TensorParallel, tensor_parallel
 
 DISTILL_GRAPHS = 64  # captured Distiller shapes kept (every bucketed shape of a 256-row batch is 39)
