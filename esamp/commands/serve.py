@@ -274,7 +274,7 @@ def build(args, passthrough: list[str]) -> Plan:
     # ESamp's own processor reaches the server through the entry point only its processes see
     # (plugin.scope_env below), not by name: vLLM waits for every step's sampled tokens for a
     # processor passed by name.
-    processors = [p for group in processors for p in group if p != es.PROCESSOR]
+    processors = [p for group in processors for p in group if p != plugin.PROCESSOR]
     middleware, rest = _values(rest, ("--middleware",))
     middleware = [m for m in middleware if m != MIDDLEWARE] + [MIDDLEWARE]
 

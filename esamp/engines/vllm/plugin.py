@@ -29,7 +29,9 @@ from esamp.engines.vllm.settings import ARCHITECTURES
 
 MODEL_MODULE = "esamp.engines.vllm.model"
 GROUP = "vllm.logits_processors"  # vLLM's entry-point group for logits processors
-ENTRY = "esamp.engines.vllm.entry:EsampLogitsProcessor"  # what the scoped entry point names
+# The class vLLM's loaders build (both the V1 runner's and Model Runner V2's accept it): what the
+# scoped entry point names, and the name to give --logits-processors.
+PROCESSOR = "esamp.engines.vllm.entry:EsampLogitsProcessor"
 SCOPE = Path(__file__).resolve().with_name("scope")  # a path entry holding only that entry point
 
 
@@ -76,8 +78,9 @@ def processor_scope():
 
 
 def processor_visible() -> bool:
-    """Whether ESamp's logits-processor entry point is visible in this process (vLLM then builds
-    the processor itself, and it must not be named again)."""
+    """Whether ESamp's logits-processor entry point is visible in this process (an engine esamp
+    started, ``processor_scope``): vLLM then builds the processor itself, without waiting for each
+    step's sampled tokens as it does for processors passed by name, and it must not be named again."""
     from importlib.metadata import entry_points
 
-    return any(ep.value == ENTRY for ep in entry_points(group=GROUP))
+    return any(ep.value == PROCESSOR for ep in entry_points(group=GROUP))

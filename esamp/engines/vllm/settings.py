@@ -67,20 +67,6 @@ ARCHITECTURES = {
 }
 
 
-# The class vLLM's loaders build (both the V1 runner's and Model Runner V2's accept it), as an
-# entry point (plugin.SCOPE) or a --logits-processors name.
-PROCESSOR = "esamp.engines.vllm.entry:EsampLogitsProcessor"
-
-
-def processor_installed() -> bool:
-    """True when esamp's ``vllm.logits_processors`` entry point is visible in this process (an
-    engine esamp started, plugin.processor_scope): vLLM then loads the processor by itself, and
-    does not wait for each step's sampled tokens as it does for processors passed by name."""
-    from importlib.metadata import entry_points
-
-    return any(ep.value == PROCESSOR for ep in entry_points(group="vllm.logits_processors"))
-
-
 def esamp_architecture(base: str) -> str:
     try:
         return ARCHITECTURES[base]
