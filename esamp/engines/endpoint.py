@@ -130,7 +130,6 @@ class EndpointEngine(RecordedEngine):
             raise ConfigError(f"the server does not serve {model!r}", hint="it serves: " + ", ".join(map(str, names)))
         self.model_id = model or (names[0] if names else info["model"])
         entry = next((m for m in served if m.get("id") == self.model_id), {})
-        self.config_info = info
         server_esamp = make_config(EsampConfig, **info["esamp"])
         # The bank is the server's; the default steering the client's, when it gives one.
         self.esamp = server_esamp if esamp is None else server_esamp.model_copy(update={"steering": esamp.steering})
