@@ -13,9 +13,12 @@
   that loads it.
 - ``rows``: requests as ESamp rows, prompt groups and their Distiller slots.
 - ``step_records``: per-step novelty records, read back without waiting on the GPU.
+- ``tp``: a worker's place in the tensor-parallel group (TP rank 0 owns the bank, shares ŷ).
 - ``extension``: worker methods called through ``collective_rpc`` (``esamp bench`` adds its own:
   ``esamp.commands.bench.worker_extension``).
 - ``engine``: ``VllmEngine``, the streaming loop (``add_request`` + ``step`` with delta outputs).
+- ``launch``: vLLM's engine arguments from a resolved model and the ESamp settings (the library
+  engine's and ``esamp serve``'s).
 - ``plugin``: registration with vLLM (the model classes; the processor's scoped entry point).
 - ``settings``: how ESamp settings travel through vLLM (engine-wide and per request).
 - ``versions``: the vLLM versions esamp supports.
