@@ -11,10 +11,10 @@
   inside this package) that only the engines esamp starts see: ``processor_scope()`` puts it on
   the path of the process that builds an ESamp engine and of the processes vLLM spawns for it
   (``PYTHONPATH``), and ``scope_env`` does the same for ``esamp serve``'s server (with the scope
-  of ``esamp.serving.plugin``, what only a served engine has). Loaded from an
-  entry point rather than named in ``logits_processors``, the processor does not make vLLM's V1
-  runner keep every request's output ids and wait for each step's sampled tokens (it does that for
-  processors passed by name). The class it names (``entry.EsampLogitsProcessor``) is accepted by
+  of ``esamp.serving.plugin``, what only a served engine has). Loaded from an entry point rather
+  than named in ``logits_processors``, the processor does not make vLLM's V1 runner keep every
+  request's output ids and wait for each step's sampled tokens (it does that for processors
+  passed by name). The class it names (``entry.EsampLogitsProcessor``) is accepted by
   both of vLLM's loaders and builds the adapter of the runner that loads it.
 """
 
