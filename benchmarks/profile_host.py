@@ -33,7 +33,7 @@ def main() -> int:
     from esamp.commands.bench.trials import run_trial
     from esamp.commands.bench import workloads
     from esamp.commands.bench.workloads import parse_workload
-    from esamp.engines.vllm.bench_extension import BENCH_EXTENSION
+    from esamp.commands.bench.worker_extension import BENCH_EXTENSION
     from esamp.core.config import EsampConfig
     from esamp.engines.vllm.engine import VllmEngine
 

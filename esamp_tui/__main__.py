@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
 
         refuse_server_distiller(args)
 
-        # --server: the session's worker runs the client of the served endpoint (esamp.engines.server);
+        # --server: the session's worker runs the client of the served endpoint (esamp.engines.endpoint);
         # otherwise "auto" is decided here, so the status bar can say what was picked and why
         choice = EngineChoice("server", "") if args.server else choose_engine(args.engine)
         engine_options = {"url": args.server} if args.server else threads_option(choice.name, args.threads)

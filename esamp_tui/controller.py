@@ -13,7 +13,7 @@ The screen never sees a process, a pipe or a thread. It calls ``start``/``restar
 
 The backend is anything with ``esamp_tui.worker.Backend``'s methods, built by ``backend_factory``
 from a ``SessionSpec``: a worker process (``Session``), which runs the in-process engines or, with
-``--server``, the client of a served endpoint (``esamp.engines.server``). Messages carry the generation of the backend they came from, so a batch
+``--server``, the client of a served endpoint (``esamp.engines.endpoint``). Messages carry the generation of the backend they came from, so a batch
 from an engine that was replaced meanwhile is dropped (``current``).
 """
 

@@ -16,6 +16,9 @@ What it adds, and why (docs/serving.md):
   name when its entry point is not installed, ``--middleware`` (``esamp.serving.middleware``);
 - ``ESAMP_SERVE=1``: every request is an ESamp group with the server's defaults unless it sends
   ``vllm_xargs {"esamp": "off"}``;
+- ``PYTHONPATH`` with two scoped entry points that only this server's processes see: ESamp's
+  logits processor (``esamp.engines.vllm.plugin``) and what a served engine adds, each rank's side
+  channel and its workers' handling of a stop signal (``esamp.serving.plugin``);
 - ``--max-num-seqs`` no larger than ``--slots``: a group holds a Distiller slot while any of its
   samples runs, so with at most ``slots`` sequences in flight per rank there is always a slot (the
   processor would otherwise sample a group plainly when every slot is held, counted in
@@ -76,11 +79,12 @@ from pathlib import Path
 
 from esamp.commands.cli import add_model_flag
 from esamp.core.config import EsampConfig, add_flags, from_flags, settings_fields
-from esamp.engines.vllm.channel import HOST as CHANNEL_HOST
 from esamp.engines.vllm.launch import EXTENSION
-from esamp.engines.vllm.settings import CHANNEL_SECRET_ENV, SERVE_ENV
+from esamp.engines.vllm.settings import SERVE_ENV
 from esamp.errors import ConfigError, EngineError
 from esamp.serving import MIDDLEWARE
+from esamp.serving import plugin as serving_plugin
+from esamp.serving.channel import CHANNEL_SECRET_ENV, HOST as CHANNEL_HOST
 from esamp.serving.middleware import API_KEY_ENV, DRAIN_ENV, KEYS_ENV
 
 HELP = "serve a model with ESamp behind vLLM's OpenAI-compatible API (vLLM's options pass through)"
@@ -271,7 +275,7 @@ def build(args, passthrough: list[str]) -> Plan:
     # ESamp's own processor reaches the server through the entry point only its processes see
     # (plugin.scope_env below), not by name: vLLM waits for every step's sampled tokens for a
     # processor passed by name.
-    processors = [p for group in processors for p in group if p != es.PROCESSOR]
+    processors = [p for group in processors for p in group if p != plugin.PROCESSOR]
     middleware, rest = _values(rest, ("--middleware",))
     middleware = [m for m in middleware if m != MIDDLEWARE] + [MIDDLEWARE]
 
@@ -308,7 +312,7 @@ def build(args, passthrough: list[str]) -> Plan:
                      "text and read the server's records; give --api-key KEY (or set VLLM_API_KEY)")
     env = {SERVE_ENV: "1", CHANNEL_SECRET_ENV: secrets.token_hex(16),
            "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
-           "PYTHONPATH": plugin.scope_env()["PYTHONPATH"]}
+           "PYTHONPATH": plugin.scope_env(scopes=(plugin.SCOPE, serving_plugin.SCOPE))["PYTHONPATH"]}
     if drain is not None:  # the operator's: running requests may take that long to finish
         env[DRAIN_ENV] = drain
     if keys:  # the middleware checks them all; vLLM's own check (paths under /v1) takes one key

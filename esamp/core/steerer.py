@@ -58,14 +58,6 @@ class SteeredRow:
     group: Hashable | None = None
 
 
-def device_tensor(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list on ``device`` without blocking the host (pinned, non-blocking copy)."""
-    t = torch.tensor(values, dtype=dtype)
-    if device.type == "cpu":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
-
-
 def bucket(n: int) -> int:
     """The padded size of a block dimension: the next power of two."""
     return 1 << max(0, n - 1).bit_length()

@@ -1,5 +1,6 @@
 """Engines: the reference engine (transformers, CPU, the oracle), the vLLM engine, and the client of
-a served endpoint (``server``: ``esamp serve`` behind vLLM's OpenAI API)."""
+a served endpoint (``endpoint``, the engine named ``server``: ``esamp serve`` behind vLLM's OpenAI
+API)."""
 
 from dataclasses import dataclass
 
@@ -63,9 +64,9 @@ def create_engine(name: str = DEFAULT_ENGINE, model: str | None = None, esamp=No
             ) from None
         return VllmEngine(model=model, esamp=esamp, progress=progress, **kwargs)
     if name == "server":
-        from esamp.engines.server import ServerEngine
+        from esamp.engines.endpoint import EndpointEngine
 
-        return ServerEngine(model=model, esamp=esamp, **kwargs)
+        return EndpointEngine(model=model, esamp=esamp, **kwargs)
     raise ConfigError(
         f"unknown engine {name!r}", hint="choose one of: " + ", ".join(ENGINE_NAMES) + " (or --server URL)"
     )

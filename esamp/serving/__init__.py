@@ -15,11 +15,14 @@ process over to vLLM. What ESamp adds rides on vLLM's public seams:
   (the server's id, never a client's) and frees its slot when the request ends, keeps the n
   samples of a request on one data-parallel rank, ends every open response when the server stops,
   and serves ``GET /esamp/metrics``, ``GET /esamp/records?group=ID`` and ``GET /esamp/config``
-  from every rank's side channel (``esamp.engines.vllm.channel``).
+  from every rank's side channel.
+- ``channel``: a rank's side channel (its counters and records over HTTP, for the middleware).
+- ``plugin``: what a served engine adds in vLLM's engine processes (the side channel, workers that
+  put off a stop signal: ``shutdown``), through a vLLM plugin only ``esamp serve``'s processes load.
 - ``admission``: the request check the middleware runs (the engine's own ``settings.prepare``).
 - ``metrics``: every rank's counters as one Prometheus text.
 
-The client side is ``esamp.engines.server.ServerEngine`` (``create_engine("server", url=...)``),
+The client side is ``esamp.engines.endpoint.EndpointEngine`` (``create_engine("server", url=...)``),
 which ``esamp generate --server``, ``esamp eval --server`` and ``esamp-tui --server`` use.
 """
 

@@ -1,6 +1,6 @@
 """Every data-parallel rank's ESamp counters as one Prometheus text (``GET /esamp/metrics``).
 
-Each rank's side channel (``esamp.engines.vllm.channel``) answers its own counters, every sample
+Each rank's side channel (``esamp.serving.channel``) answers its own counters, every sample
 labelled ``rank``. Concatenating them would repeat each family's ``# HELP``/``# TYPE`` lines, which
 the exposition format does not allow, so the texts are merged by family: one header, then every
 rank's sample. Counters a rank has not moved yet are shown as 0 (a counter is exposed from its
@@ -10,7 +10,7 @@ missing, not zero).
 
 from __future__ import annotations
 
-from esamp.engines.vllm.channel import METRICS
+from esamp.serving.channel import METRICS
 
 UP = ("esamp_channel_up", "gauge", "1 when this rank's ESamp side channel answered, 0 when it did not")
 

@@ -62,8 +62,8 @@ import threading
 from dataclasses import asdict, dataclass
 from urllib.parse import parse_qs, quote
 
-from esamp.engines.vllm.channel import HOST, SECRET_HEADER, read_groups
-from esamp.engines.vllm.settings import CHANNEL_SECRET_ENV, ISSUED, SERVE_ENV
+from esamp.engines.vllm.settings import ISSUED, SERVE_ENV
+from esamp.serving.channel import CHANNEL_SECRET_ENV, HOST, SECRET_HEADER, read_groups
 from esamp.core import payload as pl
 from esamp.errors import shown
 from esamp.serving import routes as rt
@@ -114,12 +114,9 @@ class ServerInfo:
 
 def server_info(vllm_config) -> ServerInfo | None:
     """This server's ``ServerInfo``, or None when it runs without ESamp's side channel."""
-    from esamp.engines.vllm.settings import SERVER_KEY, engine_config
+    from esamp.engines.vllm.settings import engine_config, server_settings
 
-    extra = getattr(vllm_config, "additional_config", None) or {}
-    server = extra.get(SERVER_KEY) if isinstance(extra, dict) else None
-    if isinstance(server, str):
-        server = json.loads(server)
+    server = server_settings(vllm_config)
     esamp = engine_config(vllm_config)
     if not server or not server.get("port") or esamp is None:
         return None

@@ -17,7 +17,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Input, Static
 
 from esamp_tui.messages import Exported, ExportFailed
-from esamp_tui.record import SessionRecord, default_export_dir
+from esamp_tui.session_log import SessionRecord, default_export_dir
 
 
 class ExportScreen(ModalScreen[Exported | None]):

@@ -26,9 +26,9 @@ from esamp_tui.controller import SessionController
 from esamp_tui.keymap import MAIN_BINDINGS, KeysScreen, footer_drop_actions
 from esamp_tui.messages import VendiScored
 from esamp_tui.options import BETA_RANGE, BETA_STEP, MAX_PANES, Options
-from esamp_tui.record import SessionRecord
 from esamp_tui.screens.export import ExportScreen
 from esamp_tui.screens.help import HelpScreen
+from esamp_tui.session_log import SessionRecord
 from esamp_tui.speed import SpeedRecord, SpeedWatch
 from esamp_tui.widgets.charts import MODES, ChartStrip
 from esamp_tui.widgets.error_panel import ErrorPanel
@@ -171,7 +171,7 @@ class MainScreen(KeysScreen):
         self.history.show(self.record)
 
     def stop_runs(self, why: str) -> None:
-        """End what is still running (``why``: see ``record.INTERRUPTIONS``); panes and history say so."""
+        """End what is still running (``why``: see ``session_log.INTERRUPTIONS``); panes and history say so."""
         self.results.stopped(self.record.stop_running(why))
         self.history.show(self.record)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from textual.content import Content
 from textual.widgets import Static
 
-from esamp_tui.record import SessionRecord, history_line
+from esamp_tui.session_log import SessionRecord, history_line
 
 HISTORY_LINES = 4
 

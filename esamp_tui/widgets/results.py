@@ -18,7 +18,7 @@ from esamp.eval.standing import standing
 from esamp.events import DoneEvent, Event, TokenEvent
 from esamp_tui import diversity
 from esamp_tui.messages import VendiScored
-from esamp_tui.record import GroupRecord, SessionRecord
+from esamp_tui.session_log import GroupRecord, SessionRecord
 from esamp_tui.widgets.run_row import RunRow
 
 PLACEHOLDER = ("Type a prompt above and press Enter. Each pane is one sample; tokens are coloured by "

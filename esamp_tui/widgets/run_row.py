@@ -7,7 +7,7 @@ from textual.containers import Grid, Vertical
 from textual.widgets import Static
 
 from esamp.events import DoneEvent, TokenEvent
-from esamp_tui.record import INTERRUPTIONS, GroupRecord
+from esamp_tui.session_log import INTERRUPTIONS, GroupRecord
 from esamp_tui.widgets.sample_pane import SamplePane
 
 PANE_MIN_WIDTH = 26  # below this a pane's text is too narrow to read; the row becomes a grid

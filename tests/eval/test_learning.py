@@ -127,7 +127,7 @@ def test_the_eval_trace_is_the_dashboards_loss_series_on_the_same_run(tmp_path):
 
     from esamp.engines import create_engine
     from esamp.eval.tasks import load_task
-    from esamp_tui.record import SessionRecord
+    from esamp_tui.session_log import SessionRecord
 
     threads = torch.get_num_threads()
     problems = load_task("arith")[:1]

@@ -224,7 +224,7 @@ def test_servers_that_cannot_serve_are_named(fake):
 
 def test_records_that_never_come_do_not_hold_the_tokens_forever(fake, monkeypatch):
     """A rank whose side channel does not answer: the samples still end, their tokens without novelty."""
-    import esamp.engines.server as server
+    import esamp.engines.endpoint as server
 
     monkeypatch.setattr(server, "RECORD_GRACE", 0.2)
     fake.unreachable = True

@@ -1,5 +1,5 @@
 """The API server's ESamp middleware, as ASGI, against a stand-in for vLLM's app and two ranks' real
-side channels (``esamp.engines.vllm.channel.Channel`` over stand-in processors). No engine needed:
+side channels (``esamp.serving.channel.Channel`` over stand-in processors). No engine needed:
 it runs in a few seconds."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import pytest
 
 from esamp.core.config import EsampConfig
 from esamp.engines.vllm import settings as es
-from esamp.engines.vllm.channel import SECRET_HEADER, Channel
 from esamp.commands.serve import free_ports
 from esamp.serving.middleware import OPEN, EsampMiddleware
+from esamp.serving.channel import CHANNEL_SECRET_ENV, SECRET_HEADER, Channel
 from esamp.serving.metrics import parse
 
 SECRET = "s3cret-for-the-test"
@@ -24,7 +24,7 @@ SECRET = "s3cret-for-the-test"
 
 @pytest.fixture(autouse=True)
 def _secret(monkeypatch):
-    monkeypatch.setenv(es.CHANNEL_SECRET_ENV, SECRET)
+    monkeypatch.setenv(CHANNEL_SECRET_ENV, SECRET)
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
 
 
@@ -215,14 +215,14 @@ def test_a_side_channel_answers_only_its_api_server_and_only_for_named_groups(ra
     assert channel_get(port, "/records?group=" + "y" * 200, SECRET)[0] == 400
     status, body = channel_get(port, "/records?group=g0", SECRET)
     assert status == 200 and json.loads(body)["steps"][0]["rows"][0][0] == "g0"
-    from esamp.engines.vllm import channel
+    from esamp.serving import channel
 
-    monkeypatch.delenv(es.CHANNEL_SECRET_ENV)  # without the secret in its environment: no channel
+    monkeypatch.delenv(CHANNEL_SECRET_ENV)  # without the secret in its environment: no channel
     config = SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_index=0))
     assert channel.start(FakeProcessor(0, {}), {"port": free_ports(1)}, config) is None
     app = FakeVllm(1, port)
     status, body = run(call(EsampMiddleware(app), app, "GET", "/esamp/metrics"))
-    assert status == 503 and es.CHANNEL_SECRET_ENV in json.loads(body)["error"]["message"]
+    assert status == 503 and CHANNEL_SECRET_ENV in json.loads(body)["error"]["message"]
 
 
 def test_config_and_the_routes_errors(ranks):

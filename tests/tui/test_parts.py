@@ -9,8 +9,8 @@ import pytest
 from esamp.core.config import SamplingConfig, Steering
 from esamp.errors import ConfigError
 from esamp.events import DoneEvent, ReadyEvent, StepEvent, TokenEvent
-from esamp_tui.record import SessionRecord, history_line
 from esamp_tui.screenshot import ScreenshotError, font_family, monospace_font, offline_svg, svg_to_png
+from esamp_tui.session_log import SessionRecord, history_line
 from esamp_tui.speed import MIN_STEPS, WARMUP_STEPS, SpeedRecord, SpeedWatch
 from esamp_tui.theming import check_theme, load_themes
 from esamp_tui.widgets.charts import WINDOW_S, TimeSeries, segments, spark

@@ -170,7 +170,7 @@ def _plan(args) -> Plan:
 def _measure(args, plan: Plan, loaded: list, log: Path) -> int:
     """Start the engines, run every workload, write the JSON and print the table; with stderr
     going to vLLM's log (``vllm_log``). Engines started go into ``loaded``."""
-    from esamp.engines.vllm.bench_extension import BENCH_EXTENSION
+    from esamp.commands.bench.worker_extension import BENCH_EXTENSION
     from esamp.engines.vllm.engine import VllmEngine
 
     model, esamp, sampling = plan.model, plan.esamp, plan.sampling

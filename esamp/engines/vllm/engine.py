@@ -9,7 +9,7 @@ token of every running request), then drains the ESamp processor's step records 
 
 Events follow the reference engine exactly (``GroupStream``): a token is released one engine
 step after it was sampled, with the Distiller error of the step where it was the input; the
-bookkeeping that pairs tokens with step records is ``esamp.engines.recorded``'s.
+bookkeeping that pairs tokens with step records is ``esamp.engines.record_streams``'s.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from esamp.core.distiller import bank_full
 from esamp.platform.devices import cuda_available
 from esamp.platform.spawn import check_main_guard
 from esamp.engines.base import Group, StepStats, stop_token_ids
-from esamp.engines.recorded import RecordedEngine, RecordedGroup, finish_reason
+from esamp.engines.record_streams import RecordedEngine, RecordedGroup, finish_reason
 from esamp.engines.vllm import launch, versions
 from esamp.engines.vllm import settings as es
 from esamp.errors import ConfigError, EngineError

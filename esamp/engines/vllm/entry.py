@@ -7,8 +7,8 @@ vLLM has two loaders for the same entry-point group (``vllm.logits_processors``)
 ``LogitsProcessor`` (a V1 class is a ``ValueError`` there) and builds ``cls(vllm_config,
 req_states)``. This class subclasses every interface the installed vLLM has, so both loaders
 accept it, and builds the adapter of the runner that called it, known by what the runner passed:
-the V1 adapter (``processor``) or the MRV2 one (``mrv2``). Which runner that is, vLLM decides
-(``VllmConfig.use_v2_model_runner``); nothing here reads a version.
+the V1 adapter (``v1.V1Adapter``) or the MRV2 one (``mrv2.Mrv2Adapter``). Which runner that is,
+vLLM decides (``VllmConfig.use_v2_model_runner``); nothing here reads a version.
 
 ``validate_params`` runs in vLLM's frontend, on the class, for either runner.
 """
@@ -51,9 +51,9 @@ class EsampLogitsProcessor(*_interfaces()):
 
     def __new__(cls, vllm_config, *args, **kwargs):
         if runner_of(args) == "mrv2":
-            from esamp.engines.vllm.mrv2 import EsampMrv2LogitsProcessor as adapter
+            from esamp.engines.vllm.mrv2 import Mrv2Adapter as adapter
         else:
-            from esamp.engines.vllm.processor import EsampLogitsProcessor as adapter
+            from esamp.engines.vllm.v1 import V1Adapter as adapter
         return adapter(vllm_config, *args, **kwargs)  # not an instance of cls: __init__ is not run again
 
     @classmethod

@@ -6,8 +6,8 @@ its own engine core, and ``collective_rpc`` answers for one rank only: a server 
 through its own side channel instead (``esamp.serving``). Under tensor parallelism
 ``collective_rpc`` runs every method on every worker of the engine and returns their answers in
 rank order: ``esamp_release`` then frees a group on every worker (the slot ledgers stay equal),
-and records come from rank 0, the only worker that keeps them (``esamp.engines.vllm.tp``). What only ``esamp bench`` calls lives
-in ``esamp.engines.vllm.bench_extension``.
+and records come from rank 0, the only worker that keeps them (``esamp.engines.vllm.tp``). What
+only ``esamp bench`` calls lives in ``esamp.commands.bench.worker_extension``.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""``EsampMrv2LogitsProcessor``: ESamp's adapter for Model Runner V2's logits-processor interface
-(vLLM ≥ 0.31; ``processor.EsampLogitsProcessor`` is the V1 runner's).
+"""``Mrv2Adapter``: ESamp's adapter for Model Runner V2's logits-processor interface
+(vLLM ≥ 0.31; ``v1.V1Adapter`` is the V1 runner's).
 
 One job, as the V1 adapter's: turn MRV2's bookkeeping into ESamp rows and its ``apply`` into
 ``EngineSteering``'s. What MRV2 does differently:
@@ -35,9 +35,8 @@ import torch
 from esamp.engines.vllm import settings as es
 from esamp.engines.vllm.exchange import exchange_for
 from esamp.engines.vllm.launch import RUNNER_ENV
-from esamp.engines.vllm.processor import make_steering
 from esamp.engines.vllm.rows import RequestRow, request_row
-from esamp.engines.vllm.steering import BatchPlan, EngineSteering
+from esamp.engines.vllm.steering import BatchPlan, EngineSteering, make_steering
 
 try:  # vLLM ≥ 0.31
     from vllm.v1.worker.gpu.sample.logits_processor import LogitsContext, LogitsProcessor, LogitsProcRequestState
@@ -76,7 +75,7 @@ def refusal(vllm_config) -> str | None:
     return None
 
 
-class EsampMrv2LogitsProcessor(LogitsProcessor):
+class Mrv2Adapter(LogitsProcessor):
     """ESamp on the rows of requests that ``validate_params`` prepared (Model Runner V2)."""
 
     steering_class = EngineSteering

@@ -10,10 +10,11 @@
   the V1 runner. So the entry point lives in a folder of its own (``SCOPE``, a ``.dist-info``
   inside this package) that only the engines esamp starts see: ``processor_scope()`` puts it on
   the path of the process that builds an ESamp engine and of the processes vLLM spawns for it
-  (``PYTHONPATH``), and ``scope_env`` does the same for ``esamp serve``'s server. Loaded from an
-  entry point rather than named in ``logits_processors``, the processor does not make vLLM's V1
-  runner keep every request's output ids and wait for each step's sampled tokens (it does that for
-  processors passed by name). The class it names (``entry.EsampLogitsProcessor``) is accepted by
+  (``PYTHONPATH``), and ``scope_env`` does the same for ``esamp serve``'s server (with the scope
+  of ``esamp.serving.plugin``, what only a served engine has). Loaded from an entry point rather
+  than named in ``logits_processors``, the processor does not make vLLM's V1 runner keep every
+  request's output ids and wait for each step's sampled tokens (it does that for processors
+  passed by name). The class it names (``entry.EsampLogitsProcessor``) is accepted by
   both of vLLM's loaders and builds the adapter of the runner that loads it.
 """
 
@@ -28,7 +29,9 @@ from esamp.engines.vllm.settings import ARCHITECTURES
 
 MODEL_MODULE = "esamp.engines.vllm.model"
 GROUP = "vllm.logits_processors"  # vLLM's entry-point group for logits processors
-ENTRY = "esamp.engines.vllm.entry:EsampLogitsProcessor"  # what the scoped entry point names
+# The class vLLM's loaders build (both the V1 runner's and Model Runner V2's accept it): what the
+# scoped entry point names, and the name to give --logits-processors.
+PROCESSOR = "esamp.engines.vllm.entry:EsampLogitsProcessor"
 SCOPE = Path(__file__).resolve().with_name("scope")  # a path entry holding only that entry point
 
 
@@ -42,12 +45,13 @@ def register() -> None:
             ModelRegistry.register_model(esamp_arch, f"{MODEL_MODULE}:{esamp_arch}")
 
 
-def scope_env(env: dict[str, str] | None = None) -> dict[str, str]:
-    """``env`` (default: this process's) with ``SCOPE`` on ``PYTHONPATH``: for a process that
-    runs one ESamp engine or server and nothing else."""
+def scope_env(env: dict[str, str] | None = None, scopes: tuple[Path, ...] = (SCOPE,)) -> dict[str, str]:
+    """``env`` (default: this process's) with ``scopes`` (default: ``SCOPE``) first on
+    ``PYTHONPATH``: for a process that runs one ESamp engine or server and nothing else."""
     env = dict(os.environ if env is None else env)
-    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(SCOPE)]
-    env["PYTHONPATH"] = os.pathsep.join([str(SCOPE), *paths])
+    first = [str(scope) for scope in scopes]
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in first]
+    env["PYTHONPATH"] = os.pathsep.join([*first, *paths])
     return env
 
 
@@ -74,8 +78,9 @@ def processor_scope():
 
 
 def processor_visible() -> bool:
-    """Whether ESamp's logits-processor entry point is visible in this process (vLLM then builds
-    the processor itself, and it must not be named again)."""
+    """Whether ESamp's logits-processor entry point is visible in this process (an engine esamp
+    started, ``processor_scope``): vLLM then builds the processor itself, without waiting for each
+    step's sampled tokens as it does for processors passed by name, and it must not be named again."""
     from importlib.metadata import entry_points
 
-    return any(ep.value == ENTRY for ep in entry_points(group=GROUP))
+    return any(ep.value == PROCESSOR for ep in entry_points(group=GROUP))

@@ -56,7 +56,6 @@ from esamp.errors import ConfigError, EsampError
 KEY = "esamp"  # additional_config["esamp"]: EsampConfig
 SERVER_KEY = "esamp_server"  # additional_config["esamp_server"]: what ``esamp serve`` adds
 SERVE_ENV = "ESAMP_SERVE"  # set by ``esamp serve``: ordinary requests are steered too
-CHANNEL_SECRET_ENV = "ESAMP_CHANNEL_SECRET"  # set by ``esamp serve``: the side channels' per-launch secret
 CLIENT_KEYS = frozenset(pl.USER_KEYS)  # what a served request may put in vllm_xargs; the rest is the server's
 GROUP_ID_BYTES = 16  # random bytes in a server-issued group id (128 bits: not guessable)
 
@@ -66,20 +65,6 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": "EsampQwen2ForCausalLM",
     "Gemma3ForCausalLM": "EsampGemma3ForCausalLM",
 }
-
-
-# The class vLLM's loaders build (both the V1 runner's and Model Runner V2's accept it), as an
-# entry point (plugin.SCOPE) or a --logits-processors name.
-PROCESSOR = "esamp.engines.vllm.entry:EsampLogitsProcessor"
-
-
-def processor_installed() -> bool:
-    """True when esamp's ``vllm.logits_processors`` entry point is visible in this process (an
-    engine esamp started, plugin.processor_scope): vLLM then loads the processor by itself, and
-    does not wait for each step's sampled tokens as it does for processors passed by name."""
-    from importlib.metadata import entry_points
-
-    return any(ep.value == PROCESSOR for ep in entry_points(group="vllm.logits_processors"))
 
 
 def esamp_architecture(base: str) -> str:
@@ -109,6 +94,16 @@ def engine_config(vllm_config) -> EsampConfig | None:
     if isinstance(raw, str):  # --additional-config '{"esamp": "{...}"}'
         raw = json.loads(raw)
     return make_config(EsampConfig, **raw)
+
+
+def server_settings(vllm_config) -> dict[str, Any]:
+    """What ``esamp serve`` wrote for this engine (``additional_config["esamp_server"]``: its side
+    channel, which records to keep), or {} for an engine it did not start."""
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    raw = extra.get(SERVER_KEY) if isinstance(extra, dict) else None
+    if isinstance(raw, str):
+        raw = json.loads(raw)
+    return raw or {}
 
 
 def neutral_filters(temperature: float) -> dict[str, Any]:

@@ -35,9 +35,11 @@ from esamp.core.backends.graphs import GraphCache
 from esamp.core.config import EsampConfig, SamplingConfig, Steering, bound
 from esamp.core.distiller import DistillerBank, SlotLedger, bank_for, ledger_for
 from esamp.core.steerer import PlanBuffers, SteeredRow, Steerer, StepPlan, bucket, reference_filter
-from esamp.engines.vllm.records import RecordStore
+from esamp.engines.vllm import hooks
+from esamp.engines.vllm import settings as es
 from esamp.engines.vllm.rows import Groups, RequestRow
-from esamp.engines.vllm.tp import ALONE, TensorParallel
+from esamp.engines.vllm.step_records import RecordStore
+from esamp.engines.vllm.tp import ALONE, TensorParallel, tensor_parallel
 
 DISTILL_GRAPHS = 64  # captured Distiller shapes kept (every bucketed shape of a 256-row batch is 39)
 APPLY_GRAPHS = 4  # captured filter-and-mix steps kept
@@ -144,7 +146,6 @@ class EngineSteering:
         self._prepared = False
         self._last_expire = time.monotonic()
         self.forget_rows = None  # weak method of the live adapter: drops a released group's rows
-        self.channel = None
 
     @property
     def bank(self) -> DistillerBank | None:
@@ -350,3 +351,17 @@ class EngineSteering:
                     records_dropped=self.records.dropped,
                     host_ms=round(1e3 * self.host_seconds, 1), replay_host_ms=round(1e3 * self.replay_seconds, 1),
                     plan_ms=round(1e3 * self.plan_seconds, 1))
+
+
+def make_steering(vllm_config, device: torch.device, cls: type[EngineSteering] = EngineSteering) -> EngineSteering:
+    """The engine's ``EngineSteering`` from its vLLM configuration (what either adapter builds), then
+    the steps other packages registered for it (``hooks``)."""
+    server = es.server_settings(vllm_config)
+    steering = cls(
+        es.engine_config(vllm_config), hidden=int(vllm_config.model_config.get_hidden_size()),
+        vocab=int(vllm_config.model_config.get_vocab_size()),
+        max_rows=int(vllm_config.scheduler_config.max_num_seqs), device=device,
+        record_all=not server.get("records_requested", False), retain_seconds=server.get("records_retain_s"),
+        tp=tensor_parallel(vllm_config))
+    hooks.steering_ready(steering, vllm_config)  # what other packages add here (none for a library engine)
+    return steering

@@ -8,7 +8,7 @@ share: ``traced()`` to keep the steps of a block, ``collect`` to run groups to t
 
 from __future__ import annotations
 
-from esamp.engines.vllm.processor import EsampLogitsProcessor
+from esamp.engines.vllm.v1 import V1Adapter
 from esamp.engines.vllm.steering import EngineSteering
 
 TRACER = "_tracing:TracingProcessor"
@@ -47,7 +47,7 @@ class TracingSteering(EngineSteering):
         return out
 
 
-class TracingProcessor(EsampLogitsProcessor):
+class TracingProcessor(V1Adapter):
     steering_class = TracingSteering
 
     def __init__(self, *args, **kwargs) -> None:

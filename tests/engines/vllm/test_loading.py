@@ -18,7 +18,6 @@ import torch
 from _vllm_helpers import HAS_MRV2_PROCESSORS, require_model, require_vllm
 
 from esamp.engines.vllm import plugin
-from esamp.engines.vllm import settings as es
 from esamp.engines.vllm import versions
 from esamp.errors import EngineError
 
@@ -55,12 +54,12 @@ def _rstate(vocab=32, device="cpu"):
 
 def test_installing_esamp_adds_no_logits_processor_to_other_engines():
     assert _ours() == []
-    assert not plugin.processor_visible() and not es.processor_installed()
+    assert not plugin.processor_visible()
     assert [e.value for e in entry_points(group="vllm.general_plugins") if e.name == "esamp"] == [
         "esamp.engines.vllm.plugin:register"]
-    # the scoped entry point names the class settings names (one string, checked here)
+    # the scoped entry point names the class plugin names (one string, checked here)
     text = next(plugin.SCOPE.glob("*.dist-info")).joinpath("entry_points.txt").read_text()
-    assert f"[{plugin.GROUP}]" in text and es.PROCESSOR in text and plugin.ENTRY == es.PROCESSOR
+    assert f"[{plugin.GROUP}]" in text and f"= {plugin.PROCESSOR}" in text
 
 
 def test_the_scope_shows_the_entry_point_here_and_to_spawned_processes_then_goes():
@@ -70,11 +69,11 @@ def test_the_scope_shows_the_entry_point_here_and_to_spawned_processes_then_goes
 
     before = os.environ.get("PYTHONPATH")
     with plugin.processor_scope():
-        assert _ours() == [es.PROCESSOR] and es.processor_installed()
+        assert _ours() == [plugin.PROCESSOR] and plugin.processor_visible()
         code = ("from importlib.metadata import entry_points as e; "
                 "print([x.value for x in e(group='vllm.logits_processors')])")
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout
-        assert es.PROCESSOR in out
+        assert plugin.PROCESSOR in out
     assert _ours() == [] and os.environ.get("PYTHONPATH") == before
     assert plugin.scope_env({"PYTHONPATH": "a"})["PYTHONPATH"].split(os.pathsep) == [str(plugin.SCOPE), "a"]
 
@@ -83,13 +82,13 @@ def test_v1_loader_loads_the_entry_point_and_builds_the_v1_adapter():
     from vllm.v1.sample.logits_processor import _load_custom_logitsprocs
 
     from esamp.engines.vllm.entry import EsampLogitsProcessor
-    from esamp.engines.vllm.processor import EsampLogitsProcessor as V1Adapter
+    from esamp.engines.vllm.v1 import V1Adapter
 
     assert _load_custom_logitsprocs(None) == []  # installed esamp: nothing
     with plugin.processor_scope():
         loaded = _load_custom_logitsprocs(None)
         assert loaded == [EsampLogitsProcessor]
-        assert _load_custom_logitsprocs([es.PROCESSOR]) == [EsampLogitsProcessor] * 2  # also by name
+        assert _load_custom_logitsprocs([plugin.PROCESSOR]) == [EsampLogitsProcessor] * 2  # also by name
     config = SimpleNamespace(model_config=SimpleNamespace(get_vocab_size=lambda: 32, get_hidden_size=lambda: 8,
                                                           logits_processors=None),
                              scheduler_config=SimpleNamespace(max_num_seqs=4), additional_config={})
@@ -104,13 +103,13 @@ def test_mrv2_loader_accepts_the_entry_point_and_builds_the_mrv2_adapter():
     from vllm.v1.worker.gpu.sample.logits_processor import loader
 
     from esamp.engines.vllm.entry import EsampLogitsProcessor
-    from esamp.engines.vllm.mrv2 import EsampMrv2LogitsProcessor
+    from esamp.engines.vllm.mrv2 import Mrv2Adapter
 
     assert loader._load_v2_logitsprocs_plugins() == []
     with plugin.processor_scope():
         assert loader._load_v2_logitsprocs_plugins() == [EsampLogitsProcessor]
-        assert loader._load_v2_logitsprocs_by_fqcns([es.PROCESSOR]) == [EsampLogitsProcessor]
-        validate = loader.build_custom_logits_processors_params_validator([es.PROCESSOR])
+        assert loader._load_v2_logitsprocs_by_fqcns([plugin.PROCESSOR]) == [EsampLogitsProcessor]
+        validate = loader.build_custom_logits_processors_params_validator([plugin.PROCESSOR])
     params = _params(extra_args={"esamp": "on"})
     validate(params)  # the frontend's check: prepares the request
     assert params.top_p == 1.0 and params.extra_args["esamp_group"]
@@ -118,7 +117,7 @@ def test_mrv2_loader_accepts_the_entry_point_and_builds_the_mrv2_adapter():
                                                           logits_processors=None),
                              scheduler_config=SimpleNamespace(max_num_seqs=4), additional_config={})
     built = EsampLogitsProcessor(config, _rstate())  # as build_custom_logits_processors calls it
-    assert type(built) is EsampMrv2LogitsProcessor
+    assert type(built) is Mrv2Adapter
     assert built.add_request(0, _params()) is False  # a plain request: vLLM skips us for it
 
 
@@ -129,7 +128,7 @@ def test_a_v1_only_class_is_what_mrv2_refuses():
     from vllm.v1.worker.gpu.sample.logits_processor import loader
 
     with pytest.raises(ValueError, match="not a subclass"):
-        loader._load_v2_logitsprocs_by_fqcns(["esamp.engines.vllm.processor:EsampLogitsProcessor"])
+        loader._load_v2_logitsprocs_by_fqcns(["esamp.engines.vllm.v1:V1Adapter"])
 
 
 @pytest.mark.slow

@@ -161,13 +161,13 @@ def _records(steering):
 def test_mrv2_adapter_steers_like_the_v1_adapter_with_rows_reordered_and_slots_recycled():
     from vllm import SamplingParams
 
-    from esamp.engines.vllm.mrv2 import EsampMrv2LogitsProcessor
-    from esamp.engines.vllm.processor import EsampLogitsProcessor as V1Adapter
+    from esamp.engines.vllm.mrv2 import Mrv2Adapter
+    from esamp.engines.vllm.v1 import V1Adapter
 
     head = torch.randn(V, H, generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         v1, v2 = _V1Engine(_config(), head), _Mrv2Engine(_config(), head)
-    assert type(v1.adapter) is V1Adapter and type(v2.adapter) is EsampMrv2LogitsProcessor
+    assert type(v1.adapter) is V1Adapter and type(v2.adapter) is Mrv2Adapter
     assert not v1.model.exchange.late and v2.model.exchange.late
     assert v1.adapter.steering is not v2.adapter.steering  # two engines, two banks
 

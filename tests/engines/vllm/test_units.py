@@ -276,13 +276,13 @@ def test_a_second_compute_logits_after_sampling_is_not_steered():
     from vllm.v1.sample.logits_processor import BatchUpdate
 
     from esamp.core.config import EsampConfig
-    from esamp.engines.vllm.processor import EsampLogitsProcessor
+    from esamp.engines.vllm.v1 import V1Adapter
 
     config = SimpleNamespace(
         model_config=SimpleNamespace(get_vocab_size=lambda: 32, get_hidden_size=lambda: 8, logits_processors=None),
         scheduler_config=SimpleNamespace(max_num_seqs=4),
         additional_config={es.KEY: es.engine_settings(EsampConfig(slots=2, rank=2), 2)})
-    adapter = EsampLogitsProcessor(config, torch.device("cpu"), False)
+    adapter = V1Adapter(config, torch.device("cpu"), False)
     params = SamplingParams(extra_args={"esamp": "on"})
     es.prepare(params)
     adapter.update_state(BatchUpdate(batch_size=1, removed=[], added=[(0, params, [1, 2], [])], moved=[]))
@@ -292,6 +292,34 @@ def test_a_second_compute_logits_after_sampling_is_not_steered():
     adapter.update_state(None)  # the next step
     assert adapter.plan(1) is not None
     assert adapter.steering.keep_taps(torch.zeros(4, 16)) and not adapter.steering.keep_taps(torch.zeros(9, 16))
+
+
+def test_building_an_engines_steering_starts_nothing_and_runs_the_steps_registered_here(monkeypatch):
+    """``make_steering`` starts no thread and touches no signal handler, even for an engine with
+    esamp serve's settings: what a served engine adds are steps that only esamp serve's processes
+    register (``esamp.serving.plugin``). Registered steps run with the steering and the configuration."""
+    import signal
+    import threading
+    from types import SimpleNamespace
+
+    from esamp.core.config import EsampConfig
+    from esamp.engines.vllm import hooks
+    from esamp.engines.vllm.steering import make_steering
+
+    config = SimpleNamespace(
+        model_config=SimpleNamespace(get_vocab_size=lambda: 32, get_hidden_size=lambda: 8),
+        scheduler_config=SimpleNamespace(max_num_seqs=4),
+        additional_config={es.KEY: es.engine_settings(EsampConfig(slots=2, rank=2), 2),
+                           es.SERVER_KEY: {"records_requested": True, "host": "127.0.0.1", "port": 1}})
+    monkeypatch.setattr(hooks, "_STEPS", [])
+    threads, handler = set(threading.enumerate()), signal.getsignal(signal.SIGTERM)
+    steering = make_steering(config, torch.device("cpu"))
+    assert set(threading.enumerate()) <= threads and signal.getsignal(signal.SIGTERM) is handler
+    assert not steering.record_all  # esamp serve's settings still reach the steering
+    seen = []
+    hooks.when_steering_ready(lambda *args: seen.append(args))
+    steering = make_steering(config, torch.device("cpu"))
+    assert seen == [(steering, config)]
 
 
 @pytest.mark.vllm
@@ -361,28 +389,6 @@ def test_on_a_gpu_vllm_starts_its_processes_with_spawn_unless_told_otherwise():
     assert cuda_env(environ={START_ENV: "fork"}) == {}
 
 
-def test_the_bench_rescales_the_head_in_blocks_from_the_weights_as_loaded(monkeypatch):
-    """``--logits realistic``: factors apply to the weights as loaded (twice is not squared), in
-    blocks of rows (a 7B head in float32 would not fit beside the bench's three engines), and
-    None restores them."""
-    import torch
-
-    from esamp.engines.vllm import bench_extension as be
-
-    monkeypatch.setattr(be, "HEAD_BLOCK", 3)
-    weight = torch.arange(1.0, 15.0).reshape(7, 2).to(torch.bfloat16)
-    loaded = weight.clone()
-    worker = be.EsampBenchExtension.__new__(be.EsampBenchExtension)
-    worker._esamp_head = lambda: (weight, None, 7, 0)
-    factors = [0.5, 2.0, 1.0, 3.0, 0.25, 1.0, 2.0]
-    expected = (loaded.float() * torch.tensor(factors).unsqueeze(1)).to(torch.bfloat16)
-    worker.esamp_scale_head(factors)
-    worker.esamp_scale_head(factors)
-    assert torch.equal(weight, expected)
-    worker.esamp_scale_head(None)
-    assert torch.equal(weight, loaded) and worker._esamp_head_copy is None
-
-
 def test_the_engine_context_is_the_default_or_the_models_own_when_shorter():
     """A model built for 2,048 positions gets 2,048 (vLLM refuses more); a longer one the default."""
     from esamp.engines.vllm.launch import MAX_MODEL_LEN, ModelFacts, context
@@ -411,75 +417,6 @@ def test_the_model_classes_pickle_by_name():
                 inner, inner.forward, model._Gemma3WithTaps):
         assert "<locals>" not in obj.__qualname__
         assert pickle.loads(pickle.dumps(obj)) is obj
-
-
-WORKER = """
-import signal, sys, time
-from esamp.engines.vllm import shutdown
-
-def vllm_handler(signum, frame):  # what vLLM 0.30's worker does on a stop signal
-    raise SystemExit(7)
-
-vllm_handler.__qualname__ = shutdown.VLLM_WORKER_HANDLER
-for sig in shutdown.SIGNALS:
-    signal.signal(sig, vllm_handler)
-shutdown.DEFER_SECONDS = 1.0
-assert shutdown.worker_waits_for_engine_core()
-print("ready", flush=True)
-while True:
-    time.sleep(0.02)
-"""
-
-
-@pytest.mark.parametrize("signals", [1, 2])
-def test_a_served_worker_puts_off_one_stop_signal_and_never_ignores_it(signals):
-    """A served engine's worker outlives a stop signal to the whole server long enough for its engine
-    core to stop it (esamp.engines.vllm.shutdown), then exits as vLLM's worker does; a second signal
-    ends it at once. vLLM's own clean-ups send one SIGTERM and wait, so one is never ignored."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[3]
-    child = subprocess.Popen([sys.executable, "-c", WORKER], stdout=subprocess.PIPE, text=True, cwd=root,
-                             env={**os.environ, "PYTHONPATH": str(root)})
-    try:
-        assert child.stdout.readline().strip() == "ready"
-        t0 = time.monotonic()
-        for _ in range(signals):
-            child.send_signal(signal.SIGTERM)
-            time.sleep(0.1)
-        if signals == 1:
-            time.sleep(0.4)
-            assert child.poll() is None  # still there, for its engine core to stop it
-        assert child.wait(10) == 7  # vLLM's handler ended it
-        took = time.monotonic() - t0
-        assert (0.9 < took < 3.0) if signals == 1 else took < 0.9
-    finally:
-        child.kill()
-
-
-def test_only_vllms_worker_handler_is_replaced():
-    import signal
-
-    from esamp.engines.vllm.shutdown import SIGNALS, worker_waits_for_engine_core
-
-    saved = {sig: signal.getsignal(sig) for sig in SIGNALS}
-
-    def engine_core_handler(signum, frame):  # an engine core that runs its worker in its own process
-        pass
-
-    try:
-        for sig in SIGNALS:
-            signal.signal(sig, engine_core_handler)
-        assert worker_waits_for_engine_core() is False
-        assert all(signal.getsignal(sig) is engine_core_handler for sig in SIGNALS)
-    finally:
-        for sig, handler in saved.items():
-            signal.signal(sig, handler)
 
 
 def test_closing_an_engine_shuts_its_core_down_and_frees_cached_memory(monkeypatch):

@@ -1,7 +1,9 @@
 """A served engine's side channel: each rank's ESamp counters and novelty records over HTTP.
 
 Under ``esamp serve`` every engine core (one per data-parallel rank) runs this small HTTP server
-on ``127.0.0.1:port + rank`` in a thread of its own, beside vLLM's engine loop. It answers
+on ``127.0.0.1:port + rank`` in a thread of its own, beside vLLM's engine loop: the worker that
+owns the rank's Distiller bank starts it once its steering is built (``start``, registered by
+``esamp.serving.plugin``). It answers
 
 - ``GET /metrics``: the rank's counters in the Prometheus text format (what vLLM's own
   ``/metrics`` speaks), every sample labelled with ``rank``;
@@ -16,8 +18,8 @@ the ``X-Esamp-Channel-Secret`` header. Without the secret in its environment the
 start (``/esamp/...`` then answers 503 saying so).
 
 Why a channel per rank: vLLM's ``collective_rpc`` answers for one data-parallel rank only, so the
-worker extension cannot gather every rank's counters or records. The API server
-(``esamp.serving``) reads each rank's channel and shows them together.
+worker extension cannot gather every rank's counters or records. The API server's middleware
+reads each rank's channel and shows them together.
 
 The thread sleeps in ``select`` until a request comes, so an idle channel costs the engine
 nothing; a request reads the engine's ESamp counters and its lock-protected record store
@@ -34,11 +36,10 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
 
-from esamp.engines.vllm.settings import CHANNEL_SECRET_ENV
-
 log = logging.getLogger(__name__)
 
 HOST = "127.0.0.1"  # the channels answer only on this machine; the API server reads them
+CHANNEL_SECRET_ENV = "ESAMP_CHANNEL_SECRET"  # set by ``esamp serve``: the side channels' per-launch secret
 SECRET_HEADER = "X-Esamp-Channel-Secret"
 MAX_GROUPS = 256  # groups one read may name
 MAX_GROUP_KEY = 128  # characters of one group key (the server's own ids are 26)

@@ -16,8 +16,9 @@ leaves the exit to its engine core meanwhile; when that time is up (and it has n
 or on a second signal (Ctrl-C pressed again), it exits as vLLM's worker does. It never ignores
 one: vLLM's own clean-ups stop a worker with a single SIGTERM and wait for it (an engine core that
 fails to start terminates and joins its workers at exit). Only vLLM's multiprocess worker's
-handler is replaced, and only in a served engine: an engine core that runs its worker in its own
-process keeps its handlers.
+handler is replaced, and only in a served engine (``esamp.serving.plugin`` calls
+``worker_waits_for_engine_core`` on each of its workers): an engine core that runs its worker in
+its own process keeps its handlers.
 """
 
 from __future__ import annotations

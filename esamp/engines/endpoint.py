@@ -1,4 +1,4 @@
-"""``ServerEngine``: the engine protocol as a client of a served endpoint (``esamp serve``).
+"""``EndpointEngine``: the engine protocol as a client of a served endpoint (``esamp serve``).
 
 ``create_engine("server", url="http://host:port")``. A group is one streaming ``/v1/completions``
 request with ``n`` samples: sample i is choice i (a seeded request's child i has seed + i, which
@@ -16,7 +16,7 @@ have no records, become one event per poll (rows: the samples that advanced).
 Events are the library engines' (``esamp.events``): the records say which engine step sampled
 which (sample, generation index), exactly as the in-process vLLM engine's drain does, so the
 bookkeeping that turns records and tokens into events is the in-process engine's
-(``esamp.engines.recorded``). A token is released once its
+(``esamp.engines.record_streams``). A token is released once its
 step's record is back (its novelty is the error of the step where it was the input), or, for a
 sample the server could not steer, once the sample ended and every record has been read.
 
@@ -46,7 +46,7 @@ from urllib.parse import quote, urlsplit
 from esamp.core.config import EsampConfig, make_config
 from esamp.core import payload as pl
 from esamp.engines.base import Group, RateMeter, StepStats, check_prompt_text, encode_prompt
-from esamp.engines.recorded import RecordedEngine, RecordedGroup, finish_reason
+from esamp.engines.record_streams import RecordedEngine, RecordedGroup, finish_reason
 from esamp.errors import ConfigError, EngineError, PromptError
 from esamp.events import Event
 
@@ -95,7 +95,7 @@ class _ServedGroup(RecordedGroup):
     closed_at: float | None = None  # when its stream ended
 
 
-class ServerEngine(RecordedEngine):
+class EndpointEngine(RecordedEngine):
     """A served ESamp endpoint as an engine (see the module docstring)."""
 
     name = "server"
@@ -130,7 +130,6 @@ class ServerEngine(RecordedEngine):
             raise ConfigError(f"the server does not serve {model!r}", hint="it serves: " + ", ".join(map(str, names)))
         self.model_id = model or (names[0] if names else info["model"])
         entry = next((m for m in served if m.get("id") == self.model_id), {})
-        self.config_info = info
         server_esamp = make_config(EsampConfig, **info["esamp"])
         # The bank is the server's; the default steering the client's, when it gives one.
         self.esamp = server_esamp if esamp is None else server_esamp.model_copy(update={"steering": esamp.steering})

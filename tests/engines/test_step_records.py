@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from esamp.engines.vllm.records import RecordStore
+from esamp.engines.vllm.step_records import RecordStore
 
 
 def _push(store: RecordStore, step: int, groups: list[str], keep=None) -> None:
@@ -47,9 +47,9 @@ def test_only_the_groups_that_asked_are_kept():
 
 
 def test_unread_records_are_bounded(monkeypatch):
-    from esamp.engines.vllm import records
+    from esamp.engines.vllm import step_records
 
-    monkeypatch.setattr(records, "MAX_READY", 3)
+    monkeypatch.setattr(step_records, "MAX_READY", 3)
     store = RecordStore(torch.device("cpu"))
     for step in range(5):
         _push(store, step, ["a", "b"])

@@ -1,4 +1,5 @@
-"""``EsampLogitsProcessor``: ESamp's adapter for vLLM's V1 logits-processor interface.
+"""``V1Adapter``: ESamp's adapter for vLLM's V1 logits-processor interface (``mrv2.Mrv2Adapter``
+is Model Runner V2's; ``entry.EsampLogitsProcessor``, the class vLLM builds, picks one of the two).
 
 One job: turn vLLM's V1 batch bookkeeping into ESamp rows, and its ``apply`` into ESamp's. Rows
 are mapped fresh from every ``BatchUpdate`` with vLLM's own ``process_dict_updates`` (batch
@@ -23,8 +24,7 @@ import torch
 from esamp.engines.vllm import settings as es
 from esamp.engines.vllm.exchange import exchange_for
 from esamp.engines.vllm.rows import request_row
-from esamp.engines.vllm.steering import BatchPlan, EngineSteering
-from esamp.engines.vllm.tp import tensor_parallel
+from esamp.engines.vllm.steering import BatchPlan, EngineSteering, make_steering
 
 try:  # the V1 runner's interface (Model Runner V2's has its own adapter: mrv2.py)
     from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
@@ -33,27 +33,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installed vLLM
     raise ImportError(f"this vLLM has no V1 logits-processor interface: {exc}") from exc
 
 
-def make_steering(vllm_config, device: torch.device, cls: type[EngineSteering] = EngineSteering) -> EngineSteering:
-    """The engine's ``EngineSteering`` from its vLLM configuration."""
-    server = (getattr(vllm_config, "additional_config", None) or {}).get(es.SERVER_KEY) or {}
-    steering = cls(
-        es.engine_config(vllm_config), hidden=int(vllm_config.model_config.get_hidden_size()),
-        vocab=int(vllm_config.model_config.get_vocab_size()),
-        max_rows=int(vllm_config.scheduler_config.max_num_seqs), device=device,
-        record_all=not server.get("records_requested", False), retain_seconds=server.get("records_retain_s"),
-        tp=tensor_parallel(vllm_config))
-    if steering.config is not None and steering.tp.owner:  # the worker with the bank has the records
-        from esamp.engines.vllm import channel
-
-        steering.channel = channel.start(steering, server, vllm_config)
-    if server:  # esamp serve's engine: a stop signal to every process must not cut a step in half
-        from esamp.engines.vllm.shutdown import worker_waits_for_engine_core
-
-        worker_waits_for_engine_core()
-    return steering
-
-
-class EsampLogitsProcessor(LogitsProcessor):
+class V1Adapter(LogitsProcessor):
     """ESamp on the rows of requests that ``validate_params`` prepared."""
 
     steering_class = EngineSteering

@@ -1,14 +1,16 @@
-"""``EsampBenchExtension``: the worker extension plus what only ``esamp bench`` calls.
+"""``EsampBenchExtension``: the engine's worker extension plus what only ``esamp bench`` calls
+(through ``collective_rpc``, by name; vLLM mixes the class named by ``BENCH_EXTENSION`` into its
+worker).
 
 ``--logits realistic`` reshapes the dummy model's LM head so its next-token distributions look
-like a real model's (``esamp.bench``); peak memory goes into the bench's report.
+like a real model's (``calibrate``); peak memory goes into the bench's report.
 """
 
 from __future__ import annotations
 
 from esamp.engines.vllm.extension import EsampWorkerExtension
 
-BENCH_EXTENSION = "esamp.engines.vllm.bench_extension.EsampBenchExtension"
+BENCH_EXTENSION = "esamp.commands.bench.worker_extension.EsampBenchExtension"
 HEAD_BLOCK = 8192  # LM-head rows rescaled at a time
 
 
