@@ -1,6 +1,6 @@
 """One HTTP request on a connection of its own, with asyncio and nothing else: the small client
-that benchmarks/serve_bench.py uses to load a served deployment (and that the serving
-middleware's side-channel reads can use), so no HTTP library is needed."""
+that benchmarks/serve_bench.py uses to load a served deployment and the serving middleware uses
+to read each rank's side channel, so no HTTP library is needed."""
 
 from __future__ import annotations
 

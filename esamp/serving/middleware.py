@@ -66,6 +66,7 @@ from esamp.engines.vllm.settings import ISSUED, SERVE_ENV
 from esamp.serving.channel import CHANNEL_SECRET_ENV, HOST, SECRET_HEADER, read_groups
 from esamp.core import payload as pl
 from esamp.errors import shown
+from esamp.platform.http_client import request
 from esamp.serving import routes as rt
 from esamp.serving.admission import Refused, admit, many_prompts_with_records, refuse_surrogates
 from esamp.serving.metrics import merge
@@ -133,17 +134,8 @@ def server_info(vllm_config) -> ServerInfo | None:
 
 
 async def fetch(host: str, port: int, path: str, secret: str, timeout: float = CHANNEL_TIMEOUT) -> tuple[int, bytes]:
-    """``GET path`` from a side channel (HTTP/1.0: the channel closes the connection after it)."""
-    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
-    try:
-        writer.write(f"GET {path} HTTP/1.0\r\nHost: {host}:{port}\r\n{SECRET_HEADER}: {secret}\r\n\r\n".encode())
-        await writer.drain()
-        raw = await asyncio.wait_for(reader.read(), timeout)
-    finally:
-        writer.close()
-    head, _, body = raw.partition(b"\r\n\r\n")
-    status = head.split(b" ", 2)
-    return (int(status[1]) if len(status) > 1 and status[1].isdigit() else 502), body
+    """``GET path`` from a side channel, with the per-launch secret."""
+    return await request(host, port, path, headers={SECRET_HEADER: secret}, timeout=timeout)
 
 
 def api_keys(app) -> list[bytes]:
