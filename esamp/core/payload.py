@@ -67,24 +67,31 @@ class Payload:
     def enabled(self) -> bool | None:
         return self.steering.get("enabled")
 
+    def flat(self) -> dict[str, Any]:
+        """This payload as ``extra_args`` carry it (``decode`` reads it back); booleans as "on"/"off"."""
+        out: dict[str, Any] = {STEERING_KEYS[name]: _word(value) for name, value in self.steering.items()}
+        if self.filters is not None:
+            out.update({key: getattr(self.filters, name) for name, key in FILTER_KEYS.items()})
+        for name in ("group", "sample", "seed", "n"):
+            value = getattr(self, name)
+            if value is not None:
+                out[ROUTE_KEYS[name]] = value
+        if self.records is not None:
+            out[ROUTE_KEYS["records"]] = _word(self.records)
+        return out
+
 
 def encode(steering: Steering | None = None, *, group: str | None = None, sample: int | None = None,
            filters: Filters | None = None, seed: int | None = None, n: int | None = None,
            records: bool | None = None) -> dict[str, Any]:
-    """The flat payload for ``extra_args`` / ``vllm_xargs``; booleans as "on"/"off"."""
-    out: dict[str, Any] = {}
-    if steering is not None:
-        for name, key in STEERING_KEYS.items():
-            value = getattr(steering, name)
-            out[key] = ("on" if value else "off") if isinstance(value, bool) else value
-    if filters is not None:
-        out.update({key: getattr(filters, name) for name, key in FILTER_KEYS.items()})
-    for name, value in (("group", group), ("sample", sample), ("seed", seed), ("n", n)):
-        if value is not None:
-            out[ROUTE_KEYS[name]] = value
-    if records is not None:
-        out[ROUTE_KEYS["records"]] = "on" if records else "off"
-    return out
+    """The flat payload for ``extra_args`` / ``vllm_xargs`` (every field of ``steering``): ``Payload.flat``."""
+    fields = {} if steering is None else {name: getattr(steering, name) for name in STEERING_KEYS}
+    return Payload(steering=fields, filters=filters, group=group, sample=sample, seed=seed, n=n,
+                   records=records).flat()
+
+
+def _word(value: Any) -> Any:
+    return ("on" if value else "off") if isinstance(value, bool) else value
 
 
 def decode(extra: Mapping[str, Any] | None) -> Payload | None:

@@ -8,6 +8,8 @@ The middleware therefore runs the very same check (``settings.check`` and
 ``settings.refuse_server_keys``, which ``prepare`` runs) on the request body first and answers a
 refusal as a 400 in the form vLLM uses for its own (``{"error": {"message", "type", "param",
 "code"}}``). What the check accepts here, vLLM accepts later: they are the same functions.
+The settings it decoded and checked go with the request's ticket (``Admission.settings``, held by
+``settings.ISSUED``), so ``prepare`` does not decode them again.
 
 The body is read as vLLM reads it: through vLLM's own request model (``CompletionRequest``,
 ``ChatCompletionRequest``), so a number sent as a string (``"n": "1000"``) is the number vLLM
@@ -26,11 +28,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from esamp.core import payload as pl
 from esamp.core.config import Filters, Steering
 from esamp.errors import EsampError, shown
+
+if TYPE_CHECKING:
+    from esamp.engines.vllm.settings import Admitted
 
 PENALTIES = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
 # vLLM's values for a field a request leaves out (before the server's defaults)
@@ -50,6 +55,7 @@ class Admission:
     n: int  # samples the request asks for (per prompt)
     prompts: int = 1  # prompts in the request: each is its own group
     records: bool = False  # the request asked for its novelty records (esamp_records: on)
+    settings: Admitted | None = None  # what was checked, for the request's ticket (steered requests)
 
 
 class Refused(Exception):
@@ -87,7 +93,7 @@ def admit(body: Mapping[str, Any], chat: bool | None = None) -> Admission:
     if not isinstance(xargs, Mapping):
         return Admission(steered=False, n=n)
     params = SimpleNamespace(extra_args=dict(xargs), **fields)
-    from esamp.engines.vllm.settings import check, refuse_server_keys  # no vLLM import: the engine's own check
+    from esamp.engines.vllm.settings import Admitted, check, refuse_server_keys  # no vLLM import: the engine's own check
 
     try:
         refuse_server_keys(xargs)  # any group a client names, running or not, gets this one answer
@@ -101,7 +107,8 @@ def admit(body: Mapping[str, Any], chat: bool | None = None) -> Admission:
     records = bool(payload.records)
     if records and prompts > 1:
         raise Refused(many_prompts_with_records(prompts), param="prompt")
-    return Admission(steered=True, n=n, prompts=prompts, records=records)
+    return Admission(steered=True, n=n, prompts=prompts, records=records,
+                     settings=Admitted(extra=params.extra_args, payload=payload))
 
 
 def many_prompts_with_records(prompts: int) -> str:

@@ -411,7 +411,7 @@ class EsampMiddleware:
         info = self._server(scope)
         issued, headers, rank = None, [], None
         if admission.steered:
-            issued = ISSUED.issue()
+            issued = ISSUED.issue(admission.settings)  # prepare takes the settings admission checked
             xargs = request.get("vllm_xargs") or {}
             # the ticket rides to the engine (prepare claims it); the client sees only the group's id
             request["vllm_xargs"] = {**xargs, pl.ROUTE_KEYS["group"]: issued.ticket}

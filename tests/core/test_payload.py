@@ -20,6 +20,18 @@ def test_round_trip():
     assert got.filters == Filters(top_k=7)
 
 
+def test_a_typed_payload_is_written_flat_as_decode_reads_it():
+    """``Payload.flat`` is the one writer of the flat form: ``decode`` gives the payload back, and
+    ``encode`` is a payload with every steering field."""
+    typed = pl.Payload(steering={"beta": 1.2, "train": False}, filters=Filters(top_k=7), group="g", sample=3,
+                       seed=4, n=8, records=True)
+    flat = typed.flat()
+    assert flat["esamp_train"] == "off" and flat["esamp_records"] == "on"
+    assert pl.decode(flat) == typed
+    steering = Steering(beta=0.5)
+    assert pl.encode(steering, group="g") == pl.Payload(steering=steering.model_dump(), group="g").flat()
+
+
 def test_requests_without_esamp_keys_are_not_esamp_requests():
     assert pl.decode(None) is None and pl.decode({}) is None and pl.decode({"other": 1}) is None
 

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from esamp.core import payload as pl
 from esamp.core.config import EsampConfig
 from esamp.engines.vllm import settings as es
 from esamp.commands.serve import free_ports
@@ -75,6 +76,7 @@ class FakeVllm:
             **({"server": server} if server is not None else {}))
         self.seen: list[tuple[dict, bytes]] = []
         self.prepared: list[str] = []  # the group of every prompt the engine steered
+        self.params: list = []  # every prompt's params, as prepare left them
         self.hold = hold
 
     def prepare(self, body: bytes) -> None:
@@ -92,6 +94,7 @@ class FakeVllm:
                                      seed=None, repetition_penalty=1.0, presence_penalty=0.0,
                                      frequency_penalty=0.0, extra_args=dict(xargs))
             es.prepare(params)
+            self.params.append(params)
             self.prepared.append(params.extra_args["esamp_group"])
 
     async def __call__(self, scope, receive, send):
@@ -420,6 +423,84 @@ def test_the_engine_steers_only_groups_the_middleware_issued(monkeypatch):
     off = params(esamp="off")
     es.prepare(off)
     assert off.top_p == 0.9
+
+
+def count_decodes(monkeypatch) -> dict:
+    """Counts ``payload.decode`` calls (every decode of a request's settings goes through it)."""
+    calls = {"n": 0}
+    decode = pl.decode
+
+    def counted(extra):
+        calls["n"] += 1
+        return decode(extra)
+
+    monkeypatch.setattr(pl, "decode", counted)
+    return calls
+
+
+@pytest.mark.parametrize("fields", [dict(n=2, vllm_xargs={"esamp_beta": 1.2, "esamp_records": "on"}),
+                                    dict(n=3, prompt=["a", "b"], vllm_xargs={"esamp_mix": "unsharpened"}),
+                                    dict(n=2)])
+def test_a_served_requests_settings_are_decoded_once_in_the_api_server(monkeypatch, fields):
+    """Admission decodes a request's vllm_xargs; the ticket holds what it checked, and prepare (for
+    each prompt) takes that instead of decoding again. The engine still gets the request's settings,
+    and the real filters as vLLM made them."""
+    monkeypatch.setenv(es.SERVE_ENV, "1")
+    app = FakeVllm(1, 9)
+    calls = count_decodes(monkeypatch)
+    status, _ = run(call(EsampMiddleware(app), app, "POST", "/v1/completions", completion(**fields)))
+    decodes = calls["n"]
+    assert status == 200 and decodes == 1
+    assert len(app.params) == len(fields.get("prompt", [1]))
+    sent = pl.decode(fields["vllm_xargs"]) if "vllm_xargs" in fields else pl.Payload()  # none: the server's defaults
+    for params in app.params:
+        got = pl.decode(params.extra_args)
+        assert got.steering == sent.steering and got.records == sent.records
+        assert got.n == fields["n"] and got.filters is not None and params.top_p == 1.0
+
+
+def test_prepare_trusts_held_settings_only_for_the_xargs_admission_read(monkeypatch):
+    """Held settings stand for the exact vllm_xargs admission read: params carrying other ones (vLLM
+    adds keys of its own, such as kv_transfer_params) are decoded from what they carry."""
+    monkeypatch.setenv(es.SERVE_ENV, "1")
+    read = {"esamp_beta": 2.0}
+    issued = es.ISSUED.issue(es.Admitted(extra=read, payload=pl.decode(read)))
+    try:
+        calls = count_decodes(monkeypatch)
+        same = SimpleNamespace(n=1, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, seed=None, repetition_penalty=1.0,
+                               presence_penalty=0.0, frequency_penalty=0.0,
+                               extra_args={**read, "esamp_group": issued.ticket})
+        es.prepare(same)
+        assert calls["n"] == 0 and same.extra_args["esamp_beta"] == 2.0
+        other = SimpleNamespace(**{**vars(same), "extra_args": {"esamp_beta": 1.0, "kv_transfer_params": "x",
+                                                                "esamp_group": issued.ticket}})
+        es.prepare(other)
+        assert calls["n"] == 1 and pl.decode(other.extra_args).steering == {"beta": 1.0}
+    finally:
+        es.ISSUED.end(issued.ticket)
+
+
+def test_a_tickets_settings_go_when_its_request_ends(monkeypatch):
+    """The settings a ticket holds live as long as its request: while it runs prepare reads them,
+    and once it ends (ISSUED.end) nothing of them is left."""
+    monkeypatch.setenv(es.SERVE_ENV, "1")
+
+    async def scenario():
+        hold = asyncio.Event()
+        app = FakeVllm(1, 9, hold)
+        running = asyncio.create_task(call(EsampMiddleware(app), app, "POST", "/v1/completions",
+                                           completion(vllm_xargs={"esamp_beta": 1.5})))
+        while not app.prepared:
+            await asyncio.sleep(0.01)
+        ticket = xargs_of(app.seen[-1][1])["esamp_group"]
+        held = es.ISSUED.settings(ticket)
+        hold.set()
+        await running
+        return ticket, held
+
+    ticket, held = run(scenario())
+    assert held.extra == {"esamp_beta": 1.5} and held.payload.steering == {"beta": 1.5}
+    assert es.ISSUED.settings(ticket) is None and ticket not in es.ISSUED and len(es.ISSUED) == 0
 
 
 def test_naming_a_running_group_gets_the_answer_any_name_gets(monkeypatch):

@@ -19,7 +19,6 @@ import gc
 import os
 import time
 
-from esamp.core import payload as pl
 from esamp.core.config import EsampConfig
 from esamp.core.distiller import bank_full
 from esamp.platform.devices import cuda_available
@@ -180,25 +179,19 @@ class VllmEngine(RecordedEngine):
         self._admitted[g.key] = time.perf_counter()
         # vLLM's renderer turns token ids into engine inputs (raw prompts are deprecated there).
         prompts = self.engine.renderer.render_cmpl([{"prompt_token_ids": g.prompt_ids} for _ in range(s.n)])
-        prepared = None  # sample 0's prepared params: the others differ only in their sample index
         for sample in range(s.n):
-            filters = dict(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p)
-            extra = None
-            if steered and prepared is not None:
-                filters = {k: getattr(prepared, k) for k in filters}
-                extra = {**prepared.extra_args, pl.ROUTE_KEYS["sample"]: sample}
-            elif steered:
-                extra = es.request_payload(g.key, sample, g.steering, s)
             params = SamplingParams(
-                n=1, max_tokens=g.max_new, seed=None if s.seed is None else s.seed + sample, **filters,
+                n=1, max_tokens=g.max_new, seed=None if s.seed is None else s.seed + sample,
+                temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
                 stop_token_ids=sorted(self.stop_ids), ignore_eos=self.ignore_eos,
-                output_kind=RequestOutputKind.DELTA, detokenize=False, extra_args=extra)
-            if steered and prepared is None:
-                # The request's own filters go into the payload and vLLM gets neutral ones (as for a
-                # served request). vLLM's frontend runs the processor's validate_params too, but
-                # only where the entry point was visible when it first loaded the processors.
-                es.prepare(params)
-                prepared = params
+                output_kind=RequestOutputKind.DELTA, detokenize=False)
+            if steered:
+                # The group's settings go to prepare typed (nothing is encoded to be decoded again);
+                # it writes the flat payload and hands the request's filters to ESamp, as for a
+                # served request. vLLM's frontend, which runs the processor's validate_params too
+                # where the entry point was visible when it first loaded the processors, then finds
+                # the params prepared.
+                es.prepare(params, settings=es.request_settings(g.key, sample, g.steering))
             rid = f"{g.key}/{sample}"
             internal = self.engine.add_request(rid, prompts[sample], params)
             for name in {rid, internal if isinstance(internal, str) else rid}:

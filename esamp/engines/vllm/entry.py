@@ -58,4 +58,7 @@ class EsampLogitsProcessor(*_interfaces()):
 
     @classmethod
     def validate_params(cls, params) -> None:
+        """vLLM's check of each request, in its frontend: ``settings.prepare``, which also changes
+        ``params`` for a request ESamp steers: its group, and its filters handed to ESamp
+        (``settings.hand_filters_to_esamp``: vLLM keeps neutral ones)."""
         es.prepare(params)

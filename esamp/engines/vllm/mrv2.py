@@ -96,7 +96,9 @@ class Mrv2Adapter(LogitsProcessor):
 
     @classmethod
     def validate_params(cls, sampling_params) -> None:
-        es.prepare(sampling_params)  # a request's real filters move into its payload (``settings.prepare``)
+        """``settings.prepare``: not only a check; a request ESamp steers gets its group, and its
+        filters are handed to ESamp (``settings.hand_filters_to_esamp``: vLLM keeps neutral ones)."""
+        es.prepare(sampling_params)
 
     def add_request(self, req_idx: int, sampling_params) -> bool:
         """A request took slot ``req_idx`` (whatever held it before is gone); True when it is ours."""

@@ -49,7 +49,9 @@ class V1Adapter(LogitsProcessor):
 
     @classmethod
     def validate_params(cls, params) -> None:
-        es.prepare(params)  # a request's real filters move into its payload (``settings.prepare``)
+        """``settings.prepare``: not only a check; a request ESamp steers gets its group, and its
+        filters are handed to ESamp (``settings.hand_filters_to_esamp``: vLLM keeps neutral ones)."""
+        es.prepare(params)
 
     def is_argmax_invariant(self) -> bool:
         return False  # ESamp moves the argmax

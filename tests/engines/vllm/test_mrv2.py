@@ -102,12 +102,13 @@ def _ctx(slots: list[int], seq_lens: list[int]):
 def _request(group: str, sample: int, n: int, **filters):
     from vllm import SamplingParams
 
-    from esamp.core.config import SamplingConfig, Steering
+    from esamp.core.config import Steering
     from esamp.engines.vllm import settings as es
 
-    params = SamplingParams(n=1, max_tokens=8, **filters,
-                            extra_args=es.request_payload(group, sample, Steering(), SamplingConfig(n=n)))
-    es.prepare(params)  # what vLLM's frontend does through validate_params
+    # As the library engine: one request per sample, n=1 each (the payload records the params' n,
+    # as it always has; ``n`` names the group's size for the reader).
+    params = SamplingParams(n=1, max_tokens=8, **filters)
+    es.prepare(params, settings=es.request_settings(group, sample, Steering()))
     return params
 
 

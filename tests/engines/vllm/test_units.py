@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import copy
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from _vllm_helpers import Wire as _Wire, lockstep
 from esamp.core import intervention as iv
+from esamp.core import payload as pl
+from esamp.core.config import Filters, Steering
 from esamp.engines.vllm import settings as es
 from esamp.errors import ConfigError
 
@@ -71,6 +76,98 @@ def test_prepare_refuses_what_esamp_cannot_serve(kw, words):
         es.prepare(_params(**kw))
     for word in words:
         assert word in str(err.value)
+
+
+class _StandIn(SimpleNamespace):  # what prepare reads of vLLM's SamplingParams (which take a weak reference)
+    pass
+
+
+def _stand_in(**kw):
+    return _StandIn(**{"n": 1, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "seed": None,
+                       "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                       "extra_args": None, **kw})
+
+
+def _count_decodes(monkeypatch) -> dict:
+    calls = {"n": 0}
+    decode = pl.decode
+
+    def counted(extra):
+        calls["n"] += 1
+        return decode(extra)
+
+    monkeypatch.setattr(pl, "decode", counted)
+    return calls
+
+
+@pytest.mark.parametrize("served", [False, True])
+def test_check_changes_nothing(monkeypatch, served):
+    """``check`` (the middleware's admission runs it) answers without touching the params, their
+    extra_args or the issued groups, whether it steers, declines or refuses."""
+    if served:
+        monkeypatch.setenv(es.SERVE_ENV, "1")
+    else:
+        monkeypatch.delenv(es.SERVE_ENV, raising=False)
+    for params in (_stand_in(n=4, seed=2, extra_args={"esamp_beta": 1.2}), _stand_in(extra_args={"esamp": "off"}),
+                   _stand_in(), _stand_in(repetition_penalty=1.1, extra_args={"esamp": "on"})):
+        before, issued = copy.deepcopy(vars(params)), len(es.ISSUED)
+        try:
+            es.check(params)
+        except ValueError:
+            pass
+        assert vars(params) == before and len(es.ISSUED) == issued
+
+
+def test_the_filter_hand_over_gives_vllm_neutral_filters_and_esamp_the_real_ones():
+    params = _stand_in(extra_args={"esamp_beta": 1.0})
+    es.hand_filters_to_esamp(params, Filters(temperature=0.7, top_p=0.9, top_k=20, min_p=0.05))
+    assert (params.temperature, params.top_p, params.top_k, params.min_p) == (1.0, 1.0, 0, 0.0)
+    got = pl.decode(params.extra_args)
+    assert got.filters == Filters(temperature=0.7, top_p=0.9, top_k=20, min_p=0.05) and got.steering == {"beta": 1.0}
+    greedy = _stand_in(temperature=0.0)
+    es.hand_filters_to_esamp(greedy, Filters(temperature=0.0, top_p=0.5))
+    assert greedy.temperature == 0.0 and pl.decode(greedy.extra_args).filters.top_p == 0.5
+
+
+def test_the_library_engine_hands_prepare_typed_settings_and_nothing_is_decoded(monkeypatch):
+    """The library engine's settings reach ``prepare`` typed: no decode, and the payload it writes
+    is the one the flat way in (encoded settings in extra_args) gives. vLLM's own validate_params
+    afterwards finds the params prepared."""
+    monkeypatch.delenv(es.SERVE_ENV, raising=False)
+    calls = _count_decodes(monkeypatch)
+    typed = _stand_in(seed=5)
+    es.prepare(typed, settings=es.request_settings("g", 2, Steering(beta=1.5, train=False)))
+    es.prepare(typed)  # vLLM's validate_params
+    decodes = calls["n"]
+    flat = _stand_in(seed=5, extra_args=pl.encode(Steering(beta=1.5, train=False), group="g", sample=2))
+    es.prepare(flat)
+    assert decodes == 0 and typed.extra_args == flat.extra_args
+    assert (typed.temperature, typed.top_p, typed.top_k, typed.min_p) == (1.0, 1.0, 0, 0.0)
+    got = pl.decode(typed.extra_args)
+    assert (got.group, got.sample, got.seed) == ("g", 2, None) and got.filters.top_k == 20
+    assert got.steering_over(Steering()) == Steering(beta=1.5, train=False)
+
+
+def test_the_engine_core_decodes_a_requests_payload_once_for_its_children(monkeypatch):
+    """vLLM gives each of a request's n children a copy of its payload (and seed + i): one decode
+    serves them all; another request's payload is decoded on its own."""
+    from esamp.core.config import EsampConfig
+    from esamp.engines.vllm.rows import Groups, request_row
+
+    monkeypatch.delenv(es.SERVE_ENV, raising=False)
+    config, groups = EsampConfig(), Groups(None)
+    calls = _count_decodes(monkeypatch)
+    rows = []
+    for beta in (1.1, 1.3):
+        params = _stand_in(n=4, seed=7, extra_args={"esamp_beta": beta})
+        es.prepare(params)
+        before = calls["n"]
+        rows.append([request_row(dict(params.extra_args), 7 + i, [], groups, config, False) for i in range(4)])
+        assert calls["n"] - before == 1
+    for beta, children in zip((1.1, 1.3), rows):
+        assert [r.sample for r in children] == [0, 1, 2, 3] and len({r.group for r in children}) == 1
+        assert all(r.steering.beta == beta and r.filters.top_k == 20 and r.n == 4 for r in children)
+    assert rows[0][0].group != rows[1][0].group
 
 
 def test_layers_and_architectures_give_clear_errors():
