@@ -8,7 +8,6 @@ hands them to ``esamp.engines.vllm.steering``. Group state is keyed by the group
 from __future__ import annotations
 
 import collections
-import functools
 from dataclasses import dataclass
 
 from esamp.core import payload as pl
@@ -38,7 +37,7 @@ def request_row(extra_args, seed: int | None, output_ids: list[int], groups: "Gr
     if not extra_args:
         return None
     try:
-        payload = _payload(extra_args)
+        payload = pl.decode(extra_args)  # once per child: vLLM hands each its own copy
     except (EsampError, TypeError):
         return None  # validate_params refused it; it never runs
     if payload is None or payload.filters is None or payload.group is None:
@@ -53,27 +52,6 @@ def request_row(extra_args, seed: int | None, output_ids: list[int], groups: "Gr
     steering = payload.steering_over(config.steering) if config is not None else None
     return RequestRow(group, sample, steering, payload.filters, output_ids,
                       records=record_all or bool(payload.records), n=payload.n)
-
-
-def _payload(extra_args) -> pl.Payload | None:
-    """``extra_args`` decoded, once for the n children of a request: vLLM gives each child a copy of
-    the request's payload (it sets only their seeds, on the params), so a payload equal to one
-    decoded lately, key for key and type for type, gets that one's ``Payload`` (a pure function's
-    answer: nothing changes a ``Payload`` or its filters once made, and only an equal payload ever
-    reads it). A request without siblings (``esamp_n`` 1, or none) and a value that cannot be part
-    of a key (a list) are decoded as they are."""
-    if extra_args.get(pl.ROUTE_KEYS["n"], 1) == 1:
-        return pl.decode(extra_args)
-    try:
-        key = tuple((k, type(v), v) for k, v in extra_args.items())
-        return _decode_items(key)
-    except TypeError:  # unhashable: not a payload prepare wrote
-        return pl.decode(extra_args)
-
-
-@functools.lru_cache(maxsize=64)  # a few requests' children, added to the batch close together
-def _decode_items(key: tuple) -> pl.Payload | None:
-    return pl.decode({k: v for k, _, v in key})
 
 
 class Groups:

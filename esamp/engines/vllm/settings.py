@@ -29,8 +29,9 @@ they enter, and stay typed until the one place they must be flat, ``SamplingPara
   decodes them itself.
 - the library engine hands ``prepare`` its settings typed (``prepare(params, settings=...)``).
 
-``prepare`` writes the flat payload once, and the engine core decodes it once per request
-(``rows.request_row``: the n children of a request carry equal payloads and share one decode).
+``prepare`` writes the flat payload once, and the engine core decodes it once per child request
+(``rows.request_row``: vLLM hands each of the n children its own copy; a decode costs tens of
+microseconds once per request, and a cache of decoded payloads would outlive the requests).
 What ``prepare`` reads from the params every time, never from what admission saw: n, the filters,
 the seed and the penalties. vLLM fills the fields a request leaves out with the server's defaults
 (the model's ``generation_config``) after admission, so the values on the params are those the

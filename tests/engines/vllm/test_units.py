@@ -148,9 +148,10 @@ def test_the_library_engine_hands_prepare_typed_settings_and_nothing_is_decoded(
     assert got.steering_over(Steering()) == Steering(beta=1.5, train=False)
 
 
-def test_the_engine_core_decodes_a_requests_payload_once_for_its_children(monkeypatch):
-    """vLLM gives each of a request's n children a copy of its payload (and seed + i): one decode
-    serves them all; another request's payload is decoded on its own."""
+def test_the_engine_core_reads_each_child_of_a_request_from_its_own_payload(monkeypatch):
+    """vLLM gives each of a request's n children a copy of its payload (and seed + i): each child
+    is one decode, and nothing decoded is kept past it (no cache a later request could read);
+    another request's payload gives its own group."""
     from esamp.core.config import EsampConfig
     from esamp.engines.vllm.rows import Groups, request_row
 
@@ -163,7 +164,7 @@ def test_the_engine_core_decodes_a_requests_payload_once_for_its_children(monkey
         es.prepare(params)
         before = calls["n"]
         rows.append([request_row(dict(params.extra_args), 7 + i, [], groups, config, False) for i in range(4)])
-        assert calls["n"] - before == 1
+        assert calls["n"] - before == 4
     for beta, children in zip((1.1, 1.3), rows):
         assert [r.sample for r in children] == [0, 1, 2, 3] and len({r.group for r in children}) == 1
         assert all(r.steering.beta == beta and r.filters.top_k == 20 and r.n == 4 for r in children)
