@@ -44,12 +44,12 @@ def variant(name: str, U: int, W: int, H: int, r: int, dev):
     if strided:  # views into one [U, P] buffer, as the bank stores them
         P = 3 * H * r + r + 2 * H
         flat = torch.randn(U, P, **f) * 0.02
-        up_w = flat[:, :H * r].view(U, H, r)
-        gate_w = flat[:, H * r:2 * H * r].view(U, H, r)
-        out_w = flat[:, 2 * H * r:3 * H * r].view(U, r, H)
-        b = flat[:, 3 * H * r:3 * H * r + r]
-        ln_w = flat[:, 3 * H * r + r:3 * H * r + r + H]
-        ln_b = flat[:, 3 * H * r + r + H:]
+        up_w = flat[:, : H * r].view(U, H, r)
+        gate_w = flat[:, H * r : 2 * H * r].view(U, H, r)
+        out_w = flat[:, 2 * H * r : 3 * H * r].view(U, r, H)
+        b = flat[:, 3 * H * r : 3 * H * r + r]
+        ln_w = flat[:, 3 * H * r + r : 3 * H * r + r + H]
+        ln_b = flat[:, 3 * H * r + r + H :]
     else:
         shape = (U, width, H) if transposed else (U, H, width)
         up_w = torch.randn(*shape, **f) * 0.02
@@ -90,8 +90,13 @@ def main() -> int:
     ap.add_argument("--json")
     args = ap.parse_args()
     dev = torch.device("cuda")
-    names = ["flat, A,G apart (the bank before)", "A,G [H,r]", "A,G stored [r,H] (T)", "AG [H,2r] (the bank's layout)",
-             "AG stored [2r,H] (T)"]
+    names = [
+        "flat, A,G apart (the bank before)",
+        "A,G [H,r]",
+        "A,G stored [r,H] (T)",
+        "AG [H,2r] (the bank's layout)",
+        "AG stored [2r,H] (T)",
+    ]
     rows = []
     for shape in args.shape:
         U, W = (int(v) for v in shape.split("x"))
@@ -101,8 +106,17 @@ def main() -> int:
             print(f"U={U:>3} W={W:>2}  {name:<34} {ms:.4f} ms", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(0), torch=torch.__version__,
-                           hidden=args.hidden, rank=args.rank, rows=rows), f, indent=1)
+            json.dump(
+                dict(
+                    device=torch.cuda.get_device_name(0),
+                    torch=torch.__version__,
+                    hidden=args.hidden,
+                    rank=args.rank,
+                    rows=rows,
+                ),
+                f,
+                indent=1,
+            )
     return 0
 
 

@@ -35,8 +35,7 @@ async def dashboard_run(options, export: Path, timeout: float) -> dict:
             pass
 
     with tempfile.TemporaryDirectory() as tmp:
-        app = EsampApp(options, memory_sampler=NoMemory(), theme_dir=Path(tmp),
-                       speed_file=Path(tmp) / "speed.json")
+        app = EsampApp(options, memory_sampler=NoMemory(), theme_dir=Path(tmp), speed_file=Path(tmp) / "speed.json")
         async with app.run_test(size=(160, 48)) as pilot:
             screen = app.main_screen
             deadline = time.monotonic() + timeout
@@ -70,8 +69,14 @@ def main() -> int:
     from esamp.eval.tasks import load_task
 
     problem = next(x for x in load_task(settings["task"]) if x.id == args.problem)
-    options = Options(engine="reference", esamp=make_config(EsampConfig, **cell), sampling=sampling,
-                      prompt=problem.prompt, log_file="", engine_options=dict(threads=1))
+    options = Options(
+        engine="reference",
+        esamp=make_config(EsampConfig, **cell),
+        sampling=sampling,
+        prompt=problem.prompt,
+        log_file="",
+        engine_options=dict(threads=1),
+    )
     with tempfile.TemporaryDirectory() as tmp:
         seen = asyncio.run(dashboard_run(options, Path(tmp), args.timeout))
         metrics = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
@@ -81,7 +86,9 @@ def main() -> int:
     result = {
         "command": " ".join(["python", *sys.argv]),
         "what": __doc__.split("\n\n")[0],
-        "folder": str(args.folder), "problem": args.problem, "arm": args.arm,
+        "folder": str(args.folder),
+        "problem": args.problem,
+        "arm": args.arm,
         "same_replies": seen["texts"] == record["texts"],
         "steps": {"dashboard": len(charted), "eval": len(stored)},
         "largest_difference": max(differences) if differences else None,
@@ -91,8 +98,10 @@ def main() -> int:
     }
     out = args.folder / f"dashboard-agreement-{args.problem}.json"
     out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    print(f"same replies: {result['same_replies']}; loss steps: dashboard {len(charted)}, eval {len(stored)}; "
-          f"equal: {result['equal']} (largest difference {result['largest_difference']}); written {out}")
+    print(
+        f"same replies: {result['same_replies']}; loss steps: dashboard {len(charted)}, eval {len(stored)}; "
+        f"equal: {result['equal']} (largest difference {result['largest_difference']}); written {out}"
+    )
     return 0 if result["equal"] else 1
 
 

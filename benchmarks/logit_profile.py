@@ -51,37 +51,54 @@ def main() -> int:
                 for name, s in settings.items():
                     scaled = z / s["temperature"]
                     R = scaled.shape[0]
-                    mask = iv.candidate_mask(scaled, torch.full((R,), s.get("top_k", 0)),
-                                             torch.full((R,), s["top_p"]), torch.full((R,), s["min_p"]))
+                    mask = iv.candidate_mask(
+                        scaled,
+                        torch.full((R,), s.get("top_k", 0)),
+                        torch.full((R,), s["top_p"]),
+                        torch.full((R,), s["min_p"]),
+                    )
                     logp = scaled.log_softmax(-1)
                     stats[name]["candidates"] += mask.sum(-1).tolist()
                     stats[name]["entropy"] += (-(logp.exp() * logp).sum(-1)).tolist()
                 # continue with the default setting's plain sampling
                 s = settings["default"]
                 scaled = z / s["temperature"]
-                mask = iv.candidate_mask(scaled, torch.zeros(len(z), dtype=torch.long),
-                                         torch.full((len(z),), s["top_p"]), torch.full((len(z),), s["min_p"]))
+                mask = iv.candidate_mask(
+                    scaled,
+                    torch.zeros(len(z), dtype=torch.long),
+                    torch.full((len(z),), s["top_p"]),
+                    torch.full((len(z),), s["min_p"]),
+                )
                 nxt = iv.sample(iv.filtered_logits(scaled, mask), torch.zeros(len(z), dtype=torch.bool), gen)
                 ids = torch.cat([ids, nxt[:, None]], dim=1)
     report = {
-        "command": " ".join(["python", *sys.argv]), "model": engine.ready.model,
-        "prompts": len(prompts), "samples": args.samples, "tokens": args.tokens,
+        "command": " ".join(["python", *sys.argv]),
+        "model": engine.ready.model,
+        "prompts": len(prompts),
+        "samples": args.samples,
+        "tokens": args.tokens,
         "seconds": round(time.perf_counter() - t0, 1),
-        "device": f"cpu ({platform.machine()})", "torch": torch.__version__,
+        "device": f"cpu ({platform.machine()})",
+        "torch": torch.__version__,
         "settings": {
-            name: {"sampling": settings[name],
-                   "candidates_mean": round(statistics.fmean(v["candidates"]), 3),
-                   "candidates_median": statistics.median(v["candidates"]),
-                   "candidates_p90": sorted(v["candidates"])[int(0.9 * len(v["candidates"]))],
-                   "entropy_mean": round(statistics.fmean(v["entropy"]), 3),
-                   "steps": len(v["candidates"])}
-            for name, v in stats.items()},
+            name: {
+                "sampling": settings[name],
+                "candidates_mean": round(statistics.fmean(v["candidates"]), 3),
+                "candidates_median": statistics.median(v["candidates"]),
+                "candidates_p90": sorted(v["candidates"])[int(0.9 * len(v["candidates"]))],
+                "entropy_mean": round(statistics.fmean(v["entropy"]), 3),
+                "steps": len(v["candidates"]),
+            }
+            for name, v in stats.items()
+        },
     }
     with open(args.json, "w") as f:
         json.dump(report, f, indent=2)
     for name, v in report["settings"].items():
-        print(f"{name}: mean |C| {v['candidates_mean']}, median {v['candidates_median']}, "
-              f"p90 {v['candidates_p90']}, entropy {v['entropy_mean']} nats over {v['steps']} steps")
+        print(
+            f"{name}: mean |C| {v['candidates_mean']}, median {v['candidates_median']}, "
+            f"p90 {v['candidates_p90']}, entropy {v['entropy_mean']} nats over {v['steps']} steps"
+        )
     engine.close()
     return 0
 

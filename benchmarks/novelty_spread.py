@@ -46,8 +46,13 @@ def quantiles(values: list[float]) -> dict:
     def at(q: float) -> float:
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
-    return {"n": len(values), "mean": round(statistics.fmean(values), 4), "p10": round(at(0.1), 4),
-            "median": round(statistics.median(values), 4), "p90": round(at(0.9), 4)}
+    return {
+        "n": len(values),
+        "mean": round(statistics.fmean(values), 4),
+        "p10": round(at(0.1), 4),
+        "median": round(statistics.median(values), 4),
+        "p90": round(at(0.9), 4),
+    }
 
 
 def entropy(logits: torch.Tensor) -> float:
@@ -67,9 +72,18 @@ def row_stats(z: torch.Tensor, d: torch.Tensor, beta: float) -> dict:
     corr = float((zc * dc).mean() / (std_z * std_d)) if std_z > 0 and std_d > 0 else float("nan")
     slope = float((zc * dc).mean() / zc.pow(2).mean()) if std_z > 0 else float("nan")
     calibrated = z64 - beta * dc * (std_z / std_d) if std_d > 0 else z64
-    return {"k": int(z.numel()), "std_z": std_z, "std_d": std_d, "range_z": float(z64.max() - z64.min()),
-            "range_d": float(d64.max() - d64.min()), "corr": corr, "slope": slope, "h_plain": entropy(z64),
-            "h_calibrated": entropy(calibrated), "flip_calibrated": int(calibrated.argmax()) != int(z.argmax())}
+    return {
+        "k": int(z.numel()),
+        "std_z": std_z,
+        "std_d": std_d,
+        "range_z": float(z64.max() - z64.min()),
+        "range_d": float(d64.max() - d64.min()),
+        "corr": corr,
+        "slope": slope,
+        "h_plain": entropy(z64),
+        "h_calibrated": entropy(calibrated),
+        "flip_calibrated": int(calibrated.argmax()) != int(z.argmax()),
+    }
 
 
 def summarise(rows: list[dict], names: list[str]) -> dict:
@@ -94,10 +108,12 @@ def summarise(rows: list[dict], names: list[str]) -> dict:
     for name in names + ["calibrated"]:
         out[f"entropy_{name}"] = quantiles([r[f"h_{name}"] for r in spread])
         out[f"entropy_{name}_minus_plain"] = quantiles([r[f"h_{name}"] - r["h_plain"] for r in spread])
-        out[f"share_{name}_flatter"] = round(sum(r[f"h_{name}"] > r["h_plain"] + SAME for r in spread)
-                                             / max(len(spread), 1), 4)
-        out[f"share_{name}_sharper"] = round(sum(r[f"h_{name}"] < r["h_plain"] - SAME for r in spread)
-                                             / max(len(spread), 1), 4)
+        out[f"share_{name}_flatter"] = round(
+            sum(r[f"h_{name}"] > r["h_plain"] + SAME for r in spread) / max(len(spread), 1), 4
+        )
+        out[f"share_{name}_sharper"] = round(
+            sum(r[f"h_{name}"] < r["h_plain"] - SAME for r in spread) / max(len(spread), 1), 4
+        )
         out[f"share_{name}_argmax_flips"] = round(sum(r[f"flip_{name}"] for r in spread) / max(len(spread), 1), 4)
     return out
 
@@ -114,9 +130,19 @@ def control(steps: list[dict]) -> dict:
             continue
         trained = statistics.fmean(s["trained"] for s in picked)
         frozen = statistics.fmean(s["frozen"] for s in picked)
-        name = "prompt" if last == 0 else f"positions {first - 1}-{last - 1}" if last < 10**9 else f"positions {first - 1} on"
-        out[name] = {"steps": len(picked), "trained": round(trained, 4), "frozen": round(frozen, 4),
-                     "trained_over_frozen": round(trained / frozen, 4)}
+        name = (
+            "prompt"
+            if last == 0
+            else f"positions {first - 1}-{last - 1}"
+            if last < 10**9
+            else f"positions {first - 1} on"
+        )
+        out[name] = {
+            "steps": len(picked),
+            "trained": round(trained, 4),
+            "frozen": round(frozen, 4),
+            "trained_over_frozen": round(trained / frozen, 4),
+        }
     return out
 
 
@@ -125,14 +151,17 @@ def code_version() -> str:
     import subprocess
 
     def git(*args: str) -> str:
-        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=os.path.dirname(__file__) or ".").stdout.strip()
+        return subprocess.run(
+            ["git", *args], capture_output=True, text=True, cwd=os.path.dirname(__file__) or "."
+        ).stdout.strip()
 
-    return git("rev-parse", "--short", "HEAD") + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+    return git("rev-parse", "--short", "HEAD") + (
+        "+changes" if git("status", "--porcelain", "--untracked-files=no") else ""
+    )
 
 
 def main() -> int:
-    from esamp.core import intervention as iv
-    from esamp.core import mixes
+    from esamp.core import intervention as iv, mixes
     from esamp.core.config import EsampConfig, SamplingConfig, make_config
     from esamp.engines.base import run
     from esamp.engines.reference import ReferenceEngine
@@ -191,8 +220,9 @@ def main() -> int:
     from esamp.core.distiller import DistillerBank
 
     cfg = engine.esamp
-    frozen = DistillerBank(engine.hidden, rank=cfg.rank, slots=cfg.slots, lr=cfg.lr, optimizer=cfg.optimizer,
-                           seed=cfg.seed)  # every slot at the initial weights the engine's slots start from
+    frozen = DistillerBank(
+        engine.hidden, rank=cfg.rank, slots=cfg.slots, lr=cfg.lr, optimizer=cfg.optimizer, seed=cfg.seed
+    )  # every slot at the initial weights the engine's slots start from
     learning: list[dict] = []
     distill = engine.steerer.distill
 
@@ -220,15 +250,27 @@ def main() -> int:
         "what": __doc__.split("\n\n")[0],
         "environment": {
             "code": code_version(),
-            "model": engine.ready.model, "engine": "reference", "device": engine.ready.device,
-            "host": f"{platform.machine()}, {os.cpu_count()} CPUs", "threads": args.threads,
-            "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                         "transformers": md.version("transformers"), "esamp": md.version("esamp")},
+            "model": engine.ready.model,
+            "engine": "reference",
+            "device": engine.ready.device,
+            "host": f"{platform.machine()}, {os.cpu_count()} CPUs",
+            "threads": args.threads,
+            "versions": {
+                "python": platform.python_version(),
+                "torch": torch.__version__,
+                "transformers": md.version("transformers"),
+                "esamp": md.version("esamp"),
+            },
         },
-        "settings": {"problems": [p.id for p in problems], "n": args.n, "max_tokens": args.max_tokens,
-                     "beta": args.beta, "sampled_with_mix": args.mix,
-                     "sampling": SamplingConfig().model_dump(include={"temperature", "top_p", "top_k", "min_p"}),
-                     "mixes": {name: mixes.MIXES[name].formula for name in names}},
+        "settings": {
+            "problems": [p.id for p in problems],
+            "n": args.n,
+            "max_tokens": args.max_tokens,
+            "beta": args.beta,
+            "sampled_with_mix": args.mix,
+            "sampling": SamplingConfig().model_dump(include={"temperature", "top_p", "top_k", "min_p"}),
+            "mixes": {name: mixes.MIXES[name].formula for name in names},
+        },
         "seconds": round(seconds, 1),
         "all_steps": summarise(rows, names),
         f"steps_below_{args.early}": summarise([r for r in rows if r["step"] < args.early], names),
@@ -239,13 +281,17 @@ def main() -> int:
         json.dump(report, fh, indent=2)
         fh.write("\n")
     s = report["all_steps"]
-    print(f"{s['rows_with_two_or_more_candidates']} of {s['rows']} rows with |C| >= 2; "
-          f"median std(d)/std(z~) {s['std_d_over_std_z'].get('median')}, range(d) wider than range(z~) in "
-          f"{s['share_range_d_wider']:.0%}; median corr(d, z~) {s['corr_d_z'].get('median')}")
+    print(
+        f"{s['rows_with_two_or_more_candidates']} of {s['rows']} rows with |C| >= 2; "
+        f"median std(d)/std(z~) {s['std_d_over_std_z'].get('median')}, range(d) wider than range(z~) in "
+        f"{s['share_range_d_wider']:.0%}; median corr(d, z~) {s['corr_d_z'].get('median')}"
+    )
     for name in names + ["calibrated"]:
-        print(f"  {name}: entropy - plain, median {s[f'entropy_{name}_minus_plain'].get('median')}, "
-              f"mean {s[f'entropy_{name}_minus_plain'].get('mean')}; flatter in {s[f'share_{name}_flatter']:.0%}, "
-              f"sharper in {s[f'share_{name}_sharper']:.0%}, argmax flips in {s[f'share_{name}_argmax_flips']:.0%}")
+        print(
+            f"  {name}: entropy - plain, median {s[f'entropy_{name}_minus_plain'].get('median')}, "
+            f"mean {s[f'entropy_{name}_minus_plain'].get('mean')}; flatter in {s[f'share_{name}_flatter']:.0%}, "
+            f"sharper in {s[f'share_{name}_sharper']:.0%}, argmax flips in {s[f'share_{name}_argmax_flips']:.0%}"
+        )
     for window, c in report["learning_control"].items():
         print(f"  {window}: error trained {c['trained']}, frozen {c['frozen']} (ratio {c['trained_over_frozen']})")
     engine.close()

@@ -71,40 +71,68 @@ def main() -> int:
     facts = launch.model_facts(resolve(args.model))
     engine = dict(facts.load, max_model_len=512, seed=0, **({} if cuda else {"enforce_eager": True}))
     work = dict(n=args.n, tokens=args.tokens, prompts=prompts(args.prompts, 16, facts.vocab_size, seed=1))
-    base_env = dict(os.environ, **({} if cuda else launch.cpu_env()), VLLM_LOGGING_LEVEL="WARNING",
-                    PYTHONUNBUFFERED="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    sides = {"installed": {k: v for k, v in base_env.items() if k != "VLLM_PLUGINS"},
-             "kept_out": dict(base_env, VLLM_PLUGINS="no-plugin")}
+    base_env = dict(
+        os.environ,
+        **({} if cuda else launch.cpu_env()),
+        VLLM_LOGGING_LEVEL="WARNING",
+        PYTHONUNBUFFERED="1",
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+    )
+    sides = {
+        "installed": {k: v for k, v in base_env.items() if k != "VLLM_PLUGINS"},
+        "kept_out": dict(base_env, VLLM_PLUGINS="no-plugin"),
+    }
     runs = []
     for t in range(args.trials):
-        for side in (("installed", "kept_out") if t % 2 == 0 else ("kept_out", "installed")):
-            done = subprocess.run([sys.executable, "-c", CHILD, json.dumps(engine), json.dumps(work)],
-                                  env=sides[side], capture_output=True, text=True, timeout=900)
+        for side in ("installed", "kept_out") if t % 2 == 0 else ("kept_out", "installed"):
+            done = subprocess.run(
+                [sys.executable, "-c", CHILD, json.dumps(engine), json.dumps(work)],
+                env=sides[side],
+                capture_output=True,
+                text=True,
+                timeout=900,
+            )
             line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
             if line is None:
                 sys.stderr.write(done.stderr[-3000:])
                 raise SystemExit(f"trial {t} ({side}) failed (rc {done.returncode})")
             runs.append(dict(json.loads(line[7:]), side=side, trial=t))
-            print(f"trial {t} {side:>9}: start {runs[-1]['start_s']:6.1f} s, {runs[-1]['tok_s']:8.1f} tok/s, "
-                  f"esamp imported: {runs[-1]['esamp_imported']}", flush=True)
+            print(
+                f"trial {t} {side:>9}: start {runs[-1]['start_s']:6.1f} s, {runs[-1]['tok_s']:8.1f} tok/s, "
+                f"esamp imported: {runs[-1]['esamp_imported']}",
+                flush=True,
+            )
 
     def per(side, key):
         return [r[key] for r in runs if r["side"] == side]
 
-    ratios = [a["tok_s"] / b["tok_s"] for a, b in zip(sorted((r for r in runs if r["side"] == "installed"),
-                                                               key=lambda r: r["trial"]),
-                                                        sorted((r for r in runs if r["side"] == "kept_out"),
-                                                               key=lambda r: r["trial"]))]
-    summary = dict(tok_s_ratio_median=round(statistics.median(ratios), 4), tok_s_ratio_min=round(min(ratios), 4),
-                   tok_s_ratio_max=round(max(ratios), 4),
-                   start_s_median={s: statistics.median(per(s, "start_s")) for s in sides},
-                   runners={s: sorted(set(map(str, per(s, "runner")))) for s in sides})
+    ratios = [
+        a["tok_s"] / b["tok_s"]
+        for a, b in zip(
+            sorted((r for r in runs if r["side"] == "installed"), key=lambda r: r["trial"]),
+            sorted((r for r in runs if r["side"] == "kept_out"), key=lambda r: r["trial"]),
+        )
+    ]
+    summary = dict(
+        tok_s_ratio_median=round(statistics.median(ratios), 4),
+        tok_s_ratio_min=round(min(ratios), 4),
+        tok_s_ratio_max=round(max(ratios), 4),
+        start_s_median={s: statistics.median(per(s, "start_s")) for s in sides},
+        runners={s: sorted(set(map(str, per(s, "runner")))) for s in sides},
+    )
     print(json.dumps(summary, indent=2))
     if args.json:
-        out = dict(command=" ".join(["python", *sys.argv]), commit=provenance.commit(), device=provenance.device(),
-                   versions=provenance.versions(), model=facts.name, workload=dict(prompts=args.prompts, n=args.n,
-                   tokens=args.tokens), summary=summary, runs=runs,
-                   time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        out = dict(
+            command=" ".join(["python", *sys.argv]),
+            commit=provenance.commit(),
+            device=provenance.device(),
+            versions=provenance.versions(),
+            model=facts.name,
+            workload=dict(prompts=args.prompts, n=args.n, tokens=args.tokens),
+            summary=summary,
+            runs=runs,
+            time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        )
         with open(args.json, "w") as fh:
             json.dump(out, fh, indent=2)
     return 0

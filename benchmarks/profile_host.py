@@ -30,10 +30,10 @@ def main() -> int:
     ap.add_argument("--side", choices=("baseline", "esamp"), default="esamp")
     args = ap.parse_args()
 
-    from esamp.commands.bench.trials import run_trial
     from esamp.commands.bench import workloads
-    from esamp.commands.bench.workloads import parse_workload
+    from esamp.commands.bench.trials import run_trial
     from esamp.commands.bench.worker_extension import BENCH_EXTENSION
+    from esamp.commands.bench.workloads import parse_workload
     from esamp.core.config import EsampConfig
     from esamp.engines.vllm.engine import VllmEngine
 
@@ -41,9 +41,16 @@ def main() -> int:
     sampling_kw = dict(temperature=0.8, top_p=0.95, min_p=0.1, top_k=0, seed=None)  # as esamp bench
     esamp = EsampConfig()
     side = args.side
-    engine = VllmEngine(model=args.model, esamp=esamp, plain=side == "baseline", ignore_eos=True,
-                        max_model_len=2048, gpu_memory_utilization=0.42, max_num_seqs=max(16, P * n),
-                        llm_kwargs={"worker_extension_cls": BENCH_EXTENSION})
+    engine = VllmEngine(
+        model=args.model,
+        esamp=esamp,
+        plain=side == "baseline",
+        ignore_eos=True,
+        max_model_len=2048,
+        gpu_memory_utilization=0.42,
+        max_num_seqs=max(16, P * n),
+        llm_kwargs={"worker_extension_cls": BENCH_EXTENSION},
+    )
     vocab = int(json.loads((engine.resolved.hf_dir() / "config.json").read_text())["vocab_size"])
     prompts = workloads.prompts(P, 32, vocab, seed=1)
     es = None if side == "baseline" else esamp.steering
@@ -60,7 +67,7 @@ def main() -> int:
     header = f"== {side} {args.workload} on {args.model}: {result['tok_s']} tok/s; counters {counters}\n"
     with open(os.path.join(args.out, f"profile-{side}.txt"), "w") as f:
         f.write(header + text.getvalue())
-    print(header + "\n".join(text.getvalue().splitlines()[:args.top + 12]), flush=True)
+    print(header + "\n".join(text.getvalue().splitlines()[: args.top + 12]), flush=True)
     engine.close()
     del engine
     return 0

@@ -55,8 +55,11 @@ def _busy(intervals: list[tuple[float, float]]) -> float:
 
 def summarize_trace(trace: dict, steps: int) -> dict:
     """Device time per kernel and the window's busy share, from a Chrome trace of the profiler."""
-    device = [e for e in trace.get("traceEvents", [])
-              if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    device = [
+        e
+        for e in trace.get("traceEvents", [])
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+    ]
     if not device:
         return dict(window=None, kernels={})
     spans = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in device]
@@ -68,9 +71,14 @@ def summarize_trace(trace: dict, steps: int) -> dict:
         k[1] += float(e.get("dur", 0))
     busy = _busy(spans)
     return dict(
-        window=dict(steps=steps, span_us=round(end - start, 1), busy_us=round(busy, 1),
-                    idle_share=round(1 - busy / max(end - start, 1e-9), 4),
-                    busy_us_per_step=round(busy / steps, 1), span_us_per_step=round((end - start) / steps, 1)),
+        window=dict(
+            steps=steps,
+            span_us=round(end - start, 1),
+            busy_us=round(busy, 1),
+            idle_share=round(1 - busy / max(end - start, 1e-9), 4),
+            busy_us_per_step=round(busy / steps, 1),
+            span_us_per_step=round((end - start) / steps, 1),
+        ),
         kernels={k: [int(v[0]), round(v[1], 1)] for k, v in sorted(kernels.items(), key=lambda kv: -kv[1][1])},
     )
 
@@ -88,9 +96,11 @@ def compare(base_path: str, esamp_path: str, top: int) -> int:
 def _compare(base: dict, esamp: dict, top: int) -> int:
     for side in (base, esamp):
         w = side["window"] or {}
-        print(f"{side['side']:>8}: step median {side['step_ms_median']:.3f} ms (steady), "
-              f"device busy {w.get('busy_us_per_step', 0) / 1e3:.3f} ms/step, "
-              f"idle {100 * w.get('idle_share', 0):.1f}% of the traced window")
+        print(
+            f"{side['side']:>8}: step median {side['step_ms_median']:.3f} ms (steady), "
+            f"device busy {w.get('busy_us_per_step', 0) / 1e3:.3f} ms/step, "
+            f"idle {100 * w.get('idle_share', 0):.1f}% of the traced window"
+        )
     nb, ne = base["window"]["steps"], esamp["window"]["steps"]
     names = set(base["kernels"]) | set(esamp["kernels"])
     rows = []
@@ -99,8 +109,10 @@ def _compare(base: dict, esamp: dict, top: int) -> int:
         ce, te = esamp["kernels"].get(name, [0, 0.0])
         rows.append((te / ne - tb / nb, ce / ne - cb / nb, name))
     rows.sort(key=lambda r: -abs(r[0]))
-    print(f"\nper step, ESamp minus baseline: {sum(r[0] for r in rows) / 1e3:+.3f} ms of kernel time, "
-          f"{sum(r[1] for r in rows):+.1f} launches")
+    print(
+        f"\nper step, ESamp minus baseline: {sum(r[0] for r in rows) / 1e3:+.3f} ms of kernel time, "
+        f"{sum(r[1] for r in rows):+.1f} launches"
+    )
     print(f"{'Δ us/step':>10} {'Δ launches':>10}  kernel")
     for dt, dc, name in rows[:top]:
         print(f"{dt:>10.1f} {dc:>10.1f}  {name[:110]}")
@@ -111,19 +123,39 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen2.5-7b:dummy")
     ap.add_argument("--workload", default="32xn8x256")
-    ap.add_argument("--side", choices=("baseline", "floor", "esamp"), default="esamp",
-                    help="floor: the ESamp engine with ESamp off on every request")
+    ap.add_argument(
+        "--side",
+        choices=("baseline", "floor", "esamp"),
+        default="esamp",
+        help="floor: the ESamp engine with ESamp off on every request",
+    )
     ap.add_argument("--steps", type=int, default=8, help="engine steps to trace")
-    ap.add_argument("--skip", type=int, default=0,
-                    help="engine steps of the timed trial before tracing (default: a third of its tokens)")
+    ap.add_argument(
+        "--skip",
+        type=int,
+        default=0,
+        help="engine steps of the timed trial before tracing (default: a third of its tokens)",
+    )
     ap.add_argument("--out", default=".")
     ap.add_argument("--top", type=int, default=40)
-    ap.add_argument("--seed", type=int, default=None,
-                    help="per-request sampling seeds, as esamp bench --seed (the committed profiles used 0)")
-    ap.add_argument("--logits", choices=("flat", "realistic"), default="flat",
-                    help="realistic: the head rescaled as esamp bench --logits realistic (simulated profile)")
-    ap.add_argument("--tensor-parallel-size", type=int, default=1,
-                    help="workers per engine; above 1 each rank is traced by vLLM's profiler")
+    ap.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="per-request sampling seeds, as esamp bench --seed (the committed profiles used 0)",
+    )
+    ap.add_argument(
+        "--logits",
+        choices=("flat", "realistic"),
+        default="flat",
+        help="realistic: the head rescaled as esamp bench --logits realistic (simulated profile)",
+    )
+    ap.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="workers per engine; above 1 each rank is traced by vLLM's profiler",
+    )
     ap.add_argument("--compare", nargs=2, metavar=("BASE", "ESAMP"))
     args = ap.parse_args()
     if args.compare:
@@ -132,17 +164,18 @@ def main() -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from esamp.commands.bench.trials import run_trial
     from esamp.commands.bench import workloads
-    from esamp.commands.bench.workloads import parse_workload
+    from esamp.commands.bench.trials import run_trial
     from esamp.commands.bench.worker_extension import BENCH_EXTENSION
+    from esamp.commands.bench.workloads import parse_workload
     from esamp.core.config import EsampConfig
     from esamp.engines.vllm.engine import VllmEngine
 
     preset = workloads.PRESETS.get(args.workload, {}) if args.workload != "default" else {}
     P, n, L = parse_workload(preset["workloads"][0] if preset else args.workload)
-    sampling_kw = dict(dict(temperature=0.8, top_p=0.95, min_p=0.1, top_k=0), **preset.get("sampling", {}),
-                       seed=args.seed)
+    sampling_kw = dict(
+        dict(temperature=0.8, top_p=0.95, min_p=0.1, top_k=0), **preset.get("sampling", {}), seed=args.seed
+    )
     esamp = EsampConfig()
     es = esamp.steering.model_copy(update={"enabled": args.side == "esamp", **preset.get("steering", {})})
     tp = args.tensor_parallel_size
@@ -150,11 +183,22 @@ def main() -> int:
     trace_dir = os.path.abspath(os.path.join(args.out, f"traces-{args.side}-{args.workload}-tp{tp}"))
     if tp > 1:
         os.makedirs(trace_dir, exist_ok=True)
-        llm_kwargs["profiler_config"] = {"profiler": "torch", "torch_profiler_dir": trace_dir,
-                                         "torch_profiler_with_stack": False}
-    engine = VllmEngine(model=args.model, esamp=esamp, plain=args.side == "baseline", ignore_eos=True,
-                        max_model_len=2048, gpu_memory_utilization=0.42, max_num_seqs=max(16, P * n),
-                        tensor_parallel_size=tp, llm_kwargs=llm_kwargs)
+        llm_kwargs["profiler_config"] = {
+            "profiler": "torch",
+            "torch_profiler_dir": trace_dir,
+            "torch_profiler_with_stack": False,
+        }
+    engine = VllmEngine(
+        model=args.model,
+        esamp=esamp,
+        plain=args.side == "baseline",
+        ignore_eos=True,
+        max_model_len=2048,
+        gpu_memory_utilization=0.42,
+        max_num_seqs=max(16, P * n),
+        tensor_parallel_size=tp,
+        llm_kwargs=llm_kwargs,
+    )
     vocab = int(json.loads((engine.resolved.hf_dir() / "config.json").read_text())["vocab_size"])
     if args.logits == "realistic":
         from esamp.commands.bench.calibrate import REAL_MODEL, calibrate_head, head_sigma
@@ -201,22 +245,36 @@ def main() -> int:
     prof = state["prof"]
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"steps-{args.side}-{args.workload}-{args.logits}")
-    summary = dict(side=args.side, model=args.model, workload=args.workload, tok_s=result["tok_s"],
-                   tensor_parallel_size=tp, ttft_ms=result.get("ttft_ms"),
-                   step_ms=[round(1e3 * w, 3) for w in walls],
-                   step_ms_median=round(1e3 * statistics.median(walls[skip:skip + 4 * args.steps] or walls), 3),
-                   counters=engine.drain().get("counters", {}), window=None, kernels={})
+    summary = dict(
+        side=args.side,
+        model=args.model,
+        workload=args.workload,
+        tok_s=result["tok_s"],
+        tensor_parallel_size=tp,
+        ttft_ms=result.get("ttft_ms"),
+        step_ms=[round(1e3 * w, 3) for w in walls],
+        step_ms_median=round(1e3 * statistics.median(walls[skip : skip + 4 * args.steps] or walls), 3),
+        counters=engine.drain().get("counters", {}),
+        window=None,
+        kernels={},
+    )
     if tp > 1:
         # Every rank's counters (the processor's host time per rank), then every rank's trace.
-        per_rank = [] if args.side == "baseline" else [
-            answer.get("counters", {}) for answer in engine.workers("esamp_drain", [], [], False)]
+        per_rank = (
+            []
+            if args.side == "baseline"
+            else [answer.get("counters", {}) for answer in engine.workers("esamp_drain", [], [], False)]
+        )
         ranks = []
         for path in sorted(glob.glob(os.path.join(trace_dir, "*.json*"))):
             opener = gzip.open if path.endswith(".gz") else open
             with opener(path, "rt") as f:
                 trace = json.load(f)
-            rank = int(re.search(r"tp(\d+)", os.path.basename(path)).group(1)) if re.search(
-                r"tp(\d+)", os.path.basename(path)) else len(ranks)
+            rank = (
+                int(re.search(r"tp(\d+)", os.path.basename(path)).group(1))
+                if re.search(r"tp(\d+)", os.path.basename(path))
+                else len(ranks)
+            )
             ranks.append(dict(rank=rank, trace=os.path.basename(path), **summarize_trace(trace, args.steps)))
         ranks.sort(key=lambda r: r["rank"])
         for r in ranks:
@@ -236,16 +294,21 @@ def main() -> int:
     with open(stem + ".json", "w") as f:
         json.dump(summary, f, indent=1)
     w = summary["window"] or {}
-    print(f"== {args.side} {args.workload} on {args.model}: {result['tok_s']} tok/s, steady step "
-          f"{summary['step_ms_median']} ms, device busy {w.get('busy_us_per_step')} us/step, "
-          f"idle {w.get('idle_share')}; counters {summary['counters']}", flush=True)
+    print(
+        f"== {args.side} {args.workload} on {args.model}: {result['tok_s']} tok/s, steady step "
+        f"{summary['step_ms_median']} ms, device busy {w.get('busy_us_per_step')} us/step, "
+        f"idle {w.get('idle_share')}; counters {summary['counters']}",
+        flush=True,
+    )
     for r in summary.get("ranks") or [dict(rank=0, window=summary["window"], kernels=summary["kernels"])]:
         if tp > 1:
             rw, c = r["window"] or {}, r.get("counters", {})
-            print(f"-- rank {r['rank']}: device busy {rw.get('busy_us_per_step')} us/step, idle {rw.get('idle_share')}; "
-                  f"host_ms {c.get('host_ms')}, replay_host_ms {c.get('replay_host_ms')}, replay_steps "
-                  f"{c.get('replay_steps')}, plan_builds {c.get('plan_builds')}")
-        for name, (count, us) in list(r["kernels"].items())[:args.top]:
+            print(
+                f"-- rank {r['rank']}: device busy {rw.get('busy_us_per_step')} us/step, idle {rw.get('idle_share')}; "
+                f"host_ms {c.get('host_ms')}, replay_host_ms {c.get('replay_host_ms')}, replay_steps "
+                f"{c.get('replay_steps')}, plan_builds {c.get('plan_builds')}"
+            )
+        for name, (count, us) in list(r["kernels"].items())[: args.top]:
             print(f"{us / args.steps:>9.1f} us/step {count / args.steps:>6.1f}x  {name[:100]}")
     engine.close()
     return 0

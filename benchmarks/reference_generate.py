@@ -33,8 +33,10 @@ PROMPTS = [
 
 def start_time(cache_dir: str) -> float:
     """Seconds from process start to a loaded engine, in a fresh interpreter."""
-    code = ("import time; t=time.perf_counter(); from esamp.engines.reference import ReferenceEngine; "
-            "ReferenceEngine(); print(time.perf_counter()-t)")
+    code = (
+        "import time; t=time.perf_counter(); from esamp.engines.reference import ReferenceEngine; "
+        "ReferenceEngine(); print(time.perf_counter()-t)"
+    )
     env = {**os.environ, "ESAMP_CACHE_DIR": cache_dir}
     t0 = time.perf_counter()
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
@@ -63,22 +65,36 @@ def main() -> None:
         for arm in order:
             prompt = PROMPTS[trial % len(PROMPTS)]
             t0 = time.perf_counter()
-            tokens = sum(ev.type == "token" for ev in run(engine, prompt, sampling.model_copy(update={"seed": trial}), arms[arm]))
+            tokens = sum(
+                ev.type == "token" for ev in run(engine, prompt, sampling.model_copy(update={"seed": trial}), arms[arm])
+            )
             rates[arm].append(tokens / (time.perf_counter() - t0))
             print(f"trial {trial} {arm:>3}: {rates[arm][-1]:.1f} tok/s ({tokens} tokens)", flush=True)
     ratios = [on / off for on, off in zip(rates["on"], rates["off"])]
     result = {
         "command": "python benchmarks/reference_generate.py " + " ".join(sys.argv[1:]),
         "workload": f"n={args.n} x {args.max_tokens} tokens, ignore_eos, 2 prompts alternating",
-        "device": f"CPU ({platform.processor() or platform.machine()}), {os.cpu_count()} cores, torch threads {torch.get_num_threads()}",
-        "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__,
-                     "python": platform.python_version()},
+        "device": f"CPU ({platform.processor() or platform.machine()}), {os.cpu_count()} cores, "
+        f"torch threads {torch.get_num_threads()}",
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": __import__("transformers").__version__,
+            "python": platform.python_version(),
+        },
         "tok_per_s": rates,
         "median_tok_per_s": {k: statistics.median(v) for k, v in rates.items()},
-        "ratio_on_over_off": {"per_trial": ratios, "median": statistics.median(ratios),
-                              "min": min(ratios), "max": max(ratios)},
-        "start_seconds": {"cold_process": cold_wall, "cold_engine": cold_load,
-                          "warm_process": warm_wall, "warm_engine": warm_load},
+        "ratio_on_over_off": {
+            "per_trial": ratios,
+            "median": statistics.median(ratios),
+            "min": min(ratios),
+            "max": max(ratios),
+        },
+        "start_seconds": {
+            "cold_process": cold_wall,
+            "cold_engine": cold_load,
+            "warm_process": warm_wall,
+            "warm_engine": warm_load,
+        },
     }
     print(json.dumps({k: result[k] for k in ("median_tok_per_s", "ratio_on_over_off", "start_seconds")}, indent=1))
     if args.out:

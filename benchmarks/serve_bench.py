@@ -53,9 +53,13 @@ from esamp.platform import http_client  # noqa: E402
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default="qwen2.5-7b:dummy", help="what esamp serve takes (default: %(default)s)")
-    p.add_argument("--workloads", default="16x64,32xn8x256", help="PxL or PxnNxL, comma-separated (default: %(default)s)")
+    p.add_argument(
+        "--workloads", default="16x64,32xn8x256", help="PxL or PxnNxL, comma-separated (default: %(default)s)"
+    )
     p.add_argument("--trials", type=int, default=3, help="timed rounds (one trial per server each)")
     p.add_argument("--prompt-len", type=int, default=32, help="prompt length in tokens")
     p.add_argument("--data-parallel-size", type=int, default=1, help="data-parallel ranks of each server")
@@ -81,15 +85,17 @@ def parse_args(argv=None):
 class Server:
     """A server this script started (its own process group) or one it was pointed at."""
 
-    def __init__(self, name: str, url: str, command: list[str] | None = None, env: dict | None = None,
-                 log: Path | None = None) -> None:
+    def __init__(
+        self, name: str, url: str, command: list[str] | None = None, env: dict | None = None, log: Path | None = None
+    ) -> None:
         self.name, self.url, self.command, self.log = name, url, command, log
         self.proc = None
         self.start_seconds = None
         if command is not None:
             self.t0 = time.monotonic()
-            self.proc = subprocess.Popen(command, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                                         start_new_session=True, cwd=ROOT)
+            self.proc = subprocess.Popen(
+                command, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT
+            )
 
     def wait(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -124,9 +130,20 @@ class Server:
 
 def common_options(args, served_name: str) -> list[str]:
     """The vLLM options both servers get."""
-    out = ["--host", "127.0.0.1", "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len),
-           "--data-parallel-size", str(args.data_parallel_size), "--served-model-name", served_name,
-           "--generation-config", "vllm"]
+    out = [
+        "--host",
+        "127.0.0.1",
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-model-len",
+        str(args.max_model_len),
+        "--data-parallel-size",
+        str(args.data_parallel_size),
+        "--served-model-name",
+        served_name,
+        "--generation-config",
+        "vllm",
+    ]
     from esamp.platform.devices import cuda_available
 
     if cuda_available():
@@ -135,8 +152,8 @@ def common_options(args, served_name: str) -> list[str]:
 
 
 def start_servers(args, log_dir: Path) -> tuple[Server, Server]:
-    from esamp.engines.models import resolve
     from esamp.commands.serve import launcher  # the launcher esamp serve itself uses
+    from esamp.engines.models import resolve
 
     resolved = resolve(args.model)
     name = resolved.name
@@ -156,8 +173,19 @@ def start_servers(args, log_dir: Path) -> tuple[Server, Server]:
         plain += ["--enforce-eager"]
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    esamp = [sys.executable, "-m", "esamp", "serve", args.model, "--slots", str(args.max_num_seqs), *common,
-             "--port", str(args.port + 1), *shlex.split(args.esamp_args)]
+    esamp = [
+        sys.executable,
+        "-m",
+        "esamp",
+        "serve",
+        args.model,
+        "--slots",
+        str(args.max_num_seqs),
+        *common,
+        "--port",
+        str(args.port + 1),
+        *shlex.split(args.esamp_args),
+    ]
     # One after the other: each measures the GPU memory it may take while the other holds its own.
     baseline = Server("plain", f"http://127.0.0.1:{args.port}", plain, env, log_dir / "plain.log")
     baseline.wait(args.startup_timeout)
@@ -180,22 +208,41 @@ async def post(url: str, path: str, body: dict, timeout: float) -> dict:
     parts = urlsplit(url)
     key = os.environ.get(API_KEY_ENV)
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
-    status, payload = await http_client.request(parts.hostname, parts.port or 80, path, method="POST",
-                                                headers=headers, body=json.dumps(body).encode(), timeout=timeout)
+    status, payload = await http_client.request(
+        parts.hostname,
+        parts.port or 80,
+        path,
+        method="POST",
+        headers=headers,
+        body=json.dumps(body).encode(),
+        timeout=timeout,
+    )
     if status != 200:
         raise RuntimeError(f"{path}: HTTP {status}: {payload[:500].decode(errors='replace')}")
     return json.loads(payload)
 
 
-async def trial(url: str, model: str, prompts: list[list[int]], n: int, tokens: int, seed: int | None,
-                timeout: float) -> dict:
+async def trial(
+    url: str, model: str, prompts: list[list[int]], n: int, tokens: int, seed: int | None, timeout: float
+) -> dict:
     """Every prompt at once; tokens per second from the first request to the last answer."""
     filters = Filters().model_dump(include={"temperature", "top_p", "min_p"})
-    bodies = [dict(model=model, prompt=p, n=n, max_tokens=tokens, ignore_eos=True, **filters,
-                   **({"seed": seed + k} if seed is not None else {})) for k, p in enumerate(prompts)]
+    bodies = [
+        dict(
+            model=model,
+            prompt=p,
+            n=n,
+            max_tokens=tokens,
+            ignore_eos=True,
+            **filters,
+            **({"seed": seed + k} if seed is not None else {}),
+        )
+        for k, p in enumerate(prompts)
+    ]
     t0 = time.perf_counter()
-    replies = await asyncio.wait_for(asyncio.gather(*(post(url, "/v1/completions", b, timeout) for b in bodies)),
-                                     timeout)
+    replies = await asyncio.wait_for(
+        asyncio.gather(*(post(url, "/v1/completions", b, timeout) for b in bodies)), timeout
+    )
     seconds = time.perf_counter() - t0
     generated = sum(r["usage"]["completion_tokens"] for r in replies)
     expected = len(prompts) * n * tokens
@@ -265,13 +312,28 @@ def run(args) -> dict:
         vocab = _vocab(args.model)
         result = {
             "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
-            "commit": commit(), "device": device(), "versions": versions(), "model": args.model,
-            "data_parallel_size": config["ranks"], "max_num_seqs": args.max_num_seqs, "esamp": config["esamp"],
-            "servers": {s.name: {"url": s.url, "command": shlex.join(s.command) if s.command else None,
-                                 "start_seconds": s.start_seconds} for s in (baseline, served)},
-            "filters": Filters().model_dump(include={"temperature", "top_p", "min_p"}), "seed": args.seed,
-            "environment": {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "VLLM_CPU_KVCACHE_SPACE",
-                                                       "CUDA_VISIBLE_DEVICES") if k in os.environ},
+            "commit": commit(),
+            "device": device(),
+            "versions": versions(),
+            "model": args.model,
+            "data_parallel_size": config["ranks"],
+            "max_num_seqs": args.max_num_seqs,
+            "esamp": config["esamp"],
+            "servers": {
+                s.name: {
+                    "url": s.url,
+                    "command": shlex.join(s.command) if s.command else None,
+                    "start_seconds": s.start_seconds,
+                }
+                for s in (baseline, served)
+            },
+            "filters": Filters().model_dump(include={"temperature", "top_p", "min_p"}),
+            "seed": args.seed,
+            "environment": {
+                k: os.environ[k]
+                for k in ("OMP_WAIT_POLICY", "VLLM_CPU_KVCACHE_SPACE", "CUDA_VISIBLE_DEVICES")
+                if k in os.environ
+            },
             "workloads": [],
         }
         for P, n, L in workloads:
@@ -290,24 +352,38 @@ def run(args) -> dict:
                         after = esamp_counters(served.url)
                         got["port_hits_by_rank"] = {
                             r: after["esamp_port_hits_total"].get(r, 0) - before["esamp_port_hits_total"].get(r, 0)
-                            for r in after.get("esamp_port_hits_total", {})}
-                        got["bank_full"] = sum(after.get("esamp_bank_full_total", {}).values()) - \
-                            sum(before.get("esamp_bank_full_total", {}).values())
+                            for r in after.get("esamp_port_hits_total", {})
+                        }
+                        got["bank_full"] = sum(after.get("esamp_bank_full_total", {}).values()) - sum(
+                            before.get("esamp_bank_full_total", {}).values()
+                        )
                     trials.append(got)
-                    print(f"{name:<12} round {round_} {server.name:<6} {got['tok_s']:>10.1f} tok/s"
-                          + (f"  steered {got['port_hits_by_rank']}" if "port_hits_by_rank" in got else ""),
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"{name:<12} round {round_} {server.name:<6} {got['tok_s']:>10.1f} tok/s"
+                        + (f"  steered {got['port_hits_by_rank']}" if "port_hits_by_rank" in got else ""),
+                        file=sys.stderr,
+                        flush=True,
+                    )
             ratios = []
             for round_ in range(args.trials):
                 side = {t["side"]: t["tok_s"] for t in trials if t["round"] == round_}
                 ratios.append(side["esamp"] / side["plain"])
-            result["workloads"].append({
-                "name": name, "prompts": P, "n": n, "tokens": L, "trials": trials,
-                "plain_tok_s": statistics.median(t["tok_s"] for t in trials if t["side"] == "plain"),
-                "esamp_tok_s": statistics.median(t["tok_s"] for t in trials if t["side"] == "esamp"),
-                "ratio": {"median": round(statistics.median(ratios), 4), "min": round(min(ratios), 4),
-                          "max": round(max(ratios), 4)},
-            })
+            result["workloads"].append(
+                {
+                    "name": name,
+                    "prompts": P,
+                    "n": n,
+                    "tokens": L,
+                    "trials": trials,
+                    "plain_tok_s": statistics.median(t["tok_s"] for t in trials if t["side"] == "plain"),
+                    "esamp_tok_s": statistics.median(t["tok_s"] for t in trials if t["side"] == "esamp"),
+                    "ratio": {
+                        "median": round(statistics.median(ratios), 4),
+                        "min": round(min(ratios), 4),
+                        "max": round(max(ratios), 4),
+                    },
+                }
+            )
         return result
     finally:
         for server in started:
@@ -327,10 +403,17 @@ def main(argv=None) -> int:
     result = run(args)
     for w in result["workloads"]:
         r = w["ratio"]
-        print(f"{w['name']:<12} plain {w['plain_tok_s']:>10.1f} tok/s  esamp {w['esamp_tok_s']:>10.1f} tok/s  "
-              f"ratio {r['median']:.3f} ({r['min']:.3f}..{r['max']:.3f})")
-    path = Path(args.json_path or ROOT / "benchmarks" / "results" /
-                f"serve-{args.model.replace(':', '-')}-dp{result['data_parallel_size']}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+        print(
+            f"{w['name']:<12} plain {w['plain_tok_s']:>10.1f} tok/s  esamp {w['esamp_tok_s']:>10.1f} tok/s  "
+            f"ratio {r['median']:.3f} ({r['min']:.3f}..{r['max']:.3f})"
+        )
+    path = Path(
+        args.json_path
+        or ROOT
+        / "benchmarks"
+        / "results"
+        / f"serve-{args.model.replace(':', '-')}-dp{result['data_parallel_size']}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {path}", file=sys.stderr)

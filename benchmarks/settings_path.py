@@ -8,9 +8,9 @@ work between them (building ``SamplingParams``, the msgspec hop) is not timed.
     PYTHONPATH=. python benchmarks/settings_path.py [--repeat 1000] [--rounds 9]
 
 Prints, per body, microseconds per request for each piece (this thread's CPU time, the best of
-``--rounds`` rounds: other processes on a busy machine only add) and the number of ``payload.decode`` calls in the API server and in the engine
-core. To compare with an older commit: ``git archive OLD esamp | tar -x -C /tmp/old`` and run this
-script with ``PYTHONPATH=/tmp/old``.
+``--rounds`` rounds: other processes on a busy machine only add) and the number of
+``payload.decode`` calls in the API server and in the engine core. To compare with an older
+commit: ``git archive OLD esamp | tar -x -C /tmp/old`` and run this script with ``PYTHONPATH=/tmp/old``.
 """
 
 from __future__ import annotations
@@ -22,11 +22,25 @@ import time
 
 BODIES = {
     "n=1, no xargs": {"model": "m", "prompt": "Hello", "max_tokens": 16},
-    "n=1, beta+mix": {"model": "m", "prompt": "Hello", "max_tokens": 16, "temperature": 0.7, "top_p": 0.9,
-                      "vllm_xargs": {"esamp_beta": 1.2, "esamp_mix": "paper"}},
-    "n=8, seed, beta+records": {"model": "m", "prompt": "Hello", "max_tokens": 16, "n": 8, "seed": 5,
-                                "temperature": 0.8, "top_p": 0.95, "min_p": 0.1,
-                                "vllm_xargs": {"esamp_beta": 0.8, "esamp_records": "on"}},
+    "n=1, beta+mix": {
+        "model": "m",
+        "prompt": "Hello",
+        "max_tokens": 16,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "vllm_xargs": {"esamp_beta": 1.2, "esamp_mix": "paper"},
+    },
+    "n=8, seed, beta+records": {
+        "model": "m",
+        "prompt": "Hello",
+        "max_tokens": 16,
+        "n": 8,
+        "seed": 5,
+        "temperature": 0.8,
+        "top_p": 0.95,
+        "min_p": 0.1,
+        "vllm_xargs": {"esamp_beta": 0.8, "esamp_records": "on"},
+    },
 }
 
 
@@ -72,17 +86,23 @@ def main() -> int:
                 issued = es.ISSUED.issue(admission.settings) if holds else es.ISSUED.issue()
                 request["vllm_xargs"] = {**(request.get("vllm_xargs") or {}), pl.ROUTE_KEYS["group"]: issued.ticket}
                 t1 = time.thread_time()
-                params = SamplingParams(n=request.get("n", 1), seed=request.get("seed"),  # vLLM's (not timed)
-                                        temperature=request.get("temperature", 1.0), top_p=request.get("top_p", 1.0),
-                                        min_p=request.get("min_p", 0.0), max_tokens=16,
-                                        extra_args=dict(request["vllm_xargs"]))
+                params = SamplingParams(
+                    n=request.get("n", 1),
+                    seed=request.get("seed"),  # vLLM's (not timed)
+                    temperature=request.get("temperature", 1.0),
+                    top_p=request.get("top_p", 1.0),
+                    min_p=request.get("min_p", 0.0),
+                    max_tokens=16,
+                    extra_args=dict(request["vllm_xargs"]),
+                )
                 t2 = time.thread_time()
                 es.prepare(params)  # vLLM's validate_params
                 t3 = time.thread_time()
                 server = calls["n"]
                 # the engine core: n children, each with its own copy of the payload (msgspec), seed + i
-                children = [(dict(params.extra_args), None if params.seed is None else params.seed + i)
-                            for i in range(params.n)]
+                children = [
+                    (dict(params.extra_args), None if params.seed is None else params.seed + i) for i in range(params.n)
+                ]
                 groups = Groups(None)
                 t4 = time.thread_time()
                 for extra, seed in children:
@@ -97,7 +117,10 @@ def main() -> int:
         med = [min(r[i] for r in rounds) / args.repeat * 1e6 for i in range(3)]
         n = rounds[-1][4]
         total = med[0] + med[1] + n * med[2]
-        print(f"{name:26} {med[0]:8.1f} {med[1]:8.1f} {med[2]:10.1f} {total:8.1f}   {rounds[-1][3][0]}, {rounds[-1][3][1]}")
+        print(
+            f"{name:26} {med[0]:8.1f} {med[1]:8.1f} {med[2]:10.1f} {total:8.1f}   "
+            f"{rounds[-1][3][0]}, {rounds[-1][3][1]}"
+        )
     print("µs per request (row: per child; total: admit + prepare + n rows)")
     return 0
 

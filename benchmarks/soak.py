@@ -59,8 +59,16 @@ def _finish(engine, keys: list[str], abort_first: set[str], n: int) -> list[str]
     return problems
 
 
-def soak(groups: int, n: int, tokens: int, abort_every: int, overlap_every: int, checkpoint: int,
-         threads: int | None, chat: bool = True) -> dict:
+def soak(
+    groups: int,
+    n: int,
+    tokens: int,
+    abort_every: int,
+    overlap_every: int,
+    checkpoint: int,
+    threads: int | None,
+    chat: bool = True,
+) -> dict:
     from esamp.core.config import EsampConfig, SamplingConfig
     from esamp.engines.reference import ReferenceEngine
 
@@ -81,20 +89,36 @@ def soak(groups: int, n: int, tokens: int, abort_every: int, overlap_every: int,
         problems += _finish(engine, keys, abort_first, n)
         i += len(batch)
         if i % checkpoint < len(batch) or i >= groups:
-            checkpoints.append(dict(
-                groups=i, seconds=round(time.perf_counter() - started, 1), rss_mb=round(_rss_mb(), 1),
-                free_slots=engine.bank.free_slots, slots=engine.bank.capacity,
-                held_groups=len(engine.groups), normaliser_groups=len(engine.normalizer._stats)))
+            checkpoints.append(
+                dict(
+                    groups=i,
+                    seconds=round(time.perf_counter() - started, 1),
+                    rss_mb=round(_rss_mb(), 1),
+                    free_slots=engine.bank.free_slots,
+                    slots=engine.bank.capacity,
+                    held_groups=len(engine.groups),
+                    normaliser_groups=len(engine.normalizer._stats),
+                )
+            )
     engine.close()
     warm = next((c for c in checkpoints if c["groups"] >= max(checkpoint, groups // 10)), checkpoints[0])
     last = checkpoints[-1]
     return dict(
-        groups=groups, n=n, tokens=tokens, chat=chat, abort_every=abort_every, overlap_every=overlap_every,
+        groups=groups,
+        n=n,
+        tokens=tokens,
+        chat=chat,
+        abort_every=abort_every,
+        overlap_every=overlap_every,
         seconds=round(time.perf_counter() - started, 1),
-        rss_growth_mb=round(last["rss_mb"] - warm["rss_mb"], 1), rss_from_groups=warm["groups"],
-        all_slots_back=all(c["free_slots"] == c["slots"] and c["held_groups"] == 0
-                           and c["normaliser_groups"] == 0 for c in checkpoints),
-        problems=problems[:20], checkpoints=checkpoints)
+        rss_growth_mb=round(last["rss_mb"] - warm["rss_mb"], 1),
+        rss_from_groups=warm["groups"],
+        all_slots_back=all(
+            c["free_slots"] == c["slots"] and c["held_groups"] == 0 and c["normaliser_groups"] == 0 for c in checkpoints
+        ),
+        problems=problems[:20],
+        checkpoints=checkpoints,
+    )
 
 
 def main() -> None:
@@ -109,19 +133,36 @@ def main() -> None:
     ap.add_argument("--raw", action="store_true", help="prompts without the chat template (shorter prefill)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    result = soak(args.groups, args.n, args.tokens, args.abort_every, args.overlap_every, args.checkpoint,
-                  args.threads, chat=not args.raw)
+    result = soak(
+        args.groups,
+        args.n,
+        args.tokens,
+        args.abort_every,
+        args.overlap_every,
+        args.checkpoint,
+        args.threads,
+        chat=not args.raw,
+    )
     import torch
 
-    result = {"command": "python benchmarks/soak.py " + " ".join(sys.argv[1:]),
-              "device": f"CPU ({platform.machine()}), torch threads {torch.get_num_threads()}",
-              "versions": {"torch": torch.__version__, "python": platform.python_version()},
-              "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **result}
+    result = {
+        "command": "python benchmarks/soak.py " + " ".join(sys.argv[1:]),
+        "device": f"CPU ({platform.machine()}), torch threads {torch.get_num_threads()}",
+        "versions": {"torch": torch.__version__, "python": platform.python_version()},
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **result,
+    }
     text = json.dumps(result, indent=1)
     if args.out:
         Path(args.out).write_text(text + "\n")
-    print(json.dumps({k: result[k] for k in ("groups", "seconds", "rss_growth_mb", "rss_from_groups",
-                                              "all_slots_back", "problems")}))
+    print(
+        json.dumps(
+            {
+                k: result[k]
+                for k in ("groups", "seconds", "rss_growth_mb", "rss_from_groups", "all_slots_back", "problems")
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -48,15 +48,20 @@ def main() -> int:
             a, b = torch.full((rows,), 1.8, device=dev), torch.full((rows,), 0.8, device=dev)
             z = base.clone()
 
-            def step():
+            def step(z=z, base=base, index=index, T=T, mp=mp, tp=tp, a=a, b=b, d=d):
                 z.copy_(base)
                 tf.launch(z, index, T, mp, tp, a, b, d, work)
 
-            copy_ms = triton.testing.do_bench(lambda: z.copy_(base), return_mode="median")
+            copy_ms = triton.testing.do_bench(lambda z=z, base=base: z.copy_(base), return_mode="median")
             ms = triton.testing.do_bench(step, return_mode="median") - copy_ms
             counts = tf.launch(base.clone(), index, T, mp, tp, a, b, d, work).float()
-            out["filter"].append(dict(rows=rows, logits=kind, us=round(1e3 * ms, 1), mean_candidates=round(float(counts.mean()), 1)))
-            print(f"filter+mix {kind:>9} rows {rows:>4}: {1e3 * ms:8.1f} us  (mean |C| {float(counts.mean()):.1f})", flush=True)
+            out["filter"].append(
+                dict(rows=rows, logits=kind, us=round(1e3 * ms, 1), mean_candidates=round(float(counts.mean()), 1))
+            )
+            print(
+                f"filter+mix {kind:>9} rows {rows:>4}: {1e3 * ms:8.1f} us  (mean |C| {float(counts.mean()):.1f})",
+                flush=True,
+            )
     for rows in args.rows:
         for n in args.group_size:
             if n > rows:
@@ -66,15 +71,22 @@ def main() -> int:
             for u in range(units):
                 bank.allocate(f"g{u}")
             buffers = PlanBuffers(rows, units=64 if units <= 64 else units, width=64, device=dev, scratch=bank.scratch)
-            plan = StepPlan.build([SteeredRow(u, Steering(), Filters()) for u in range(units) for _ in range(n)],
-                                  dev, index=list(range(rows)), buffers=buffers)
+            plan = StepPlan.build(
+                [SteeredRow(u, Steering(), Filters()) for u in range(units) for _ in range(n)],
+                dev,
+                index=list(range(rows)),
+                buffers=buffers,
+            )
             steerer = Steerer(bank, graphs=GraphCache(after=0, in_place=True, shared_pool=True))
             taps = torch.randn(rows + 1, 2 * H, device=dev, dtype=torch.bfloat16)
             taps[rows:] = 0
             x, y = taps[:, :H], taps[:, H:]
             for _ in range(3):
                 steerer.distill(plan, x, y, None, torch.bfloat16)
-            ms = triton.testing.do_bench(lambda: steerer.distill(plan, x, y, None, torch.bfloat16), return_mode="median")
+            ms = triton.testing.do_bench(
+                lambda steerer=steerer, plan=plan, x=x, y=y: steerer.distill(plan, x, y, None, torch.bfloat16),
+                return_mode="median",
+            )
             out["distill"].append(dict(rows=rows, group_size=n, shape=list(plan.layout.shape), us=round(1e3 * ms, 1)))
             print(f"distiller step rows {rows:>4} x n={n:<3} block {plan.layout.shape}: {1e3 * ms:8.1f} us", flush=True)
     if args.json:

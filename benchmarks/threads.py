@@ -81,13 +81,26 @@ def child(threads: int, trials: int, n: int, max_tokens: int, forever: bool, bud
     started = time.perf_counter()
     for trial in range(trials):
         c0, s0, t0 = time.process_time(), _busy_cores(), time.perf_counter()
-        tokens = sum(ev.type == "token" for ev in run(engine, PROMPT, sampling.model_copy(update={"seed": trial}), esamp.steering))
+        tokens = sum(
+            ev.type == "token"
+            for ev in run(engine, PROMPT, sampling.model_copy(update={"seed": trial}), esamp.steering)
+        )
         wall = time.perf_counter() - t0
         own = time.process_time() - c0
         rest = max(_busy_cores() - s0 - own, 0.0)
-        print(json.dumps({"trial": trial, "tokens": tokens, "seconds": round(wall, 3),
-                          "tok_s": round(tokens / wall, 2), "own_cores": round(own / wall, 2),
-                          "rest_cores": round(rest / wall, 2)}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "trial": trial,
+                    "tokens": tokens,
+                    "seconds": round(wall, 3),
+                    "tok_s": round(tokens / wall, 2),
+                    "own_cores": round(own / wall, 2),
+                    "rest_cores": round(rest / wall, 2),
+                }
+            ),
+            flush=True,
+        )
         if time.perf_counter() - started > budget_s:
             break  # a collapsed configuration: its first trials say enough
 
@@ -96,8 +109,7 @@ def child(threads: int, trials: int, n: int, max_tokens: int, forever: bool, bud
 
 
 def _spawn(args: list[str], env: dict) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, *args], env=env, stdout=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    return subprocess.Popen([sys.executable, *args], env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)
 
 
 def _stop(proc: subprocess.Popen | None) -> None:
@@ -111,8 +123,20 @@ def _start_load(load: str, threads: int, policy: str, args) -> subprocess.Popen 
         return None
     if load == "busy":
         return _spawn(["-c", "while True: pass"], _env("default"))
-    proc = _spawn([__file__, "--child", "--forever", "--threads", str(threads), "-n", str(args.n),
-                   "--max-tokens", str(args.max_tokens)], _env(policy))
+    proc = _spawn(
+        [
+            __file__,
+            "--child",
+            "--forever",
+            "--threads",
+            str(threads),
+            "-n",
+            str(args.n),
+            "--max-tokens",
+            str(args.max_tokens),
+        ],
+        _env(policy),
+    )
     line = proc.stdout.readline()  # wait until it is loaded and decoding
     if not line:
         raise RuntimeError("the load process died before it was ready")
@@ -122,19 +146,38 @@ def _start_load(load: str, threads: int, policy: str, args) -> subprocess.Popen 
 def measure(threads: int, policy: str, load: str, args) -> dict:
     load_proc = _start_load(load, threads, policy, args)
     try:
-        proc = _spawn([__file__, "--child", "--threads", str(threads), "--trials", str(args.trials),
-                       "-n", str(args.n), "--max-tokens", str(args.max_tokens),
-                       "--budget", str(args.budget)], _env(policy))
+        proc = _spawn(
+            [
+                __file__,
+                "--child",
+                "--threads",
+                str(threads),
+                "--trials",
+                str(args.trials),
+                "-n",
+                str(args.n),
+                "--max-tokens",
+                str(args.max_tokens),
+                "--budget",
+                str(args.budget),
+            ],
+            _env(policy),
+        )
         lines = [json.loads(line) for line in proc.stdout]
         proc.wait()
     finally:
         _stop(load_proc)
     trials = [r for r in lines if "trial" in r]
     rates = [t["tok_s"] for t in trials]
-    return {"threads": threads, "wait_policy": policy, "load": load, "trials": trials,
-            "tok_s_median": statistics.median(rates) if rates else None,
-            "own_cores_median": statistics.median(t["own_cores"] for t in trials) if trials else None,
-            "rest_cores_median": statistics.median(t["rest_cores"] for t in trials) if trials else None}
+    return {
+        "threads": threads,
+        "wait_policy": policy,
+        "load": load,
+        "trials": trials,
+        "tok_s_median": statistics.median(rates) if rates else None,
+        "own_cores_median": statistics.median(t["own_cores"] for t in trials) if trials else None,
+        "rest_cores_median": statistics.median(t["rest_cores"] for t in trials) if trials else None,
+    }
 
 
 PROBE = """
@@ -158,8 +201,9 @@ def probe() -> dict:
     """CPU milliseconds the OpenMP pool burns during 20 sleeps of 20 ms after a parallel matmul."""
     out = {}
     for when in ("unset", "before", "after"):
-        res = subprocess.run([sys.executable, "-c", PROBE, when], env=_env("default"), capture_output=True,
-                             text=True, check=True)
+        res = subprocess.run(
+            [sys.executable, "-c", PROBE, when], env=_env("default"), capture_output=True, text=True, check=True
+        )
         out[f"PASSIVE set {when} import torch" if when != "unset" else "not set"] = float(res.stdout.strip())
     return out
 
@@ -182,8 +226,10 @@ def main() -> None:
         child(args.threads or 1, args.trials, args.n, args.max_tokens, args.forever, args.budget)
         return
 
-    result = {"command": "python benchmarks/threads.py " + " ".join(sys.argv[1:]),
-              "probe_cpu_ms_while_sleeping": probe()}
+    result = {
+        "command": "python benchmarks/threads.py " + " ".join(sys.argv[1:]),
+        "probe_cpu_ms_while_sleeping": probe(),
+    }
     print(json.dumps(result["probe_cpu_ms_while_sleeping"]), flush=True)
     if args.probe:
         return
@@ -192,8 +238,11 @@ def main() -> None:
     result.update(
         workload=f"esamp generate workload: n={args.n} x {args.max_tokens} tokens, ESamp on, ignore_eos",
         device=f"CPU ({platform.processor() or platform.machine()}), {os.cpu_count()} cores",
-        versions={"torch": torch.__version__, "python": platform.python_version(),
-                  "transformers": __import__("transformers").__version__},
+        versions={
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "transformers": __import__("transformers").__version__,
+        },
         configs=[],
     )
     thread_counts = [args.threads] if args.threads else [1, 2]
@@ -202,8 +251,11 @@ def main() -> None:
             for policy in args.policies.split(","):
                 r = measure(threads, policy, load, args)
                 result["configs"].append(r)
-                print(f"{load:>9} threads={threads} {policy:>8}: {r['tok_s_median']} tok/s "
-                      f"(own {r['own_cores_median']} cores, rest of machine {r['rest_cores_median']})", flush=True)
+                print(
+                    f"{load:>9} threads={threads} {policy:>8}: {r['tok_s_median']} tok/s "
+                    f"(own {r['own_cores_median']} cores, rest of machine {r['rest_cores_median']})",
+                    flush=True,
+                )
     result["time"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

@@ -60,8 +60,7 @@ async def measure(seconds: float, delay: float, burst_tokens: int = 4000, size=(
             counts["tokens"] += sum(e.type == "token" for e in message.events)
 
     paced = delay > 0
-    options = fake_options(n=8, max_tokens=30_000 if paced else burst_tokens,
-                           engine_options=dict(delay=delay))
+    options = fake_options(n=8, max_tokens=30_000 if paced else burst_tokens, engine_options=dict(delay=delay))
     app = EsampApp(options, memory_sampler=FixedMemory())
     async with app.run_test(size=size, message_hook=hook) as pilot:
         screen = app.main_screen
@@ -94,8 +93,15 @@ async def measure(seconds: float, delay: float, burst_tokens: int = 4000, size=(
     }
 
 
-async def measure_engine(engine: str, model: str, seconds: float, n: int = 8, size=(200, 50),
-                         svg: Path | None = None, load_timeout: float = 600.0) -> dict:
+async def measure_engine(
+    engine: str,
+    model: str,
+    seconds: float,
+    n: int = 8,
+    size=(200, 50),
+    svg: Path | None = None,
+    load_timeout: float = 600.0,
+) -> dict:
     """The dashboard on a real engine: see the module's ``engine`` mode."""
     import esamp_tui.diversity
     from esamp.core.config import SamplingConfig
@@ -123,8 +129,9 @@ async def measure_engine(engine: str, model: str, seconds: float, n: int = 8, si
                     done[(event.group, event.sample)] = event.tokens
 
     # The longest run the context allows, so the window sits in its middle.
-    options = Options(engine=engine, model=model, sampling=SamplingConfig(n=n, max_tokens=4000, ignore_eos=True),
-                      log_file="")
+    options = Options(
+        engine=engine, model=model, sampling=SamplingConfig(n=n, max_tokens=4000, ignore_eos=True), log_file=""
+    )
     sampler = MemorySampler()
     app = EsampApp(options, memory_sampler=sampler)
     memory = []
@@ -151,27 +158,40 @@ async def measure_engine(engine: str, model: str, seconds: float, n: int = 8, si
             svg.write_text(app.export_screenshot())
         sample = screen.charts.memory_sample
         if sample is not None:
-            memory = [sample.kind, sample.device, round((sample.used or 0) / 2**30, 2),
-                      round((sample.total or 0) / 2**30, 2)]
+            memory = [
+                sample.kind,
+                sample.device,
+                round((sample.used or 0) / 2**30, 2),
+                round((sample.total or 0) / 2**30, 2),
+            ]
         series = len(screen.charts.memory.points)
         deadline = time.perf_counter() + 600
         while not all(g.finished for g in screen.record.groups.values()) and time.perf_counter() < deadline:
             await pilot.pause(0.2)
-        panes = {(key, i): pane.token_count for key, row in screen.results.rows.items()
-                 for i, pane in enumerate(row.panes)}
+        panes = {
+            (key, i): pane.token_count for key, row in screen.results.rows.items() for i, pane in enumerate(row.panes)
+        }
         info = screen.controller.ready
     gaps = sum(1 for indices in received.values() for a, b in zip(indices, indices[1:]) if b != a + 1)
     dropped = sum(abs(done.get(k, -1) - len(v)) for k, v in received.items()) + gaps
     dropped += sum(abs(panes.get(k, 0) - len(v)) for k, v in received.items())
     return {
-        "mode": "engine", "engine": info.engine, "model": info.model, "device": info.device, "n": n,
-        "engine_load_s": round(load_s, 1), "seconds": round(wall, 2),
+        "mode": "engine",
+        "engine": info.engine,
+        "model": info.model,
+        "device": info.device,
+        "n": n,
+        "engine_load_s": round(load_s, 1),
+        "seconds": round(wall, 2),
         "tokens_per_s": round((end["tokens"] - start["tokens"]) / wall, 1),
         "batches_per_s": round((end["batches"] - start["batches"]) / wall, 2),
         "ui_cpu_percent_of_one_core": round(100 * cpu / wall, 1),
-        "samples_checked": len(received), "tokens_checked": sum(len(v) for v in received.values()),
-        "dropped_events": dropped, "index_gaps": gaps,
-        "memory_last_sample": memory, "memory_series_points": series,
+        "samples_checked": len(received),
+        "tokens_checked": sum(len(v) for v in received.values()),
+        "dropped_events": dropped,
+        "index_gaps": gaps,
+        "memory_last_sample": memory,
+        "memory_series_points": series,
     }
 
 
@@ -185,18 +205,29 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args()
     results = []
-    runs = [lambda: measure_engine(args.engine, args.model, args.seconds, svg=args.svg)] if args.engine else [
-        lambda delay=delay: measure(args.seconds, delay) for delay in (0.0, 8 / args.rate)]
+    runs = (
+        [lambda: measure_engine(args.engine, args.model, args.seconds, svg=args.svg)]
+        if args.engine
+        else [lambda delay=delay: measure(args.seconds, delay) for delay in (0.0, 8 / args.rate)]
+    )
     for run in runs:
         result = asyncio.run(run())
         results.append(result)
         print(json.dumps(result))
-    meta = {"python": platform.python_version(), "cpus": os.cpu_count(), "machine": platform.machine(),
-            "command": " ".join([Path(sys.executable).name, *sys.argv]),
-            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "load_average_1m": round(os.getloadavg()[0], 2),
-            "note": "headless run_test, " + (f"{args.engine} engine in the real worker process" if args.engine
-                                             else "scripted engine in the real worker process; machine shared")}
+    meta = {
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "machine": platform.machine(),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "load_average_1m": round(os.getloadavg()[0], 2),
+        "note": "headless run_test, "
+        + (
+            f"{args.engine} engine in the real worker process"
+            if args.engine
+            else "scripted engine in the real worker process; machine shared"
+        ),
+    }
     try:
         import textual
 

@@ -37,9 +37,14 @@ async def shoot(size: tuple[int, int], name: str, threads: int, compare: bool) -
     from esamp_tui.options import Options
     from esamp_tui.screenshot import svg_to_png
 
-    options = Options(engine="reference", esamp=EsampConfig(enabled=not compare),
-                      sampling=SamplingConfig(n=4, max_tokens=48), prompt=PROMPT, log_file="",
-                      engine_options=dict(threads=threads))
+    options = Options(
+        engine="reference",
+        esamp=EsampConfig(enabled=not compare),
+        sampling=SamplingConfig(n=4, max_tokens=48),
+        prompt=PROMPT,
+        log_file="",
+        engine_options=dict(threads=threads),
+    )
     sampler = MemorySampler()
     app = EsampApp(options, memory_sampler=sampler)
     async with app.run_test(size=size) as pilot:
@@ -76,12 +81,20 @@ class Tmux:
         self.size = (width, height)
         self.socket = f"esamp-walk-{os.getpid()}"
         exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
-        self.tmux("new-session", "-d", "-s", "walk", "-x", str(width), "-y", str(height),
-                  f"env {exports} {command}; echo '[esamp-tui exited with status '$?']'; sleep 600")
+        self.tmux(
+            "new-session",
+            "-d",
+            "-s",
+            "walk",
+            "-x",
+            str(width),
+            "-y",
+            str(height),
+            f"env {exports} {command}; echo '[esamp-tui exited with status '$?']'; sleep 600",
+        )
 
     def tmux(self, *args: str) -> str:
-        return subprocess.run(["tmux", "-L", self.socket, *args], check=True, capture_output=True,
-                              text=True).stdout
+        return subprocess.run(["tmux", "-L", self.socket, *args], check=True, capture_output=True, text=True).stdout
 
     def screen(self, colours: bool = False) -> str:
         return self.tmux("capture-pane", "-p", "-t", "walk", *(["-e"] if colours else []))
@@ -104,8 +117,9 @@ class Tmux:
         from esamp_tui.screenshot import svg_to_png
 
         width, height = self.size
-        console = Console(record=True, width=width, height=height, force_terminal=True,
-                          color_system="truecolor", file=io.StringIO())
+        console = Console(
+            record=True, width=width, height=height, force_terminal=True, color_system="truecolor", file=io.StringIO()
+        )
         lines = self.screen(colours=True).split("\n")[:height]
         for k, line in enumerate(lines):
             console.print(Text.from_ansi(line, no_wrap=True), soft_wrap=True, end="\n" if k < len(lines) - 1 else "")
@@ -145,8 +159,7 @@ def walk(size: tuple[int, int], threads: int) -> str:
         else:
             term.keys("c")  # compare: ESamp off and on at once
             term.wait(lambda s: "generating" in s, "the compare run")
-            term.wait(lambda s: ready(s) and s.count("distinct-2") >= 3 and "Vendi …" not in s,
-                      "the compare run's end")
+            term.wait(lambda s: ready(s) and s.count("distinct-2") >= 3 and "Vendi …" not in s, "the compare run's end")
             time.sleep(2.5)
             term.png(f"{name}-4-compare")
             term.keys("?")

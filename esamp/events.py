@@ -12,7 +12,7 @@ sampled; the final token of a sample has ``novelty=None`` (it is never fed back 
 from __future__ import annotations
 
 import time
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
@@ -89,7 +89,8 @@ class StepEvent(_Event):
     losses: dict[str, list[float]] = Field(
         default_factory=dict,
         description="each training group's Distiller loss, one value per optimizer step this event covers, "
-                    "oldest first; ``loss`` is the mean of them all")
+        "oldest first; ``loss`` is the mean of them all",
+    )
     port_hits: int = Field(0, ge=0, description="tapped rows delivered to the Distiller this step")
     candidates: float = Field(0.0, ge=0.0, description="mean candidate-set size of steered rows")
     esamp: bool = Field(description="whether any row was steered by ESamp in this step")
@@ -117,7 +118,7 @@ class ErrorEvent(_Event):
 
 
 Event = Annotated[
-    Union[LoadingEvent, ReadyEvent, TokenEvent, StepEvent, DoneEvent, ErrorEvent], Field(discriminator="type")
+    LoadingEvent | ReadyEvent | TokenEvent | StepEvent | DoneEvent | ErrorEvent, Field(discriminator="type")
 ]
 _ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
 

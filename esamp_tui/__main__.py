@@ -24,11 +24,16 @@ def build_parser() -> argparse.ArgumentParser:
     from esamp_tui.options import MAX_PANES, add_setting_flags
 
     p = Parser(
-        prog="esamp-tui", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="esamp-tui",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description=f"Watch n samples (up to {MAX_PANES}) side by side with novelty heat; toggle ESamp and compare.",
     )
-    add_engine_flags(p, server_help="attach to a running esamp serve endpoint (http://HOST:PORT) instead of "
-                     "starting an engine; --model then names a served model")
+    add_engine_flags(
+        p,
+        server_help="attach to a running esamp serve endpoint (http://HOST:PORT) instead of "
+        "starting an engine; --model then names a served model",
+    )
     p.add_argument("--prompt", default=None, help="run this prompt at start")
     p.add_argument("--theme", default=None, help="theme name (dark, light, high-contrast or your own)")
     add_threads_flag(p)
@@ -42,11 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     prefer_passive_wait()  # before torch loads (here, and in the engine's worker process)
     args = build_parser().parse_args(argv)  # argparse itself exits 2 on unknown flags
     try:
-        from esamp_tui.options import Options
-        from esamp_tui.theming import check_theme, load_themes
-
         from esamp.commands.cli import refuse_server_distiller
         from esamp.engines import EngineChoice, choose_engine
+        from esamp_tui.options import Options
+        from esamp_tui.theming import check_theme, load_themes
 
         refuse_server_distiller(args)
 
@@ -54,8 +58,15 @@ def main(argv: list[str] | None = None) -> int:
         # otherwise "auto" is decided here, so the status bar can say what was picked and why
         choice = EngineChoice("server", "") if args.server else choose_engine(args.engine)
         engine_options = {"url": args.server} if args.server else threads_option(choice.name, args.threads)
-        options = Options.from_args(args, engine=choice.name, engine_reason=choice.reason, model=args.model,
-                                    prompt=args.prompt, theme=args.theme, engine_options=engine_options)
+        options = Options.from_args(
+            args,
+            engine=choice.name,
+            engine_reason=choice.reason,
+            model=args.model,
+            prompt=args.prompt,
+            theme=args.theme,
+            engine_options=engine_options,
+        )
         if args.theme is not None:
             check_theme(args.theme, *load_themes())
     except EsampError as exc:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import signal
+from collections.abc import Callable, Iterable
 from functools import partial
 from pathlib import Path
-from typing import Callable, Iterable
 
 from textual.app import App, SystemCommand
 from textual.binding import Binding
@@ -16,11 +16,11 @@ from textual.theme import BUILTIN_THEMES
 from esamp.core.mixes import MIXES
 from esamp.errors import ConfigError
 from esamp.platform.gpu import MemorySampler
-from esamp_tui.worker import Backend, Session, SessionSpec
 from esamp_tui.keymap import keymap_file, load_keymap
 from esamp_tui.options import Options
 from esamp_tui.screens.main import MainScreen
 from esamp_tui.theming import DEFAULT_THEME, HEAT_DEFAULTS, check_theme, load_themes
+from esamp_tui.worker import Backend, Session, SessionSpec
 
 # Closing the terminal (SIGHUP) or ``kill`` (SIGTERM) ends the dashboard as q does: the terminal
 # is restored, the worker stopped, its pipes closed. The exit status says which signal it was.
@@ -35,10 +35,15 @@ class EsampApp(App):
         Binding("ctrl+c", "quit", "Quit", show=False, priority=True, id="app.quit_ctrl_c"),
     ]
 
-    def __init__(self, options: Options | None = None,
-                 backend_factory: Callable[[SessionSpec], Backend] = Session,
-                 memory_sampler: MemorySampler | None = None, theme_dir: Path | None = None,
-                 keymap_path: Path | None = None, speed_file: Path | None = None) -> None:
+    def __init__(
+        self,
+        options: Options | None = None,
+        backend_factory: Callable[[SessionSpec], Backend] = Session,
+        memory_sampler: MemorySampler | None = None,
+        theme_dir: Path | None = None,
+        keymap_path: Path | None = None,
+        speed_file: Path | None = None,
+    ) -> None:
         super().__init__()
         self.keymap_path = keymap_path
         self.user_keymap: dict[str, str] = {}
@@ -106,8 +111,10 @@ class EsampApp(App):
             if binding.id == "esamp.quit" or binding.key == "escape" or not screen.offers(binding):
                 continue  # quit is Textual's own entry; abort only while running, restart after an error
             key = self.user_keymap.get(binding.id) or binding.key_display or binding.key.split(",")[0]
-            yield SystemCommand(f"{binding.description} ({key})", binding.tooltip,
-                                partial(screen.run_from_palette, binding.action))
+            yield SystemCommand(
+                f"{binding.description} ({key})", binding.tooltip, partial(screen.run_from_palette, binding.action)
+            )
         for name, mix in MIXES.items():
-            yield SystemCommand(f"Mix: {name}", f"{mix.formula} (for the next run)",
-                                partial(screen.run_from_palette, f"mix({name!r})"))
+            yield SystemCommand(
+                f"Mix: {name}", f"{mix.formula} (for the next run)", partial(screen.run_from_palette, f"mix({name!r})")
+            )

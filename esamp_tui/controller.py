@@ -13,15 +13,16 @@ The screen never sees a process, a pipe or a thread. It calls ``start``/``restar
 
 The backend is anything with ``esamp_tui.worker.Backend``'s methods, built by ``backend_factory``
 from a ``SessionSpec``: a worker process (``Session``), which runs the in-process engines or, with
-``--server``, the client of a served endpoint (``esamp.engines.endpoint``). Messages carry the generation of the backend they came from, so a batch
-from an engine that was replaced meanwhile is dropped (``current``).
+``--server``, the client of a served endpoint (``esamp.engines.endpoint``). Messages carry the
+generation of the backend they came from, so a batch from an engine that was replaced meanwhile
+is dropped (``current``).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from textual.message import Message
 from textual.widget import Widget
@@ -62,8 +63,9 @@ class SessionController:
         generation: int
         error: ErrorEvent
 
-    def __init__(self, host: Widget, spec: Callable[[], SessionSpec],
-                 backend_factory: Callable[[SessionSpec], Backend] = Session) -> None:
+    def __init__(
+        self, host: Widget, spec: Callable[[], SessionSpec], backend_factory: Callable[[SessionSpec], Backend] = Session
+    ) -> None:
         self.host = host  # receives the messages and runs the reader thread
         self.spec = spec  # called at every (re)start, so a fresh engine gets the current settings
         self.backend_factory = backend_factory
@@ -82,16 +84,22 @@ class SessionController:
         self.log_file = spec.log_file
         self.backend = self.backend_factory(spec)
         generation, backend = self.generation, self.backend
-        self.host.run_worker(lambda: self._pump(backend, generation), thread=True, group="engine-reader",
-                             exit_on_error=False, description="engine events")
+        self.host.run_worker(
+            lambda: self._pump(backend, generation),
+            thread=True,
+            group="engine-reader",
+            exit_on_error=False,
+            description="engine events",
+        )
 
     def stop(self) -> None:
         """Let the current engine go; the close (which may wait for it) runs in a thread."""
         backend, self.backend = self.backend, None
         self.generation += 1  # whatever it still sends is stale
         if backend is not None:
-            self.host.run_worker(backend.close, thread=True, group="engine-close", exit_on_error=False,
-                                 description="stop engine")
+            self.host.run_worker(
+                backend.close, thread=True, group="engine-close", exit_on_error=False, description="stop engine"
+            )
 
     def restart(self) -> None:
         self.stop()
@@ -180,8 +188,14 @@ class SessionController:
             self._fail(generation, ErrorEvent(message=exc.message, hint=exc.hint, fatal=True))
         except Exception as exc:  # the backend could not start or broke: say so, never crash the UI
             flush()
-            self._fail(generation, ErrorEvent(message=f"could not run the engine: {type(exc).__name__}: {exc}",
-                                              hint="press ctrl+r to try again", fatal=True))
+            self._fail(
+                generation,
+                ErrorEvent(
+                    message=f"could not run the engine: {type(exc).__name__}: {exc}",
+                    hint="press ctrl+r to try again",
+                    fatal=True,
+                ),
+            )
 
     def _fail(self, generation: int, error: ErrorEvent) -> None:
         if generation == self.generation and self.failed is None:

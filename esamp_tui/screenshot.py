@@ -57,17 +57,18 @@ def font_family(path: Path) -> str | None:
     try:
         data = path.read_bytes()
         offset = struct.unpack(">I", data[12:16])[0] if data[:4] == b"ttcf" else 0
-        (tables,) = struct.unpack(">H", data[offset + 4: offset + 6])
+        (tables,) = struct.unpack(">H", data[offset + 4 : offset + 6])
         for k in range(tables):
-            tag, _, start, _ = struct.unpack(">4sIII", data[offset + 12 + 16 * k: offset + 28 + 16 * k])
+            tag, _, start, _ = struct.unpack(">4sIII", data[offset + 12 + 16 * k : offset + 28 + 16 * k])
             if tag != b"name":
                 continue
-            _, count, strings = struct.unpack(">HHH", data[start: start + 6])
+            _, count, strings = struct.unpack(">HHH", data[start : start + 6])
             for r in range(count):
                 platform, _, _, name_id, length, at = struct.unpack(
-                    ">HHHHHH", data[start + 6 + 12 * r: start + 18 + 12 * r])
+                    ">HHHHHH", data[start + 6 + 12 * r : start + 18 + 12 * r]
+                )
                 if name_id == 1:
-                    raw = data[start + strings + at: start + strings + at + length]
+                    raw = data[start + strings + at : start + strings + at + length]
                     return raw.decode("utf-16-be" if platform in (0, 3) else "latin-1")
     except (OSError, struct.error, UnicodeDecodeError):
         return None
@@ -82,8 +83,9 @@ def monospace_font() -> tuple[Path, str] | None:
         return (path, family) if family else None
     if shutil.which("fc-match"):
         try:
-            out = subprocess.run(["fc-match", "-f", "%{file}\n%{family[0]}", "monospace"],
-                                 capture_output=True, text=True, timeout=5).stdout.splitlines()
+            out = subprocess.run(
+                ["fc-match", "-f", "%{file}\n%{family[0]}", "monospace"], capture_output=True, text=True, timeout=5
+            ).stdout.splitlines()
             if len(out) == 2 and Path(out[0]).is_file():
                 return Path(out[0]), out[1]
         except (OSError, subprocess.SubprocessError):
@@ -99,19 +101,29 @@ def svg_to_png(svg: str) -> bytes:
     try:
         import resvg_py
     except ImportError:
-        raise ScreenshotError("no PNG: the resvg-py package is not installed",
-                              hint="pip install resvg-py (a self-contained wheel), then export again") from None
+        raise ScreenshotError(
+            "no PNG: the resvg-py package is not installed",
+            hint="pip install resvg-py (a self-contained wheel), then export again",
+        ) from None
     font = monospace_font()
     if font is None:
-        where = "ESAMP_FONT does not name a readable font file" if os.environ.get("ESAMP_FONT") \
+        where = (
+            "ESAMP_FONT does not name a readable font file"
+            if os.environ.get("ESAMP_FONT")
             else "no monospace font was found on this machine"
-        raise ScreenshotError(f"no PNG: {where}",
-                              hint="install one (e.g. apt-get install fonts-dejavu-core) or set "
-                                   "ESAMP_FONT to a .ttf file")
+        )
+        raise ScreenshotError(
+            f"no PNG: {where}",
+            hint="install one (e.g. apt-get install fonts-dejavu-core) or set ESAMP_FONT to a .ttf file",
+        )
     path, family = font
     try:
-        return bytes(resvg_py.svg_to_bytes(svg_string=offline_svg(svg), font_files=[str(path)],
-                                           monospace_family=family, sans_serif_family=family))
+        return bytes(
+            resvg_py.svg_to_bytes(
+                svg_string=offline_svg(svg), font_files=[str(path)], monospace_family=family, sans_serif_family=family
+            )
+        )
     except ValueError as exc:
-        raise ScreenshotError(f"no PNG: resvg could not render the screenshot ({exc})",
-                              hint="the SVG beside it opens in any browser") from None
+        raise ScreenshotError(
+            f"no PNG: resvg could not render the screenshot ({exc})", hint="the SVG beside it opens in any browser"
+        ) from None

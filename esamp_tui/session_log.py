@@ -15,9 +15,9 @@ from pathlib import Path
 from esamp.core.config import SamplingConfig, Steering, update_config
 from esamp.events import DoneEvent, StepEvent, TokenEvent
 from esamp.platform.gpu import MemorySample
-from esamp_tui.worker import run_group_key
 from esamp_tui.diversity import distinct_2
 from esamp_tui.screenshot import ScreenshotError, offline_svg, svg_to_png
+from esamp_tui.worker import run_group_key
 
 
 @dataclass
@@ -129,11 +129,10 @@ class GroupRecord:
         mix = "" if self.steering.mix == Steering.model_fields["mix"].default else f" {self.steering.mix}"
         return f"ESamp ON β={self.steering.beta:g}{mix}"
 
-    def comparable(self, other: "GroupRecord") -> bool:
+    def comparable(self, other: GroupRecord) -> bool:
         """Same prompt and sampling, both complete: only then do their numbers say something
         about the steering (distinct-2 of a 15-token run is not that of a 128-token one)."""
-        return (self.complete and other.complete and self.prompt == other.prompt
-                and self.sampling == other.sampling)
+        return self.complete and other.complete and self.prompt == other.prompt and self.sampling == other.sampling
 
 
 @dataclass
@@ -168,12 +167,15 @@ class SessionRecord:
     def add_group(self, group: GroupRecord) -> None:
         self.groups[group.key] = group
 
-    def new_run(self, run_id: int, prompt: str, steering: Steering, sampling: SamplingConfig,
-                compare: bool) -> list[GroupRecord]:
+    def new_run(
+        self, run_id: int, prompt: str, steering: Steering, sampling: SamplingConfig, compare: bool
+    ) -> list[GroupRecord]:
         """The groups of a new run (ESamp off and on to compare), as the worker names them."""
         modes = (False, True) if compare else (steering.enabled,)
-        groups = [GroupRecord(run_group_key(run_id, on), run_id, prompt, update_config(steering, enabled=on), sampling)
-                  for on in modes]
+        groups = [
+            GroupRecord(run_group_key(run_id, on), run_id, prompt, update_config(steering, enabled=on), sampling)
+            for on in modes
+        ]
         for group in groups:
             self.add_group(group)
         return groups
@@ -218,9 +220,16 @@ class SessionRecord:
         self.memory = memory or self.memory
         mem = self.memory
         point = MetricPoint(
-            time=event.time, step=event.step, tokens_per_s=event.tokens_per_s, loss=event.loss,
-            port_hits=event.port_hits, candidates=event.candidates, rows=event.rows, esamp=event.esamp,
-            memory_used=mem.used if mem else None, memory_total=mem.total if mem else None,
+            time=event.time,
+            step=event.step,
+            tokens_per_s=event.tokens_per_s,
+            loss=event.loss,
+            port_hits=event.port_hits,
+            candidates=event.candidates,
+            rows=event.rows,
+            esamp=event.esamp,
+            memory_used=mem.used if mem else None,
+            memory_total=mem.total if mem else None,
             memory_kind=mem.kind if mem else "na",
         )
         self.metrics.append(point)
@@ -233,8 +242,11 @@ class SessionRecord:
     def transcript_markdown(self) -> str:
         lines = ["# esamp transcript", ""]
         if self.engine:
-            lines += [f"engine: {self.engine.get('engine', '?')} · model: {self.engine.get('model', '?')}"
-                      f" · device: {self.engine.get('device', '?')}", ""]
+            lines += [
+                f"engine: {self.engine.get('engine', '?')} · model: {self.engine.get('model', '?')}"
+                f" · device: {self.engine.get('device', '?')}",
+                "",
+            ]
         for group in self.groups.values():
             lines.append(f"## run {group.run_id} · {group.label()} · n={group.n}")
             lines.append("")
@@ -255,15 +267,32 @@ class SessionRecord:
         """One JSON object per line: a ``group`` header, its ``token``s (with novelty), its ``done``s."""
         rows = []
         for g in self.groups.values():
-            rows.append(dict(type="group", group=g.key, run=g.run_id, prompt=g.prompt,
-                             steering=g.steering.model_dump(), sampling=g.sampling.model_dump(),
-                             interrupted=g.interrupted, distinct_2=g.distinct_2, vendi=g.vendi))
+            rows.append(
+                dict(
+                    type="group",
+                    group=g.key,
+                    run=g.run_id,
+                    prompt=g.prompt,
+                    steering=g.steering.model_dump(),
+                    sampling=g.sampling.model_dump(),
+                    interrupted=g.interrupted,
+                    distinct_2=g.distinct_2,
+                    vendi=g.vendi,
+                )
+            )
             for i, sample in enumerate(g.samples):
                 for t in sample.tokens:
                     rows.append(t.model_dump())
                 if sample.finish_reason:
-                    rows.append(dict(type="done", group=g.key, sample=i,
-                                     finish_reason=sample.finish_reason, tokens=len(sample.tokens)))
+                    rows.append(
+                        dict(
+                            type="done",
+                            group=g.key,
+                            sample=i,
+                            finish_reason=sample.finish_reason,
+                            tokens=len(sample.tokens),
+                        )
+                    )
         return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
 
     def metrics_csv(self, path: Path) -> None:
@@ -321,8 +350,7 @@ def history_line(group: GroupRecord, baseline: GroupRecord | None) -> tuple[str,
     other way (``SessionRecord.baseline``).
     """
     d2 = "n/a" if group.distinct_2 is None else f"{group.distinct_2:.3f}"
-    text = (f"run {group.run_id} · {group.label()} · n={group.n} · {group.mean_tokens:.0f} tok/sample"
-            f" · distinct-2 {d2}")
+    text = f"run {group.run_id} · {group.label()} · n={group.n} · {group.mean_tokens:.0f} tok/sample · distinct-2 {d2}"
     if group.vendi is not None:
         text += f" · Vendi {group.vendi:.2f}"
     if group.interrupted:

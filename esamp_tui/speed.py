@@ -18,8 +18,8 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from esamp.events import ReadyEvent, StepEvent
 from esamp.engines.models import cache_dir
+from esamp.events import ReadyEvent, StepEvent
 
 SLOW_FRACTION = 0.5  # "far below": under half the usual rate
 WARMUP_STEPS = 4
@@ -48,7 +48,7 @@ class SpeedRecord:
     runs: dict[str, list[float]] = field(default_factory=dict)
 
     @classmethod
-    def load(cls, ready: ReadyEvent, path: Path | None = None) -> "SpeedRecord":
+    def load(cls, ready: ReadyEvent, path: Path | None = None) -> SpeedRecord:
         path = path or record_file()
         machine = machine_key(ready)
         try:
@@ -94,8 +94,10 @@ class Slow:
 
     def explain(self, engine: str) -> str:
         hint = " Is another job using the CPU? Try --threads 1." if engine == "reference" else ""
-        return (f"This run is far slower than this machine usually is ({self.now:,.0f} tok/s, "
-                f"usually {self.usual:,.0f} at this batch size).{hint}")
+        return (
+            f"This run is far slower than this machine usually is ({self.now:,.0f} tok/s, "
+            f"usually {self.usual:,.0f} at this batch size).{hint}"
+        )
 
 
 class SpeedWatch:
@@ -117,7 +119,7 @@ class SpeedWatch:
         usual = self.record.usual(shape)
         if usual is None or len(rates) < MIN_STEPS:
             return None
-        now = statistics.median(rates[-3 * MIN_STEPS:])
+        now = statistics.median(rates[-3 * MIN_STEPS :])
         return Slow(now, usual) if now < SLOW_FRACTION * usual else None
 
     def end_run(self) -> None:

@@ -37,8 +37,12 @@ DEFAULT_THEME = "dark"
 HEAT_STOPS = 5
 HEAT_VARIABLES = [f"heat-{i}" for i in range(HEAT_STOPS)]
 HEAT_DEFAULTS = {
-    "heat-0": "#6b7a99", "heat-1": "#7fb3d5", "heat-2": "#e8d36a",
-    "heat-3": "#ff9f43", "heat-4": "#ff4f6d", "heat-plain": "ansi_default",
+    "heat-0": "#6b7a99",
+    "heat-1": "#7fb3d5",
+    "heat-2": "#e8d36a",
+    "heat-3": "#ff9f43",
+    "heat-4": "#ff4f6d",
+    "heat-plain": "ansi_default",
 }
 REPO_THEMES = Path(__file__).resolve().parent.parent / "themes"
 
@@ -101,8 +105,7 @@ class ThemeFile(BaseModel):
     def to_theme(self) -> Theme:
         variables = {name: colour for name, colour in zip(HEAT_VARIABLES, self.heat.stops)}
         variables["heat-plain"] = self.heat.plain or self.colors.foreground or HEAT_DEFAULTS["heat-plain"]
-        return Theme(name=self.name, dark=self.dark, variables=variables,
-                     **self.colors.model_dump(exclude_none=True))
+        return Theme(name=self.name, dark=self.dark, variables=variables, **self.colors.model_dump(exclude_none=True))
 
 
 @dataclass(frozen=True)
@@ -132,10 +135,11 @@ def check_theme(name: str, themes: list[Theme], problems: list[ThemeProblem]) ->
     choices = "choose one of: " + ", ".join(names)
     for problem in problems:
         if name in (problem.theme_name, Path(problem.path).stem):
-            raise ConfigError(f"theme {name!r} cannot be used: {problem.path} was rejected: {problem.reason}",
-                              hint=f"fix the file, or {choices}")
-    raise ConfigError(f"unknown theme {name!r}",
-                      hint=f"{choices}; or add {name}.toml to {user_theme_dir()}")
+            raise ConfigError(
+                f"theme {name!r} cannot be used: {problem.path} was rejected: {problem.reason}",
+                hint=f"fix the file, or {choices}",
+            )
+    raise ConfigError(f"unknown theme {name!r}", hint=f"{choices}; or add {name}.toml to {user_theme_dir()}")
 
 
 def user_theme_dir() -> Path:

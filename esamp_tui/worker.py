@@ -51,14 +51,14 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, Union
+from typing import Any, Protocol
 
 from esamp.core.config import EsampConfig, SamplingConfig, Steering, update_config
 from esamp.engines import DEFAULT_ENGINE
 from esamp.engines.base import group_key
+from esamp.engines.models import cache_dir
 from esamp.errors import EsampError
 from esamp.events import DoneEvent, ErrorEvent, Event, TokenEvent
-from esamp.engines.models import cache_dir
 from esamp.platform.spawn import check_main_guard
 
 # -- commands ---------------------------------------------------------------------------------
@@ -94,7 +94,7 @@ class Shutdown:
     pass
 
 
-Command = Union[RunPrompt, Configure, Abort, Shutdown]
+Command = RunPrompt | Configure | Abort | Shutdown
 
 
 def run_group_key(run_id: int, esamp_on: bool) -> str:
@@ -146,13 +146,13 @@ def _build_engine(spec: SessionSpec, progress):
     return create_engine(spec.engine, model=spec.model, esamp=spec.esamp, progress=progress, **spec.engine_options)
 
 
-def _failure(exc: BaseException, what: str, hint: str, group: str | None = None,
-             fatal: bool = False) -> ErrorEvent:
+def _failure(exc: BaseException, what: str, hint: str, group: str | None = None, fatal: bool = False) -> ErrorEvent:
     """An error event for ``exc``: a user's error as it is, anything else with its traceback."""
     if isinstance(exc, EsampError):
         return ErrorEvent(message=exc.message, hint=exc.hint, group=group, fatal=fatal)
-    return ErrorEvent(message=f"{what}: {type(exc).__name__}: {exc}", hint=hint, group=group,
-                      fatal=fatal, detail=_traceback_tail())
+    return ErrorEvent(
+        message=f"{what}: {type(exc).__name__}: {exc}", hint=hint, group=group, fatal=fatal, detail=_traceback_tail()
+    )
 
 
 # -- the child --------------------------------------------------------------------------------
@@ -188,8 +188,13 @@ class _Worker:
         try:
             self.engine = _build_engine(self.spec, lambda event: self.emit([event]))
         except Exception as exc:
-            self.emit([_failure(exc, "the engine failed to start",
-                                f"check --model and --engine; {self.log_hint}", fatal=True)])
+            self.emit(
+                [
+                    _failure(
+                        exc, "the engine failed to start", f"check --model and --engine; {self.log_hint}", fatal=True
+                    )
+                ]
+            )
             return 3
         self.emit([self.engine.ready])
         try:
@@ -253,9 +258,17 @@ class _Worker:
                 self.running[key] = dict.fromkeys(range(self.sampling.n), 0)
             except Exception as exc:
                 self.discard(key)
-                self.emit([_failure(exc, "the run could not start",
-                                    f"the engine is still running: try again or another prompt; {self.log_hint}",
-                                    group=key), *self.error_dones(key, dict.fromkeys(range(self.sampling.n), 0))])
+                self.emit(
+                    [
+                        _failure(
+                            exc,
+                            "the run could not start",
+                            f"the engine is still running: try again or another prompt; {self.log_hint}",
+                            group=key,
+                        ),
+                        *self.error_dones(key, dict.fromkeys(range(self.sampling.n), 0)),
+                    ]
+                )
 
     def fail_run(self, exc: Exception) -> bool:
         """A step raised: end every running group with an error and keep serving, when the
@@ -264,9 +277,14 @@ class _Worker:
         events: list[Event] = []
         for key, samples in running.items():
             if samples:
-                events.append(_failure(exc, "the run failed while generating",
-                                       f"the engine is still running: try again or another prompt; {self.log_hint}",
-                                       group=key))
+                events.append(
+                    _failure(
+                        exc,
+                        "the run failed while generating",
+                        f"the engine is still running: try again or another prompt; {self.log_hint}",
+                        group=key,
+                    )
+                )
                 events.extend(self.error_dones(key, samples))
         try:
             for key in running:
@@ -275,9 +293,14 @@ class _Worker:
         except Exception:
             healthy = False
         if not healthy:
-            events.append(_failure(exc, "the engine failed while generating",
-                                   "press ctrl+r to start a fresh engine; transcripts stay on screen",
-                                   fatal=True))
+            events.append(
+                _failure(
+                    exc,
+                    "the engine failed while generating",
+                    "press ctrl+r to start a fresh engine; transcripts stay on screen",
+                    fatal=True,
+                )
+            )
         self.emit(events)
         return healthy
 
@@ -319,8 +342,7 @@ def worker_main(spec: SessionSpec, commands, events, parent_pid: int) -> None:
     # SIGTERM (Session.close's second step, or the watchdog) unwinds through ``engine.close()``,
     # so an engine with processes of its own (vLLM's engine core) can stop them first.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    threading.Thread(target=_watch_parent, args=(parent_pid,), name="esamp-parent-watch",
-                     daemon=True).start()
+    threading.Thread(target=_watch_parent, args=(parent_pid,), name="esamp-parent-watch", daemon=True).start()
     if spec.log_file is not None:  # "" sends the child's output nowhere
         try:
             target = spec.log_file or os.devnull
@@ -371,7 +393,7 @@ def _release_named_resources() -> None:
 class Backend(Protocol):
     """What a client needs from an engine it does not run in its own process."""
 
-    def start(self) -> "Backend": ...
+    def start(self) -> Backend: ...
 
     def send(self, command: Command) -> None:
         """Queue a command; never blocks."""
@@ -421,13 +443,15 @@ class Session:
         self._process = None
         self._closed = False
 
-    def start(self) -> "Session":
+    def start(self) -> Session:
         check_main_guard("the dashboard's engine process")
         # Not a daemon: vLLM starts an engine-core process of its own, which a daemonic process
         # may not do. The child still never outlives us: close() stops it, and it stops itself
         # when this process disappears (see _watch_parent).
         self._process = self._ctx.Process(
-            target=worker_main, name="esamp-worker", daemon=False,
+            target=worker_main,
+            name="esamp-worker",
+            daemon=False,
             args=(self.spec, self._commands_child, self._events_child, os.getpid()),
         )
         self._process.start()
@@ -487,8 +511,11 @@ class Session:
         code = self.exitcode
         reason = f"signal {-code}" if code is not None and code < 0 else f"exit status {code}"
         log = f"; the worker's output is in {self.spec.log_file}" if self.spec.log_file else ""
-        return ErrorEvent(message=f"the engine process stopped unexpectedly ({reason})",
-                          hint="press ctrl+r to start a fresh engine" + log, fatal=True)
+        return ErrorEvent(
+            message=f"the engine process stopped unexpectedly ({reason})",
+            hint="press ctrl+r to start a fresh engine" + log,
+            fatal=True,
+        )
 
     def close(self, timeout: float = 3.0) -> None:
         """Stop the worker: ask, then terminate, then kill; close both pipes. Safe to call twice."""

@@ -12,7 +12,7 @@ lets the pane redraw just those. No textual import.
 
 from __future__ import annotations
 
-from typing import Hashable
+from collections.abc import Hashable
 
 from rich.cells import cell_len, get_character_cell_size
 
@@ -29,7 +29,7 @@ def split_runs(runs: list[Run], cut: int, resume: int) -> tuple[list[Run], list[
         if start < cut:
             head.append((text[: cut - start], key))
         if end > resume:
-            tail.append((text[max(resume - start, 0):], key))
+            tail.append((text[max(resume - start, 0) :], key))
         start = end
     return [r for r in head if r[0]], [r for r in tail if r[0]]
 

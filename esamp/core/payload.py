@@ -29,8 +29,9 @@ Steering values a request leaves out come from the engine's defaults (``EsampCon
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from pydantic import BaseModel
 
@@ -81,13 +82,19 @@ class Payload:
         return out
 
 
-def encode(steering: Steering | None = None, *, group: str | None = None, sample: int | None = None,
-           filters: Filters | None = None, seed: int | None = None, n: int | None = None,
-           records: bool | None = None) -> dict[str, Any]:
+def encode(
+    steering: Steering | None = None,
+    *,
+    group: str | None = None,
+    sample: int | None = None,
+    filters: Filters | None = None,
+    seed: int | None = None,
+    n: int | None = None,
+    records: bool | None = None,
+) -> dict[str, Any]:
     """The flat payload for ``extra_args`` / ``vllm_xargs`` (every field of ``steering``): ``Payload.flat``."""
     fields = {} if steering is None else {name: getattr(steering, name) for name in STEERING_KEYS}
-    return Payload(steering=fields, filters=filters, group=group, sample=sample, seed=seed, n=n,
-                   records=records).flat()
+    return Payload(steering=fields, filters=filters, group=group, sample=sample, seed=seed, n=n, records=records).flat()
 
 
 def _word(value: Any) -> Any:
@@ -106,16 +113,21 @@ def decode(extra: Mapping[str, Any] | None) -> Payload | None:
         return None
     unknown = sorted(set(given) - KNOWN)
     if unknown:
-        raise ConfigError(f"unknown ESamp setting {', '.join(shown(k, quote=False) for k in unknown)}",
-                          hint="per-request settings are " + ", ".join(USER_KEYS))
+        raise ConfigError(
+            f"unknown ESamp setting {', '.join(shown(k, quote=False) for k in unknown)}",
+            hint="per-request settings are " + ", ".join(USER_KEYS),
+        )
     steering = {name: given[key] for name, key in STEERING_KEYS.items() if key in given}
     if steering:  # validate what was given (ranges, names); keep only those fields
         valid = make_config(Steering, {n: k for n, k in STEERING_KEYS.items()}, **steering)
         steering = {name: getattr(valid, name) for name in steering}
     filters = None
     if any(key in given for key in FILTER_KEYS.values()):
-        filters = make_config(Filters, {n: k for n, k in FILTER_KEYS.items()},
-                              **{name: given[key] for name, key in FILTER_KEYS.items() if key in given})
+        filters = make_config(
+            Filters,
+            {n: k for n, k in FILTER_KEYS.items()},
+            **{name: given[key] for name, key in FILTER_KEYS.items() if key in given},
+        )
     route = {name: given.get(key) for name, key in ROUTE_KEYS.items()}
     for name in ("sample", "seed", "n"):
         value = route[name]
@@ -123,17 +135,26 @@ def decode(extra: Mapping[str, Any] | None) -> Payload | None:
             try:
                 route[name] = int(value)
             except (TypeError, ValueError):
-                raise ConfigError(f"{ROUTE_KEYS[name]}={shown(value)}: not an integer",
-                                  hint="leave it out; the engine sets it") from None
+                raise ConfigError(
+                    f"{ROUTE_KEYS[name]}={shown(value)}: not an integer", hint="leave it out; the engine sets it"
+                ) from None
             if route[name] < 0:
-                raise ConfigError(f"{ROUTE_KEYS[name]}={shown(value)}: must be 0 or more",
-                                  hint="leave it out; the engine sets it")
+                raise ConfigError(
+                    f"{ROUTE_KEYS[name]}={shown(value)}: must be 0 or more", hint="leave it out; the engine sets it"
+                )
     records = route["records"]
     if records is not None:
         records = make_config(_Switch, {"on": ROUTE_KEYS["records"]}, on=records).on
     group = route["group"]
-    return Payload(steering=steering, filters=filters, group=None if group is None else str(group),
-                   sample=route["sample"], seed=route["seed"], n=route["n"], records=records)
+    return Payload(
+        steering=steering,
+        filters=filters,
+        group=None if group is None else str(group),
+        sample=route["sample"],
+        seed=route["seed"],
+        n=route["n"],
+        records=records,
+    )
 
 
 class _Switch(BaseModel):

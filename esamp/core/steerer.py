@@ -27,8 +27,8 @@ to the reference:
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Hashable, Sequence
 
 import torch
 
@@ -38,7 +38,6 @@ from esamp.core.backends.triton_filter import FilterWorkspace, filter_and_mix
 from esamp.core.backends.triton_mix import mix_and_count
 from esamp.core.config import Filters, Steering
 from esamp.core.distiller import DistillerBank, RowLayout
-
 
 # ESAMP_FILTER=sort runs every plan through the constructor's filter (vLLM's top-k/top-p function in
 # the vLLM engine) and the separate mix, as before the fused kernels: for measuring them against it.
@@ -75,8 +74,9 @@ class PlanBuffers:
         self.device, self.scratch = torch.device(device), scratch
         # long: units | gather | cell | row index | top-k ; float: weight | T | min-p | top-p | a | b | matched
         self._long_spans = _spans(units=units, gather=self.cells, cell=self.cells, index=rows, top_k=rows)
-        self._float_spans = _spans(weight=self.cells, temperature=rows, min_p=rows, top_p=rows, a=rows, b=rows,
-                                   matched=rows)
+        self._float_spans = _spans(
+            weight=self.cells, temperature=rows, min_p=rows, top_p=rows, a=rows, b=rows, matched=rows
+        )
         with torch.inference_mode(False):
             self.longs = torch.zeros(self._long_spans["_end"], dtype=torch.long, device=self.device)
             self.floats = torch.zeros(self._float_spans["_end"], dtype=torch.float32, device=self.device)
@@ -87,20 +87,22 @@ class PlanBuffers:
 
     def view(self, name: str, size: int) -> torch.Tensor:
         if name in self._long_spans:
-            return self.longs[self._long_spans[name]:][:size]
-        return self.floats[self._float_spans[name]:][:size]
+            return self.longs[self._long_spans[name] :][:size]
+        return self.floats[self._float_spans[name] :][:size]
 
     def write(self, longs: dict[str, list[int]], floats: dict[str, list[float]]) -> None:
         """Set every field: the named ones from their start, everything else to its idle value
         (units: the scratch slot; gather: the zero row; weights 0: nothing trains)."""
-        for buffer, spans, values, dtype in ((self.longs, self._long_spans, longs, torch.long),
-                                             (self.floats, self._float_spans, floats, torch.float32)):
+        for buffer, spans, values, dtype in (
+            (self.longs, self._long_spans, longs, torch.long),
+            (self.floats, self._float_spans, floats, torch.float32),
+        ):
             host = torch.zeros(spans["_end"], dtype=dtype)
             if dtype == torch.long:
-                host[spans["units"]:spans["gather"]] = self.scratch
-                host[spans["gather"]:spans["cell"]] = self.rows
+                host[spans["units"] : spans["gather"]] = self.scratch
+                host[spans["gather"] : spans["cell"]] = self.rows
             for name, items in values.items():
-                host[spans[name]:spans[name] + len(items)] = torch.tensor(items, dtype=dtype)
+                host[spans[name] : spans[name] + len(items)] = torch.tensor(items, dtype=dtype)
             if self.device.type == "cuda":
                 host = host.pin_memory()
             buffer.copy_(host, non_blocking=True)
@@ -149,11 +151,18 @@ class StepPlan:
         """[rows, 1] bool of the first ``rows`` rows (all by default): those to entropy-match."""
         if self.matched is None:
             return None
-        return (self.matched[:self.rows if rows is None else rows] > 0).reshape(-1, 1)
+        return (self.matched[: self.rows if rows is None else rows] > 0).reshape(-1, 1)
 
     @classmethod
-    def build(cls, rows: Sequence[SteeredRow], device: torch.device | str = "cpu", *, steered: int | None = None,
-              index: Sequence[int] | None = None, buffers: PlanBuffers | None = None) -> "StepPlan":
+    def build(
+        cls,
+        rows: Sequence[SteeredRow],
+        device: torch.device | str = "cpu",
+        *,
+        steered: int | None = None,
+        index: Sequence[int] | None = None,
+        buffers: PlanBuffers | None = None,
+    ) -> StepPlan:
         """The plan of ``rows``, the first ``steered`` of them (default: all) steered and the rest
         only filtered (their (a, b) = (1, 0) whatever their steering says); ``index``: each row's
         logits row in the engine's batch. With ``buffers`` the block is padded to bucketed sizes,
@@ -171,9 +180,13 @@ class StepPlan:
         f = [r.filters for r in rows]
         mixing = [(r.steering.mix, r.steering.beta) for r in rows[:s]]
         a, b = iv.mix_coefficients(mixing)
-        values = dict(temperature=[x.temperature if x.temperature > 0 else 1.0 for x in f],
-                      min_p=[x.min_p for x in f], top_p=[x.top_p for x in f],
-                      a=a.flatten().tolist() + [1.0] * (n - s), b=b.flatten().tolist() + [0.0] * (n - s))
+        values = dict(
+            temperature=[x.temperature if x.temperature > 0 else 1.0 for x in f],
+            min_p=[x.min_p for x in f],
+            top_p=[x.top_p for x in f],
+            a=a.flatten().tolist() + [1.0] * (n - s),
+            b=b.flatten().tolist() + [0.0] * (n - s),
+        )
         matched = [float(m) for m in iv.entropy_matched(mixing)] + [0.0] * (n - s)
         uses_matched = any(matched)
         if uses_matched:
@@ -183,30 +196,56 @@ class StepPlan:
         if buffers is None:
             layout = RowLayout.from_slots(slots, trains, device=device) if s else None
             tensors = {k: torch.tensor(v, dtype=torch.float32).to(device) for k, v in values.items()}
-            return cls(rows=n, steered=s, layout=layout, **tensors,
-                       top_k=torch.tensor(top_k, dtype=torch.long).to(device) if uses_top_k else None,
-                       index=None if index is None else torch.tensor(list(index), dtype=torch.long).to(device),
-                       trains=tuple(trains))
+            return cls(
+                rows=n,
+                steered=s,
+                layout=layout,
+                **tensors,
+                top_k=torch.tensor(top_k, dtype=torch.long).to(device) if uses_top_k else None,
+                index=None if index is None else torch.tensor(list(index), dtype=torch.long).to(device),
+                trains=tuple(trains),
+            )
         longs: dict[str, list[int]] = {"top_k": top_k, "index": list(index) if index is not None else []}
         layout = None
         if s:
             U, W = RowLayout.from_slots(slots, trains).shape
             U, W = min(bucket(U), buffers.units), min(bucket(W), buffers.width)
-            host = RowLayout.from_slots(slots, trains, units=U, width=W, scratch=buffers.scratch,
-                                        zero_row=buffers.rows, sources=None if index is None else list(index[:s]))
-            longs.update(units=host.units.tolist(), gather=host.gather.tolist(),
-                         cell=host.cell.tolist() + [0] * (U * W - s))
+            host = RowLayout.from_slots(
+                slots,
+                trains,
+                units=U,
+                width=W,
+                scratch=buffers.scratch,
+                zero_row=buffers.rows,
+                sources=None if index is None else list(index[:s]),
+            )
+            longs.update(
+                units=host.units.tolist(), gather=host.gather.tolist(), cell=host.cell.tolist() + [0] * (U * W - s)
+            )
             values["weight"] = host.weight.tolist()
-            layout = RowLayout(buffers.view("units", U), buffers.view("gather", U * W),
-                               buffers.view("cell", U * W), buffers.view("weight", U * W), W,
-                               buffers.rows, host.slots, host.training)
+            layout = RowLayout(
+                buffers.view("units", U),
+                buffers.view("gather", U * W),
+                buffers.view("cell", U * W),
+                buffers.view("weight", U * W),
+                W,
+                buffers.rows,
+                host.slots,
+                host.training,
+            )
         buffers.write(longs, values)
-        return cls(rows=n, steered=s, layout=layout, **{k: buffers.view(k, n) for k in values if k != "weight"},
-                   top_k=buffers.view("top_k", n) if uses_top_k else None,
-                   index=buffers.view("index", n) if index is not None else None, trains=tuple(trains))
+        return cls(
+            rows=n,
+            steered=s,
+            layout=layout,
+            **{k: buffers.view(k, n) for k in values if k != "weight"},
+            top_k=buffers.view("top_k", n) if uses_top_k else None,
+            index=buffers.view("index", n) if index is not None else None,
+            trains=tuple(trains),
+        )
 
     @classmethod
-    def shapes(cls, buffers: PlanBuffers, cells: int) -> list["StepPlan"]:
+    def shapes(cls, buffers: PlanBuffers, cells: int) -> list[StepPlan]:
         """Plans of every bucketed block shape up to ``cells`` cells, on ``buffers``, whose units
         are the scratch slot and whose rows train nothing: what ``Steerer.prepare`` captures."""
         out = []
@@ -220,10 +259,18 @@ class StepPlan:
         return out
 
     @classmethod
-    def _idle(cls, buffers: PlanBuffers, units: int, width: int) -> "StepPlan":
+    def _idle(cls, buffers: PlanBuffers, units: int, width: int) -> StepPlan:
         cells = units * width
-        layout = RowLayout(buffers.view("units", units), buffers.view("gather", cells), buffers.view("cell", cells),
-                           buffers.view("weight", cells), width, buffers.rows, (), (0,))
+        layout = RowLayout(
+            buffers.view("units", units),
+            buffers.view("gather", cells),
+            buffers.view("cell", cells),
+            buffers.view("weight", cells),
+            width,
+            buffers.rows,
+            (),
+            (0,),
+        )
         one = buffers.view("a", 1)
         return cls(rows=0, steered=0, layout=layout, temperature=one, min_p=one, top_p=one, top_k=None, a=one, b=one)
 
@@ -232,8 +279,11 @@ def reference_filter(scaled: torch.Tensor, plan: StepPlan) -> torch.Tensor:
     """The core's candidate filter on z̃ [R, V]: −∞ outside C, in place."""
     R = scaled.shape[0]
     mask = iv.candidate_mask(
-        scaled, plan.top_k if plan.top_k is not None else torch.zeros(R, dtype=torch.long, device=scaled.device),
-        plan.top_p, plan.min_p)
+        scaled,
+        plan.top_k if plan.top_k is not None else torch.zeros(R, dtype=torch.long, device=scaled.device),
+        plan.top_p,
+        plan.min_p,
+    )
     return scaled.masked_fill_(~mask, iv.NEG_INF)
 
 
@@ -243,8 +293,9 @@ Filter = Callable[[torch.Tensor, StepPlan], torch.Tensor]
 class Steerer:
     """Runs ESamp's step over a ``StepPlan``'s rows with the given backends."""
 
-    def __init__(self, bank: DistillerBank, *, filter: Filter = reference_filter,
-                 graphs: GraphCache | None = None) -> None:
+    def __init__(
+        self, bank: DistillerBank, *, filter: Filter = reference_filter, graphs: GraphCache | None = None
+    ) -> None:
         self.bank = bank
         self._filter = filter
         self.graphs = graphs or GraphCache(enabled=False)
@@ -252,8 +303,9 @@ class Steerer:
 
     # -- distill -----------------------------------------------------------------------------
 
-    def distill(self, plan: StepPlan, x: torch.Tensor, y: torch.Tensor, normalize=None,
-                out_dtype: torch.dtype | None = None):
+    def distill(
+        self, plan: StepPlan, x: torch.Tensor, y: torch.Tensor, normalize=None, out_dtype: torch.dtype | None = None
+    ):
         """(ŷ, e, loss per unit or None) for the plan's rows, from their taps ``x`` and ``y``.
 
         ``normalize(x, y) -> (x, y)``, when given, turns the engine's raw taps into the Distiller's
@@ -262,6 +314,7 @@ class Steerer:
         row's taps, the buffer's last row zero) and ŷ, e have a row per block cell, the plan's rows
         first; the step runs as a CUDA graph per plan shape, reading its inputs where they are.
         """
+
         def step(gx, gy):
             prediction, errors, losses = self.bank.step(gx, gy, plan.layout, normalize)
             if out_dtype is not None:
@@ -271,8 +324,14 @@ class Steerer:
         key = (plan.key, out_dtype, x.data_ptr(), y.data_ptr(), x.stride(0), y.stride(0))
         return self.graphs.run(key, step, x, y)
 
-    def prepare(self, plans: Sequence[StepPlan], x: torch.Tensor, y: torch.Tensor, normalize=None,
-                out_dtype: torch.dtype | None = None) -> int:
+    def prepare(
+        self,
+        plans: Sequence[StepPlan],
+        x: torch.Tensor,
+        y: torch.Tensor,
+        normalize=None,
+        out_dtype: torch.dtype | None = None,
+    ) -> int:
         """Capture the Distiller step of each plan's shape ahead of use (plans whose units are the
         scratch slot and whose rows train nothing change no state). Returns the captures made."""
         before = self.graphs.captures
@@ -298,14 +357,23 @@ class Steerer:
         out.copy_(iv.match_entropy(out, plain, b * d.float(), plan.matched_rows()))
         return out, counts
 
-    def mix_at_candidates(self, plan: StepPlan, scaled: torch.Tensor, prediction: torch.Tensor,
-                          lm_head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def mix_at_candidates(
+        self, plan: StepPlan, scaled: torch.Tensor, prediction: torch.Tensor, lm_head: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The same mix with d computed only at the candidates (|C| rows of the LM head per row)."""
         mask = torch.isfinite(scaled)
         counts = mask.sum(dim=-1)
         width = int(counts.max()) if counts.numel() else 1  # one host read: the widest row's |C|
-        return iv.steer(scaled, mask, prediction, lm_head, plan.a.reshape(-1, 1), plan.b.reshape(-1, 1),
-                        width=width, matched=plan.matched_rows()), counts
+        return iv.steer(
+            scaled,
+            mask,
+            prediction,
+            lm_head,
+            plan.a.reshape(-1, 1),
+            plan.b.reshape(-1, 1),
+            width=width,
+            matched=plan.matched_rows(),
+        ), counts
 
     def filter_and_mix(self, plan: StepPlan, logits: torch.Tensor, d: torch.Tensor | None) -> torch.Tensor:
         """Filter and mix the plan's rows of the engine's ``logits`` in place (rows ``plan.index``);
@@ -344,8 +412,9 @@ class Steerer:
         z = torch.zeros(1, vocab, device=device)
         d = torch.zeros(1, vocab, device=device, dtype=d_dtype)
         one = torch.ones(1, device=device)
-        filter_and_mix(z, torch.zeros(1, dtype=torch.long, device=device), one, 0.1 * one, 0.9 * one, one,
-                       0 * one, d, self._work)
+        filter_and_mix(
+            z, torch.zeros(1, dtype=torch.long, device=device), one, 0.1 * one, 0.9 * one, one, 0 * one, d, self._work
+        )
 
     @property
     def filter_overflows(self) -> int:

@@ -37,8 +37,7 @@ def choose_engine(name: str = DEFAULT_ENGINE) -> EngineChoice:
     return EngineChoice("vllm", f"auto: CUDA GPU and vLLM {version}")
 
 
-def create_engine(name: str = DEFAULT_ENGINE, model: str | None = None, esamp=None, progress=None,
-                  **kwargs) -> Engine:
+def create_engine(name: str = DEFAULT_ENGINE, model: str | None = None, esamp=None, progress=None, **kwargs) -> Engine:
     """Build an engine by name (``choose_engine``: ``auto`` picks vLLM when CUDA and vLLM are
     present). ``server`` is a client of an ``esamp serve`` endpoint:
     ``create_engine("server", url="http://host:port")`` (``model`` then names a served model,

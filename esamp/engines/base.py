@@ -14,9 +14,10 @@ import collections
 import itertools
 import json
 import time
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator, Protocol, Sequence
+from typing import Protocol
 
 from esamp.core.config import EsampConfig, SamplingConfig, Steering
 from esamp.core.novelty import NoveltyNormalizer
@@ -76,8 +77,10 @@ def check_prompt_text(prompt: str) -> str:
     for i, ch in enumerate(prompt):
         if "\ud800" <= ch <= "\udfff":
             raw = f" (byte 0x{ord(ch) - 0xDC00:02x})" if "\udc80" <= ch <= "\udcff" else ""
-            raise PromptError(f"the prompt is not valid UTF-8 text: character {i + 1}{raw} cannot be read",
-                              hint="retype the prompt, or convert it to UTF-8 (iconv -t UTF-8)")
+            raise PromptError(
+                f"the prompt is not valid UTF-8 text: character {i + 1}{raw} cannot be read",
+                hint="retype the prompt, or convert it to UTF-8 (iconv -t UTF-8)",
+            )
     visible = "".join(ch for ch in prompt.translate(_INVISIBLE) if ch.isprintable() and not ch.isspace())
     if not visible:
         raise PromptError("the prompt is empty", hint="type a question or an instruction")
@@ -93,7 +96,8 @@ def encode_prompt(tokenizer, prompt: str | Sequence[int], chat: bool, context: i
         check_prompt_text(prompt)
         if chat and getattr(tokenizer, "chat_template", None):
             text = tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+            )
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         else:
             ids = tokenizer(prompt)["input_ids"]
@@ -148,8 +152,15 @@ class GroupStream:
     flushes a sample's last token (novelty unknown) and emits its ``done``.
     """
 
-    def __init__(self, group: str, n: int, tokenizer, normalizer: NoveltyNormalizer,
-                 stop_ids: Iterable[int] = (), prompt_ids: Sequence[int] = ()) -> None:
+    def __init__(
+        self,
+        group: str,
+        n: int,
+        tokenizer,
+        normalizer: NoveltyNormalizer,
+        stop_ids: Iterable[int] = (),
+        prompt_ids: Sequence[int] = (),
+    ) -> None:
         self.group, self.n = group, n
         self.normalizer = normalizer
         self.stop_ids = frozenset(stop_ids)
@@ -174,8 +185,7 @@ class GroupStream:
         if pending is None:
             return []
         index, token_id, text = pending
-        return [TokenEvent(group=self.group, sample=sample, index=index, token_id=token_id,
-                           text=text, novelty=novelty)]
+        return [TokenEvent(group=self.group, sample=sample, index=index, token_id=token_id, text=text, novelty=novelty)]
 
     def sampled(self, sample: int, token_id: int) -> bool:
         """Queue a freshly sampled token. Returns True when it is a stop token (not shown)."""
@@ -191,8 +201,7 @@ class GroupStream:
             return []
         events = self._release(sample, None)
         self.finished[sample] = reason
-        events.append(DoneEvent(group=self.group, sample=sample, finish_reason=reason,
-                                tokens=self.count[sample]))
+        events.append(DoneEvent(group=self.group, sample=sample, finish_reason=reason, tokens=self.count[sample]))
         return events
 
     def finish_all(self, reason: str) -> list[Event]:
@@ -282,11 +291,14 @@ class StepStats:
         the group's step index, and the dashboard charts as the step's mean)."""
         self.losses.setdefault(group, []).append(loss)
 
-    def event(self, step: int, rate: "RateMeter") -> StepEvent:
+    def event(self, step: int, rate: RateMeter) -> StepEvent:
         every = [v for values in self.losses.values() for v in values]
         return StepEvent(
-            step=step, rows=self.rows, tokens_per_s=round(rate.add(self.tokens), 3),
-            loss=sum(every) / len(every) if every else None, losses=self.losses,
+            step=step,
+            rows=self.rows,
+            tokens_per_s=round(rate.add(self.tokens), 3),
+            loss=sum(every) / len(every) if every else None,
+            losses=self.losses,
             port_hits=self.port_hits,
             candidates=sum(self.candidates) / len(self.candidates) if self.candidates else 0.0,
             esamp=self.port_hits > 0,
@@ -315,9 +327,14 @@ class EngineBase:
     def _loaded(self) -> None:
         """Call at the end of ``__init__``: the model is loaded and the engine takes work."""
         self._ready = ReadyEvent(
-            engine=self.name, model=self.model_name, device=self.device_name, hidden_size=self.hidden,
-            num_layers=self.num_layers, context=self.context,
-            load_seconds=round(time.perf_counter() - self._t0, 3))
+            engine=self.name,
+            model=self.model_name,
+            device=self.device_name,
+            hidden_size=self.hidden,
+            num_layers=self.num_layers,
+            context=self.context,
+            load_seconds=round(time.perf_counter() - self._t0, 3),
+        )
 
     @property
     def ready(self) -> ReadyEvent:
@@ -333,28 +350,45 @@ class EngineBase:
             raise ConfigError(
                 f"a group takes a Steering (on/off, beta, mix, training), not a {type(steering).__name__}",
                 hint="pass config.steering; the engine-wide settings (taps, rank, slots, ...) are fixed when "
-                     "the engine starts")
+                "the engine starts",
+            )
         return steering
 
     def encode(self, prompt: str | Sequence[int], chat: bool = True) -> list[int]:
         if isinstance(prompt, str) and self.tokenizer is None:
             raise PromptError(
                 f"{self.model_name} has no tokenizer (random weights): give the prompt as token ids",
-                hint="pass a list of token ids (esamp bench builds them), or use a real model")
+                hint="pass a list of token ids (esamp bench builds them), or use a real model",
+            )
         return encode_prompt(self.tokenizer, prompt, chat, self.context)
 
-    def start(self, prompt: str | Sequence[int], sampling: SamplingConfig,
-              steering: Steering | None = None, group: str | None = None, chat: bool = True) -> str:
+    def start(
+        self,
+        prompt: str | Sequence[int],
+        sampling: SamplingConfig,
+        steering: Steering | None = None,
+        group: str | None = None,
+        chat: bool = True,
+    ) -> str:
         """Admit a group of ``sampling.n`` samples of ``prompt``; returns its key."""
         steering = self.steering_of(steering)
         ids = self.encode(prompt, chat)
         key = group or new_group_key()
         if key in self.groups:
             raise EngineError(f"group {key!r} is already running", hint="use a new group key")
-        stream = GroupStream(key, sampling.n, self.tokenizer, self.normalizer,
-                             () if sampling.ignore_eos else self.stop_ids, ids)
-        g = self._admit(Group(key=key, sampling=sampling, steering=steering, stream=stream, prompt_ids=ids,
-                              max_new=min(sampling.max_tokens, self.context - len(ids))))
+        stream = GroupStream(
+            key, sampling.n, self.tokenizer, self.normalizer, () if sampling.ignore_eos else self.stop_ids, ids
+        )
+        g = self._admit(
+            Group(
+                key=key,
+                sampling=sampling,
+                steering=steering,
+                stream=stream,
+                prompt_ids=ids,
+                max_new=min(sampling.max_tokens, self.context - len(ids)),
+            )
+        )
         self.groups[key] = g
         return key
 
@@ -381,8 +415,11 @@ class EngineBase:
 
     def _failed(self, g: Group, exc: BaseException) -> list[Event]:
         """One group failed: end it with an error event; the other groups keep running."""
-        return [ErrorEvent(message=f"generation failed: {exc}", group=g.key,
-                           hint="the other groups keep running; try again")] + self.abort(g.key)
+        return [
+            ErrorEvent(
+                message=f"generation failed: {exc}", group=g.key, hint="the other groups keep running; try again"
+            )
+        ] + self.abort(g.key)
 
     def _cancel(self, g: Group) -> None:
         """Stop decoding ``g``'s unfinished samples (nothing to do where the engine owns the loop)."""

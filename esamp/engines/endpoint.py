@@ -39,12 +39,13 @@ import queue
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 from urllib.parse import quote, urlsplit
 
-from esamp.core.config import EsampConfig, make_config
 from esamp.core import payload as pl
+from esamp.core.config import EsampConfig, make_config
 from esamp.engines.base import Group, RateMeter, StepStats, check_prompt_text, encode_prompt
 from esamp.engines.record_streams import RecordedEngine, RecordedGroup, finish_reason
 from esamp.errors import ConfigError, EngineError, PromptError
@@ -100,16 +101,26 @@ class EndpointEngine(RecordedEngine):
 
     name = "server"
 
-    def __init__(self, url: str | None = None, model: str | None = None, esamp: EsampConfig | None = None, *,
-                 api_key: str | None = None, poll_interval: float = 0.05, timeout: float = START_TIMEOUT) -> None:
+    def __init__(
+        self,
+        url: str | None = None,
+        model: str | None = None,
+        esamp: EsampConfig | None = None,
+        *,
+        api_key: str | None = None,
+        poll_interval: float = 0.05,
+        timeout: float = START_TIMEOUT,
+    ) -> None:
         """``url``: the server (``http://host:port``). ``model``: a served model name (default:
         the server's first). ``esamp``: only its steering is used, as the default for groups
         started without one; the engine-wide settings (taps, slots, ...) are the server's.
         ``api_key``: for a server started with ``--api-key`` (default: ``$ESAMP_API_KEY``)."""
         super().__init__(None)
         if not url:
-            raise ConfigError("the server engine needs the server's address",
-                              hint="pass --server http://HOST:PORT (a server started with esamp serve)")
+            raise ConfigError(
+                "the server engine needs the server's address",
+                hint="pass --server http://HOST:PORT (a server started with esamp serve)",
+            )
         parts = urlsplit(url if "://" in url else f"http://{url}")
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ConfigError(f"--server {url!r}: not an http(s) address", hint="e.g. --server http://127.0.0.1:8000")
@@ -158,13 +169,19 @@ class EndpointEngine(RecordedEngine):
         """One request; the JSON answer, or an ``EngineError`` with the server's own reason."""
         conn = self._connection(timeout)
         try:
-            conn.request(method, self._parts.path.rstrip("/") + path,
-                         body=None if body is None else json.dumps(body), headers=self._headers())
+            conn.request(
+                method,
+                self._parts.path.rstrip("/") + path,
+                body=None if body is None else json.dumps(body),
+                headers=self._headers(),
+            )
             response = conn.getresponse()
             status, data = response.status, response.read()
         except OSError as exc:
-            raise EngineError(f"no answer from the server at {self.url}: {exc}",
-                              hint="is it running? start one with esamp serve MODEL --port PORT") from None
+            raise EngineError(
+                f"no answer from the server at {self.url}: {exc}",
+                hint="is it running? start one with esamp serve MODEL --port PORT",
+            ) from None
         finally:
             conn.close()
         if status != 200:
@@ -172,23 +189,25 @@ class EndpointEngine(RecordedEngine):
         try:
             return json.loads(data)
         except ValueError:
-            raise EngineError(f"{method} {path}: the server's answer is not JSON",
-                              hint=f"is {self.url} an esamp serve endpoint?") from None
+            raise EngineError(
+                f"{method} {path}: the server's answer is not JSON", hint=f"is {self.url} an esamp serve endpoint?"
+            ) from None
 
     def _server_info(self) -> dict:
         try:
             return self.request_json("GET", "/esamp/config")
         except EngineError as exc:
             if getattr(exc, "status", None) in (404, 503):
-                raise EngineError(f"{self.url} serves no ESamp ({exc.message})",
-                                  hint="start the server with esamp serve MODEL (docs/serving.md)") from None
+                raise EngineError(
+                    f"{self.url} serves no ESamp ({exc.message})",
+                    hint="start the server with esamp serve MODEL (docs/serving.md)",
+                ) from None
             raise
 
     def info(self) -> dict:
         return self.request_json("GET", "/esamp/config")
 
     # -- admission ---------------------------------------------------------------------------
-
 
     def encode(self, prompt: str | Sequence[int], chat: bool = True) -> list[int]:
         if isinstance(prompt, str):
@@ -211,8 +230,10 @@ class EndpointEngine(RecordedEngine):
             if chat and "chat template" in text:  # a model without one: the prompt as plain text
                 return self._tokenize(prompt, chat=False)
             if "tokenizer" in text:
-                raise PromptError(f"{self.model_id} is served without a tokenizer: give the prompt as token ids",
-                                  hint="pass a list of token ids, or serve a model with a tokenizer") from None
+                raise PromptError(
+                    f"{self.model_id} is served without a tokenizer: give the prompt as token ids",
+                    hint="pass a list of token ids, or serve a model with a tokenizer",
+                ) from None
             raise
 
     def _admit(self, group: Group) -> _ServedGroup:
@@ -224,20 +245,37 @@ class EndpointEngine(RecordedEngine):
         # Steered: every steering setting explicitly (not the server's defaults), and its records
         # kept for this client (the server names the group). Off: plain sampling, no Distiller, no records.
         xargs = pl.encode(g.steering, records=True) if g.steered else {pl.PREFIX: "off"}
-        body = {"model": self.model_id, "prompt": g.prompt_ids, "n": s.n, "max_tokens": g.max_new,
-                "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "min_p": s.min_p,
-                "ignore_eos": s.ignore_eos, "stream": True, "return_token_ids": True, "vllm_xargs": xargs}
+        body = {
+            "model": self.model_id,
+            "prompt": g.prompt_ids,
+            "n": s.n,
+            "max_tokens": g.max_new,
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "top_k": s.top_k,
+            "min_p": s.min_p,
+            "ignore_eos": s.ignore_eos,
+            "stream": True,
+            "return_token_ids": True,
+            "vllm_xargs": xargs,
+        }
         if s.seed is not None:
             body["seed"] = s.seed
         conn = self._connection(self.timeout)
         try:
-            conn.request("POST", self._parts.path.rstrip("/") + "/v1/completions", body=json.dumps(body),
-                         headers={**self._headers(), "Accept": "text/event-stream"})
+            conn.request(
+                "POST",
+                self._parts.path.rstrip("/") + "/v1/completions",
+                body=json.dumps(body),
+                headers={**self._headers(), "Accept": "text/event-stream"},
+            )
             response = conn.getresponse()
         except OSError as exc:
             conn.close()
-            raise EngineError(f"the server at {self.url} did not take the request: {exc}",
-                              hint="is it still running? the other groups keep going") from None
+            raise EngineError(
+                f"the server at {self.url} did not take the request: {exc}",
+                hint="is it still running? the other groups keep going",
+            ) from None
         if response.status != 200:
             data = response.read()
             conn.close()
@@ -246,14 +284,17 @@ class EndpointEngine(RecordedEngine):
             g.server_group = response.getheader(GROUP_HEADER) or ""
             if not g.server_group:
                 conn.close()
-                raise EngineError(f"the server at {self.url} did not name the request's ESamp group (no "
-                                  f"{GROUP_HEADER} header), so its novelty cannot be read",
-                                  hint="serve with esamp serve of this esamp version")
+                raise EngineError(
+                    f"the server at {self.url} did not name the request's ESamp group (no "
+                    f"{GROUP_HEADER} header), so its novelty cannot be read",
+                    hint="serve with esamp serve of this esamp version",
+                )
         if conn.sock is not None:  # a request may wait in vLLM's queue for long before its first token
             conn.sock.settimeout(None)
         g.conn = conn
-        threading.Thread(target=self._read_stream, args=(g, response), name=f"esamp-stream-{g.key}",
-                         daemon=True).start()
+        threading.Thread(
+            target=self._read_stream, args=(g, response), name=f"esamp-stream-{g.key}", daemon=True
+        ).start()
         return g
 
     def _read_stream(self, g: _ServedGroup, response) -> None:
@@ -273,8 +314,17 @@ class EndpointEngine(RecordedEngine):
                     put(("error", g.key, error.get("message", str(error)) if isinstance(error, dict) else str(error)))
                     break
                 for choice in chunk.get("choices", ()):
-                    put(("tokens", g.key, choice["index"], list(choice.get("token_ids") or ()),
-                         choice.get("text") or "", choice.get("finish_reason"), choice.get("stop_reason")))
+                    put(
+                        (
+                            "tokens",
+                            g.key,
+                            choice["index"],
+                            list(choice.get("token_ids") or ()),
+                            choice.get("text") or "",
+                            choice.get("finish_reason"),
+                            choice.get("stop_reason"),
+                        )
+                    )
         except Exception as exc:  # a broken connection, or one we closed to abort
             if not g.cancelled:
                 put(("error", g.key, f"the stream from the server broke: {type(exc).__name__}: {exc}"))
@@ -390,13 +440,18 @@ def _server_error(status: int, data: bytes, what: str, sent_key: bool = False) -
     except (ValueError, AttributeError):
         message = data.decode(errors="replace")[:300] or f"HTTP {status}"
     if status == 401:
-        err = EngineError(f"the server refused {what} (HTTP 401): " + (
-            f"it does not take the API key in {API_KEY_ENV}" if sent_key else "it needs an API key"),
-            hint=f"set {API_KEY_ENV} to the key the server was started with (esamp serve --api-key KEY)")
+        err = EngineError(
+            f"the server refused {what} (HTTP 401): "
+            + (f"it does not take the API key in {API_KEY_ENV}" if sent_key else "it needs an API key"),
+            hint=f"set {API_KEY_ENV} to the key the server was started with (esamp serve --api-key KEY)",
+        )
     else:
         kind = ConfigError if status == 400 else EngineError
-        err = kind(f"the server refused {what} (HTTP {status}): {message}",
-                   hint="change the setting the message names" if status == 400
-                   else "check the server's log; esamp serve prints where it listens")
+        err = kind(
+            f"the server refused {what} (HTTP {status}): {message}",
+            hint="change the setting the message names"
+            if status == 400
+            else "check the server's log; esamp serve prints where it listens",
+        )
     err.status = status
     return err

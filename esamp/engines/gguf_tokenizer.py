@@ -25,29 +25,36 @@ BYTE_LEVEL_SPACE = "\u0120"
 
 
 # The header keys ``GgufVocab.from_header`` reads.
-HEADER_KEYS = frozenset({
-    "tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.merges",
-    "tokenizer.ggml.add_bos_token", "tokenizer.ggml.bos_token_id",
-})
+HEADER_KEYS = frozenset(
+    {
+        "tokenizer.ggml.model",
+        "tokenizer.ggml.tokens",
+        "tokenizer.ggml.merges",
+        "tokenizer.ggml.add_bos_token",
+        "tokenizer.ggml.bos_token_id",
+    }
+)
 
 
 @dataclass(frozen=True)
 class GgufVocab:
     """What a GGUF header says about its tokenizer."""
 
-    model: str                # tokenizer.ggml.model: "llama" (SentencePiece), "gpt2" (byte-level BPE), ...
+    model: str  # tokenizer.ggml.model: "llama" (SentencePiece), "gpt2" (byte-level BPE), ...
     tokens: tuple[str, ...]
     has_merges: bool
-    bos_id: int | None        # the BOS id when the header asks for BOS before every prompt
+    bos_id: int | None  # the BOS id when the header asks for BOS before every prompt
 
     @classmethod
     def from_header(cls, metadata: dict) -> GgufVocab:
         """From the values of ``HEADER_KEYS`` (``esamp.engines.models.gguf_metadata``)."""
         asks_bos = bool(metadata.get("tokenizer.ggml.add_bos_token"))
-        return cls(model=metadata.get("tokenizer.ggml.model", ""),
-                   tokens=tuple(metadata.get("tokenizer.ggml.tokens") or ()),
-                   has_merges="tokenizer.ggml.merges" in metadata,
-                   bos_id=metadata.get("tokenizer.ggml.bos_token_id") if asks_bos else None)
+        return cls(
+            model=metadata.get("tokenizer.ggml.model", ""),
+            tokens=tuple(metadata.get("tokenizer.ggml.tokens") or ()),
+            has_merges="tokenizer.ggml.merges" in metadata,
+            bos_id=metadata.get("tokenizer.ggml.bos_token_id") if asks_bos else None,
+        )
 
 
 def spm_bpe_model(tokens: tuple[str, ...] | list[str]) -> dict:
@@ -70,10 +77,16 @@ def spm_bpe_model(tokens: tuple[str, ...] | list[str]) -> dict:
                 merges.append((index, -cut, left, right))
     merges.sort()
     return {
-        "type": "BPE", "dropout": None, "unk_token": "<unk>" if "<unk>" in vocab else None,
-        "continuing_subword_prefix": None, "end_of_word_suffix": None, "fuse_unk": True,
-        "byte_fallback": True, "ignore_merges": False,
-        "vocab": vocab, "merges": [[left, right] for _, _, left, right in merges],
+        "type": "BPE",
+        "dropout": None,
+        "unk_token": "<unk>" if "<unk>" in vocab else None,
+        "continuing_subword_prefix": None,
+        "end_of_word_suffix": None,
+        "fuse_unk": True,
+        "byte_fallback": True,
+        "ignore_merges": False,
+        "vocab": vocab,
+        "merges": [[left, right] for _, _, left, right in merges],
     }
 
 
@@ -103,8 +116,12 @@ def _add_bos(directory: Path, bos: str, bos_id: int) -> None:
     template = {
         "type": "TemplateProcessing",
         "single": [special, {"Sequence": {"id": "A", "type_id": 0}}],
-        "pair": [special, {"Sequence": {"id": "A", "type_id": 0}},
-                 {"SpecialToken": {"id": bos, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "pair": [
+            special,
+            {"Sequence": {"id": "A", "type_id": 0}},
+            {"SpecialToken": {"id": bos, "type_id": 1}},
+            {"Sequence": {"id": "B", "type_id": 1}},
+        ],
         "special_tokens": {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}},
     }
     present = data.get("post_processor")
@@ -148,5 +165,6 @@ def repair(directory: Path, source: Path, vocab: GgufVocab) -> list[str]:
         raise ModelFormatError(
             f"the tokenizer transformers built from {source} is wrong: {'; '.join(what)}",
             hint="upgrade transformers (pip install -U transformers), or convert the model to a "
-            "Hugging Face directory with its own tokenizer.json and pass that")
+            "Hugging Face directory with its own tokenizer.json and pass that",
+        )
     return repaired

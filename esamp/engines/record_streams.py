@@ -63,12 +63,16 @@ class RecordedEngine(EngineBase):
         events: list[Event] = []
         if not g.steered:
             # One engine step per call: every new token is this step's (delta outputs).
-            unit = [(s, g.fed[s], g.arrived[s][g.fed[s]], None)
-                    for s in range(g.sampling.n) if g.fed[s] < len(g.arrived[s])]
+            unit = [
+                (s, g.fed[s], g.arrived[s][g.fed[s]], None) for s in range(g.sampling.n) if g.fed[s] < len(g.arrived[s])
+            ]
             while unit:
                 events += self._feed(g, unit, steered=False)
-                unit = [(s, g.fed[s], g.arrived[s][g.fed[s]], None)
-                        for s in range(g.sampling.n) if g.fed[s] < len(g.arrived[s])]
+                unit = [
+                    (s, g.fed[s], g.arrived[s][g.fed[s]], None)
+                    for s in range(g.sampling.n)
+                    if g.fed[s] < len(g.arrived[s])
+                ]
             return events + self._finish_ready(g)
         for step in sorted(g.records):
             rows = [(s, k, e) for s, k, e in g.records[step] if g.latest.get((s, k)) == step]
@@ -121,4 +125,3 @@ class RecordedEngine(EngineBase):
             if s not in g.stream.finished and g.fed[s] >= len(g.arrived[s]):
                 events += g.stream.finish(s, reason)
         return events
-

@@ -25,9 +25,9 @@ from esamp.core.config import EsampConfig
 from esamp.core.distiller import DistillerBank, bank_for
 from esamp.core.steerer import SteeredRow, Steerer, StepPlan
 from esamp.engines.base import EngineBase, Group, StepStats, resolve_layer, stop_token_ids
+from esamp.engines.models import resolve
 from esamp.errors import EngineError
 from esamp.events import Event
-from esamp.engines.models import resolve
 from esamp.platform.threads import apply_threads
 
 
@@ -63,8 +63,9 @@ class _Taps:
         try:
             return self.rows.pop("source"), self.rows.pop("target")
         except KeyError:
-            raise EngineError("a tapped module did not run in the forward pass",
-                              hint="check the source and target layers") from None
+            raise EngineError(
+                "a tapped module did not run in the forward pass", hint="check the source and target layers"
+            ) from None
 
     def remove(self) -> None:
         for h in self._handles:
@@ -74,9 +75,16 @@ class _Taps:
 class ReferenceEngine(EngineBase):
     name = "reference"
 
-    def __init__(self, model: str | None = None, esamp: EsampConfig | None = None, *,
-                 device: str = "cpu", dtype: torch.dtype = torch.float32, threads: int | None = None,
-                 progress=None) -> None:
+    def __init__(
+        self,
+        model: str | None = None,
+        esamp: EsampConfig | None = None,
+        *,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        threads: int | None = None,
+        progress=None,
+    ) -> None:
         super().__init__(esamp)
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
@@ -175,8 +183,8 @@ class ReferenceEngine(EngineBase):
         offset = 0
         for g in groups:
             rows = len(g.alive)
-            out[g.key] = (prediction[offset:offset + rows], errors[offset:offset + rows])
-            if loss is not None and any(plan.trains[offset:offset + rows]):
+            out[g.key] = (prediction[offset : offset + rows], errors[offset : offset + rows])
+            if loss is not None and any(plan.trains[offset : offset + rows]):
                 stats.add_loss(g.key, float(loss.mean()))  # the one step's loss, for each group it learned from
             offset += rows
         return []
@@ -203,15 +211,15 @@ class ReferenceEngine(EngineBase):
             plan = self._plan(g, rows)
             # the prompt's last position serves every sample's first token
             scaled = self.steerer.filter(plan, logits.float().expand(rows, -1).clone())
-            final, counts = self.steerer.mix_at_candidates(plan, scaled, prediction.expand(rows, -1),
-                                                           self.lm_head)
+            final, counts = self.steerer.mix_at_candidates(plan, scaled, prediction.expand(rows, -1), self.lm_head)
             stats.candidates.append(float(counts.float().mean()))
         else:
             if not first:
                 events += g.stream.novelties(g.alive, None)
             scaled = iv.scale_logits(logits, torch.full((rows,), s.temperature)).expand(rows, -1)
-            mask = iv.candidate_mask(scaled, torch.full((rows,), s.top_k), torch.full((rows,), s.top_p),
-                                     torch.full((rows,), s.min_p))
+            mask = iv.candidate_mask(
+                scaled, torch.full((rows,), s.top_k), torch.full((rows,), s.top_p), torch.full((rows,), s.min_p)
+            )
             final = iv.filtered_logits(scaled, mask)
         tokens = iv.sample(final, torch.full((rows,), s.temperature == 0), g.generator)
 
@@ -247,5 +255,4 @@ class ReferenceEngine(EngineBase):
         shared: dict[str, tuple] = {}
         if self.bank.shared:
             events += self._distill_shared(fed, shared, stats)
-        return events + self._advance_groups(
-            lambda g: self._step_group(g, fed[g.key], shared.get(g.key), stats), stats)
+        return events + self._advance_groups(lambda g: self._step_group(g, fed[g.key], shared.get(g.key), stats), stats)

@@ -17,8 +17,8 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
@@ -130,8 +130,7 @@ class Embedder:
         try:
             from sentence_transformers import SentenceTransformer
         except ImportError:
-            raise EsampError("sentence-transformers is not installed",
-                             hint="pip install 'esamp[eval]'") from None
+            raise EsampError("sentence-transformers is not installed", hint="pip install 'esamp[eval]'") from None
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # a "Loading weights" bar would break the progress lines
@@ -140,8 +139,9 @@ class Embedder:
     def encode(self, texts: Sequence[str]) -> np.ndarray:
         if self._model is None:
             self._model = self._load()
-        vectors = self._model.encode(list(texts), batch_size=32, convert_to_numpy=True,
-                                     normalize_embeddings=True, show_progress_bar=False)
+        vectors = self._model.encode(
+            list(texts), batch_size=32, convert_to_numpy=True, normalize_embeddings=True, show_progress_bar=False
+        )
         return np.asarray(vectors, dtype=np.float64)
 
 

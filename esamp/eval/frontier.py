@@ -31,7 +31,7 @@ temperature plain sampling is as diverse (``temperature_equivalent``).
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -87,9 +87,13 @@ def verdict(gap: float, low: float, high: float, outside: float = 0.0) -> str:
     return ON
 
 
-def analyse(curve: Mapping[str, float], vendi: Mapping[str, Sequence[float]],
-            scores: Mapping[str, Mapping[str, Sequence[float]]], resamples: int = 10_000,
-            seed: int = 0) -> dict:
+def analyse(
+    curve: Mapping[str, float],
+    vendi: Mapping[str, Sequence[float]],
+    scores: Mapping[str, Mapping[str, Sequence[float]]],
+    resamples: int = 10_000,
+    seed: int = 0,
+) -> dict:
     """The frontier of one task.
 
     ``curve``: the arms of the temperature curve and their temperatures; ``vendi``: every arm's
@@ -118,8 +122,7 @@ def analyse(curve: Mapping[str, float], vendi: Mapping[str, Sequence[float]],
         "vendi_range": [float(x_mean[cols].min()), float(x_mean[cols].max())],
         "points": {a: {"vendi": _summary(x_mean[row[a]], x_boot[:, row[a]])} for a in arms},
         "gaps": {},
-        "temperature_equivalent": {a: temperature_at(list(x_mean[cols]), temps, float(x_mean[row[a]]))
-                                   for a in points},
+        "temperature_equivalent": {a: temperature_at(list(x_mean[cols]), temps, float(x_mean[row[a]])) for a in points},
     }
     for metric, by_arm in scores.items():
         y = np.array([by_arm[a] for a in arms], dtype=float)

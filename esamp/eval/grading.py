@@ -117,7 +117,7 @@ def final_number(text: str, question: str | None = None) -> str | None:
     result = results[-1]
     value = _clean_number(result.group(1))
     given = {_value(_clean_number(n)) for n in _NUMBER.findall(question)} | {_value(value)}
-    after = [_value(_clean_number(n)) for n in _NUMBER.findall(text[result.end():])]
+    after = [_value(_clean_number(n)) for n in _NUMBER.findall(text[result.end() :])]
     return value if all(n in given for n in after) else last
 
 
@@ -130,7 +130,7 @@ def extract_answer(text: str, question: str | None = None) -> str | None:
         return boxed
     anchors = list(_ANSWER_IS.finditer(text))
     if anchors:
-        stated = stated_answer(text[anchors[-1].end():])
+        stated = stated_answer(text[anchors[-1].end() :])
         if stated:
             return stated
     return final_number(text, question)
@@ -173,8 +173,9 @@ class MathChecker:
 
     def __init__(self, timeout: float = 10.0, worker: list[str] | None = None) -> None:
         if worker is None and not math_verify_available():
-            raise EsampError("math-verify is not installed, so math answers cannot be checked",
-                             hint="pip install 'esamp[eval]'")
+            raise EsampError(
+                "math-verify is not installed, so math answers cannot be checked", hint="pip install 'esamp[eval]'"
+            )
         self.timeout = timeout
         self.worker = worker or [sys.executable, "-m", "esamp.eval.verify_worker"]
         self._proc: subprocess.Popen | None = None
@@ -184,7 +185,11 @@ class MathChecker:
     def _spawn(self) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self._proc = subprocess.Popen(
-            self.worker, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
+            self.worker,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=env,
         )
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._proc.stdout, selectors.EVENT_READ)

@@ -23,7 +23,7 @@ group as it goes and a token's novelty says how it compares with the group's rec
 from __future__ import annotations
 
 import math
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 WINDOW = 8  # the first positions of a reply, summed up against the rest
 MIN_SHARE = 0.25  # a position is kept while at least this share of an arm's groups reach it
@@ -77,7 +77,10 @@ def analyse(records: Mapping[str, Sequence[dict]]) -> dict[str, dict]:
             continue
         loss_curve = curve(losses, first=-1)
         novelty_curve = curve(novelty, first=0)
-        out[arm] = {"groups": {"loss": len(losses), "novelty": len(novelty)},
-                    "loss": loss_curve, "novelty": novelty_curve,
-                    "windows": {"loss": windows(loss_curve), "novelty": windows(novelty_curve)}}
+        out[arm] = {
+            "groups": {"loss": len(losses), "novelty": len(novelty)},
+            "loss": loss_curve,
+            "novelty": novelty_curve,
+            "windows": {"loss": windows(loss_curve), "novelty": windows(novelty_curve)},
+        }
     return out

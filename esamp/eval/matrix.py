@@ -29,13 +29,14 @@ beside a temperature sweep adds min-p at high temperature.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 from pydantic import BaseModel
 
-from esamp.core.mixes import MIXES
 from esamp.core.config import ENGINE_FIELDS, EsampConfig, Filters, SamplingConfig, Steering, make_config, setting
+from esamp.core.mixes import MIXES
 from esamp.errors import ConfigError
 
 BASELINE = "baseline"
@@ -80,12 +81,15 @@ def _split(text: str, origin: str) -> tuple[str, list[str]]:
     key, sep, values = text.partition("=")
     key = key.strip().replace("-", "_")
     if not sep or not key:
-        raise ConfigError(f"{origin} {text!r} is not KEY=VALUE[,VALUE...]",
-                          hint=f"write it like --matrix beta=0.4,0.8,1.2 mix={','.join(MIXES)}")
+        raise ConfigError(
+            f"{origin} {text!r} is not KEY=VALUE[,VALUE...]",
+            hint=f"write it like --matrix beta=0.4,0.8,1.2 mix={','.join(MIXES)}",
+        )
     parts = [v.strip() for v in values.split(",")]
     if not all(parts):
-        raise ConfigError(f"{origin} {text!r} has an empty value",
-                          hint="separate values with single commas, e.g. beta=0.4,0.8")
+        raise ConfigError(
+            f"{origin} {text!r} has an empty value", hint="separate values with single commas, e.g. beta=0.4,0.8"
+        )
     return key, parts
 
 
@@ -100,8 +104,15 @@ def parse_axes(items: Sequence[str], origin: str = "--matrix") -> dict[str, list
     return axes
 
 
-def _check_axes(axes: Mapping[str, Iterable], keys: Sequence[str], model: type[BaseModel], base: Mapping[str, Any],
-               origin: str, unknown_hint: str, example: str = "A,B") -> dict[str, list]:
+def _check_axes(
+    axes: Mapping[str, Iterable],
+    keys: Sequence[str],
+    model: type[BaseModel],
+    base: Mapping[str, Any],
+    origin: str,
+    unknown_hint: str,
+    example: str = "A,B",
+) -> dict[str, list]:
     """Each key checked against ``keys`` and each value against its field of ``model`` (over the
     settings ``base``), so a bad one is refused as its flag would be; every value listed once."""
     out: dict[str, list] = {}
@@ -115,8 +126,7 @@ def _check_axes(axes: Mapping[str, Iterable], keys: Sequence[str], model: type[B
         for raw in raw_values:
             value = setting(make_config(model, {key: f"{origin} {key}"}, **{**base, key: raw}), key)
             if value in values:
-                raise ConfigError(f"{origin} {key} lists {format_value(value)} twice",
-                                  hint="list every value once")
+                raise ConfigError(f"{origin} {key} lists {format_value(value)} twice", hint="list every value once")
             values.append(value)
         out[key] = values
     return out
@@ -124,8 +134,9 @@ def _check_axes(axes: Mapping[str, Iterable], keys: Sequence[str], model: type[B
 
 def validate_axes(axes: Mapping[str, Iterable], base: EsampConfig, origin: str = "--matrix") -> dict[str, list]:
     """The matrix's axes (``MATRIX_KEYS``), each value checked against its settings field."""
-    return _check_axes(axes, MATRIX_KEYS, EsampConfig, base.flat(), origin,
-                      unknown_hint="matrix keys: " + ", ".join(MATRIX_KEYS))
+    return _check_axes(
+        axes, MATRIX_KEYS, EsampConfig, base.flat(), origin, unknown_hint="matrix keys: " + ", ".join(MATRIX_KEYS)
+    )
 
 
 def _combinations(axes: Mapping[str, Sequence]) -> list[tuple[str, dict]]:
@@ -171,12 +182,19 @@ class PlainArm:
         return dict(self.filters)
 
 
-def build_plain_arms(specs: Sequence[Mapping[str, Iterable]], base: SamplingConfig,
-                     origin: str = "--plain") -> list[PlainArm]:
+def build_plain_arms(
+    specs: Sequence[Mapping[str, Iterable]], base: SamplingConfig, origin: str = "--plain"
+) -> list[PlainArm]:
     """Each spec's cross product of filter values, checked like flags. Arms are named by what
     they set (``temperature=1.2``); ``EvalSettings`` refuses one that samples like another or like
     the baseline."""
     hint = "plain arms set their filters: " + ", ".join(PLAIN_KEYS) + " (ESamp settings go to --matrix)"
-    return [PlainArm(name, filters) for spec in specs
-            for name, filters in _combinations(_check_axes(spec, PLAIN_KEYS, SamplingConfig, base.model_dump(), origin,
-                                                         unknown_hint=hint, example="0.4,1.2"))]
+    return [
+        PlainArm(name, filters)
+        for spec in specs
+        for name, filters in _combinations(
+            _check_axes(
+                spec, PLAIN_KEYS, SamplingConfig, base.model_dump(), origin, unknown_hint=hint, example="0.4,1.2"
+            )
+        )
+    ]

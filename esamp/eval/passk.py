@@ -11,7 +11,7 @@ This is unbiased for the true pass@k of a model that solves the problem with som
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from esamp.errors import ConfigError
 
@@ -37,14 +37,16 @@ def parse_ks(text: str | Iterable[int], n: int) -> list[int]:
         try:
             ks = [int(p) for p in parts]
         except ValueError:
-            raise ConfigError(f"-k {text!r} is not a comma-separated list of integers",
-                              hint="write it like -k 1,4,8") from None
+            raise ConfigError(
+                f"-k {text!r} is not a comma-separated list of integers", hint="write it like -k 1,4,8"
+            ) from None
     else:
         ks = [int(k) for k in text]
     if not ks:
         raise ConfigError("-k is empty", hint="write it like -k 1,4,8")
     bad = [k for k in ks if not 1 <= k <= n]
     if bad:
-        raise ConfigError(f"k={bad[0]} is outside 1..n with n={n}",
-                          hint=f"every k must be at most the number of samples -n ({n})")
+        raise ConfigError(
+            f"k={bad[0]} is outside 1..n with n={n}", hint=f"every k must be at most the number of samples -n ({n})"
+        )
     return sorted(set(ks))

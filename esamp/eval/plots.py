@@ -22,16 +22,20 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from esamp.eval.matrix import BASELINE
 from esamp.eval.report import arm_label, metric_name
 
 DPI = 110
 VIEWS = ("passk", "plane", "frontier", "shifts", "learning")  # in the order they are drawn
-VERDICT_LEGEND = {"above": "above the curve", "below": "below the curve", "on": "on the curve",
-                  "outside": "at or beyond the curve's end"}
+VERDICT_LEGEND = {
+    "above": "above the curve",
+    "below": "below the curve",
+    "on": "on the curve",
+    "outside": "at or beyond the curve's end",
+}
 
 
 def _pass_keys(summary: dict) -> list[str]:
@@ -91,8 +95,12 @@ def plot_name(task: str, view: str) -> str:
 def existing_plots(summaries: Sequence[dict], folder: Path) -> dict[str, dict[str, str]]:
     """{task: {view: file name}} of the PNGs ``write_plots`` left in ``folder`` for these tasks,
     for a report rendered again without drawing them again."""
-    return {s["task"]: {view: plot_name(s["task"], view) for view in VIEWS
-                        if (folder / plot_name(s["task"], view)).is_file()} for s in summaries}
+    return {
+        s["task"]: {
+            view: plot_name(s["task"], view) for view in VIEWS if (folder / plot_name(s["task"], view)).is_file()
+        }
+        for s in summaries
+    }
 
 
 def _title(summary: dict, what: str) -> str:
@@ -108,11 +116,17 @@ def _passk(plt, summary: dict):
     arms = summary["arms"]
     cells = list(summary["cells"])
     fig, ax = plt.subplots(figsize=(8.5, 5))
-    ax.plot(ks, [arms[BASELINE][k] for k in keys], color="black", linewidth=2.6, marker="o",
-            label="baseline", zorder=5)
+    ax.plot(ks, [arms[BASELINE][k] for k in keys], color="black", linewidth=2.6, marker="o", label="baseline", zorder=5)
     for colour, cell in zip(_colours(len(cells)), cells):
-        ax.plot(ks, [arms[cell][k] for k in keys], color=colour, linewidth=1.6, marker="o",
-                markersize=4, label=arm_label(cell))
+        ax.plot(
+            ks,
+            [arms[cell][k] for k in keys],
+            color=colour,
+            linewidth=1.6,
+            marker="o",
+            markersize=4,
+            label=arm_label(cell),
+        )
     ax.set_xscale("log", base=2)
     ax.set_xticks(ks, [str(k) for k in ks])
     ax.minorticks_off()
@@ -138,13 +152,28 @@ def _plane(plt, summary: dict):
     xs, ys = [], []
     for number, (colour, cell) in enumerate(zip(_colours(len(cells)), cells), start=1):
         dx, dy = summary["cells"][cell]["deltas"][x_key], summary["cells"][cell]["deltas"][y_key]
-        ax.errorbar(dx["delta"], dy["delta"],
-                    xerr=[[dx["delta"] - dx["low"]], [dx["high"] - dx["delta"]]],
-                    yerr=[[dy["delta"] - dy["low"]], [dy["high"] - dy["delta"]]],
-                    fmt="o", color=colour, ecolor=colour, elinewidth=1.2, capsize=3, alpha=0.85,
-                    label=f"{number}  {arm_label(cell)}")
-        ax.annotate(str(number), (dx["delta"], dy["delta"]), textcoords="offset points", xytext=(4, 4),
-                    fontsize=9, fontweight="bold", color=colour)
+        ax.errorbar(
+            dx["delta"],
+            dy["delta"],
+            xerr=[[dx["delta"] - dx["low"]], [dx["high"] - dx["delta"]]],
+            yerr=[[dy["delta"] - dy["low"]], [dy["high"] - dy["delta"]]],
+            fmt="o",
+            color=colour,
+            ecolor=colour,
+            elinewidth=1.2,
+            capsize=3,
+            alpha=0.85,
+            label=f"{number}  {arm_label(cell)}",
+        )
+        ax.annotate(
+            str(number),
+            (dx["delta"], dy["delta"]),
+            textcoords="offset points",
+            xytext=(4, 4),
+            fontsize=9,
+            fontweight="bold",
+            color=colour,
+        )
         xs += [dx["low"], dx["high"]]
         ys += [dy["low"], dy["high"]]
     # Symmetric limits keep the quadrants the same size, so "up and to the right" reads at a glance.
@@ -154,11 +183,25 @@ def _plane(plt, summary: dict):
     ax.set_ylim(-span_y, span_y)
     graded = y_key.startswith("pass@")
     ax.fill_between([0, span_x], 0, span_y, color="tab:green", alpha=0.07, zorder=0)
-    ax.text(span_x * 0.97, span_y * 0.95, "helps on both" if graded else "more diverse by both",
-            ha="right", va="top", fontsize=8, color="tab:green")
+    ax.text(
+        span_x * 0.97,
+        span_y * 0.95,
+        "helps on both" if graded else "more diverse by both",
+        ha="right",
+        va="top",
+        fontsize=8,
+        color="tab:green",
+    )
     ax.fill_between([-span_x, 0], -span_y, 0, color="tab:red", alpha=0.05, zorder=0)
-    ax.text(-span_x * 0.97, -span_y * 0.95, "worse on both" if graded else "less diverse by both",
-            ha="left", va="bottom", fontsize=8, color="tab:red")
+    ax.text(
+        -span_x * 0.97,
+        -span_y * 0.95,
+        "worse on both" if graded else "less diverse by both",
+        ha="left",
+        va="bottom",
+        fontsize=8,
+        color="tab:red",
+    )
     ax.set_xlabel(f"Δ {metric_name(x_key)} (cell − baseline; more different samples →)")
     ax.set_ylabel(f"Δ {metric_name(y_key)} (cell − baseline)")
     what = "quality against diversity" if graded else "diversity by two measures"
@@ -169,8 +212,15 @@ def _plane(plt, summary: dict):
 
 
 def _errorbar(ax, x: dict, y: dict, **style) -> None:
-    ax.errorbar(x["mean"], y["mean"], xerr=[[x["mean"] - x["low"]], [x["high"] - x["mean"]]],
-                yerr=[[y["mean"] - y["low"]], [y["high"] - y["mean"]]], capsize=3, elinewidth=1, **style)
+    ax.errorbar(
+        x["mean"],
+        y["mean"],
+        xerr=[[x["mean"] - x["low"]], [x["high"] - x["mean"]]],
+        yerr=[[y["mean"] - y["low"]], [y["high"] - y["mean"]]],
+        capsize=3,
+        elinewidth=1,
+        **style,
+    )
 
 
 def _frontier(plt, summary: dict):
@@ -187,58 +237,113 @@ def _frontier(plt, summary: dict):
         fig, ax = plt.subplots(figsize=(8.5, 5))
         temps = [front["temperatures"][a] for a in curve]
         vendi = {a: points[a]["vendi"] for a in points}
-        ax.plot(temps, [vendi[a]["mean"] for a in curve], color="black", linewidth=2, marker="o",
-                label="plain sampling (the temperature curve)", zorder=5)
+        ax.plot(
+            temps,
+            [vendi[a]["mean"] for a in curve],
+            color="black",
+            linewidth=2,
+            marker="o",
+            label="plain sampling (the temperature curve)",
+            zorder=5,
+        )
         for t, a in zip(temps, curve):
-            ax.errorbar(t, vendi[a]["mean"], yerr=[[vendi[a]["mean"] - vendi[a]["low"]],
-                        [vendi[a]["high"] - vendi[a]["mean"]]], color="black", capsize=3)
+            ax.errorbar(
+                t,
+                vendi[a]["mean"],
+                yerr=[[vendi[a]["mean"] - vendi[a]["low"]], [vendi[a]["high"] - vendi[a]["mean"]]],
+                color="black",
+                capsize=3,
+            )
         base_t = summary["settings"]["temperature"]
         for colour, cell in zip(colours, cells):
             v = vendi[cell]
-            ax.errorbar(base_t, v["mean"], yerr=[[v["mean"] - v["low"]], [v["high"] - v["mean"]]], fmt="s",
-                        color=colour, capsize=3, label=arm_label(cell), zorder=6)
+            ax.errorbar(
+                base_t,
+                v["mean"],
+                yerr=[[v["mean"] - v["low"]], [v["high"] - v["mean"]]],
+                fmt="s",
+                color=colour,
+                capsize=3,
+                label=arm_label(cell),
+                zorder=6,
+            )
             equal = front["temperature_equivalent"].get(cell)
             if equal is not None:
                 ax.plot([base_t, equal], [v["mean"], v["mean"]], color=colour, linestyle=":", linewidth=1.2)
         for arm in others:
             v = vendi[arm]
             t = summary["settings"]["plain"][arm].get("temperature", base_t)
-            ax.errorbar(t, v["mean"], yerr=[[v["mean"] - v["low"]], [v["high"] - v["mean"]]], fmt="D",
-                        color="grey", capsize=3, label=f"plain {arm}")
+            ax.errorbar(
+                t,
+                v["mean"],
+                yerr=[[v["mean"] - v["low"]], [v["high"] - v["mean"]]],
+                fmt="D",
+                color="grey",
+                capsize=3,
+                label=f"plain {arm}",
+            )
         ax.set_xlabel("temperature (cells at their own; dotted: the temperature as diverse)")
         ax.set_ylabel("Vendi (effective distinct replies of n)")
         ax.grid(True, alpha=0.3)
-        ax.set_title(_title(summary, "diversity against temperature") + "\nbars: 95% bootstrap intervals",
-                     fontsize=10)
+        ax.set_title(_title(summary, "diversity against temperature") + "\nbars: 95% bootstrap intervals", fontsize=10)
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
         return fig
     fig, axes = plt.subplots(1, len(metrics), figsize=(7 * len(metrics) + 2.5, 5.5), squeeze=False)
     for ax, metric in zip(axes[0], metrics):
         xs = [points[a]["vendi"]["mean"] for a in curve]
-        ax.plot(xs, [points[a][metric]["mean"] for a in curve], color="black", linewidth=2, zorder=5,
-                label="plain sampling (the temperature curve)")
+        ax.plot(
+            xs,
+            [points[a][metric]["mean"] for a in curve],
+            color="black",
+            linewidth=2,
+            zorder=5,
+            label="plain sampling (the temperature curve)",
+        )
         for a in curve:
             _errorbar(ax, points[a]["vendi"], points[a][metric], fmt="o", color="black", zorder=5)
-            ax.annotate(f"T {front['temperatures'][a]:g}", (points[a]["vendi"]["mean"], points[a][metric]["mean"]),
-                        textcoords="offset points", xytext=(5, -11), fontsize=8)
+            ax.annotate(
+                f"T {front['temperatures'][a]:g}",
+                (points[a]["vendi"]["mean"], points[a][metric]["mean"]),
+                textcoords="offset points",
+                xytext=(5, -11),
+                fontsize=8,
+            )
         for arm in others:
-            _errorbar(ax, points[arm]["vendi"], points[arm][metric], fmt="D", color="grey", alpha=0.8,
-                      label=f"plain {arm}")
+            _errorbar(
+                ax, points[arm]["vendi"], points[arm][metric], fmt="D", color="grey", alpha=0.8, label=f"plain {arm}"
+            )
         for number, (colour, cell) in enumerate(zip(colours, cells), start=1):
             verdict = VERDICT_LEGEND[front["gaps"][metric][cell]["verdict"]]
-            _errorbar(ax, points[cell]["vendi"], points[cell][metric], fmt="s", color=colour, alpha=0.9,
-                      zorder=6, label=f"{number}  {arm_label(cell)} ({verdict})")
-            ax.annotate(str(number), (points[cell]["vendi"]["mean"], points[cell][metric]["mean"]),
-                        textcoords="offset points", xytext=(4, 4), fontsize=9, fontweight="bold", color=colour)
+            _errorbar(
+                ax,
+                points[cell]["vendi"],
+                points[cell][metric],
+                fmt="s",
+                color=colour,
+                alpha=0.9,
+                zorder=6,
+                label=f"{number}  {arm_label(cell)} ({verdict})",
+            )
+            ax.annotate(
+                str(number),
+                (points[cell]["vendi"]["mean"], points[cell][metric]["mean"]),
+                textcoords="offset points",
+                xytext=(4, 4),
+                fontsize=9,
+                fontweight="bold",
+                color=colour,
+            )
         ax.set_xlabel("Vendi (more different replies →)")
         ax.set_ylabel(f"{metric} (mean over problems)")
         ax.grid(True, alpha=0.3)
         ax.set_title(f"{metric} against Vendi", fontsize=10)
         ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), fontsize=7, frameon=False, ncol=2)
-    fig.suptitle(_title(summary, "ESamp against the temperature curve")
-                 + "\nabove the black line beats sampling hotter or colder; bars: 95% intervals of each mean; "
-                 "verdicts (legend): the paired interval of the gap to the line",
-                 fontsize=10)
+    fig.suptitle(
+        _title(summary, "ESamp against the temperature curve")
+        + "\nabove the black line beats sampling hotter or colder; bars: 95% intervals of each mean; "
+        "verdicts (legend): the paired interval of the gap to the line",
+        fontsize=10,
+    )
     fig.tight_layout()
     return fig
 
@@ -268,11 +373,23 @@ def _shifts(plt, summary: dict):
         gained = [s["gained"] for s in sh]
         lost = [s["lost"] for s in sh]
         bars.bar(x, gained, color="tab:green", label=f"0/{n} → ≥1/{n} (solved now)")
-        bars.bar(x, [s["up"] - s["gained"] for s in sh], bottom=gained, color="tab:green", alpha=0.4,
-                 label="more correct samples")
+        bars.bar(
+            x,
+            [s["up"] - s["gained"] for s in sh],
+            bottom=gained,
+            color="tab:green",
+            alpha=0.4,
+            label="more correct samples",
+        )
         bars.bar(x, [-s for s in lost], color="tab:red", label=f"≥1/{n} → 0/{n} (no longer solved)")
-        bars.bar(x, [-(s["down"] - s["lost"]) for s in sh], bottom=[-s for s in lost], color="tab:red",
-                 alpha=0.4, label="fewer correct samples")
+        bars.bar(
+            x,
+            [-(s["down"] - s["lost"]) for s in sh],
+            bottom=[-s for s in lost],
+            color="tab:red",
+            alpha=0.4,
+            label="fewer correct samples",
+        )
         bars.axhline(0, color="black", linewidth=0.8)
         bars.set_xticks(x, labels, rotation=45, ha="right", fontsize=8)
         bars.set_ylabel("problems (up: improved, down: worse)")
@@ -289,8 +406,15 @@ def _shifts(plt, summary: dict):
         for i, row in enumerate(change):
             for j, v in enumerate(row):
                 if v:
-                    heat.text(j, i, f"{v:+d}", ha="center", va="center", fontsize=6,
-                              color="white" if abs(v) > limit * 0.6 else "black")
+                    heat.text(
+                        j,
+                        i,
+                        f"{v:+d}",
+                        ha="center",
+                        va="center",
+                        fontsize=6,
+                        color="white" if abs(v) > limit * 0.6 else "black",
+                    )
     heat.set_yticks(range(len(ids)), ids, fontsize=6)
     heat.set_xticks(range(len(cells)), labels, rotation=45, ha="right", fontsize=8)
     heat.set_title(f"{label} per problem, cell − baseline", fontsize=10)
@@ -322,8 +446,11 @@ def _learning(plt, summary: dict):
         ax.set_xlabel("token position p in the reply (−1: the prompt's last token)")
         ax.grid(True, alpha=0.3)
     left.legend(fontsize=8, frameon=False)
-    fig.suptitle(_title(summary, "does the Distiller learn within a group?")
-                 + "\nmean over the arm's groups, bands: 95% intervals of the mean", fontsize=10)
+    fig.suptitle(
+        _title(summary, "does the Distiller learn within a group?")
+        + "\nmean over the arm's groups, bands: 95% intervals of the mean",
+        fontsize=10,
+    )
     fig.tight_layout()
     return fig
 
@@ -379,8 +506,9 @@ def terminal_charts(summaries: Sequence[dict], colour: bool = True, width: int |
             for index, d in enumerate(deltas):
                 plx.scatter([d[x_key]["delta"]], [d[y_key]["delta"]], marker=_mark(index))
             plx.xlabel(f"Δ {metric_name(x_key)}")
-            plx.title(f"{summary['task']}: Δ{metric_name(y_key)} (up) against ΔVendi (right); "
-                      "up and to the right helps")
+            plx.title(
+                f"{summary['task']}: Δ{metric_name(y_key)} (up) against ΔVendi (right); up and to the right helps"
+            )
             parts.append(plx.build())
         key = "   ".join(f"{_mark(i)} = {arm_label(c)}" for i, c in enumerate(cells))
         parts.append(f"b = baseline   {key}\n")

@@ -14,11 +14,9 @@ loss and its tokens' novelty against token position (``esamp.eval.learning``).
 from __future__ import annotations
 
 import math
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
-from esamp.eval import direction
-from esamp.eval import frontier as frontier_lib
-from esamp.eval import learning as learning_lib
+from esamp.eval import direction, frontier as frontier_lib, learning as learning_lib
 from esamp.eval.matrix import BASELINE, SINGLE, format_value
 from esamp.eval.passk import pass_at_k
 from esamp.eval.runner import EvalSettings
@@ -26,8 +24,12 @@ from esamp.eval.stats import paired_bootstrap
 from esamp.eval.tasks import Problem
 
 DIVERSITY_KEYS = ("vendi", "cosine_distance", "distinct_1", "distinct_2")
-METRIC_NAMES = {"vendi": "Vendi", "cosine_distance": "cosine distance", "distinct_1": "distinct-1",
-                "distinct_2": "distinct-2"}
+METRIC_NAMES = {
+    "vendi": "Vendi",
+    "cosine_distance": "cosine distance",
+    "distinct_1": "distinct-1",
+    "distinct_2": "distinct-2",
+}
 
 
 def metric_name(metric: str) -> str:
@@ -52,8 +54,9 @@ def shifts(graded: Sequence[Problem], records, arm: str) -> dict:
     return out
 
 
-def summarize(problems: Sequence[Problem], records: dict[tuple[str, str], dict],
-              settings: EvalSettings, resamples: int = 10_000) -> dict:
+def summarize(
+    problems: Sequence[Problem], records: dict[tuple[str, str], dict], settings: EvalSettings, resamples: int = 10_000
+) -> dict:
     """Per-arm metrics, each cell's deltas against the baseline with paired bootstrap intervals,
     and the per-problem table. Only problems that every arm finished count."""
     arms = settings.arms
@@ -93,9 +96,12 @@ def summarize(problems: Sequence[Problem], records: dict[tuple[str, str], dict],
     for cell in settings.cells:
         cells[cell.name] = {
             "settings": cell.record(),
-            "deltas": {metric: paired_bootstrap(by_arm[BASELINE], by_arm[cell.name], resamples=resamples,
-                                                seed=settings.seed).to_dict()
-                       for metric, by_arm in series.items()},
+            "deltas": {
+                metric: paired_bootstrap(
+                    by_arm[BASELINE], by_arm[cell.name], resamples=resamples, seed=settings.seed
+                ).to_dict()
+                for metric, by_arm in series.items()
+            },
             "shifts": shifts(graded, records, cell.name) if graded else None,
         }
 
@@ -109,8 +115,12 @@ def summarize(problems: Sequence[Problem], records: dict[tuple[str, str], dict],
     summary = {
         "task": settings.task,
         "settings": settings.to_dict(),
-        "problems": {"asked": len(problems), "finished": len(both), "graded": len(graded),
-                     "with_diversity": len(diverse)},
+        "problems": {
+            "asked": len(problems),
+            "finished": len(both),
+            "graded": len(graded),
+            "with_diversity": len(diverse),
+        },
         "arms": per_arm,
         "cells": cells,
         "per_problem": rows,
@@ -152,8 +162,9 @@ def frontier(settings: EvalSettings, both: Sequence[Problem], records, resamples
     scores = {}
     if graded:
         for k in dict.fromkeys([settings.ks[0], settings.ks[-1]]):
-            scores[f"pass@{k}"] = {a: [pass_at_k(settings.n, records[(p.id, a)]["correct"], k) for p in problems]
-                                   for a in settings.arms}
+            scores[f"pass@{k}"] = {
+                a: [pass_at_k(settings.n, records[(p.id, a)]["correct"], k) for p in problems] for a in settings.arms
+            }
     return frontier_lib.analyse(curve, vendi, scores, resamples=resamples, seed=settings.seed)
 
 
@@ -172,8 +183,9 @@ def headline_metrics(summary: dict) -> list[str]:
 # -- terminal chart --------------------------------------------------------------------------
 
 
-def ascii_chart(ks: Sequence[int], lines: dict[str, Sequence[float]], height: int = 20,
-                marks: str | None = None) -> str:
+def ascii_chart(
+    ks: Sequence[int], lines: dict[str, Sequence[float]], height: int = 20, marks: str | None = None
+) -> str:
     """A text chart of pass@k (0..1, y) against k (x), one mark per arm; '*' where they meet."""
     if marks is None:
         marks = "bE" if len(lines) <= 2 else "b" + "ABCDEFGHIJKLMNOPQRSTUVWXYZ"[: len(lines) - 1]
@@ -203,8 +215,12 @@ def ascii_chart(ks: Sequence[int], lines: dict[str, Sequence[float]], height: in
 # -- Markdown --------------------------------------------------------------------------------
 
 
-VERDICT_WORDS = {frontier_lib.ABOVE: "above", frontier_lib.BELOW: "below", frontier_lib.ON: "on the curve",
-                 frontier_lib.OUTSIDE: "outside"}
+VERDICT_WORDS = {
+    frontier_lib.ABOVE: "above",
+    frontier_lib.BELOW: "below",
+    frontier_lib.ON: "on the curve",
+    frontier_lib.OUTSIDE: "outside",
+}
 
 
 def _marked(text: str, kind: str | None) -> str:
@@ -240,19 +256,31 @@ def frontier_sentences(summary: dict) -> list[str]:
     for metric in front["gaps"]:
         gaps = front["gaps"][metric]
         by = frontier_lib.standing(front, metric, cells)
-        parts = [f"{len(by[v])} {what}" for v, what in (
-            (frontier_lib.BELOW, "below it"), (frontier_lib.ON, "on it within the interval"),
-            (frontier_lib.OUTSIDE, "beyond or at the end of its Vendi range")) if by[v]]
+        parts = [
+            f"{len(by[v])} {what}"
+            for v, what in (
+                (frontier_lib.BELOW, "below it"),
+                (frontier_lib.ON, "on it within the interval"),
+                (frontier_lib.OUTSIDE, "beyond or at the end of its Vendi range"),
+            )
+            if by[v]
+        ]
         if by[frontier_lib.ABOVE]:
-            above = "; ".join(f"{arm_label(a)} by {_gap_text(gaps[a], metric, bold=False)}"
-                              for a in by[frontier_lib.ABOVE])
+            above = "; ".join(
+                f"{arm_label(a)} by {_gap_text(gaps[a], metric, bold=False)}" for a in by[frontier_lib.ABOVE]
+            )
             # the only headline marked as a gain: what it says is that ESamp beats the curve
-            lead = _marked(f"On {metric}, {len(by[frontier_lib.ABOVE])} of {len(cells)} ESamp cells lie above "
-                           "the temperature curve", direction.GAIN)
+            lead = _marked(
+                f"On {metric}, {len(by[frontier_lib.ABOVE])} of {len(cells)} ESamp cells lie above "
+                "the temperature curve",
+                direction.GAIN,
+            )
             text = f"{lead}: {above}" + (f"; {', '.join(parts)}" if parts else "") + "."
         else:
-            text = (f"**On {metric}, no ESamp cell lies above the temperature curve** "
-                    f"({len(cells)} cell{'s' if len(cells) != 1 else ''}: {', '.join(parts)}).")
+            text = (
+                f"**On {metric}, no ESamp cell lies above the temperature curve** "
+                f"({len(cells)} cell{'s' if len(cells) != 1 else ''}: {', '.join(parts)})."
+            )
         for arm in others:
             text += f" Plain {arm}: {_gap_text(gaps[arm], metric, bold=False)}."
         lines.append(text)
@@ -267,18 +295,25 @@ def render_frontier(summary: dict, images: Mapping[str, str], level: int) -> lis
     """The section that answers "does a cell beat raising the temperature?"."""
     h = "#" * level
     front = summary["frontier"]
-    temps = ", ".join(f"{t:g}" + (" (the baseline)" if a == BASELINE else "")
-                      for a, t in front["temperatures"].items())
+    temps = ", ".join(f"{t:g}" + (" (the baseline)" if a == BASELINE else "") for a, t in front["temperatures"].items())
     metrics = list(front["gaps"])
-    lines = ["", f"{h} Against the temperature curve", "",
-             f"The temperature curve is plain sampling at T {temps}, every other setting the baseline's. "
-             + ("A point lies above it when its pass@k beats the curve's at the same Vendi; the gap is that "
-                "difference with a 95% paired bootstrap interval over problems (the curve resampled too), "
-                f"**bold** when the interval excludes 0: {_marked('above', direction.GAIN)} the curve (a gain) "
-                f"or {_marked('below', direction.LOSS)} it (a loss)." if metrics else
-                "This task has no answers, so there is no accuracy axis: each point's Vendi is read "
-                "against the curve as the temperature that gives the same diversity.")
-             + f" Over {front['problems']} problems.", ""]
+    lines = [
+        "",
+        f"{h} Against the temperature curve",
+        "",
+        f"The temperature curve is plain sampling at T {temps}, every other setting the baseline's. "
+        + (
+            "A point lies above it when its pass@k beats the curve's at the same Vendi; the gap is that "
+            "difference with a 95% paired bootstrap interval over problems (the curve resampled too), "
+            f"**bold** when the interval excludes 0: {_marked('above', direction.GAIN)} the curve (a gain) "
+            f"or {_marked('below', direction.LOSS)} it (a loss)."
+            if metrics
+            else "This task has no answers, so there is no accuracy axis: each point's Vendi is read "
+            "against the curve as the temperature that gives the same diversity."
+        )
+        + f" Over {front['problems']} problems.",
+        "",
+    ]
     lines += [f"- {line}" for line in frontier_sentences(summary)]
     header = ["arm", "T", "Vendi [95%]"]
     for m in metrics:
@@ -323,14 +358,17 @@ def _legend() -> str:
     """What bold and the marks of a table of changes mean."""
     lower = [metric_name(m) for m in direction.lower_is_better()]
     way = f"higher is better except for {', '.join(lower)}" if lower else "higher is better for every metric here"
-    return (f"**bold**: the interval excludes 0, {_marked('a gain', direction.GAIN)} or "
-            f"{_marked('a loss', direction.LOSS)} ({way})")
+    return (
+        f"**bold**: the interval excludes 0, {_marked('a gain', direction.GAIN)} or "
+        f"{_marked('a loss', direction.LOSS)} ({way})"
+    )
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence], align: Sequence[str] | None = None) -> list[str]:
     align = align or ["---"] + ["---:"] * (len(header) - 1)
-    return (["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
-            + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
+    return ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"] + [
+        "| " + " | ".join(str(c) for c in row) + " |" for row in rows
+    ]
 
 
 def _varying(cells: Mapping[str, dict]) -> tuple[list[str], dict]:
@@ -345,8 +383,9 @@ def _settings_lines(summary: dict, both: str = "every arm") -> list[str]:
     s = summary["settings"]
     cells = summary["cells"]
     varying, shared = _varying(cells)
-    shared_text = ", ".join(f"{'distiller_seed' if k == 'seed' else k} {format_value(v)}"
-                            for k, v in shared.items() if k != "enabled")
+    shared_text = ", ".join(
+        f"{'distiller_seed' if k == 'seed' else k} {format_value(v)}" for k, v in shared.items() if k != "enabled"
+    )
     lines = [
         f"- n = {s['n']} samples per problem and arm; T {s['temperature']}, top-p {s['top_p']}, "
         f"min-p {s['min_p']}, top-k {s['top_k']}, max tokens {s['max_tokens']}; seed {s['seed']} "
@@ -355,13 +394,12 @@ def _settings_lines(summary: dict, both: str = "every arm") -> list[str]:
     if list(cells) == [SINGLE]:
         lines.append(f"- ESamp: {shared_text}; baseline: plain sampling with the same filters")
     else:
-        lines.append(f"- {len(cells)} ESamp cells varying {', '.join(varying) or 'nothing'}; every cell: "
-                     f"{shared_text}")
-        lines.append("- baseline: plain sampling with the same filters, sampled once per problem and "
-                     "compared with every cell")
+        lines.append(f"- {len(cells)} ESamp cells varying {', '.join(varying) or 'nothing'}; every cell: {shared_text}")
+        lines.append(
+            "- baseline: plain sampling with the same filters, sampled once per problem and compared with every cell"
+        )
     if s.get("plain"):
-        lines.append(f"- {len(s['plain'])} plain arms (ESamp off) with filters of their own: "
-                     + ", ".join(s["plain"]))
+        lines.append(f"- {len(s['plain'])} plain arms (ESamp off) with filters of their own: " + ", ".join(s["plain"]))
     return lines
 
 
@@ -371,8 +409,10 @@ def render_header(title: str, summaries: Sequence[dict], meta: dict) -> list[str
         lines += ["```", *meta["commands"], "```", ""]
     env = meta.get("environment", {})
     s = summaries[0]["settings"]
-    lines.append(f"- engine: {env.get('engine', s['engine'])}, model: {env.get('model', s['model'])}, "
-                 f"device: {env.get('device', '?')}")
+    lines.append(
+        f"- engine: {env.get('engine', s['engine'])}, model: {env.get('model', s['model'])}, "
+        f"device: {env.get('device', '?')}"
+    )
     if len(summaries) == 1:
         both = "both arms" if len(summaries[0]["cells"]) == 1 else "every arm"
         lines += _settings_lines(summaries[0], both)
@@ -392,10 +432,12 @@ def render_header(title: str, summaries: Sequence[dict], meta: dict) -> list[str
         plain = sum(generation.pop(a) for a in list(generation) if a in plain_names)
         cells = sum(generation.values())
         sessions = meta.get("sessions") or 1
-        lines.append(f"- wall time: {meta['wall_seconds']:.0f} s in all over {sessions} session"
-                     f"{'s' if sessions != 1 else ''} (generation: baseline {base:.0f} s, "
-                     + (f"plain arms {plain:.0f} s, " if plain_names else "")
-                     + f"{'ESamp' if list(generation) == [SINGLE] else 'cells'} {cells:.0f} s)")
+        lines.append(
+            f"- wall time: {meta['wall_seconds']:.0f} s in all over {sessions} session"
+            f"{'s' if sessions != 1 else ''} (generation: baseline {base:.0f} s, "
+            + (f"plain arms {plain:.0f} s, " if plain_names else "")
+            + f"{'ESamp' if list(generation) == [SINGLE] else 'cells'} {cells:.0f} s)"
+        )
     return lines
 
 
@@ -415,9 +457,13 @@ def render_task(summary: dict, images: Mapping[str, str] | None = None, level: i
     metrics = headline_metrics(summary)
 
     if not single:
-        lines += ["", f"{h} Cells against the baseline", "",
-                  "Δ is the cell minus the baseline with its 95% paired bootstrap interval over problems; "
-                  f"{_legend()}.", ""]
+        lines += [
+            "",
+            f"{h} Cells against the baseline",
+            "",
+            f"Δ is the cell minus the baseline with its 95% paired bootstrap interval over problems; {_legend()}.",
+            "",
+        ]
         header = ["arm"]
         for m in metrics:
             header += [metric_name(m), f"Δ {metric_name(m)}"]
@@ -435,25 +481,37 @@ def render_task(summary: dict, images: Mapping[str, str] | None = None, level: i
     if single:
         lines += ["Δ is ESamp minus baseline; the interval is a 95% paired bootstrap over problems.", ""]
         d = cells[SINGLE]["deltas"]
-        rows = [[metric_name(m), _fmt(x["baseline"]), _fmt(x["esamp"]), _signed(x["delta"]),
-                 f"[{_signed(x['low'])}, {_signed(x['high'])}]"] for m, x in d.items()]
+        rows = [
+            [
+                metric_name(m),
+                _fmt(x["baseline"]),
+                _fmt(x["esamp"]),
+                _signed(x["delta"]),
+                f"[{_signed(x['low'])}, {_signed(x['high'])}]",
+            ]
+            for m, x in d.items()
+        ]
         extra = _totals(summary, [BASELINE, SINGLE])
         rows += [[label, *values, "", ""] for label, values in extra]
-        lines += _table(["metric", "baseline", "ESamp", "Δ", "95% interval"], rows,
-                        ["---", "---:", "---:", "---:", "---"])
+        lines += _table(
+            ["metric", "baseline", "ESamp", "Δ", "95% interval"], rows, ["---", "---:", "---:", "---:", "---"]
+        )
     if not single or plain:
         every = [BASELINE] + plain + names
         extra = _totals(summary, every)
         if single:
             lines += ["", "Every arm:", ""]
-        lines += _table(["arm"] + [label for label, _ in extra],
-                        [[arm] + [values[i] for _, values in extra] for i, arm in enumerate(every)])
+        lines += _table(
+            ["arm"] + [label for label, _ in extra],
+            [[arm] + [values[i] for _, values in extra] for i, arm in enumerate(every)],
+        )
     if not single:
-        lines += ["", f"{h} Every metric", "",
-                  f"Each cell's Δ against the baseline [95% interval]; {_legend()}.", ""]
+        lines += ["", f"{h} Every metric", "", f"Each cell's Δ against the baseline [95% interval]; {_legend()}.", ""]
         metric_keys = list(cells[names[0]]["deltas"])
-        rows = [[metric_name(m), _fmt(arms[BASELINE][m])] + [_delta_text(cells[c]["deltas"][m], m) for c in names]
-                for m in metric_keys]
+        rows = [
+            [metric_name(m), _fmt(arms[BASELINE][m])] + [_delta_text(cells[c]["deltas"][m], m) for c in names]
+            for m in metric_keys
+        ]
         lines += _table(["metric", "baseline"] + names, rows)
 
     pass_keys = [f"pass@{k}" for k in s["ks"] if f"pass@{k}" in arms[BASELINE]]
@@ -466,12 +524,20 @@ def render_task(summary: dict, images: Mapping[str, str] | None = None, level: i
             lines += ([""] if "passk" in images else []) + ["```", chart, "```"]
     if "plane" in images:
         graded = bool(pass_keys)
-        lines += ["", f"{h} {'Quality against diversity' if graded else 'Diversity by two measures'}", "",
-                  (f"Each cell's Δpass@{s['ks'][-1]} (up) against its ΔVendi (right), with 95% intervals; "
-                   "a cell up and to the right helps on both." if graded else
-                   "Each cell's Δdistinct-2 (up) against its ΔVendi (right), with 95% intervals; "
-                   "up and to the right is more diverse by both measures."), "",
-                  f"![quality against diversity]({images['plane']})"]
+        lines += [
+            "",
+            f"{h} {'Quality against diversity' if graded else 'Diversity by two measures'}",
+            "",
+            (
+                f"Each cell's Δpass@{s['ks'][-1]} (up) against its ΔVendi (right), with 95% intervals; "
+                "a cell up and to the right helps on both."
+                if graded
+                else "Each cell's Δdistinct-2 (up) against its ΔVendi (right), with 95% intervals; "
+                "up and to the right is more diverse by both measures."
+            ),
+            "",
+            f"![quality against diversity]({images['plane']})",
+        ]
     if summary.get("learning"):
         lines += render_learning(summary, images, level)
 
@@ -482,12 +548,26 @@ def render_task(summary: dict, images: Mapping[str, str] | None = None, level: i
             moved = [r for r in graded_rows if r[BASELINE]["correct"] != r[SINGLE]["correct"]]
             up = sum(r[SINGLE]["correct"] > r[BASELINE]["correct"] for r in moved)
             sh = cells[SINGLE]["shifts"]
-            lines += [f"{len(moved)} of {len(graded_rows)} problems moved: {up} up, {len(moved) - up} down; "
-                      f"{sh['gained']} went from 0/{n} to at least 1/{n}, {sh['lost']} the other way.", ""]
+            lines += [
+                f"{len(moved)} of {len(graded_rows)} problems moved: {up} up, {len(moved) - up} down; "
+                f"{sh['gained']} went from 0/{n} to at least 1/{n}, {sh['lost']} the other way.",
+                "",
+            ]
         else:
-            lines += _table(["cell", "up", "down", f"0/{n} → ≥1/{n}", f"≥1/{n} → 0/{n}", "same"],
-                            [[c, cells[c]["shifts"]["up"], cells[c]["shifts"]["down"], cells[c]["shifts"]["gained"],
-                              cells[c]["shifts"]["lost"], cells[c]["shifts"]["same"]] for c in names])
+            lines += _table(
+                ["cell", "up", "down", f"0/{n} → ≥1/{n}", f"≥1/{n} → 0/{n}", "same"],
+                [
+                    [
+                        c,
+                        cells[c]["shifts"]["up"],
+                        cells[c]["shifts"]["down"],
+                        cells[c]["shifts"]["gained"],
+                        cells[c]["shifts"]["lost"],
+                        cells[c]["shifts"]["same"],
+                    ]
+                    for c in names
+                ],
+            )
             lines.append("")
         if "shifts" in images:
             lines += [f"![per-problem shifts]({images['shifts']})", ""]
@@ -529,26 +609,51 @@ def render_learning(summary: dict, images: Mapping[str, str], level: int) -> lis
     and novelty early in the replies and later, and the plot of both against position."""
     h = "#" * level
     w = learning_lib.WINDOW
-    lines = ["", f"{h} Learning within a group", "",
-             "Each ESamp arm's Distiller loss and its tokens' novelty against the token's position in the "
-             "reply, the mean over the arm's groups: the loss at position p is that of the optimizer step "
-             "whose inputs were the tokens at p (−1: the prompt's last token), the step that measured those "
-             "tokens' novelty. A falling loss means the Distiller learns the group as it goes. Novelty is "
-             "normalised per group against the group's recent errors (0.5: as surprising as its recent "
-             "tokens), so a falling loss shows in it only as far as the errors fall faster than that "
-             f"running mean follows. Positions are kept while at least "
-             f"{learning_lib.MIN_SHARE:.0%} of an arm's groups reach them.", ""]
+    lines = [
+        "",
+        f"{h} Learning within a group",
+        "",
+        "Each ESamp arm's Distiller loss and its tokens' novelty against the token's position in the "
+        "reply, the mean over the arm's groups: the loss at position p is that of the optimizer step "
+        "whose inputs were the tokens at p (−1: the prompt's last token), the step that measured those "
+        "tokens' novelty. A falling loss means the Distiller learns the group as it goes. Novelty is "
+        "normalised per group against the group's recent errors (0.5: as surprising as its recent "
+        "tokens), so a falling loss shows in it only as far as the errors fall faster than that "
+        f"running mean follows. Positions are kept while at least "
+        f"{learning_lib.MIN_SHARE:.0%} of an arm's groups reach them.",
+        "",
+    ]
     rows = []
     for arm, info in summary["learning"].items():
         loss, novelty = info["loss"], info["novelty"]
         lw, nw = info["windows"]["loss"] or {}, info["windows"]["novelty"] or {}
         prompt = loss["mean"][0] if loss and loss["position"][0] == -1 else None
         last = max((c["position"][-1] for c in (loss, novelty) if c), default=None)
-        rows.append([arm, info["groups"]["loss"] or info["groups"]["novelty"], _fmt(prompt, 4),
-                     _fmt(lw.get("first"), 4), _fmt(lw.get("rest"), 4),
-                     _fmt(nw.get("first"), 3), _fmt(nw.get("rest"), 3), "—" if last is None else last])
-    lines += _table(["arm", "groups", "loss at the prompt", f"loss, positions 0–{w - 1}", f"loss, {w} on",
-                     f"novelty, 0–{w - 1}", f"novelty, {w} on", "last position kept"], rows)
+        rows.append(
+            [
+                arm,
+                info["groups"]["loss"] or info["groups"]["novelty"],
+                _fmt(prompt, 4),
+                _fmt(lw.get("first"), 4),
+                _fmt(lw.get("rest"), 4),
+                _fmt(nw.get("first"), 3),
+                _fmt(nw.get("rest"), 3),
+                "—" if last is None else last,
+            ]
+        )
+    lines += _table(
+        [
+            "arm",
+            "groups",
+            "loss at the prompt",
+            f"loss, positions 0–{w - 1}",
+            f"loss, {w} on",
+            f"novelty, 0–{w - 1}",
+            f"novelty, {w} on",
+            "last position kept",
+        ],
+        rows,
+    )
     if "learning" in images:
         lines += ["", f"![Distiller loss and novelty against token position]({images['learning']})"]
     return lines
@@ -561,8 +666,12 @@ def _totals(summary: dict, arms: Sequence[str]) -> list[tuple[str, list]]:
     base = info[BASELINE]
     if "correct" in base:
         rows.append((f"correct samples (of {base['graded_samples']})", [info[a]["correct"] for a in arms]))
-        rows.append((f"problems solved at least once (of {summary['problems']['graded']})",
-                     [info[a]["solved_any"] for a in arms]))
+        rows.append(
+            (
+                f"problems solved at least once (of {summary['problems']['graded']})",
+                [info[a]["solved_any"] for a in arms],
+            )
+        )
     rows.append(("samples cut at max tokens", [info[a]["stopped_by_length"] for a in arms]))
     rows.append(("tokens generated", [info[a]["tokens"] for a in arms]))
     rows.append(("tokens/s (generation)", [info[a]["tokens_per_s"] for a in arms]))
@@ -578,8 +687,9 @@ def render_markdown(summary: dict, meta: dict, images: Mapping[str, str] | None 
     return "\n".join(lines) + "\n"
 
 
-def render_run_markdown(summaries: Sequence[dict], meta: dict,
-                        images: Mapping[str, Mapping[str, str]] | None = None) -> str:
+def render_run_markdown(
+    summaries: Sequence[dict], meta: dict, images: Mapping[str, Mapping[str, str]] | None = None
+) -> str:
     """The report of several tasks: one header, then a section per task."""
     if len(summaries) == 1:
         return render_markdown(summaries[0], meta, (images or {}).get(summaries[0]["task"]))
@@ -587,8 +697,13 @@ def render_run_markdown(summaries: Sequence[dict], meta: dict,
     lines = render_header(title, summaries, meta)
     for summary in summaries:
         p = summary["problems"]
-        lines += ["", f"## {summary['task']}", "", *_settings_lines(summary),
-                  f"- problems: {p['finished']} of {p['asked']} finished, {p['graded']} graded"]
+        lines += [
+            "",
+            f"## {summary['task']}",
+            "",
+            *_settings_lines(summary),
+            f"- problems: {p['finished']} of {p['asked']} finished, {p['graded']} graded",
+        ]
         lines += render_task(summary, (images or {}).get(summary["task"]), level=3)
     if meta.get("notes"):
         lines += ["", "## Notes", ""] + [f"- {note}" for note in meta["notes"]]

@@ -2,14 +2,14 @@
 problems and seeds.
 
 An arm is ``baseline`` (ESamp off), a plain arm (ESamp off, its own filters) or a cell
-(``esamp.eval.matrix``): one prompt group per problem and arm, n samples each. Every finished group is graded at once and appended as one JSON
-line to ``samples.jsonl`` in the task's output folder, with its texts, verdicts and diversity,
-and, for a steered group, how its Distiller learned (``GroupTrace``: the loss of each of its
-optimizer steps and the mean novelty at each token position).
-A later run with the same settings reads that file and skips what is done, so an interrupted
-evaluation resumes where it stopped, per group and so per cell, and ends with the same records as
-one that never stopped. Cells and plain arms can be added to a finished folder: only the new ones
-are sampled, against the baseline already there.
+(``esamp.eval.matrix``): one prompt group per problem and arm, n samples each. Every finished group
+is graded at once and appended as one JSON line to ``samples.jsonl`` in the task's output folder,
+with its texts, verdicts and diversity, and, for a steered group, how its Distiller learned
+(``GroupTrace``: the loss of each of its optimizer steps and the mean novelty at each token
+position). A later run with the same settings reads that file and skips what is done, so an
+interrupted evaluation resumes where it stopped, per group and so per cell, and ends with the same
+records as one that never stopped. Cells and plain arms can be added to a finished folder: only the
+new ones are sampled, against the baseline already there.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ import json
 import os
 import time
 import zlib
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 from esamp.core.config import EsampConfig, SamplingConfig, make_config, settings_fields
 from esamp.errors import ConfigError, EngineError, EsampError
@@ -54,10 +55,18 @@ class EvalSettings:
     so may its ESamp settings (``beta=0.3``). A resumed run must match exactly, ``ks`` aside.
     """
 
-    def __init__(self, task: str, problem_ids: Sequence[str], ks: Sequence[int] | None = None,
-                 cells: Sequence[Cell] | None = None, engine: str = "reference", model: str | None = None,
-                 sampling: SamplingConfig | None = None, plain: Sequence[PlainArm] = (),
-                 **values: Any) -> None:
+    def __init__(
+        self,
+        task: str,
+        problem_ids: Sequence[str],
+        ks: Sequence[int] | None = None,
+        cells: Sequence[Cell] | None = None,
+        engine: str = "reference",
+        model: str | None = None,
+        sampling: SamplingConfig | None = None,
+        plain: Sequence[PlainArm] = (),
+        **values: Any,
+    ) -> None:
         steering = {k: values.pop(k) for k in list(values) if k in settings_fields(EsampConfig)}
         if sampling is None:
             sampling = make_config(SamplingConfig, **{**EVAL_DEFAULTS, **values})
@@ -70,16 +79,20 @@ class EvalSettings:
         plain = list(plain)
         for index, arm in enumerate(plain):
             if arm.sampling(sampling) == sampling:
-                raise ConfigError(f"plain arm {arm.name} samples exactly like the baseline of {task}",
-                                  hint="leave it out: the baseline is already a point of the temperature curve")
+                raise ConfigError(
+                    f"plain arm {arm.name} samples exactly like the baseline of {task}",
+                    hint="leave it out: the baseline is already a point of the temperature curve",
+                )
             twin = next((a for a in plain[:index] if a.sampling(sampling) == arm.sampling(sampling)), None)
             if twin is not None:
-                raise ConfigError(f"plain arm {arm.name} samples exactly like {twin.name}",
-                                  hint="list every plain setting once")
+                raise ConfigError(
+                    f"plain arm {arm.name} samples exactly like {twin.name}", hint="list every plain setting once"
+                )
         names = [c.name for c in cells] + [a.name for a in plain]
         if len(set(names)) != len(names) or BASELINE in names:
-            raise ConfigError(f"arm names must be unique and not {BASELINE!r}: {names}",
-                              hint="list every matrix and plain value once")
+            raise ConfigError(
+                f"arm names must be unique and not {BASELINE!r}: {names}", hint="list every matrix and plain value once"
+            )
         self.task = task
         self.problem_ids = list(problem_ids)
         self.base_sampling = sampling
@@ -206,8 +219,9 @@ def prepare_out_dir(out: Path, settings: EvalSettings, write: bool = True) -> li
         try:
             theirs = _legacy(json.loads(path.read_text(encoding="utf-8"))["settings"])
         except (ValueError, KeyError, TypeError, UnicodeDecodeError):
-            raise ResumeMismatch(f"{path} is not an esamp eval settings file",
-                                 hint="choose another --out folder") from None
+            raise ResumeMismatch(
+                f"{path} is not an esamp eval settings file", hint="choose another --out folder"
+            ) from None
         shared = {k: v for k, v in mine.items() if k not in ARM_KEYS and k not in REPORT_ONLY}
         differ = _differences(shared, {k: v for k, v in theirs.items() if k not in ARM_KEYS})
         if differ:
@@ -244,12 +258,16 @@ def with_recorded_cells(settings: EvalSettings, out: Path) -> EvalSettings:
     theirs = _legacy(json.loads(path.read_text(encoding="utf-8"))["settings"])
 
     def gather(mine: dict, recorded: dict, make) -> list:
-        return ([mine.get(name) or make(name, record) for name, record in recorded.items()]
-                + [arm for name, arm in mine.items() if name not in recorded])
+        return [mine.get(name) or make(name, record) for name, record in recorded.items()] + [
+            arm for name, arm in mine.items() if name not in recorded
+        ]
 
     merged = copy.copy(settings)
-    merged.cells = gather({c.name: c for c in settings.cells}, theirs.get("cells", {}),
-                          lambda name, record: Cell(name, make_config(EsampConfig, **record)))
+    merged.cells = gather(
+        {c.name: c for c in settings.cells},
+        theirs.get("cells", {}),
+        lambda name, record: Cell(name, make_config(EsampConfig, **record)),
+    )
     merged.plain = gather({a.name: a for a in settings.plain}, theirs.get("plain", {}), PlainArm)
     return merged
 
@@ -276,8 +294,10 @@ def read_records(out: Path) -> dict[tuple[str, str], dict]:
         except json.JSONDecodeError:
             if number == len(lines) and not line.endswith("\n"):
                 break  # the write was interrupted; this group runs again
-            raise EsampError(f"{path} line {number} is not valid JSON",
-                             hint="remove that line (its group will run again) or use a new --out") from None
+            raise EsampError(
+                f"{path} line {number} is not valid JSON",
+                hint="remove that line (its group will run again) or use a new --out",
+            ) from None
         records[(rec["problem"], rec["arm"])] = rec
     return records
 
@@ -300,7 +320,7 @@ def append_record(out: Path, record: dict) -> None:
         os.fsync(fh.fileno())
 
 
-def regrade(out: Path, problems: Sequence[Problem], grade: "Grade") -> dict[tuple[str, str], dict]:
+def regrade(out: Path, problems: Sequence[Problem], grade: Grade) -> dict[tuple[str, str], dict]:
     """Grade the stored replies again with the current graders and rewrite the records file
     (atomically), e.g. after the answer extraction improved. Nothing is generated."""
     records = read_records(out)
@@ -355,8 +375,10 @@ class GroupTrace:
         where the group gave none (ESamp off, or training off for the loss)."""
         novelty = None
         if any(self.novelty_count):
-            novelty = {"mean": [round(t / c, 4) if c else None for t, c in zip(self.novelty_sum, self.novelty_count)],
-                       "samples": list(self.novelty_count)}
+            novelty = {
+                "mean": [round(t / c, 4) if c else None for t, c in zip(self.novelty_sum, self.novelty_count)],
+                "samples": list(self.novelty_count),
+            }
         return {"loss": [round(v, 6) for v in self.loss] or None, "novelty": novelty}
 
 
@@ -382,10 +404,19 @@ Measure = Callable[[list[str]], dict | None]
 Progress = Callable[[dict, int, int], None]
 
 
-def run_groups(problems: Sequence[Problem], engine, settings: EvalSettings, out: Path,
-               grade: Grade, measure: Measure, progress: Progress | None = None,
-               parallel: int = 1, arms: Sequence[str] | None = None,
-               engine_config: EsampConfig | None = None, by_problem: bool = False) -> dict[tuple[str, str], dict]:
+def run_groups(
+    problems: Sequence[Problem],
+    engine,
+    settings: EvalSettings,
+    out: Path,
+    grade: Grade,
+    measure: Measure,
+    progress: Progress | None = None,
+    parallel: int = 1,
+    arms: Sequence[str] | None = None,
+    engine_config: EsampConfig | None = None,
+    by_problem: bool = False,
+) -> dict[tuple[str, str], dict]:
     """Generate, grade and record every (problem, arm) group of ``arms`` not yet in ``out``.
 
     Arms run one after another (all problems of one, then the next), so an interrupted matrix
@@ -406,10 +437,15 @@ def run_groups(problems: Sequence[Problem], engine, settings: EvalSettings, out:
         while queue or running:
             while queue and len(running) < max(1, parallel):
                 problem, arm = queue.pop(0)
-                key = engine.start(problem.prompt, settings.sampling(problem.id, arm),
-                                   settings.esamp_config(arm, engine_config).steering, group=arm_group_key(problem, arm))
-                running[key] = _Running(problem, arm, [""] * settings.n, [None] * settings.n,
-                                        [0] * settings.n, time.perf_counter())
+                key = engine.start(
+                    problem.prompt,
+                    settings.sampling(problem.id, arm),
+                    settings.esamp_config(arm, engine_config).steering,
+                    group=arm_group_key(problem, arm),
+                )
+                running[key] = _Running(
+                    problem, arm, [""] * settings.n, [None] * settings.n, [0] * settings.n, time.perf_counter()
+                )
             for event in engine.step():
                 kind = event.type
                 if kind == "token" and event.group in running:
@@ -424,8 +460,9 @@ def run_groups(problems: Sequence[Problem], engine, settings: EvalSettings, out:
                     g.finish[event.sample] = event.finish_reason
                     g.tokens[event.sample] = event.tokens
                 elif kind == "error":
-                    raise EngineError(f"the engine failed: {event.message}",
-                                      hint=event.hint or "rerun the same command to resume")
+                    raise EngineError(
+                        f"the engine failed: {event.message}", hint=event.hint or "rerun the same command to resume"
+                    )
             for key in [k for k, g in running.items() if all(f is not None for f in g.finish)]:
                 g = running.pop(key)
                 record = _record(g, settings, grade, measure)
@@ -437,8 +474,9 @@ def run_groups(problems: Sequence[Problem], engine, settings: EvalSettings, out:
             if not running and not queue:
                 break
             if running and not engine.has_unfinished():
-                raise EngineError("the engine stopped before every sample finished",
-                                  hint="rerun the same command to resume")
+                raise EngineError(
+                    "the engine stopped before every sample finished", hint="rerun the same command to resume"
+                )
     finally:
         for key in list(running):
             engine.abort(key)
@@ -481,8 +519,13 @@ class SessionLog:
         self.path = folder / SESSIONS
         self.started = started
         self.entries = read_sessions(folder)
-        self.entry = {"started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                      "wall_seconds": 0.0, "finished": False, "command": command, "environment": None}
+        self.entry = {
+            "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "wall_seconds": 0.0,
+            "finished": False,
+            "command": command,
+            "environment": None,
+        }
         self.entries.append(self.entry)
         self.update()
 
@@ -521,7 +564,7 @@ class Graders:
         """Fail before generating anything when a needed grader is missing."""
         kinds = set(kinds)
         if "math" in kinds:
-            self.math
+            _ = self.math  # the property loads the math grader, or says what to install
         if "code" in kinds:
             self.sandbox.run("pass")
 
@@ -554,8 +597,7 @@ class Graders:
 
             out = []
             for text in texts:
-                program = code_program(problem.code_prefix, extract_code(text), problem.tests,
-                                       problem.entry_point)
+                program = code_program(problem.code_prefix, extract_code(text), problem.tests, problem.entry_point)
                 result = self.sandbox.run(program)
                 out.append({"correct": result.passed, "extracted": None, "note": result.status})
             return out

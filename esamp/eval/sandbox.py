@@ -98,12 +98,32 @@ class Sandbox:
         # RLIMIT_NPROC counts every process of the user, so leave room for the ones it has.
         nproc = self.limits.processes + (0 if as_root else _processes_of(os.geteuid()))
         argv = [
-            self.bwrap, "--unshare-all", "--die-with-parent", "--new-session",
-            "--ro-bind", "/", "/", "--tmpfs", "/tmp", "--proc", "/proc", "--dev", "/dev",
-            "--chdir", "/tmp", "--setenv", "HOME", "/tmp",
-            self.prlimit, f"--as={self.limits.memory_bytes}", f"--cpu={self.limits.cpu_seconds}",
-            f"--nproc={nproc}", "--core=0",
-            self.python or _python_candidates()[0], "-I", "-",
+            self.bwrap,
+            "--unshare-all",
+            "--die-with-parent",
+            "--new-session",
+            "--ro-bind",
+            "/",
+            "/",
+            "--tmpfs",
+            "/tmp",
+            "--proc",
+            "/proc",
+            "--dev",
+            "/dev",
+            "--chdir",
+            "/tmp",
+            "--setenv",
+            "HOME",
+            "/tmp",
+            self.prlimit,
+            f"--as={self.limits.memory_bytes}",
+            f"--cpu={self.limits.cpu_seconds}",
+            f"--nproc={nproc}",
+            "--core=0",
+            self.python or _python_candidates()[0],
+            "-I",
+            "-",
         ]
         return argv, uid
 
@@ -115,9 +135,15 @@ class Sandbox:
     def _run(self, program: str) -> SandboxResult:
         argv, uid = self.command()
         extra = dict(user=uid, group=uid, extra_groups=[]) if uid is not None else {}
-        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, start_new_session=True,
-                                env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}, **extra)
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+            **extra,
+        )
         try:
             out, _ = proc.communicate(program.encode(), timeout=self.limits.wall_seconds)
             timed_out = False
@@ -131,8 +157,7 @@ class Sandbox:
             raise
         text = out.decode(errors="replace")[-2000:]
         rc = proc.returncode
-        return SandboxResult(passed=(rc == 0 and not timed_out), returncode=rc,
-                             timed_out=timed_out, output=text)
+        return SandboxResult(passed=(rc == 0 and not timed_out), returncode=rc, timed_out=timed_out, output=text)
 
     def _self_test(self) -> None:
         """Pick an interpreter that runs inside the sandbox; fail loudly, once, when none does

@@ -47,31 +47,42 @@ class Standing:
 
     @property
     def diversity_words(self) -> str:
-        return {"narrows": "narrows the samples", "widens": "widens the samples",
-                "unchanged": "leaves the samples' diversity unchanged within noise"}[self.diversity]
+        return {
+            "narrows": "narrows the samples",
+            "widens": "widens the samples",
+            "unchanged": "leaves the samples' diversity unchanged within noise",
+        }[self.diversity]
 
     @property
     def accuracy_words(self) -> str:
-        return {"above": f"beats plain sampling on {self.metric} at the same diversity",
-                "below": f"is less accurate ({self.metric}) than plain sampling at the same diversity",
-                "on": f"is no more accurate ({self.metric}) than plain sampling at the same diversity",
-                }.get(self.gap["verdict"], "lies beyond the diversity the temperature curve covers")
+        return {
+            "above": f"beats plain sampling on {self.metric} at the same diversity",
+            "below": f"is less accurate ({self.metric}) than plain sampling at the same diversity",
+            "on": f"is no more accurate ({self.metric}) than plain sampling at the same diversity",
+        }.get(self.gap["verdict"], "lies beyond the diversity the temperature curve covers")
 
     def short(self) -> str:
         """One line for a row header."""
         where = {"above": "above", "below": "below", "on": "on"}.get(self.gap["verdict"], "beyond")
         change = {"narrows": "narrower", "widens": "wider", "unchanged": "no change beyond noise"}[self.diversity]
-        return (f"measured on {self.task}: Vendi {_interval(self.vendi, 'delta')} ({change}), "
-                f"{self.metric} {where} the temperature curve ({_interval(self.gap, 'gap')}); ? for more")
+        return (
+            f"measured on {self.task}: Vendi {_interval(self.vendi, 'delta')} ({change}), "
+            f"{self.metric} {where} the temperature curve ({_interval(self.gap, 'gap')}); ? for more"
+        )
 
     def text(self) -> str:
         """A paragraph for the help screen."""
-        return (f"Measured on {self.model} ({self.task}, {self.problems} problems, n = {self.n}, "
-                f"{self.source}): ESamp with these settings {self.diversity_words} (Vendi "
-                f"{_interval(self.vendi, 'delta')} against plain sampling at the same temperature) and "
-                f"{self.accuracy_words} ({_interval(self.gap, 'gap')} against the temperature curve). "
-                + ("So on this model, sampling hotter or colder without ESamp does at least as well."
-                   if self.gap["verdict"] != "above" else "")).strip()
+        return (
+            f"Measured on {self.model} ({self.task}, {self.problems} problems, n = {self.n}, "
+            f"{self.source}): ESamp with these settings {self.diversity_words} (Vendi "
+            f"{_interval(self.vendi, 'delta')} against plain sampling at the same temperature) and "
+            f"{self.accuracy_words} ({_interval(self.gap, 'gap')} against the temperature curve). "
+            + (
+                "So on this model, sampling hotter or colder without ESamp does at least as well."
+                if self.gap["verdict"] != "above"
+                else ""
+            )
+        ).strip()
 
 
 def _interval(d: dict, key: str) -> str:
@@ -94,14 +105,23 @@ def standing(model: str | None, steering: Steering, results: Path | None = None)
     if not front or not front.get("gaps"):
         return None
     want = {k: getattr(steering, k) for k in STEERING_KEYS}
-    cell = next((name for name, c in report["cells"].items()
-                 if {k: c["settings"].get(k) for k in STEERING_KEYS} == want), None)
+    cell = next(
+        (name for name, c in report["cells"].items() if {k: c["settings"].get(k) for k in STEERING_KEYS} == want), None
+    )
     if cell is None:
         return None
     metric = next(iter(front["gaps"]))  # pass@1: the accuracy of one sample
     gap, vendi = front["gaps"][metric][cell], report["cells"][cell]["deltas"]["vendi"]
     if any(math.isnan(x) for x in (vendi["delta"], vendi["low"], vendi["high"])):
         return None
-    return Standing(model=model, source=f"benchmarks/results/{run}", task=report["task"],
-                    problems=front["problems"], n=report["settings"]["n"], cell=cell, vendi=vendi, gap=gap,
-                    metric=metric)
+    return Standing(
+        model=model,
+        source=f"benchmarks/results/{run}",
+        task=report["task"],
+        problems=front["problems"],
+        n=report["settings"]["n"],
+        cell=cell,
+        vendi=vendi,
+        gap=gap,
+        metric=metric,
+    )

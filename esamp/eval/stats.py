@@ -9,8 +9,8 @@ for both arms, and that shared variance cancels.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -28,8 +28,9 @@ class Delta:
         return {k: getattr(self, k) for k in ("baseline", "esamp", "delta", "low", "high", "problems")}
 
 
-def paired_bootstrap(baseline: Sequence[float], esamp: Sequence[float], resamples: int = 10_000,
-                     confidence: float = 0.95, seed: int = 0) -> Delta:
+def paired_bootstrap(
+    baseline: Sequence[float], esamp: Sequence[float], resamples: int = 10_000, confidence: float = 0.95, seed: int = 0
+) -> Delta:
     """Mean of ``esamp - baseline`` with a percentile bootstrap interval over paired items."""
     a = np.asarray(baseline, dtype=np.float64)
     b = np.asarray(esamp, dtype=np.float64)

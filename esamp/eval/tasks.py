@@ -17,9 +17,9 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 from esamp.errors import EsampError
 from esamp.eval import builtin_sets
@@ -69,11 +69,16 @@ def load_humaneval() -> list[Problem]:
             if not line.strip():
                 continue
             row = json.loads(line)
-            problems.append(Problem(
-                id=row["task_id"], kind="code",
-                prompt=CODE_INSTRUCTION.format(prompt=row["prompt"]),
-                tests=row["test"], code_prefix=row["prompt"], entry_point=row["entry_point"],
-            ))
+            problems.append(
+                Problem(
+                    id=row["task_id"],
+                    kind="code",
+                    prompt=CODE_INSTRUCTION.format(prompt=row["prompt"]),
+                    tests=row["test"],
+                    code_prefix=row["prompt"],
+                    entry_point=row["entry_point"],
+                )
+            )
     return problems
 
 
@@ -85,15 +90,22 @@ def _mmath(source: str) -> list[Problem]:
     rows = json.loads(path.read_text(encoding="utf-8"))
     tag = source.lower()
     return [
-        Problem(id=f"{tag}-{int(r['data_source_id']):03d}", kind="math",
-                prompt=f"{r['question']}\n\n{MATH_INSTRUCTION}", answer=str(r["answer"]))
-        for r in rows if r["data_source"] == source
+        Problem(
+            id=f"{tag}-{int(r['data_source_id']):03d}",
+            kind="math",
+            prompt=f"{r['question']}\n\n{MATH_INSTRUCTION}",
+            answer=str(r["answer"]),
+        )
+        for r in rows
+        if r["data_source"] == source
     ]
 
 
 def load_arith() -> list[Problem]:
-    return [Problem(id=i, kind="math", prompt=f"{q} {builtin_sets.ARITH_INSTRUCTION}", answer=a)
-            for i, q, a in builtin_sets.ARITH]
+    return [
+        Problem(id=i, kind="math", prompt=f"{q} {builtin_sets.ARITH_INSTRUCTION}", answer=a)
+        for i, q, a in builtin_sets.ARITH
+    ]
 
 
 def load_open() -> list[Problem]:
@@ -113,8 +125,9 @@ TASKS: dict[str, tuple[Callable[[], list[Problem]], str]] = {
 def load_task(name: str) -> list[Problem]:
     key = name.strip().lower()
     if key not in TASKS:
-        raise TaskError(f"unknown task {name!r}",
-                        hint="choose one of: " + ", ".join(TASKS) + " (or pass --task-file FILE.jsonl)")
+        raise TaskError(
+            f"unknown task {name!r}", hint="choose one of: " + ", ".join(TASKS) + " (or pass --task-file FILE.jsonl)"
+        )
     return TASKS[key][0]()
 
 
@@ -134,13 +147,16 @@ def parse_problem(row: object, where: str) -> Problem:
     unknown = set(row) - JSONL_FIELDS
     if unknown:
         raise bad(f"unknown field(s) {sorted(unknown)}", "allowed fields: " + ", ".join(sorted(JSONL_FIELDS)))
-    if "id" not in row or not isinstance(row["id"], (str, int)) or isinstance(row["id"], bool) \
-            or str(row["id"]).strip() == "":
+    if (
+        "id" not in row
+        or not isinstance(row["id"], (str, int))
+        or isinstance(row["id"], bool)
+        or str(row["id"]).strip() == ""
+    ):
         raise bad("missing or empty 'id' (a string or an integer)", LINE_FORMAT)
     if not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
         raise bad("missing or empty 'prompt' (a string)", LINE_FORMAT)
-    for key, types in (("answer", (str, int, float)), ("tests", str), ("code_prefix", str),
-                       ("entry_point", str)):
+    for key, types in (("answer", (str, int, float)), ("tests", str), ("code_prefix", str), ("entry_point", str)):
         value = row.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, types)):
             raise bad(f"'{key}' must be a string", LINE_FORMAT)
@@ -154,25 +170,35 @@ def parse_problem(row: object, where: str) -> Problem:
     if kind not in KINDS:
         raise bad(f"kind {kind!r} is not one of {', '.join(KINDS)}", "use kind math, code or open")
     if kind == "math" and answer is None:
-        raise bad("a math problem needs an 'answer'", "add \"answer\": \"...\" or set kind to open")
+        raise bad("a math problem needs an 'answer'", 'add "answer": "..." or set kind to open')
     if kind == "code" and not tests:
-        raise bad("a code problem needs 'tests'", "add \"tests\": \"assert ...\" (Python that fails on a wrong solution)")
-    return Problem(id=str(row["id"]), kind=kind, prompt=row["prompt"], answer=answer,
-                   tests=tests, code_prefix=row.get("code_prefix") or "",
-                   entry_point=row.get("entry_point"))
+        raise bad("a code problem needs 'tests'", 'add "tests": "assert ..." (Python that fails on a wrong solution)')
+    return Problem(
+        id=str(row["id"]),
+        kind=kind,
+        prompt=row["prompt"],
+        answer=answer,
+        tests=tests,
+        code_prefix=row.get("code_prefix") or "",
+        entry_point=row.get("entry_point"),
+    )
 
 
-LINE_FORMAT = ('each line is one JSON object like {"id": "q1", "prompt": "...", "answer": "42"} '
-               'or {"id": "f1", "prompt": "...", "tests": "assert f(1) == 2", "kind": "code"}')
+LINE_FORMAT = (
+    'each line is one JSON object like {"id": "q1", "prompt": "...", "answer": "42"} '
+    'or {"id": "f1", "prompt": "...", "tests": "assert f(1) == 2", "kind": "code"}'
+)
 
 
 def _check_characters(value: str, key: str, bad) -> None:
     """A string that JSON accepts but no tokenizer does: an escaped lone surrogate ("\\udcff")."""
     for i, ch in enumerate(value):
         if "\ud800" <= ch <= "\udfff":
-            raise bad(f"'{key}' holds the escape \\u{ord(ch):04x} at character {i + 1}, half of a "
-                      "surrogate pair and not a character",
-                      "write the character itself in UTF-8, or its full surrogate pair")
+            raise bad(
+                f"'{key}' holds the escape \\u{ord(ch):04x} at character {i + 1}, half of a "
+                "surrogate pair and not a character",
+                "write the character itself in UTF-8, or its full surrogate pair",
+            )
 
 
 MAX_REPORTED = 20  # bad lines listed in one error; a file with more is likely not JSONL at all
@@ -182,8 +208,10 @@ def _json_error(exc: json.JSONDecodeError, text: str) -> str:
     """Where and why one line is not JSON, at the column where parsing stopped (1-based)."""
     where = f"column {exc.pos + 1}"
     if exc.pos >= len(text.rstrip()):
-        return (f"{where}: not valid JSON, the line ends inside an object or string "
-                f"({exc.msg.lower()}): a closing brace, bracket or quote is missing")
+        return (
+            f"{where}: not valid JSON, the line ends inside an object or string "
+            f"({exc.msg.lower()}): a closing brace, bracket or quote is missing"
+        )
     return f"{where}: not valid JSON ({exc.msg.lower()})"
 
 
@@ -199,8 +227,9 @@ def load_jsonl(path: str | Path) -> list[Problem]:
     try:
         data = path.read_bytes()
     except OSError as exc:
-        raise TaskError(f"cannot read task file {str(path)!r}: {exc.strerror}",
-                        hint="check the file's permissions") from None
+        raise TaskError(
+            f"cannot read task file {str(path)!r}: {exc.strerror}", hint="check the file's permissions"
+        ) from None
     problems: list[Problem] = []
     seen: dict[str, int] = {}
     errors: list[tuple[str, str]] = []  # (message, hint)
@@ -210,16 +239,19 @@ def load_jsonl(path: str | Path) -> list[Problem]:
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
-            errors.append((f"{where}, column {exc.start + 1}: byte 0x{raw[exc.start]:02x} is not UTF-8 text",
-                           "save the file as UTF-8 (e.g. iconv -f LATIN1 -t UTF-8)"))
+            errors.append(
+                (
+                    f"{where}, column {exc.start + 1}: byte 0x{raw[exc.start]:02x} is not UTF-8 text",
+                    "save the file as UTF-8 (e.g. iconv -f LATIN1 -t UTF-8)",
+                )
+            )
             continue
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
-            errors.append((f"{where}, {_json_error(exc, line)}",
-                           "each line must be one complete JSON object"))
+            errors.append((f"{where}, {_json_error(exc, line)}", "each line must be one complete JSON object"))
             continue
         try:
             problem = parse_problem(row, where)
@@ -227,8 +259,9 @@ def load_jsonl(path: str | Path) -> list[Problem]:
             errors.append((exc.message, exc.hint))
             continue
         if problem.id in seen:
-            errors.append((f"{where}: id {problem.id!r} already used on line {seen[problem.id]}",
-                           "give every problem its own id"))
+            errors.append(
+                (f"{where}: id {problem.id!r} already used on line {seen[problem.id]}", "give every problem its own id")
+            )
             continue
         seen[problem.id] = number
         problems.append(problem)
@@ -239,8 +272,9 @@ def load_jsonl(path: str | Path) -> list[Problem]:
         more = len(errors) - len(shown)
         tail = [f"... and {more} more"] if more else []
         hints = list(dict.fromkeys(h for _, h in errors[:MAX_REPORTED]))
-        raise TaskError(f"{path.name} has {len(errors)} bad lines:\n    " + "\n    ".join(shown + tail),
-                        hint="; ".join(hints))
+        raise TaskError(
+            f"{path.name} has {len(errors)} bad lines:\n    " + "\n    ".join(shown + tail), hint="; ".join(hints)
+        )
     if not problems:
         raise TaskError(f"task file {path.name} has no problems", hint="add one JSON object per line")
     return problems

@@ -19,7 +19,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-GIB = 1024 ** 3
+GIB = 1024**3
 
 
 @dataclass(frozen=True)
@@ -145,8 +145,9 @@ class MemorySampler:
         except Exception as exc:
             not_supported = getattr(nv, "NVMLError_NotSupported", ())
             if not (not_supported and isinstance(exc, not_supported)):
-                return MemorySample("na", device=self._name, utilisation=util,
-                                    note=f"NVML: {exc or type(exc).__name__}")
+                return MemorySample(
+                    "na", device=self._name, utilisation=util, note=f"NVML: {exc or type(exc).__name__}"
+                )
         # The device reports no memory of its own: it shares the host's (unified memory).
         host = host_memory()
         if host is None:

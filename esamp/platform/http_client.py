@@ -5,13 +5,21 @@ to read each rank's side channel, so no HTTP library is needed."""
 from __future__ import annotations
 
 import asyncio
-from typing import Mapping
+from collections.abc import Mapping
 
 BAD_ANSWER = 502  # the status given to an answer that is not HTTP
 
 
-async def request(host: str, port: int, path: str, *, method: str = "GET", headers: Mapping[str, str] | None = None,
-                  body: bytes | None = None, timeout: float) -> tuple[int, bytes]:
+async def request(
+    host: str,
+    port: int,
+    path: str,
+    *,
+    method: str = "GET",
+    headers: Mapping[str, str] | None = None,
+    body: bytes | None = None,
+    timeout: float,
+) -> tuple[int, bytes]:
     """``method path`` on ``host:port`` (HTTP/1.1, the connection closed after the answer): the
     status and the body, a chunked body joined. An answer that is not HTTP has status
     ``BAD_ANSWER``. Raises ``OSError`` when there is no connection, ``asyncio.TimeoutError`` when
@@ -42,5 +50,5 @@ def _unchunk(data: bytes) -> bytes:
         if n == 0:
             break
         out.append(rest[:n])
-        rest = rest[n + 2:]
+        rest = rest[n + 2 :]
     return b"".join(out)

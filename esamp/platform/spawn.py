@@ -65,9 +65,11 @@ def check_main_guard(what: str) -> None:
     top level again: the caller is that top level, not under ``if __name__ == "__main__":``, or
     this process is itself being started by ``spawn`` and is re-running it. ``what`` names what
     would be started."""
-    hint = (f"put the code that builds it under `{GUARD}` (or in a function called from there): "
-            "spawn imports the script again in every new process, which would build it again "
-            "(docs/library.md shows the pattern)")
+    hint = (
+        f"put the code that builds it under `{GUARD}` (or in a function called from there): "
+        "spawn imports the script again in every new process, which would build it again "
+        "(docs/library.md shows the pattern)"
+    )
     if getattr(multiprocessing.current_process(), "_inheriting", False):
         raise EngineError(f"{what} was started while a spawned process was importing the main script", hint=hint)
     frame = _main_frame()

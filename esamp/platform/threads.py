@@ -48,8 +48,10 @@ def _problem(threads: object) -> str | None:
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         return f"{threads!r} is not a thread count: use 1 to {cores}"
     if threads > cores:
-        return (f"{threads} is more than the {cores} CPU core{'s' if cores != 1 else ''} this process "
-                f"may use; more threads than cores only wait for each other (use 1 to {cores})")
+        return (
+            f"{threads} is more than the {cores} CPU core{'s' if cores != 1 else ''} this process "
+            f"may use; more threads than cores only wait for each other (use 1 to {cores})"
+        )
     return None
 
 
@@ -89,9 +91,13 @@ def _thread_count(text: str) -> int:
 def add_threads_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """``--threads N``, the same on every command that can run the reference engine."""
     parser.add_argument(
-        "--threads", type=_thread_count, default=None, metavar="N",
+        "--threads",
+        type=_thread_count,
+        default=None,
+        metavar="N",
         help=f"CPU threads of the reference engine (default {DEFAULT_THREADS}: more threads gain "
-        "little on small models and collapse when other jobs share the cores)")
+        "little on small models and collapse when other jobs share the cores)",
+    )
 
 
 def threads_option(engine: str, threads: int | None) -> dict:

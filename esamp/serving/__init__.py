@@ -3,12 +3,13 @@
 There is no server of ours: ``esamp serve`` assembles ``vllm serve``'s options and hands the
 process over to vLLM. What ESamp adds rides on vLLM's public seams:
 
-- ``esamp.commands.serve`` (the command, in the commands' room): ``esamp serve MODEL [vLLM options]``: resolves the model as every esamp command
-  does, writes the engine-wide settings into ``--additional-config``, chooses the model class
-  (``--hf-overrides``), the logits processor, the worker extension and this package's middleware,
-  caps ``--max-num-seqs`` to the Distiller bank, sets ``ESAMP_SERVE`` (every request is an ESamp
-  group unless it says ``{"esamp": "off"}``) and the side channels' per-launch secret, listens on
-  127.0.0.1 unless told otherwise, tries the port before loading anything, and execs vLLM's server.
+- ``esamp.commands.serve`` (the command, in the commands' room): ``esamp serve MODEL [vLLM
+  options]``: resolves the model as every esamp command does, writes the engine-wide settings into
+  ``--additional-config``, chooses the model class (``--hf-overrides``), the logits processor, the
+  worker extension and this package's middleware, caps ``--max-num-seqs`` to the Distiller bank,
+  sets ``ESAMP_SERVE`` (every request is an ESamp group unless it says ``{"esamp": "off"}``) and the
+  side channels' per-launch secret, listens on 127.0.0.1 unless told otherwise, tries the port
+  before loading anything, and execs vLLM's server.
 - ``middleware``: an ASGI middleware vLLM loads with ``--middleware``, the outermost layer. It
   checks ``--api-key`` on every route but the health checks and the counters, refuses a request
   ESamp cannot serve with an OpenAI-style 400 before a stream starts, names each request's group

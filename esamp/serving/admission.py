@@ -26,9 +26,10 @@ model's ``generation_config.json``) are the server's choice and cannot be wrong 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 from esamp.core import payload as pl
 from esamp.core.config import Filters, Steering
@@ -42,8 +43,9 @@ PENALTIES = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_pena
 NEUTRAL = {"n": 1, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": None, **PENALTIES}
 # request fields that are numbers (true/false there is refused), and the numeric ESamp keys
 NUMBERS = (*NEUTRAL, "max_tokens", "max_completion_tokens")
-NUMERIC_KEYS = tuple(key for name, key in pl.STEERING_KEYS.items()
-                     if Steering.model_fields[name].annotation in (int, float))
+NUMERIC_KEYS = tuple(
+    key for name, key in pl.STEERING_KEYS.items() if Steering.model_fields[name].annotation in (int, float)
+)
 NO_SEED = -1  # vLLM reads seed -1 as no seed
 
 
@@ -93,7 +95,11 @@ def admit(body: Mapping[str, Any], chat: bool | None = None) -> Admission:
     if not isinstance(xargs, Mapping):
         return Admission(steered=False, n=n)
     params = SimpleNamespace(extra_args=dict(xargs), **fields)
-    from esamp.engines.vllm.settings import Admitted, check, refuse_server_keys  # no vLLM import: the engine's own check
+    from esamp.engines.vllm.settings import (  # no vLLM import: the engine's own check
+        Admitted,
+        check,
+        refuse_server_keys,
+    )
 
     try:
         refuse_server_keys(xargs)  # any group a client names, running or not, gets this one answer
@@ -107,13 +113,16 @@ def admit(body: Mapping[str, Any], chat: bool | None = None) -> Admission:
     records = bool(payload.records)
     if records and prompts > 1:
         raise Refused(many_prompts_with_records(prompts), param="prompt")
-    return Admission(steered=True, n=n, prompts=prompts, records=records,
-                     settings=Admitted(extra=params.extra_args, payload=payload))
+    return Admission(
+        steered=True, n=n, prompts=prompts, records=records, settings=Admitted(extra=params.extra_args, payload=payload)
+    )
 
 
 def many_prompts_with_records(prompts: int) -> str:
-    return (f"esamp_records with {prompts} prompts in one request: each prompt is its own group, and records are "
-            "read per request; send one prompt per request to read its records")
+    return (
+        f"esamp_records with {prompts} prompts in one request: each prompt is its own group, and records are "
+        "read per request; send one prompt per request to read its records"
+    )
 
 
 def _value(request: Mapping[str, Any], name: str):
@@ -172,8 +181,10 @@ def _refuse_booleans(body: Mapping[str, Any]) -> None:
     if isinstance(xargs, Mapping):
         for key in NUMERIC_KEYS:
             if isinstance(xargs.get(key), bool):
-                raise Refused(f"vllm_xargs {key}={str(xargs[key]).lower()}: a number is needed, not true/false",
-                              param="vllm_xargs")
+                raise Refused(
+                    f"vllm_xargs {key}={str(xargs[key]).lower()}: a number is needed, not true/false",
+                    param="vllm_xargs",
+                )
 
 
 def surrogate(value: Any, where: str = "") -> tuple[str, int, str] | None:
@@ -185,8 +196,9 @@ def surrogate(value: Any, where: str = "") -> tuple[str, int, str] | None:
         return None
     items = value.items() if isinstance(value, Mapping) else enumerate(value) if isinstance(value, list) else ()
     for key, item in items:
-        found = surrogate(item, f"{where}.{key}" if where and isinstance(key, str) else
-                          f"{where}[{key}]" if where else str(key))
+        found = surrogate(
+            item, f"{where}.{key}" if where and isinstance(key, str) else f"{where}[{key}]" if where else str(key)
+        )
         if found:
             return found
     return None
@@ -200,9 +212,11 @@ def refuse_surrogates(body: Mapping[str, Any]) -> None:
 
 
 def surrogate_message(field: str, position: int, ch: str) -> str:
-    return (f"{shown(field, quote=False)}: character {position} is a lone UTF-16 surrogate (\\u{ord(ch):04x}), "
-            "half of a character that is not text on its own; send the whole character (a surrogate pair in JSON, "
-            "or the character itself in UTF-8), or drop it")
+    return (
+        f"{shown(field, quote=False)}: character {position} is a lone UTF-16 surrogate (\\u{ord(ch):04x}), "
+        "half of a character that is not text on its own; send the whole character (a surrogate pair in JSON, "
+        "or the character itself in UTF-8), or drop it"
+    )
 
 
 def _param(body: Mapping[str, Any], message: str) -> str | None:

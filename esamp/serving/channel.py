@@ -52,8 +52,11 @@ METRICS = {
     "steps": ("esamp_steps_total", "counter", "Engine steps with ESamp rows"),
     "slots_in_use": ("esamp_slots_in_use", "gauge", "Distiller slots held by prompt groups"),
     "slots_free": ("esamp_slots_free", "gauge", "Distiller slots free"),
-    "bank_full": ("esamp_bank_full_total", "counter",
-                  "Rows sampled plainly because every Distiller slot was held by a running group"),
+    "bank_full": (
+        "esamp_bank_full_total",
+        "counter",
+        "Rows sampled plainly because every Distiller slot was held by a running group",
+    ),
     "slots_evicted": ("esamp_slots_evicted_total", "counter", "Idle groups' slots taken for new groups"),
     "graph_replays": ("esamp_graph_replays_total", "counter", "Distiller steps replayed as CUDA graphs"),
     "graph_captures": ("esamp_graph_captures_total", "counter", "CUDA graphs captured"),
@@ -85,8 +88,9 @@ class Channel:
             def do_GET(self):  # noqa: N802 (the http.server interface)
                 given = (self.headers.get(SECRET_HEADER) or "").encode()
                 if not hmac.compare_digest(given, expected):
-                    self._send(403, json.dumps({"error": "this channel answers only its own API server"}),
-                               "application/json")
+                    self._send(
+                        403, json.dumps({"error": "this channel answers only its own API server"}), "application/json"
+                    )
                     return
                 url = urlparse(self.path)
                 if url.path == "/metrics":
@@ -97,11 +101,17 @@ class Channel:
                         self._send(400, json.dumps({"error": groups}), "application/json")
                         return
                     out = steering.drain((), groups)
-                    self._send(200, json.dumps({"rank": channel.rank, "steps": out["steps"],
-                                                "pending": out["pending"]}), "application/json")
+                    self._send(
+                        200,
+                        json.dumps({"rank": channel.rank, "steps": out["steps"], "pending": out["pending"]}),
+                        "application/json",
+                    )
                 else:
-                    self._send(404, json.dumps({"error": f"no such path {url.path}",
-                                                "paths": ["/metrics", "/records?group=G"]}), "application/json")
+                    self._send(
+                        404,
+                        json.dumps({"error": f"no such path {url.path}", "paths": ["/metrics", "/records?group=G"]}),
+                        "application/json",
+                    )
 
             def _send(self, status: int, body: str, kind: str) -> None:
                 data = body.encode()
@@ -150,8 +160,12 @@ def start(steering, settings: dict, vllm_config) -> Channel | None:
     rank = int(getattr(parallel, "data_parallel_index", None) or getattr(parallel, "data_parallel_rank", 0) or 0)
     secret = os.environ.get(CHANNEL_SECRET_ENV)
     if not secret:
-        log.warning("ESamp side channel of rank %d not started: %s is not set (esamp serve sets it; with a "
-                    "vllm serve line of your own, set it to a random value)", rank, CHANNEL_SECRET_ENV)
+        log.warning(
+            "ESamp side channel of rank %d not started: %s is not set (esamp serve sets it; with a "
+            "vllm serve line of your own, set it to a random value)",
+            rank,
+            CHANNEL_SECRET_ENV,
+        )
         return None
     try:
         return Channel(steering, settings.get("host", HOST), int(port) + rank, rank, secret)

@@ -53,8 +53,11 @@ def merge(texts: dict[int, str | None]) -> str:
         for name, kind, _ in METRICS.values():
             if kind == "counter" and not got.get(name, {}).get("samples"):
                 merged[name]["samples"].append((f'{{rank="{rank}"}}', "0"))
-    merged[UP[0]] = {"help": UP[2], "type": UP[1],
-                     "samples": [(f'{{rank="{r}"}}', "0" if texts[r] is None else "1") for r in sorted(texts)]}
+    merged[UP[0]] = {
+        "help": UP[2],
+        "type": UP[1],
+        "samples": [(f'{{rank="{r}"}}', "0" if texts[r] is None else "1") for r in sorted(texts)],
+    }
     lines = []
     for name, fam in merged.items():
         if not fam["samples"]:

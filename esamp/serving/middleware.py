@@ -62,13 +62,13 @@ import threading
 from dataclasses import asdict, dataclass
 from urllib.parse import parse_qs, quote
 
-from esamp.engines.vllm.settings import ISSUED, SERVE_ENV
-from esamp.serving.channel import CHANNEL_SECRET_ENV, HOST, SECRET_HEADER, read_groups
 from esamp.core import payload as pl
+from esamp.engines.vllm.settings import ISSUED, SERVE_ENV
 from esamp.errors import shown
 from esamp.platform.http_client import request
 from esamp.serving import routes as rt
 from esamp.serving.admission import Refused, admit, many_prompts_with_records, refuse_surrogates
+from esamp.serving.channel import CHANNEL_SECRET_ENV, HOST, SECRET_HEADER, read_groups
 from esamp.serving.metrics import merge
 
 ROUTES = ("/esamp/metrics", "/esamp/records?group=ID", "/esamp/config")  # what this middleware serves
@@ -125,12 +125,16 @@ def server_info(vllm_config) -> ServerInfo | None:
     hf = model_config.hf_config
     names = getattr(model_config, "served_model_name", None) or model_config.model
     return ServerInfo(
-        esamp=esamp.flat(), channel_host=server.get("host", HOST), channel_port=int(server["port"]),
+        esamp=esamp.flat(),
+        channel_host=server.get("host", HOST),
+        channel_port=int(server["port"]),
         ranks=int(getattr(vllm_config.parallel_config, "data_parallel_size", 1) or 1),
         model=names[0] if isinstance(names, (list, tuple)) else str(names),
-        hidden_size=int(getattr(hf, "hidden_size", 0) or 0), num_layers=int(getattr(hf, "num_hidden_layers", 0) or 0),
+        hidden_size=int(getattr(hf, "hidden_size", 0) or 0),
+        num_layers=int(getattr(hf, "num_hidden_layers", 0) or 0),
         max_model_len=int(getattr(model_config, "max_model_len", 0) or 0),
-        records_requested=bool(server.get("records_requested", False)))
+        records_requested=bool(server.get("records_requested", False)),
+    )
 
 
 async def fetch(host: str, port: int, path: str, secret: str, timeout: float = CHANNEL_TIMEOUT) -> tuple[int, bytes]:
@@ -220,13 +224,27 @@ class _Response:
         try:
             if not self.started:
                 data = json.dumps(error).encode()
-                await self._send({"type": "http.response.start", "status": status, "headers": [
-                    (b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
-                    (b"connection", b"close"), *self.headers]})
+                await self._send(
+                    {
+                        "type": "http.response.start",
+                        "status": status,
+                        "headers": [
+                            (b"content-type", b"application/json"),
+                            (b"content-length", str(len(data)).encode()),
+                            (b"connection", b"close"),
+                            *self.headers,
+                        ],
+                    }
+                )
                 await self._send({"type": "http.response.body", "body": data})
             elif self.streaming:
-                await self._send({"type": "http.response.body", "more_body": False,
-                                  "body": b"data: " + json.dumps(error).encode() + b"\n\ndata: [DONE]\n\n"})
+                await self._send(
+                    {
+                        "type": "http.response.body",
+                        "more_body": False,
+                        "body": b"data: " + json.dumps(error).encode() + b"\n\ndata: [DONE]\n\n",
+                    }
+                )
             else:
                 await self._send({"type": "http.response.body", "body": b"", "more_body": False})
         except Exception:  # the client left already
@@ -298,8 +316,12 @@ class EsampMiddleware:
             return
         self.routes = rt.classify(rt.posts(app))
         for path in self.routes[rt.UNKNOWN]:
-            log.warning("ESamp: this vLLM serves POST %s, a route esamp does not know: its requests are sampled "
-                        "without ESamp and hold no Distiller slot (docs/serving.md, \"Routes: which generate, and how each is served\")", path)
+            log.warning(
+                "ESamp: this vLLM serves POST %s, a route esamp does not know: its requests are sampled "
+                'without ESamp and hold no Distiller slot (docs/serving.md, "Routes: which generate, and how '
+                'each is served")',
+                path,
+            )
 
     # -- every request vLLM answers: ended when the server stops -----------------------------------
 
@@ -342,8 +364,11 @@ class EsampMiddleware:
         (less ``DRAIN_MARGIN``), at once by default."""
         if self._stopping is not None and not self._stopping.done():
             self._drain_until = self._stopping.get_loop().time() + max(0.0, drain - DRAIN_MARGIN)
-            log.warning("ESamp: %s: ending every open response with an error%s", reason.partition(";")[0],
-                        f" after {drain - DRAIN_MARGIN:.0f} s" if drain > DRAIN_MARGIN else "")
+            log.warning(
+                "ESamp: %s: ending every open response with an error%s",
+                reason.partition(";")[0],
+                f" after {drain - DRAIN_MARGIN:.0f} s" if drain > DRAIN_MARGIN else "",
+            )
             self._stopping.set_result(reason)
 
     async def _watch_server(self, state, stopping: asyncio.Future) -> None:
@@ -399,8 +424,11 @@ class EsampMiddleware:
                 refuse_surrogates(request)
                 await self._run(scope, _replay(body, receive), _Response(send))
                 return
-            admission = admit(request, ADMITTED[route.check]) if route.check in ADMITTED else \
-                other_admission(request, route.prompts)
+            admission = (
+                admit(request, ADMITTED[route.check])
+                if route.check in ADMITTED
+                else other_admission(request, route.prompts)
+            )
         except Refused as refused:
             await _respond(send, 400, json.dumps(refused.body()), "application/json")
             return
@@ -416,8 +444,11 @@ class EsampMiddleware:
             # the ticket rides to the engine (prepare claims it); the client sees only the group's id
             request["vllm_xargs"] = {**xargs, pl.ROUTE_KEYS["group"]: issued.ticket}
             body = json.dumps(request, ensure_ascii=False).encode()
-            scope = dict(scope, headers=[(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
-                         + [(b"content-length", str(len(body)).encode())])
+            scope = dict(
+                scope,
+                headers=[(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
+                + [(b"content-length", str(len(body)).encode())],
+            )
             headers.append((GROUP_HEADER, issued.group.encode()))
             if info is not None and info.ranks > 1 and not any(k.lower() == RANK_HEADER for k, _ in scope["headers"]):
                 rank = self._pin(admission.n * admission.prompts, info.ranks)
@@ -460,24 +491,55 @@ class EsampMiddleware:
         routes = {"/esamp/metrics": self._metrics, "/esamp/records": self._records, "/esamp/config": self._config}
         handler = routes.get(path)
         if handler is None:
-            await _respond(send, 404, json.dumps({"error": {
-                "message": f"no such ESamp route {shown(path, quote=False)}", "type": "NotFoundError", "param": None,
-                "code": 404, "routes": list(ROUTES)}}), "application/json")
+            await _respond(
+                send,
+                404,
+                json.dumps(
+                    {
+                        "error": {
+                            "message": f"no such ESamp route {shown(path, quote=False)}",
+                            "type": "NotFoundError",
+                            "param": None,
+                            "code": 404,
+                            "routes": list(ROUTES),
+                        }
+                    }
+                ),
+                "application/json",
+            )
             return
         if scope["method"] not in ("GET", "HEAD"):
             await _respond(send, 405, json.dumps(_error(405, f"{path} answers GET only")), "application/json")
             return
         info = self._server(scope)
         if info is None:
-            await _respond(send, 503, json.dumps(_error(503, "this server has no ESamp side channel (or has not "
-                                                         "finished starting): start it with esamp serve")),
-                           "application/json")
+            await _respond(
+                send,
+                503,
+                json.dumps(
+                    _error(
+                        503,
+                        "this server has no ESamp side channel (or has not "
+                        "finished starting): start it with esamp serve",
+                    )
+                ),
+                "application/json",
+            )
             return
         if not self.secret and handler is not self._config:
-            await _respond(send, 503, json.dumps(_error(
-                503, f"the side channels take a per-launch secret, and {CHANNEL_SECRET_ENV} is not set in this "
-                     f"server's environment: start it with esamp serve (or set {CHANNEL_SECRET_ENV} to a random "
-                     "value for your own vllm serve line)")), "application/json")
+            await _respond(
+                send,
+                503,
+                json.dumps(
+                    _error(
+                        503,
+                        f"the side channels take a per-launch secret, and {CHANNEL_SECRET_ENV} is not set in this "
+                        f"server's environment: start it with esamp serve (or set {CHANNEL_SECRET_ENV} to a random "
+                        "value for your own vllm serve line)",
+                    )
+                ),
+                "application/json",
+            )
             return
         await handler(scope, send, info)
 
@@ -491,7 +553,7 @@ class EsampMiddleware:
         async def one(host: str, port: int):
             try:
                 return await fetch(host, port, path, self.secret)
-            except (OSError, asyncio.TimeoutError, ValueError) as exc:
+            except (TimeoutError, OSError, ValueError) as exc:
                 return exc
 
         got = await asyncio.gather(*(one(host, port) for _, host, port in info.channels()))
@@ -506,8 +568,12 @@ class EsampMiddleware:
         query = parse_qs(scope.get("query_string", b"").decode())
         groups = read_groups(query.get("group"))
         if isinstance(groups, str):
-            await _respond(send, 400, json.dumps(_error(400, groups.replace("/records", "/esamp/records"), "group")),
-                           "application/json")
+            await _respond(
+                send,
+                400,
+                json.dumps(_error(400, groups.replace("/records", "/esamp/records"), "group")),
+                "application/json",
+            )
             return
         got = await self._gather(info, "/records?group=" + quote(",".join(sorted(groups)), safe=","))
         steps, pending, unreachable = [], 0, []
@@ -521,17 +587,17 @@ class EsampMiddleware:
                 continue
             pending += int(data.get("pending", 0))
             steps += [{**step, "rank": rank} for step in data.get("steps", [])]
-        await _respond(send, 200, json.dumps({"steps": steps, "pending": pending, "unreachable": unreachable}),
-                       "application/json")
+        await _respond(
+            send, 200, json.dumps({"steps": steps, "pending": pending, "unreachable": unreachable}), "application/json"
+        )
 
 
 def other_admission(request: dict, prompts_field: str | None):
     """A request on a ``routes.XARGS`` route, whose body is vLLM's to check: steered unless it says
     ``esamp: off`` (or its ``vllm_xargs`` is not a mapping: vLLM refuses that); a group or another key
     only the server sets refused; text checked for lone surrogates."""
-    from esamp.serving.admission import Admission
-
     from esamp.engines.vllm.settings import refuse_server_keys
+    from esamp.serving.admission import Admission
 
     refuse_surrogates(request)
     xargs = request.get("vllm_xargs")
@@ -548,8 +614,12 @@ def other_admission(request: dict, prompts_field: str | None):
     if steered and records and prompts > 1:
         raise Refused(many_prompts_with_records(prompts), param=prompts_field)
     n = request.get("n")
-    return Admission(steered=steered, n=n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1,
-                     prompts=prompts, records=records)
+    return Admission(
+        steered=steered,
+        n=n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1,
+        prompts=prompts,
+        records=records,
+    )
 
 
 # -- ASGI plumbing -------------------------------------------------------------------------------
@@ -589,13 +659,20 @@ def _is_json(scope) -> bool:
 
 
 def _error(code: int, message: str, param: str | None = None) -> dict:
-    kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowed",
-            503: "ServiceUnavailable"}
+    kind = {
+        400: "BadRequestError",
+        401: "AuthenticationError",
+        404: "NotFoundError",
+        405: "MethodNotAllowed",
+        503: "ServiceUnavailable",
+    }
     return {"error": {"message": message, "type": kind.get(code, "Error"), "param": param, "code": code}}
 
 
-UNAUTHORISED = ("this server needs an API key: send the header 'Authorization: Bearer KEY' with the key it was "
-                "started with (esamp serve --api-key KEY); esamp's own clients send $ESAMP_API_KEY")
+UNAUTHORISED = (
+    "this server needs an API key: send the header 'Authorization: Bearer KEY' with the key it was "
+    "started with (esamp serve --api-key KEY); esamp's own clients send $ESAMP_API_KEY"
+)
 
 
 async def _unauthorised(kind: str, receive, send) -> None:
@@ -605,14 +682,27 @@ async def _unauthorised(kind: str, receive, send) -> None:
             await send({"type": "websocket.close", "code": 1008, "reason": "API key required"})
         return
     data = json.dumps(_error(401, UNAUTHORISED)).encode()
-    await send({"type": "http.response.start", "status": 401, "headers": [
-        (b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
-        (b"www-authenticate", b"Bearer")]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 401,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(data)).encode()),
+                (b"www-authenticate", b"Bearer"),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": data})
 
 
 async def _respond(send, status: int, body: str, content_type: str) -> None:
     data = body.encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", content_type.encode()), (b"content-length", str(len(data)).encode())]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", content_type.encode()), (b"content-length", str(len(data)).encode())],
+        }
+    )
     await send({"type": "http.response.body", "body": data})

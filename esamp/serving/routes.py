@@ -55,37 +55,78 @@ POST_ROUTES: dict[str, Route] = {
     "/v1/chat/completions/batch": Route(STEERED, "several conversations, one group each", XARGS, "messages"),
     "/generative_scoring": Route(PLAIN, "one token per item, for its log-probabilities; takes no vllm_xargs"),
     "/cohere/v2/chat": Route(PLAIN, "Cohere chat (VLLM_ENABLE_COHERE_API); takes no vllm_xargs"),
-    "/inference/v1/generate": Route(PLAIN, "token in, token out for disaggregated serving (--enable-scale-out, "
-                                           "--tokens-only): sampling parameters come whole from another server"),
+    "/inference/v1/generate": Route(
+        PLAIN,
+        "token in, token out for disaggregated serving (--enable-scale-out, "
+        "--tokens-only): sampling parameters come whole from another server",
+    ),
     "/v1/audio/transcriptions": Route(PLAIN, "speech to text, for models ESamp does not run"),
     "/v1/audio/translations": Route(PLAIN, "speech to text, for models ESamp does not run"),
     "/tokenize": Route(OTHER, "the tokenizer", TEXT),
     **_other("the tokenizer", "/detokenize", "/v1/messages/count_tokens"),
     **_other("a health check (SageMaker)", "/ping"),
     **_other("cancels a background response", "/v1/responses/{response_id}/cancel"),
-    **_other("renders a request into tokens or back, without generating (--enable-scale-out)",
-             "/v1/completions/render", "/v1/chat/completions/render", "/v1/messages/render",
-             "/v1/responses/render", "/v1/completions/derender", "/v1/chat/completions/derender",
-             "/cohere/v2/chat/render"),
-    **_other("pooling models", "/pooling", "/classify", "/v1/embeddings", "/v2/embed", "/score", "/v1/score",
-             "/rerank", "/v1/rerank", "/v2/rerank"),
-    **_other("LoRA adapters (VLLM_ALLOW_RUNTIME_LORA_UPDATING, SageMaker)", "/v1/load_lora_adapter",
-             "/v1/unload_lora_adapter", "/adapters"),
+    **_other(
+        "renders a request into tokens or back, without generating (--enable-scale-out)",
+        "/v1/completions/render",
+        "/v1/chat/completions/render",
+        "/v1/messages/render",
+        "/v1/responses/render",
+        "/v1/completions/derender",
+        "/v1/chat/completions/derender",
+        "/cohere/v2/chat/render",
+    ),
+    **_other(
+        "pooling models",
+        "/pooling",
+        "/classify",
+        "/v1/embeddings",
+        "/v2/embed",
+        "/score",
+        "/v1/score",
+        "/rerank",
+        "/v1/rerank",
+        "/v2/rerank",
+    ),
+    **_other(
+        "LoRA adapters (VLLM_ALLOW_RUNTIME_LORA_UPDATING, SageMaker)",
+        "/v1/load_lora_adapter",
+        "/v1/unload_lora_adapter",
+        "/adapters",
+    ),
     **_other("the profiler (--profiler-config)", "/start_profile", "/stop_profile"),
     **_other("elastic expert parallelism", "/scale_elastic_ep", "/is_scaling_elastic_ep"),
     **_other("fault tolerance (--enable-fault-tolerance)", "/fault_tolerance/apply"),
-    **_other("development routes (VLLM_SERVER_DEV_MODE; /abort_requests also with --tokens-only)",
-             "/reset_prefix_cache", "/reset_mm_cache", "/reset_encoder_cache", "/pause", "/resume",
-             "/abort_requests", "/init_weight_transfer_engine", "/start_weight_update",
-             "/start_draft_weight_update", "/update_weights", "/finish_weight_update", "/update_weight_version",
-             "/collective_rpc", "/sleep", "/wake_up"),
+    **_other(
+        "development routes (VLLM_SERVER_DEV_MODE; /abort_requests also with --tokens-only)",
+        "/reset_prefix_cache",
+        "/reset_mm_cache",
+        "/reset_encoder_cache",
+        "/pause",
+        "/resume",
+        "/abort_requests",
+        "/init_weight_transfer_engine",
+        "/start_weight_update",
+        "/start_draft_weight_update",
+        "/update_weights",
+        "/finish_weight_update",
+        "/update_weight_version",
+        "/collective_rpc",
+        "/sleep",
+        "/wake_up",
+    ),
 }
 
 
 def posts(app) -> list[str]:
     """Every POST path ``app`` (vLLM's FastAPI app, or any Starlette app) serves, from its routes."""
-    return sorted({route.path for route in getattr(app, "routes", ())
-                   if "POST" in (getattr(route, "methods", None) or ()) and getattr(route, "path", None)})
+    return sorted(
+        {
+            route.path
+            for route in getattr(app, "routes", ())
+            if "POST" in (getattr(route, "methods", None) or ()) and getattr(route, "path", None)
+        }
+    )
 
 
 def classify(paths) -> dict[str, list[str]]:

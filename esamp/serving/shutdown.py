@@ -50,8 +50,12 @@ def worker_waits_for_engine_core() -> bool:
             previous[signum](signum, frame)
             return
         passed.append(signum)
-        log.info("[esamp] worker: %s received; this worker exits when its engine core stops it, or in %.0f s "
-                 "(send it again to exit now)", signal.Signals(signum).name, DEFER_SECONDS)
+        log.info(
+            "[esamp] worker: %s received; this worker exits when its engine core stops it, or in %.0f s "
+            "(send it again to exit now)",
+            signal.Signals(signum).name,
+            DEFER_SECONDS,
+        )
         later = threading.Timer(DEFER_SECONDS, os.kill, (os.getpid(), signum))
         later.daemon = True  # a worker that exits meanwhile is not kept waiting for it
         later.start()

@@ -23,7 +23,9 @@ from esamp_tui.session_log import SessionRecord, default_export_dir
 class ExportScreen(ModalScreen[Exported | None]):
     DEFAULT_CSS = """
     ExportScreen { align: center middle; }
-    ExportScreen > Vertical { width: 80; max-width: 95%; height: auto; border: round $primary; background: $surface; padding: 0 1; }
+    ExportScreen > Vertical {
+        width: 80; max-width: 95%; height: auto; border: round $primary; background: $surface; padding: 0 1;
+    }
     ExportScreen Static { color: $text-muted; }
     ExportScreen #export-problem { color: $error; }
     """
@@ -37,9 +39,11 @@ class ExportScreen(ModalScreen[Exported | None]):
 
     def compose(self) -> ComposeResult:
         with Vertical():
-            yield Static("Export to this folder (created if missing). Enter writes, Esc cancels.\n"
-                         "Files: transcript.md, transcript.jsonl (tokens with novelty), "
-                         "metrics.jsonl, metrics.csv, screenshot.svg, screenshot.png")
+            yield Static(
+                "Export to this folder (created if missing). Enter writes, Esc cancels.\n"
+                "Files: transcript.md, transcript.jsonl (tokens with novelty), "
+                "metrics.jsonl, metrics.csv, screenshot.svg, screenshot.png"
+            )
             yield Input(str(self.default), id="export-dir")
             yield Static("", id="export-problem")
 
@@ -69,9 +73,12 @@ class ExportScreen(ModalScreen[Exported | None]):
 
     @on(Exported)
     def exported(self, message: Exported) -> None:
-        self.notify(f"Exported {len(message.paths)} files to {message.paths[0].parent}"
-                    + (f"\n{message.note}" if message.note else ""),
-                    severity="warning" if message.note else "information", timeout=8)
+        self.notify(
+            f"Exported {len(message.paths)} files to {message.paths[0].parent}"
+            + (f"\n{message.note}" if message.note else ""),
+            severity="warning" if message.note else "information",
+            timeout=8,
+        )
         self.dismiss(message)
 
     @on(ExportFailed)

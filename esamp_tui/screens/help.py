@@ -47,12 +47,15 @@ command palette (ctrl+p), with a "Mix: …" entry per mix. To change a key, put
 class HelpScreen(ModalScreen[None]):
     DEFAULT_CSS = """
     HelpScreen { align: center middle; }
-    HelpScreen > VerticalScroll { width: 90; max-width: 95%; height: 80%; border: round $primary; background: $surface; padding: 0 1; }
+    HelpScreen > VerticalScroll {
+        width: 90; max-width: 95%; height: 80%; border: round $primary; background: $surface; padding: 0 1;
+    }
     """
     BINDINGS = [Binding("escape,q,question_mark,f1", "dismiss", "Close help", id="help.close")]
 
-    def __init__(self, bindings: list[Binding], keymap: dict[str, str] | None = None,
-                 measured: str | None = None) -> None:
+    def __init__(
+        self, bindings: list[Binding], keymap: dict[str, str] | None = None, measured: str | None = None
+    ) -> None:
         super().__init__()
         self.key_bindings = bindings
         self.keymap = keymap or {}  # the user's overrides, by binding id

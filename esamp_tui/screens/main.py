@@ -55,16 +55,23 @@ class MainScreen(KeysScreen):
         super().__init__(id="main")
         self.options, self.memory_sampler, self.speed_file = options, memory_sampler, speed_file
         default = options.esamp.steering
-        for name, value in (("esamp_on", default.enabled), ("beta", default.beta),
-                            ("mix", default.mix), ("n", options.sampling.n)):
+        for name, value in (
+            ("esamp_on", default.enabled),
+            ("beta", default.beta),
+            ("mix", default.mix),
+            ("n", options.sampling.n),
+        ):
             self.set_reactive(getattr(MainScreen, name), value)
-        self.controller = SessionController(self, lambda: options.session_spec(self.steering, self.sampling),
-                                            backend_factory)
+        self.controller = SessionController(
+            self, lambda: options.session_spec(self.steering, self.sampling), backend_factory
+        )
         self.record, self.run_id = SessionRecord(), 0
         self.last_prompt: str | None = options.prompt
         self.charts_chosen = False  # once the user picks a chart mode, the terminal's size no longer does
         self.speed: SpeedWatch | None = None
-        self.start_progress: LoadingEvent | None = None  # the engine's start, as far as it has come (not Widget.loading)
+        self.start_progress: LoadingEvent | None = (
+            None  # the engine's start, as far as it has come (not Widget.loading)
+        )
 
     @property
     def steering(self) -> Steering:
@@ -82,8 +89,12 @@ class MainScreen(KeysScreen):
         return min(max(n, 1), MAX_PANES)
 
     def compose(self) -> ComposeResult:
-        yield Input(self.options.prompt or "", id="prompt", placeholder="Type a prompt and press Enter "
-                    "(p: back to this box · Esc: leave it so single-letter keys work)")
+        yield Input(
+            self.options.prompt or "",
+            id="prompt",
+            placeholder="Type a prompt and press Enter "
+            "(p: back to this box · Esc: leave it so single-letter keys work)",
+        )
         yield ErrorPanel(id="error")
         yield Results(self.record, id="results")
         yield RunHistory(id="history")
@@ -92,8 +103,16 @@ class MainScreen(KeysScreen):
         yield KeysFooter(footer_drop_actions(), compact=True)
 
     def on_mount(self) -> None:
-        self.prompt, self.results, self.history = self.query_one(Input), self.query_one(Results), self.query_one(RunHistory)
-        self.charts, self.status, self.error_panel = self.query_one(ChartStrip), self.query_one(StatusBar), self.query_one(ErrorPanel)
+        self.prompt, self.results, self.history = (
+            self.query_one(Input),
+            self.query_one(Results),
+            self.query_one(RunHistory),
+        )
+        self.charts, self.status, self.error_panel = (
+            self.query_one(ChartStrip),
+            self.query_one(StatusBar),
+            self.query_one(ErrorPanel),
+        )
         self.status.model = self.options.model or "embedded default"
         self.status.engine, self.status.engine_reason = self.options.engine, self.options.engine_reason
         for name in ("esamp_on", "beta", "mix", "n"):
@@ -162,7 +181,9 @@ class MainScreen(KeysScreen):
         """What the engine is doing, in the status bar, and the keys that work now, in the footer."""
         c, status = self.controller, self.status
         starting = f"starting engine: {self.start_progress.describe()}" if self.start_progress else "starting engine"
-        status.state = "error" if c.failed else starting if not c.ready else "generating" if self.record.running() else "ready"
+        status.state = (
+            "error" if c.failed else starting if not c.ready else "generating" if self.record.running() else "ready"
+        )
         status.notice = status.notice if status.state == "generating" else ""
         self.refresh_bindings()
 
@@ -204,8 +225,9 @@ class MainScreen(KeysScreen):
 
     def action_toggle_esamp(self) -> None:
         self.esamp_on = not self.esamp_on
-        self.notify(f"ESamp {'ON' if self.esamp_on else 'OFF'} for the next run (r re-runs the same prompt and seed)",
-                    timeout=3)
+        self.notify(
+            f"ESamp {'ON' if self.esamp_on else 'OFF'} for the next run (r re-runs the same prompt and seed)", timeout=3
+        )
 
     def action_rerun(self, compare: bool = False) -> None:
         if self.last_prompt:
@@ -256,9 +278,12 @@ class MainScreen(KeysScreen):
         self.app.push_screen(ExportScreen(self.record, self.app.export_screenshot(title="esamp")))
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        when = {"restart": lambda: not self.controller.usable, "abort": lambda: bool(self.record.running()),
-                "focus": lambda: parameters != ("results",) or self.typing,
-                "hide_error": lambda: self.query_one(ErrorPanel).visible_now and not self.typing}
+        when = {
+            "restart": lambda: not self.controller.usable,
+            "abort": lambda: bool(self.record.running()),
+            "focus": lambda: parameters != ("results",) or self.typing,
+            "hide_error": lambda: self.query_one(ErrorPanel).visible_now and not self.typing,
+        }
         return when[action]() if action in when else super().check_action(action, parameters)
 
     def on_unmount(self) -> None:

@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import collections
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 from textual import on, work
 from textual.app import ComposeResult
 from textual.color import Color, ColorParseError
 from textual.containers import Horizontal, Vertical
-from textual.reactive import reactive
 from textual.markup import escape
+from textual.reactive import reactive
 from textual.widgets import Static
 from textual_plotext import PlotextPlot
 
@@ -119,8 +119,12 @@ class ChartStrip(Horizontal):
     ChartStrip.-hidden { display: none; }
     """
     # (key, title, title when the strip is narrower than 4 × WIDE_PLOT)
-    CELLS = [("rate", "tokens/s", "tokens/s"), ("loss", "Distiller loss (MSE)", "loss (MSE)"),
-             ("hits", "port hits (rows/step)", "hits (rows/step)"), ("mem", "memory (GiB)", "memory (GiB)")]
+    CELLS = [
+        ("rate", "tokens/s", "tokens/s"),
+        ("loss", "Distiller loss (MSE)", "loss (MSE)"),
+        ("hits", "port hits (rows/step)", "hits (rows/step)"),
+        ("mem", "memory (GiB)", "memory (GiB)"),
+    ]
 
     mode = reactive("full")
 
@@ -150,7 +154,9 @@ class ChartStrip(Horizontal):
 
     def on_resize(self) -> None:
         for key, title, short in self.CELLS:
-            self.query_one(f"#chart-{key}", ChartCell).border_title = title if self.size.width >= 4 * WIDE_PLOT else short
+            self.query_one(f"#chart-{key}", ChartCell).border_title = (
+                title if self.size.width >= 4 * WIDE_PLOT else short
+            )
         self.redraw()
 
     def watch_mode(self, mode: str) -> None:
@@ -212,8 +218,9 @@ class ChartStrip(Horizontal):
                 out[name] = Color.parse(fallback).rgb
         return out
 
-    def _plot(self, key: str, series: list[tuple[TimeSeries, tuple[int, int, int]]],
-              ylim: tuple[float, float] | None) -> None:
+    def _plot(
+        self, key: str, series: list[tuple[TimeSeries, tuple[int, int, int]]], ylim: tuple[float, float] | None
+    ) -> None:
         widget = self.query_one(f"#chart-{key}-plot", PlotextPlot)
         plt = widget.plt
         plt.clear_data()
@@ -237,8 +244,11 @@ class ChartStrip(Horizontal):
         colours = self._colours()
         now = self.now
         rates = self.rate_off.values(now) + self.rate_on.values(now)
-        self._plot("rate", [(self.rate_off, colours["primary"]), (self.rate_on, colours["accent"])],
-                   (0, max(rates, default=1.0) * 1.15 or 1.0))
+        self._plot(
+            "rate",
+            [(self.rate_off, colours["primary"]), (self.rate_on, colours["accent"])],
+            (0, max(rates, default=1.0) * 1.15 or 1.0),
+        )
         self._plot("loss", [(self.loss, colours["accent"])], None)
         self._plot("hits", [(self.hits, colours["accent"])], (0, max(self.hits.values(now), default=1.0) * 1.15 or 1.0))
         total = self.memory_sample.total / GIB if self.memory_sample and self.memory_sample.total else None
@@ -250,9 +260,17 @@ class ChartStrip(Horizontal):
         compact = self.mode == "compact"
         now = self.now
         off, on = self.run_rates.get(False), self.run_rates.get(True)
-        rate = " ".join(part for part in (
-            f"[$primary]━[/] off {off:,.1f}" if off is not None else "",
-            f"[$accent]━[/] on {on:,.1f}" if on is not None else "") if part) or "–"
+        rate = (
+            " ".join(
+                part
+                for part in (
+                    f"[$primary]━[/] off {off:,.1f}" if off is not None else "",
+                    f"[$accent]━[/] on {on:,.1f}" if on is not None else "",
+                )
+                if part
+            )
+            or "–"
+        )
         loss = "– (ESamp off)" if self.loss.last is None else f"{self.loss.last:.4g}"
         hits = "–" if self.hits.last is None else f"{self.hits.last:g} row{'' if self.hits.last == 1 else 's'}"
         sample = self.memory_sample

@@ -15,7 +15,9 @@ from esamp.events import ErrorEvent
 
 class ErrorPanel(Vertical):
     DEFAULT_CSS = """
-    ErrorPanel { display: none; height: auto; max-height: 16; border: thick $error; background: $error 15%; padding: 0 1; }
+    ErrorPanel {
+        display: none; height: auto; max-height: 16; border: thick $error; background: $error 15%; padding: 0 1;
+    }
     ErrorPanel.-visible { display: block; }
     ErrorPanel > .error--message { text-style: bold; color: $text; }
     ErrorPanel > .error--hint { color: $warning; }
@@ -40,8 +42,11 @@ class ErrorPanel(Vertical):
         self.message = message
         self.fatal = fatal
         self.border_title = "engine error" if fatal else "run failed"
-        keys = ("ctrl+r restart the engine · escape hide this panel · transcripts above are kept" if fatal
-                else "the engine is still running: type another prompt · escape hides this panel")
+        keys = (
+            "ctrl+r restart the engine · escape hide this panel · transcripts above are kept"
+            if fatal
+            else "the engine is still running: type another prompt · escape hides this panel"
+        )
         self.query_one(".error--keys", Static).update(keys)
         self.query_one(".error--message", Static).update(message)
         self.query_one(".error--hint", Static).update(f"hint: {hint}" if hint else "")

@@ -9,7 +9,7 @@ rule holds for any key map, theme or terminal width.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from textual.widget import Widget
 from textual.widgets import Footer, Label

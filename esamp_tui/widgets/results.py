@@ -21,8 +21,10 @@ from esamp_tui.messages import VendiScored
 from esamp_tui.session_log import GroupRecord, SessionRecord
 from esamp_tui.widgets.run_row import RunRow
 
-PLACEHOLDER = ("Type a prompt above and press Enter. Each pane is one sample; tokens are coloured by "
-               "novelty (how much the Distiller did not see them coming).")
+PLACEHOLDER = (
+    "Type a prompt above and press Enter. Each pane is one sample; tokens are coloured by "
+    "novelty (how much the Distiller did not see them coming)."
+)
 
 
 class Results(VerticalScroll):
@@ -99,8 +101,10 @@ class Results(VerticalScroll):
         if row := self.rows.get(group.key):
             row.set_vendi_pending(bool(pending))
         if pending:
-            diversity.vendi_in_background([s.text for s in group.samples],
-                                          lambda score, why: self.post_message(VendiScored(group.key, score, why)))
+            diversity.vendi_in_background(
+                [s.text for s in group.samples],
+                lambda score, why: self.post_message(VendiScored(group.key, score, why)),
+            )
 
     @on(VendiScored)
     def vendi_scored(self, message: VendiScored) -> None:

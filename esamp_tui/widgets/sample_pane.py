@@ -180,7 +180,9 @@ class SamplePane(ScrollView, can_focus=False):
             try:
                 from textual.color import Color
 
-                styles[PLAIN] = Style(color=Color.parse(plain).rich_color) if plain and plain != "ansi_default" else Style()
+                styles[PLAIN] = (
+                    Style(color=Color.parse(plain).rich_color) if plain and plain != "ansi_default" else Style()
+                )
             except Exception:
                 styles[PLAIN] = Style()
             self._styles = styles

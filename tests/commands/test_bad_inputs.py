@@ -21,11 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from esamp.engines import models
 from esamp.commands.cli import main
+from esamp.engines import models
 
 ROOT = Path(__file__).resolve().parents[2]
-GIB = 1024 ** 3
+GIB = 1024**3
 BAD_UTF8 = "Name a colour \udcff now."  # what Python makes of the byte 0xff in argv
 GEN = ["esamp", "generate"]
 EVAL = ["esamp", "eval", "--task", "arith", "--limit", "1", "-n", "2", "--no-diversity", "--quiet"]
@@ -39,8 +39,12 @@ CASES = [
     ("not a GGUF file", GEN + ["hi", "--model", "{not_gguf}"], "not a GGUF file"),
     ("setting out of range", GEN + ["hi", "--beta", "12"], "--beta=12.0"),
     ("empty prompt", GEN + ["  "], "prompt is empty"),
-    pytest.param("prompt longer than the context", GEN + ["word " * 9000, "--max-tokens", "4"],
-                 "longer than the model's context", marks=slow),
+    pytest.param(
+        "prompt longer than the context",
+        GEN + ["word " * 9000, "--max-tokens", "4"],
+        "longer than the model's context",
+        marks=slow,
+    ),
     # -- flags named as typed (issue: messages that name what the user typed) -----------------
     ("generate --max-tokens -1", GEN + ["hi", "--max-tokens", "-1"], "--max-tokens=-1"),
     ("generate -n 0", GEN + ["hi", "-n", "0"], "-n=0"),
@@ -69,22 +73,36 @@ CASES = [
     # -- --threads, the same flag on every command that runs the reference engine -------------
     ("generate --threads 0", GEN + ["hi", "--threads", "0"], "argument --threads: 0 is not a thread count"),
     ("generate --threads too many", GEN + ["hi", "--threads", "4096"], "argument --threads: 4096 is more than"),
-    ("eval --threads 0", EVAL + ["--threads", "0", "--out", "{tmp}/e-t0"], "argument --threads: 0 is not a thread count"),
-    ("eval --threads too many", EVAL + ["--threads", "4096", "--out", "{tmp}/e-t"], "argument --threads: 4096 is more than"),
+    (
+        "eval --threads 0",
+        EVAL + ["--threads", "0", "--out", "{tmp}/e-t0"],
+        "argument --threads: 0 is not a thread count",
+    ),
+    (
+        "eval --threads too many",
+        EVAL + ["--threads", "4096", "--out", "{tmp}/e-t"],
+        "argument --threads: 4096 is more than",
+    ),
     ("tui --threads 0", TUI + ["--threads", "0"], "argument --threads: 0 is not a thread count"),
     ("tui --threads too many", TUI + ["--threads", "4096"], "argument --threads: 4096 is more than"),
     # -- --slots, on every command that starts an engine --------------------------------------
     ("generate --slots 0", GEN + ["hi", "--slots", "0"], "--slots=0"),
     ("eval --slots 0", EVAL + ["--slots", "0", "--out", "{tmp}/e-s0"], "--slots=0"),
     ("bench --slots 0", BENCH + ["--slots", "0"], "--slots=0"),
-    ("bench --slots below the workload", BENCH + ["--slots", "8", "--model", "qwen2.5-0.5b:dummy", "--workloads",
-                                                  "16x64"], "--slots=8"),
+    (
+        "bench --slots below the workload",
+        BENCH + ["--slots", "8", "--model", "qwen2.5-0.5b:dummy", "--workloads", "16x64"],
+        "--slots=8",
+    ),
     ("tui --slots 0", TUI + ["--slots", "0"], "--slots=0"),
     # -- --distiller (bank | shared), where it is a flag ----------------------------------------
     ("bench --distiller", BENCH + ["--distiller", "one"], "argument --distiller: invalid choice: 'one'"),
     ("eval --distiller", EVAL + ["--distiller", "one", "--out", "{tmp}/e-d"], "argument --distiller: invalid choice"),
-    ("eval --matrix distiller", EVAL + ["--matrix", "distiller=bank,both", "--out", "{tmp}/e-md"],
-     "--matrix distiller='both'"),
+    (
+        "eval --matrix distiller",
+        EVAL + ["--matrix", "distiller=bank,both", "--out", "{tmp}/e-md"],
+        "--matrix distiller='both'",
+    ),
     # -- prompts that are not text, or empty to the model -------------------------------------
     ("generate invalid UTF-8 prompt", GEN + [BAD_UTF8], "not valid UTF-8"),
     ("generate NUL prompt", GEN + ["\x00\x00"], "prompt is empty"),
@@ -95,14 +113,29 @@ CASES = [
     ("model dir with only config.json", GEN + ["hi", "--model", "{config_only}"], "no weights"),
     ("model dir without weights", GEN + ["hi", "--model", "{no_weights}"], "no weights"),
     ("truncated GGUF", GEN + ["hi", "--model", "{truncated_gguf}"], "damaged or incomplete"),
-    ("eval model dir with only config.json", EVAL + ["--model", "{config_only}", "--engine", "reference",
-                                                      "--out", "{tmp}/e-model"], "no weights"),
+    (
+        "eval model dir with only config.json",
+        EVAL + ["--model", "{config_only}", "--engine", "reference", "--out", "{tmp}/e-model"],
+        "no weights",
+    ),
     # -- eval's files -------------------------------------------------------------------------
     ("eval --out is a file", EVAL + ["--out", "{out_file}"], "out-file"),
     ("eval --out read-only", EVAL + ["--out", "{read_only}"], "esamp-out"),
-    ("eval task file invalid UTF-8", ["esamp", "eval", "--task-file", "{task_bad_utf8}", "--out", "{tmp}/e-u"], "line 2"),
-    ("eval task file \\udcff escape", ["esamp", "eval", "--task-file", "{task_surrogate}", "--out", "{tmp}/e-s"], "line 1"),
-    ("eval task file, every bad line", ["esamp", "eval", "--task-file", "{task_many_bad}", "--out", "{tmp}/e-m"], "line 4"),
+    (
+        "eval task file invalid UTF-8",
+        ["esamp", "eval", "--task-file", "{task_bad_utf8}", "--out", "{tmp}/e-u"],
+        "line 2",
+    ),
+    (
+        "eval task file \\udcff escape",
+        ["esamp", "eval", "--task-file", "{task_surrogate}", "--out", "{tmp}/e-s"],
+        "line 1",
+    ),
+    (
+        "eval task file, every bad line",
+        ["esamp", "eval", "--task-file", "{task_many_bad}", "--out", "{tmp}/e-m"],
+        "line 4",
+    ),
     # -- bench ---------------------------------------------------------------------------------
     ("bench 7B on 12 GiB of RAM", BENCH + ["--model", "qwen2.5-7b:dummy"], "qwen2.5-0.5b:dummy"),
     ("bench --floor on 12 GiB of RAM", BENCH + ["--model", "qwen2.5-0.5b:dummy", "--floor"], "third engine"),
@@ -122,8 +155,15 @@ class ReachedModelLoading(BaseException):
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict[str, str]:
     tmp = tmp_path_factory.mktemp("bad-inputs")
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-              "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 100}
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "vocab_size": 100,
+    }
     (tmp / "config_only").mkdir()
     (tmp / "config_only" / "config.json").write_text(json.dumps(config))
     (tmp / "no_weights").mkdir()
@@ -143,13 +183,21 @@ def files(tmp_path_factory) -> dict[str, str]:
     ok = json.dumps({"id": "a", "prompt": "What is 1 + 1?", "answer": "2"})
     (tmp / "bad_utf8.jsonl").write_bytes(ok.encode() + b"\n" + b'{"id": "b", "prompt": "caf\xff", "answer": "1"}\n')
     (tmp / "surrogate.jsonl").write_text('{"id": "a", "prompt": "x \\udcff y", "answer": "1"}\n')
-    (tmp / "many_bad.jsonl").write_text(ok + '\n{"id": "b", "prompt": "p"\n' + ok.replace('"a"', '"c"')
-                                        + '\n{"id": "d" "prompt": "q"}\n')
-    return dict(tmp=str(tmp), config_only=str(tmp / "config_only"), no_weights=str(tmp / "no_weights"),
-                not_gguf=str(tmp / "not_gguf.gguf"), truncated_gguf=str(tmp / "truncated.gguf"),
-                out_file=str(tmp / "out-file"), read_only=read_only,
-                task_bad_utf8=str(tmp / "bad_utf8.jsonl"), task_surrogate=str(tmp / "surrogate.jsonl"),
-                task_many_bad=str(tmp / "many_bad.jsonl"))
+    (tmp / "many_bad.jsonl").write_text(
+        ok + '\n{"id": "b", "prompt": "p"\n' + ok.replace('"a"', '"c"') + '\n{"id": "d" "prompt": "q"}\n'
+    )
+    return dict(
+        tmp=str(tmp),
+        config_only=str(tmp / "config_only"),
+        no_weights=str(tmp / "no_weights"),
+        not_gguf=str(tmp / "not_gguf.gguf"),
+        truncated_gguf=str(tmp / "truncated.gguf"),
+        out_file=str(tmp / "out-file"),
+        read_only=read_only,
+        task_bad_utf8=str(tmp / "bad_utf8.jsonl"),
+        task_surrogate=str(tmp / "surrogate.jsonl"),
+        task_many_bad=str(tmp / "many_bad.jsonl"),
+    )
 
 
 def _tripwire(*_args, **_kwargs):
@@ -184,8 +232,13 @@ def _run_esamp(argv: list[str], monkeypatch, capsys, guard: bool) -> tuple[int |
 def _run_tui(argv: list[str]) -> tuple[int | str, str]:
     args = [a.encode("utf-8", "surrogateescape") for a in argv]  # invalid bytes reach argv as bytes
     try:
-        proc = subprocess.run([sys.executable.encode(), b"-m", b"esamp_tui", *args], cwd=ROOT, capture_output=True,
-                              stdin=subprocess.DEVNULL, timeout=15)
+        proc = subprocess.run(
+            [sys.executable.encode(), b"-m", b"esamp_tui", *args],
+            cwd=ROOT,
+            capture_output=True,
+            stdin=subprocess.DEVNULL,
+            timeout=15,
+        )
     except subprocess.TimeoutExpired:
         return "timeout: the dashboard started instead of refusing", ""
     return proc.returncode, (proc.stdout + proc.stderr).decode("utf-8", "replace")
@@ -211,8 +264,12 @@ def test_bad_input_exits_2_with_a_hint(name, argv, needle, files, monkeypatch, c
 
 def test_invalid_utf8_in_a_real_argv_is_refused_before_loading():
     """The bytes as a shell passes them, through Python's own argv decoding."""
-    proc = subprocess.run([sys.executable.encode(), b"-m", b"esamp", b"generate", b"Name a colour \xff now."],
-                          cwd=ROOT, capture_output=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable.encode(), b"-m", b"esamp", b"generate", b"Name a colour \xff now."],
+        cwd=ROOT,
+        capture_output=True,
+        timeout=60,
+    )
     err = proc.stderr.decode("utf-8", "replace")
     assert proc.returncode == 2 and "not valid UTF-8" in err and "byte 0xff" in err
     assert "Traceback" not in err and "loading" not in err

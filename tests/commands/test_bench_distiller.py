@@ -10,7 +10,7 @@ import pytest
 from esamp.commands.bench import memory
 
 bench = importlib.import_module("esamp.commands.bench.run")  # the package re-exports run() under this name
-GIB = 1024 ** 3
+GIB = 1024**3
 
 
 @pytest.fixture(autouse=True)

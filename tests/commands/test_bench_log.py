@@ -27,11 +27,11 @@ W1127 00:33:42.339000 3634 torch/_library/triton.py:53] Triton not available
 """
 FAILURE = """\
 (Worker pid=78) ERROR 11-27 01:02:03 [multiproc_executor.py:1055]
-(EngineCore pid=77) ERROR 11-27 01:02:03 [core.py:1000] EngineCore failed to start.
-(EngineCore pid=77) ERROR 11-27 01:02:03 [core.py:1000] Traceback (most recent call last):
-(EngineCore pid=77) ERROR 11-27 01:02:03 [core.py:1000]   File "/venv/vllm/v1/engine/core.py", line 90, in __init__
-(EngineCore pid=77) ERROR 11-27 01:02:03 [core.py:1000]     raise ValueError("No available memory for the cache blocks.")
-(EngineCore pid=77) ERROR 11-27 01:02:03 [core.py:1000] ValueError: No available memory for the cache blocks.
+(EngineCore pid=7) ERROR 11-27 01:02:03 [core.py:1000] EngineCore failed to start.
+(EngineCore pid=7) ERROR 11-27 01:02:03 [core.py:1000] Traceback (most recent call last):
+(EngineCore pid=7) ERROR 11-27 01:02:03 [core.py:1000]   File "/venv/vllm/v1/engine/core.py", line 90, in __init__
+(EngineCore pid=7) ERROR 11-27 01:02:03 [core.py:1000]     raise ValueError("No available memory for the cache blocks.")
+(EngineCore pid=7) ERROR 11-27 01:02:03 [core.py:1000] ValueError: No available memory for the cache blocks.
 Traceback (most recent call last):
   File "<stdin>", line 1, in <module>
 RuntimeError: Engine core initialization failed. See root cause above.
@@ -42,12 +42,19 @@ def _child(code: str, tmp_path) -> subprocess.CompletedProcess:
     """Run ``code`` in a Python process of its own, so its stdout and stderr are real file
     descriptors (pytest's capture replaces ``sys.stderr`` with an object off fd 2)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_stderr_goes_to_the_log_inside_the_block_and_comes_back(tmp_path):
-    proc = _child("""
+    proc = _child(
+        """
         import logging, os, subprocess, sys
         from pathlib import Path
         from esamp.commands.bench import vllm_log
@@ -68,12 +75,18 @@ def test_stderr_goes_to_the_log_inside_the_block_and_comes_back(tmp_path):
                 raise RuntimeError("boom")
         except RuntimeError:
             print("after a failure", file=sys.stderr)
-    """, tmp_path)
+    """,
+        tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "progress line\n"
     assert proc.stderr == "before\nafter\nafter a failure\n"
     assert (tmp_path / "sub" / "bench.log").read_text().splitlines() == [
-        "python stderr", "fd 2 itself, as C++ and tqdm write", "a vLLM warning", "a child process"]
+        "python stderr",
+        "fd 2 itself, as C++ and tqdm write",
+        "a vLLM warning",
+        "a child process",
+    ]
 
 
 def test_the_errors_of_a_log_leave_out_warnings_and_traceback_frames(tmp_path):
@@ -82,8 +95,8 @@ def test_the_errors_of_a_log_leave_out_warnings_and_traceback_frames(tmp_path):
     assert vllm_log.error_lines(log) == []  # vLLM carried on: nothing failed
     log.write_text(WARMUP + FAILURE + "E1127 01:02:04.000 77 torch/foo.cpp:1] a torch error\n")
     assert vllm_log.error_lines(log, limit=10) == [
-        "(EngineCore pid=77) ERROR 11-27 01:02:03 [core.py:1000] EngineCore failed to start.",
-        "(EngineCore pid=77) ERROR 11-27 01:02:03 [core.py:1000] ValueError: No available memory for the cache blocks.",
+        "(EngineCore pid=7) ERROR 11-27 01:02:03 [core.py:1000] EngineCore failed to start.",
+        "(EngineCore pid=7) ERROR 11-27 01:02:03 [core.py:1000] ValueError: No available memory for the cache blocks.",
         "RuntimeError: Engine core initialization failed. See root cause above.",
         "E1127 01:02:04.000 77 torch/foo.cpp:1] a torch error",
     ]
@@ -129,9 +142,11 @@ sys.exit(cli.main(["bench"]))
 def test_a_bench_shows_its_own_lines_and_keeps_vllms_in_the_log(tmp_path):
     proc = _child(BENCH.format(warmup=WARMUP, failure=FAILURE, fail=False), tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.splitlines() == ["vLLM's log (its warnings and progress, off this terminal): bench.vllm.log",
-                                        "loading the baseline engine (plain vLLM)...",
-                                        "wrote bench.json; vLLM's log: bench.vllm.log"]
+    assert proc.stdout.splitlines() == [
+        "vLLM's log (its warnings and progress, off this terminal): bench.vllm.log",
+        "loading the baseline engine (plain vLLM)...",
+        "wrote bench.json; vLLM's log: bench.vllm.log",
+    ]
     assert proc.stderr == ""
     assert "Chat template warmup failed" in (tmp_path / "bench.vllm.log").read_text()
 

@@ -7,7 +7,7 @@ import pytest
 from esamp.commands.bench import memory as bench
 from esamp.errors import EngineError
 
-GIB = 1024 ** 3
+GIB = 1024**3
 
 
 @pytest.fixture(autouse=True)
@@ -52,12 +52,15 @@ def test_nothing_fits_names_the_smallest_run(monkeypatch):
     assert "nothing fits" in info.value.hint and "qwen2.5-0.5b:dummy" in info.value.hint
 
 
-@pytest.mark.parametrize("kind, total, free, model, engines", [
-    ("ram", 128, 120, "qwen2.5-7b:dummy", 3),
-    ("gpu", 80, 79, "qwen2.5-7b:dummy", 2),
-    ("gpu", 80, 79, "qwen2.5-7b:dummy", 3),
-    ("gpu", 24, 23, "qwen2.5-0.5b:dummy", 3),
-])
+@pytest.mark.parametrize(
+    "kind, total, free, model, engines",
+    [
+        ("ram", 128, 120, "qwen2.5-7b:dummy", 3),
+        ("gpu", 80, 79, "qwen2.5-7b:dummy", 2),
+        ("gpu", 80, 79, "qwen2.5-7b:dummy", 3),
+        ("gpu", 24, 23, "qwen2.5-0.5b:dummy", 3),
+    ],
+)
 def test_what_fits_passes(monkeypatch, kind, total, free, model, engines):
     _machine(monkeypatch, kind, total, free)
     bench.check_memory(model, engines, 0.28 if engines == 3 else 0.42, rows=256)

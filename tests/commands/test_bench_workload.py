@@ -56,13 +56,27 @@ class CountingEngine:
 def _measure(stop_at: int, monkeypatch) -> list[dict]:
     starts, clock = [0], StepClock()
     monkeypatch.setattr(trials_mod, "time", clock)
-    sides = [(name, CountingEngine(starts, stop_at, clock), on) for name, on in
-             (("baseline", False), ("floor", False), ("esamp", True))]
+    sides = [
+        (name, CountingEngine(starts, stop_at, clock), on)
+        for name, on in (("baseline", False), ("floor", False), ("esamp", True))
+    ]
     args = SimpleNamespace(prompt_len=4, min_trial_seconds=0.0)
     results: list[dict] = []
     with pytest.raises(KeyboardInterrupt):
-        bench_run._workload("flat", "default", (2, 1, 8), sides, {}, None, SamplingConfig(seed=0), EsampConfig(),
-                            32_000, args, 3, results)
+        bench_run._workload(
+            "flat",
+            "default",
+            (2, 1, 8),
+            sides,
+            {},
+            None,
+            SamplingConfig(seed=0),
+            EsampConfig(),
+            32_000,
+            args,
+            3,
+            results,
+        )
     return results
 
 
@@ -124,8 +138,21 @@ def _noisy(monkeypatch, spread: float) -> dict:
     sides = [("baseline", NoisyEngine(clock, False, 32), False), ("esamp", NoisyEngine(clock, True, 32), True)]
     args = SimpleNamespace(prompt_len=4, min_trial_seconds=0.0)
     results: list[dict] = []
-    bench_run._workload("flat", "default", (1, 1, 32), sides, {}, None, SamplingConfig(seed=0), EsampConfig(),
-                        32_000, args, 4, results, spread=spread)
+    bench_run._workload(
+        "flat",
+        "default",
+        (1, 1, 32),
+        sides,
+        {},
+        None,
+        SamplingConfig(seed=0),
+        EsampConfig(),
+        32_000,
+        args,
+        4,
+        results,
+        spread=spread,
+    )
     (r,) = results
     return r
 

@@ -74,10 +74,13 @@ def test_not_a_gguf_file(tmp_path, capsys):
     assert "not a GGUF file" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("args, words", [
-    (["--model", "/no/such/model"], "not found"),
-    (["--max-tokens", "0"], "--max-tokens=0"),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--model", "/no/such/model"], "not found"),
+        (["--max-tokens", "0"], "--max-tokens=0"),
+    ],
+)
 def test_json_mode_reports_errors_as_events(args, words, capsys):
     assert main(["generate", "hello", *args, "--json"]) == 2
     line = capsys.readouterr().out.strip().splitlines()[-1]
@@ -95,11 +98,14 @@ def test_json_mode_reports_an_incomplete_model_directory_as_an_event(tmp_path, c
     assert "sentencepiece" not in captured.out + captured.err
 
 
-@pytest.mark.parametrize("prompt, words", [
-    ("Name a colour \udcff now.", "not valid UTF-8"),
-    ("\x00\x00", "prompt is empty"),
-    ("\u200b\u200c\u200d\u2060\ufeff", "prompt is empty"),
-])
+@pytest.mark.parametrize(
+    "prompt, words",
+    [
+        ("Name a colour \udcff now.", "not valid UTF-8"),
+        ("\x00\x00", "prompt is empty"),
+        ("\u200b\u200c\u200d\u2060\ufeff", "prompt is empty"),
+    ],
+)
 def test_prompts_that_are_not_text_are_refused_before_loading(prompt, words, capsys, monkeypatch):
     import esamp.engines
 
@@ -116,8 +122,10 @@ def test_generate_flags_come_from_the_settings_models():
 
     sub = build_parser()._subparsers._group_actions[0].choices["generate"]
     flags = {s for a in sub._actions for s in a.option_strings}
-    for model, fields in ((SamplingConfig, ("n", "max_tokens", "seed", "temperature", "top_p", "top_k", "min_p")),
-                          (EsampConfig, ("beta", "mix", "enabled", "slots", "distiller"))):
+    for model, fields in (
+        (SamplingConfig, ("n", "max_tokens", "seed", "temperature", "top_p", "top_k", "min_p")),
+        (EsampConfig, ("beta", "mix", "enabled", "slots", "distiller")),
+    ):
         for field in fields:
             assert flag_of(model, field) in flags
     assert "--threads" in flags
@@ -138,8 +146,24 @@ def test_distiller_reaches_the_engine(monkeypatch, capsys):
         return engine
 
     monkeypatch.setattr(esamp.engines, "create_engine", create)
-    assert main(["generate", "Name a colour.", "-n", "2", "--max-tokens", "2", "--engine", "reference",
-                 "--distiller", "shared", "--json"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "Name a colour.",
+                "-n",
+                "2",
+                "--max-tokens",
+                "2",
+                "--engine",
+                "reference",
+                "--distiller",
+                "shared",
+                "--json",
+            ]
+        )
+        == 0
+    )
     assert seen == {"distiller": "shared", "shared": True}
 
 
@@ -154,7 +178,9 @@ def test_distiller_with_a_server_is_refused_not_ignored(capsys):
 def test_prompt_longer_than_context_exits_2_without_traceback():
     proc = subprocess.run(
         [sys.executable, "-m", "esamp", "generate", "word " * 9000, "--max-tokens", "4"],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 2
     assert "longer than the model's context" in proc.stderr and "Traceback" not in proc.stderr
@@ -177,11 +203,14 @@ def test_damaged_weights_are_a_message_not_a_traceback(tmp_path, capsys):
     assert "Traceback" not in captured.err
 
 
-@pytest.mark.parametrize("cuda, vllm, picked, why", [
-    (True, "0.20.0", "vllm", "auto: CUDA GPU and vLLM 0.20.0"),
-    (False, "0.30.0", "reference", "auto: no CUDA GPU (vLLM 0.30.0 is installed)"),
-    (True, None, "reference", "auto: vLLM is not installed"),
-])
+@pytest.mark.parametrize(
+    "cuda, vllm, picked, why",
+    [
+        (True, "0.20.0", "vllm", "auto: CUDA GPU and vLLM 0.20.0"),
+        (False, "0.30.0", "reference", "auto: no CUDA GPU (vLLM 0.30.0 is installed)"),
+        (True, None, "reference", "auto: vLLM is not installed"),
+    ],
+)
 def test_auto_picks_what_the_machine_does_best_and_says_why(monkeypatch, cuda, vllm, picked, why):
     import esamp.engines
 
@@ -197,8 +226,7 @@ def test_auto_asks_nvml_not_torch(monkeypatch):
     import subprocess
     import sys
 
-    code = ("import sys; from esamp.engines import choose_engine; choose_engine(); "
-            "print('torch' in sys.modules)")
+    code = "import sys; from esamp.engines import choose_engine; choose_engine(); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
 
@@ -219,8 +247,10 @@ def test_every_command_that_starts_an_engine_defaults_to_auto():
         help_text = " ".join(parser.format_help().split())
         assert "auto (default): the vLLM engine where a CUDA GPU and vLLM are present" in help_text
         assert "Qwen/Qwen2.5-7B-Instruct" in help_text
-    for name, default in (("serve", "default: the embedded SmolLM2-135M-Instruct"),
-                          ("bench", "default: qwen2.5-7b:dummy (random weights) on a GPU")):
+    for name, default in (
+        ("serve", "default: the embedded SmolLM2-135M-Instruct"),
+        ("bench", "default: qwen2.5-7b:dummy (random weights) on a GPU"),
+    ):
         help_text = " ".join(subs[name].format_help().split())  # --model alone: what it takes, written once
         assert "Qwen/Qwen2.5-7B-Instruct" in help_text and default in help_text
 

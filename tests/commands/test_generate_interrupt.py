@@ -17,8 +17,13 @@ LONG = ["Write a long story about a lighthouse keeper.", "-n", "2", "--max-token
 
 
 def _start(*extra: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "esamp", "generate", *LONG, *extra], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "esamp", "generate", *LONG, *extra],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ def train_step(bank, x, y, layout):
     """One optimizer step on the layout's training units: their losses (before the step)."""
     return bank.step(x, y, layout)[2][list(layout.training)]
 
+
 CUDA = torch.cuda.is_available()
 
 
@@ -25,8 +26,10 @@ def test_flat_fused_update_matches_torch_optimizers_per_slot(optimizer):
         bank = DistillerBank(H, rank=r, slots=3, optimizer=optimizer, lr=1e-2, seed=4)
         store = bank.store
         ref = {s: store.flat[s].clone().requires_grad_(True) for s in set(slots)}
-        opt = {s: (torch.optim.Adam([ref[s]], lr=1e-2) if optimizer == "adam"
-                   else torch.optim.SGD([ref[s]], lr=1e-2)) for s in ref}
+        opt = {
+            s: (torch.optim.Adam([ref[s]], lr=1e-2) if optimizer == "adam" else torch.optim.SGD([ref[s]], lr=1e-2))
+            for s in ref
+        }
         gen = torch.Generator().manual_seed(2)
         for _ in range(3):
             rows = [s for s in slots for _ in range(2)]

@@ -40,8 +40,11 @@ def test_unknown_field_is_rejected():
 def test_update_returns_a_validated_copy():
     e = EsampConfig()
     e2 = update_config(e, beta=0.0)
-    assert e2.steering.beta == 0.0 and e.steering.beta == 0.8 and e2.with_steering(mix="unsharpened").steering.mix \
-        == "unsharpened"
+    assert (
+        e2.steering.beta == 0.0
+        and e.steering.beta == 0.8
+        and e2.with_steering(mix="unsharpened").steering.mix == "unsharpened"
+    )
     with pytest.raises(ConfigError):
         update_config(e, beta=99)
 

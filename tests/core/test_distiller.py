@@ -9,6 +9,7 @@ def train_step(bank, x, y, layout):
     """One optimizer step on the layout's training units: their losses (before the step)."""
     return bank.step(x, y, layout)[2][list(layout.training)]
 
+
 H = 32
 
 

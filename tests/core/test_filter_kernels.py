@@ -28,7 +28,9 @@ def _case(seed: int, rows: int = 6, vocab: int = 9_000, ties: bool = False, flat
     index = torch.randperm(rows + 3, generator=gen)[:rows]
     temperature = 0.5 + torch.rand(rows, generator=gen)
     min_p = torch.where(torch.rand(rows, generator=gen) < 0.3, torch.zeros(rows), 0.2 * torch.rand(rows, generator=gen))
-    top_p = torch.where(torch.rand(rows, generator=gen) < 0.25, torch.ones(rows), 0.5 + 0.5 * torch.rand(rows, generator=gen))
+    top_p = torch.where(
+        torch.rand(rows, generator=gen) < 0.25, torch.ones(rows), 0.5 + 0.5 * torch.rand(rows, generator=gen)
+    )
     a = 1 + torch.rand(rows, generator=gen)
     b = torch.rand(rows, generator=gen)
     d = torch.randn(rows // 2, vocab, generator=gen).to(torch.bfloat16)
@@ -67,8 +69,17 @@ def check_kernels(device: str) -> None:
     logits[0, 5_000:] = -1e-3
     index, one = torch.tensor([0]), torch.ones(1)
     work = tf.FilterWorkspace(1, 9_000, torch.device(device))
-    counts = tf.launch(logits.to(device), index.to(device), one.to(device), (0.1 * one).to(device),
-                       (0.9 * one).to(device), one.to(device), 0 * one.to(device), None, work)
+    counts = tf.launch(
+        logits.to(device),
+        index.to(device),
+        one.to(device),
+        (0.1 * one).to(device),
+        (0.9 * one).to(device),
+        one.to(device),
+        0 * one.to(device),
+        None,
+        work,
+    )
     assert int(counts[0]) == 9_000 and int(work.overflows[0]) == 1
 
 
@@ -99,6 +110,12 @@ def test_kernels_equal_the_reference_in_tritons_interpreter():
     pytest.importorskip("triton")
     code = "import sys; sys.path.insert(0, 'tests/core'); import test_filter_kernels as t; t.check_kernels('cpu')"
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+    )
     assert done.returncode == 0, done.stderr[-3000:]

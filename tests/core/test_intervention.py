@@ -126,8 +126,10 @@ def test_the_matched_mix_is_plain_sampling_bit_for_bit_without_novelty():
     assert torch.equal(_steer("matched", 0.8, scaled, mask, pred, same), plain)
     gen = [torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)]
     for _ in range(50):
-        assert torch.equal(iv.sample(_steer("matched", 0.8, scaled, mask, pred, same), _rows(R, False, torch.bool), gen[0]),
-                           iv.sample(plain, _rows(R, False, torch.bool), gen[1]))
+        assert torch.equal(
+            iv.sample(_steer("matched", 0.8, scaled, mask, pred, same), _rows(R, False, torch.bool), gen[0]),
+            iv.sample(plain, _rows(R, False, torch.bool), gen[1]),
+        )
 
 
 def test_entropy_matching_touches_only_the_rows_it_is_given():
@@ -136,5 +138,6 @@ def test_entropy_matching_touches_only_the_rows_it_is_given():
     mixed, novelty = torch.randn(3, 20), torch.randn(3, 20)
     out = iv.match_entropy(mixed, scaled, novelty, torch.tensor([True, False, True]))
     assert torch.equal(out[1], mixed[1])
-    torch.testing.assert_close(iv.candidate_entropy(out[[0, 2]]), iv.candidate_entropy(scaled[[0, 2]]),
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        iv.candidate_entropy(out[[0, 2]]), iv.candidate_entropy(scaled[[0, 2]]), atol=1e-5, rtol=0
+    )

@@ -10,8 +10,15 @@ from esamp.errors import ConfigError
 
 
 def test_round_trip():
-    extra = pl.encode(Steering(beta=1.2, mix="unsharpened", train=False), group="g", sample=3,
-                      filters=Filters(top_k=7), seed=4, n=8, records=True)
+    extra = pl.encode(
+        Steering(beta=1.2, mix="unsharpened", train=False),
+        group="g",
+        sample=3,
+        filters=Filters(top_k=7),
+        seed=4,
+        n=8,
+        records=True,
+    )
     assert extra["esamp"] == "on" and extra["esamp_train"] == "off" and extra["esamp_beta"] == 1.2
     assert all(isinstance(v, (str, int, float)) for v in extra.values())  # flat, as vllm_xargs must be
     got = pl.decode(extra)
@@ -23,8 +30,9 @@ def test_round_trip():
 def test_a_typed_payload_is_written_flat_as_decode_reads_it():
     """``Payload.flat`` is the one writer of the flat form: ``decode`` gives the payload back, and
     ``encode`` is a payload with every steering field."""
-    typed = pl.Payload(steering={"beta": 1.2, "train": False}, filters=Filters(top_k=7), group="g", sample=3,
-                       seed=4, n=8, records=True)
+    typed = pl.Payload(
+        steering={"beta": 1.2, "train": False}, filters=Filters(top_k=7), group="g", sample=3, seed=4, n=8, records=True
+    )
     flat = typed.flat()
     assert flat["esamp_train"] == "off" and flat["esamp_records"] == "on"
     assert pl.decode(flat) == typed
@@ -43,14 +51,17 @@ def test_what_a_request_leaves_out_comes_from_the_engine():
     assert pl.decode({"esamp": "off"}).enabled is False
 
 
-@pytest.mark.parametrize("extra, words", [
-    ({"esamp_beta": 11}, ["esamp_beta=11", "<= 10"]),
-    ({"esamp_mix": "sharp"}, ["esamp_mix='sharp'", "paper", "unsharpened"]),
-    ({"esamp": "maybe"}, ["esamp='maybe'"]),
-    ({"esamp_bta": 1}, ["unknown ESamp setting esamp_bta", "esamp_beta"]),
-    ({"esamp_sample": -1}, ["esamp_sample"]),
-    ({"esamp_top_p": 0}, ["esamp_top_p=0", "> 0"]),
-])
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        ({"esamp_beta": 11}, ["esamp_beta=11", "<= 10"]),
+        ({"esamp_mix": "sharp"}, ["esamp_mix='sharp'", "paper", "unsharpened"]),
+        ({"esamp": "maybe"}, ["esamp='maybe'"]),
+        ({"esamp_bta": 1}, ["unknown ESamp setting esamp_bta", "esamp_beta"]),
+        ({"esamp_sample": -1}, ["esamp_sample"]),
+        ({"esamp_top_p": 0}, ["esamp_top_p=0", "> 0"]),
+    ],
+)
 def test_bad_values_name_the_key_and_the_range(extra, words):
     with pytest.raises(ConfigError) as err:
         pl.decode(extra)

@@ -91,8 +91,11 @@ def test_train_rows_group_trains_one_row_per_group_not_one_per_slot():
     plan = StepPlan.build(rows)
     assert plan.trains == (True, False, True, False, False, True)  # each group's first row
     assert plan.layout.weight.tolist() == [1, 0, 1, 0, 0, 1]
-    held_back = StepPlan.build(rows[:2] + [SteeredRow(SHARED_SLOT, Steering(), Filters(), may_train=False, group="b")]
-                               + _rows(["c"], train=False))
+    held_back = StepPlan.build(
+        rows[:2]
+        + [SteeredRow(SHARED_SLOT, Steering(), Filters(), may_train=False, group="b")]
+        + _rows(["c"], train=False)
+    )
     assert held_back.trains == (True, False, False, False)
     # without a group name a slot's rows are one group, as in a bank (the default is unchanged)
     assert StepPlan.build([SteeredRow(SHARED_SLOT, Steering(), Filters())] * 3).trains == (True, False, False)

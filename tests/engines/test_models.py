@@ -43,8 +43,12 @@ def _model_dir(path, *names):
 
 
 def test_hf_directory_and_local_cache_name(tmp_path, monkeypatch):
-    snap = _model_dir(tmp_path / "hub" / "models--Qwen--Qwen2.5-7B-Instruct" / "snapshots" / "abc",
-                      "config.json", "tokenizer.json", "model.safetensors")
+    snap = _model_dir(
+        tmp_path / "hub" / "models--Qwen--Qwen2.5-7B-Instruct" / "snapshots" / "abc",
+        "config.json",
+        "tokenizer.json",
+        "model.safetensors",
+    )
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     assert models.resolve(str(snap)).kind == "hf"
     for name in ("Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-7B-Instruct"):  # a cache without refs/: the newest snapshot
@@ -61,11 +65,14 @@ def test_dummy_presets_write_a_local_config(tmp_path, monkeypatch):
     assert resolved.kind == "dummy" and cfg["hidden_size"] == 3584 and cfg["num_hidden_layers"] == 28
 
 
-@pytest.mark.parametrize("files, missing", [
-    (["config.json"], ["no weights", "no tokenizer files"]),
-    (["config.json", "tokenizer.json"], ["no weights"]),
-    (["config.json", "model.safetensors"], ["no tokenizer files"]),
-])
+@pytest.mark.parametrize(
+    "files, missing",
+    [
+        (["config.json"], ["no weights", "no tokenizer files"]),
+        (["config.json", "tokenizer.json"], ["no weights"]),
+        (["config.json", "model.safetensors"], ["no tokenizer files"]),
+    ],
+)
 def test_an_incomplete_hf_directory_says_what_is_missing(tmp_path, files, missing):
     path = _model_dir(tmp_path / "m", *files)
     with pytest.raises(ModelFormatError) as info:
@@ -77,8 +84,10 @@ def test_an_incomplete_hf_directory_says_what_is_missing(tmp_path, files, missin
 
 
 def test_sharded_weights_and_other_tokenizers_count(tmp_path):
-    for files in (["config.json", "model.safetensors.index.json", "tokenizer.model"],
-                  ["config.json", "pytorch_model-00001-of-00002.bin", "vocab.json"]):
+    for files in (
+        ["config.json", "model.safetensors.index.json", "tokenizer.model"],
+        ["config.json", "pytorch_model-00001-of-00002.bin", "vocab.json"],
+    ):
         path = _model_dir(tmp_path / files[1], *files)
         assert models.resolve(str(path)).kind == "hf"
 
@@ -119,8 +128,9 @@ def fake_package(tmp_path, monkeypatch, bad=False):
     import dataclasses
 
     name = f"esamp_fake_gguf_{'bad' if bad else 'ok'}_{tmp_path.name.replace('-', '_')}"
-    monkeypatch.setitem(models.PACKAGED, "gemma3-270m",
-                        dataclasses.replace(models.PACKAGED["gemma3-270m"], module=name))
+    monkeypatch.setitem(
+        models.PACKAGED, "gemma3-270m", dataclasses.replace(models.PACKAGED["gemma3-270m"], module=name)
+    )
     folder = tmp_path / "site" / name
     folder.mkdir(parents=True)
     (folder / "__init__.py").write_text(
@@ -132,7 +142,8 @@ def fake_package(tmp_path, monkeypatch, bad=False):
         f"    if {bad!r}: raise ValueError('Assembled file sha256 did not match expected value')\n"
         "    p = Path(output_path); p.parent.mkdir(parents=True, exist_ok=True)\n"
         "    if p.exists() and not overwrite and p.read_bytes() != b'GGUF ok': raise FileExistsError(str(p))\n"
-        "    p.write_bytes(b'GGUF ok'); return p\n")
+        "    p.write_bytes(b'GGUF ok'); return p\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     monkeypatch.setenv("ESAMP_CACHE_DIR", str(tmp_path / "cache"))
     import importlib

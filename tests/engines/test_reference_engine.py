@@ -39,7 +39,8 @@ def test_stream_order_novelty_and_counters(reference_engine):
     assert all(s.esamp for s in steps)
     assert all(s.loss is not None and s.loss > 0 for s in steps)
     assert sum(s.port_hits for s in steps) == 1 + sum(d.tokens for d in done) - sum(
-        1 for d in done if d.finish_reason == "length")
+        1 for d in done if d.finish_reason == "length"
+    )
     assert any(s.candidates >= 1 for s in steps)
     assert reference_engine.bank.free_slots == reference_engine.bank.capacity
 
@@ -72,8 +73,9 @@ def test_rows_keep_their_state_when_the_batch_shrinks(reference_engine, monkeypa
         return logits, x, y
 
     monkeypatch.setattr(engine, "_forward", spy)
-    events, tokens = _collect(engine, esamp=EsampConfig(enabled=False), seed=3, max_tokens=20,
-                              temperature=1.0, top_p=1.0, min_p=0.0)
+    events, tokens = _collect(
+        engine, esamp=EsampConfig(enabled=False), seed=3, max_tokens=20, temperature=1.0, top_p=1.0, min_p=0.0
+    )
     lengths = {d.sample: d.tokens for d in events if isinstance(d, DoneEvent)}
     assert len(set(lengths.values())) > 1, "the run should finish samples at different steps"
     group_prompt = engine.encode(PROMPT)

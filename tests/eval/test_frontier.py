@@ -10,8 +10,9 @@ import pytest
 from esamp.eval import frontier
 from esamp.eval.frontier import analyse, curve_value, temperature_at
 
-needs_matplotlib = pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
-                                      reason="needs matplotlib (the eval extra)")
+needs_matplotlib = pytest.mark.skipif(
+    importlib.util.find_spec("matplotlib") is None, reason="needs matplotlib (the eval extra)"
+)
 
 
 def test_the_curve_is_read_between_its_points_and_nowhere_else():
@@ -84,13 +85,15 @@ MATH = [Problem(id=f"m{i}", kind="math", prompt=f"q {i}", answer="2") for i in r
 OPEN = [Problem(id=f"o{i}", kind="open", prompt=f"story {i}") for i in range(5)]
 
 
-def run(tmp_path, problems, plain=(["temperature=0.4,1.2,1.6"], ["temperature=1.5", "top_p=1", "min_p=0.1"]),
-        diversity=True):
+def run(
+    tmp_path, problems, plain=(["temperature=0.4,1.2,1.6"], ["temperature=1.5", "top_p=1", "min_p=0.1"]), diversity=True
+):
     base = SamplingConfig(n=8)
     arms = [a for spec in plain for a in build_plain_arms([parse_axes(spec, "--plain")], base)]
     cells = build_cells(validate_axes(parse_axes(["beta=0.4,1.2"]), EsampConfig()), EsampConfig())
-    s = EvalSettings(task="t", problem_ids=[p.id for p in problems], engine="fake", sampling=base, cells=cells,
-                     plain=arms)
+    s = EvalSettings(
+        task="t", problem_ids=[p.id for p in problems], engine="fake", sampling=base, cells=cells, plain=arms
+    )
     prepare_out_dir(tmp_path, s)
     records = run_groups(problems, FakeEngine(), s, tmp_path, grade, measure if diversity else (lambda t: None))
     return summarize(problems, records, s, resamples=500)
@@ -104,7 +107,7 @@ def test_the_report_says_where_every_cell_stands(tmp_path):
     # every arm off the curve gets a gap: the cells and the min-p arm
     assert set(front["gaps"]["pass@1"]) == {"beta=0.4", "beta=1.2", "temperature=1.5,top_p=1.0,min_p=0.1"}
     md = render_markdown(summary, {})
-    section = md[md.index("## Against the temperature curve"):md.index("## Totals")]
+    section = md[md.index("## Against the temperature curve") : md.index("## Totals")]
     assert "plain sampling at T 0.4, 0.8 (the baseline), 1.2, 1.6" in section
     for metric in ("pass@1", "pass@8"):
         by = frontier.standing(front, metric, ["beta=0.4", "beta=1.2"])
@@ -138,7 +141,9 @@ def test_the_frontier_plot_is_drawn_and_embedded(tmp_path):
     summaries = [run(tmp_path / "m", MATH), run(tmp_path / "o", OPEN)]
     summaries[1]["task"] = "o"
     images, problem = write_plots(summaries, tmp_path)
-    assert problem is None and images["t"]["frontier"] == "t-frontier.png" and images["o"]["frontier"] == "o-frontier.png"
+    assert (
+        problem is None and images["t"]["frontier"] == "t-frontier.png" and images["o"]["frontier"] == "o-frontier.png"
+    )
     for name in ("t-frontier.png", "o-frontier.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (tmp_path / name).stat().st_size > 5000
     md = render_markdown(summaries[0], {}, images["t"])

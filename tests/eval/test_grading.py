@@ -7,8 +7,9 @@ import pytest
 
 from esamp.eval.grading import MathChecker, extract_answer, extract_code, last_boxed
 
-needs_math_verify = pytest.mark.skipif(importlib.util.find_spec("math_verify") is None,
-                                       reason="needs math-verify (the eval extra)")
+needs_math_verify = pytest.mark.skipif(
+    importlib.util.find_spec("math_verify") is None, reason="needs math-verify (the eval extra)"
+)
 
 
 @pytest.mark.parametrize(
@@ -93,14 +94,17 @@ def test_the_fixture_holds_both_kinds():
     assert sum(c["correct"] for c in REPLIES) >= 5 and sum(not c["correct"] for c in REPLIES) >= 5
 
 
-@pytest.mark.parametrize("text, question, expected", [
-    ("9 * 9 = 81\n\nThis answers 9 times 9.", None, "9"),  # no question: the last number, as before
-    ("6 * 5 = 30. So there are 30 eggs in 5 boxes.", "6 boxes of 5 eggs: how many eggs?", "30"),
-    ("3 * 4 = 12. She pays with 20 and gets 8 back.", "4 notebooks at 3 dollars, paid with 20", "8"),
-    ("9 * 1 = 9.", "What is 9 times 1?", "9"),  # the answer may itself be a number of the question
-    ("11 times 11 is equivalent to 121 in base-10.", "What is 11 times 11?", "10"),  # no minus sign
-    ("It is 20-dollar bills.", None, "20"),
-])
+@pytest.mark.parametrize(
+    "text, question, expected",
+    [
+        ("9 * 9 = 81\n\nThis answers 9 times 9.", None, "9"),  # no question: the last number, as before
+        ("6 * 5 = 30. So there are 30 eggs in 5 boxes.", "6 boxes of 5 eggs: how many eggs?", "30"),
+        ("3 * 4 = 12. She pays with 20 and gets 8 back.", "4 notebooks at 3 dollars, paid with 20", "8"),
+        ("9 * 1 = 9.", "What is 9 times 1?", "9"),  # the answer may itself be a number of the question
+        ("11 times 11 is equivalent to 121 in base-10.", "What is 11 times 11?", "10"),  # no minus sign
+        ("It is 20-dollar bills.", None, "20"),
+    ],
+)
 def test_final_number(text, question, expected):
     assert extract_answer(text, question) == expected
 

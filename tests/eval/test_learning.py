@@ -30,8 +30,7 @@ def test_a_trace_keeps_the_loss_per_step_and_the_mean_novelty_per_position():
     trace.loss += [0.5, 0.25]
     for index, novelty in [(0, 0.2), (0, 0.4), (1, 0.9), (3, 0.5), (2, None)]:
         trace.add_token(index, novelty)
-    assert trace.record() == {"loss": [0.5, 0.25],
-                              "novelty": {"mean": [0.3, 0.9, None, 0.5], "samples": [2, 1, 0, 1]}}
+    assert trace.record() == {"loss": [0.5, 0.25], "novelty": {"mean": [0.3, 0.9, None, 0.5], "samples": [2, 1, 0, 1]}}
     assert GroupTrace().record() == {"loss": None, "novelty": None}  # ESamp off: nothing
 
 
@@ -131,13 +130,15 @@ def test_the_eval_trace_is_the_dashboards_loss_series_on_the_same_run(tmp_path):
 
     threads = torch.get_num_threads()
     problems = load_task("arith")[:1]
-    s = EvalSettings(task="arith", problem_ids=[p.id for p in problems], n=2, ks=[1, 2], max_tokens=10,
-                     engine="reference")
+    s = EvalSettings(
+        task="arith", problem_ids=[p.id for p in problems], n=2, ks=[1, 2], max_tokens=10, engine="reference"
+    )
     prepare_out_dir(tmp_path, s)
     engine = Tee(create_engine("reference", threads=1))
     try:
-        records = run_groups(problems, engine, s, tmp_path, grade=lambda p, texts: None, measure=lambda t: None,
-                             arms=["esamp"])
+        records = run_groups(
+            problems, engine, s, tmp_path, grade=lambda p, texts: None, measure=lambda t: None, arms=["esamp"]
+        )
     finally:
         engine.close()
         torch.set_num_threads(threads)

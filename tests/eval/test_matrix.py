@@ -38,14 +38,19 @@ def cells_of(*items, base=None):
 
 
 def settings(cells, **kw):
-    return EvalSettings(task="fake", problem_ids=[p.id for p in PROBLEMS], n=4, ks=[1, 2, 4],
-                        engine="fake", cells=cells, **kw)
+    return EvalSettings(
+        task="fake", problem_ids=[p.id for p in PROBLEMS], n=4, ks=[1, 2, 4], engine="fake", cells=cells, **kw
+    )
 
 
 def test_cells_are_the_cross_product_named_by_their_values():
     cells = cells_of("beta=0.4,1.2", "mix=paper,unsharpened")
-    assert [c.name for c in cells] == ["beta=0.4,mix=paper", "beta=0.4,mix=unsharpened",
-                                       "beta=1.2,mix=paper", "beta=1.2,mix=unsharpened"]
+    assert [c.name for c in cells] == [
+        "beta=0.4,mix=paper",
+        "beta=0.4,mix=unsharpened",
+        "beta=1.2,mix=paper",
+        "beta=1.2,mix=unsharpened",
+    ]
     assert cells[3].steering.beta == 1.2 and cells[3].steering.mix == "unsharpened"
     assert all(c.steering.train for c in cells)
     assert [c.name for c in build_cells({}, EsampConfig(beta=0.3))] == ["esamp"]
@@ -56,22 +61,29 @@ def test_every_per_group_and_engine_wide_key_is_a_matrix_key():
         assert key in MATRIX_KEYS
     cells = cells_of("train=on,off", "train_rows=all,group", "optimizer=sgd", "lr=1e-2")
     assert [(c.steering.train, c.steering.train_rows) for c in cells] == [
-        (True, "all"), (True, "group"), (False, "all"), (False, "group")]
+        (True, "all"),
+        (True, "group"),
+        (False, "all"),
+        (False, "group"),
+    ]
     assert {(c.config.optimizer, c.config.lr) for c in cells} == {("sgd", 0.01)}
 
 
-@pytest.mark.parametrize("items, message", [
-    (["beta=12"], "--matrix beta='12'"),  # names the key and its range
-    (["beta=abc"], "--matrix beta='abc'"),
-    (["mix=sharp"], "--matrix mix='sharp'"),
-    (["lr=0"], "--matrix lr='0'"),
-    (["gamma=1"], "unknown key 'gamma'"),
-    (["enabled=off"], "unknown key 'enabled'"),  # the baseline is the arm with ESamp off
-    (["beta"], "is not KEY=VALUE"),
-    (["beta=0.4,"], "empty value"),
-    (["beta=0.4,0.40"], "lists 0.4 twice"),
-    (["beta=0.4", "beta=0.8"], "names beta twice"),
-])
+@pytest.mark.parametrize(
+    "items, message",
+    [
+        (["beta=12"], "--matrix beta='12'"),  # names the key and its range
+        (["beta=abc"], "--matrix beta='abc'"),
+        (["mix=sharp"], "--matrix mix='sharp'"),
+        (["lr=0"], "--matrix lr='0'"),
+        (["gamma=1"], "unknown key 'gamma'"),
+        (["enabled=off"], "unknown key 'enabled'"),  # the baseline is the arm with ESamp off
+        (["beta"], "is not KEY=VALUE"),
+        (["beta=0.4,"], "empty value"),
+        (["beta=0.4,0.40"], "lists 0.4 twice"),
+        (["beta=0.4", "beta=0.8"], "names beta twice"),
+    ],
+)
 def test_bad_matrix_values_name_the_key(items, message):
     with pytest.raises(ConfigError) as err:
         cells_of(*items)
@@ -87,7 +99,8 @@ def test_engine_wide_keys_split_the_cells_over_engines():
     groups = engine_groups(cells_of("beta=0.4,1.2", "lr=0.001,0.01"))
     assert [(cfg.lr, [c.name for c in members]) for cfg, members in groups] == [
         (0.001, ["beta=0.4,lr=0.001", "beta=1.2,lr=0.001"]),
-        (0.01, ["beta=0.4,lr=0.01", "beta=1.2,lr=0.01"])]
+        (0.01, ["beta=0.4,lr=0.01", "beta=1.2,lr=0.01"]),
+    ]
     assert len(engine_groups(cells_of("beta=0.4,1.2", "mix=paper,unsharpened", "train_rows=all,group"))) == 1
 
 
@@ -157,21 +170,51 @@ def test_changing_a_cells_settings_is_refused(tmp_path):
     with pytest.raises(ResumeMismatch, match=r"cell beta=0.4 with other settings \(mix 'paper' there"):
         prepare_out_dir(tmp_path, settings([Cell("beta=0.4", other)]))
     with pytest.raises(ResumeMismatch, match="n differ"):
-        prepare_out_dir(tmp_path, EvalSettings(task="fake", problem_ids=[p.id for p in PROBLEMS], n=8,
-                                               engine="fake", cells=[Cell("beta=0.4", base.with_steering(beta=0.4))]))
+        prepare_out_dir(
+            tmp_path,
+            EvalSettings(
+                task="fake",
+                problem_ids=[p.id for p in PROBLEMS],
+                n=8,
+                engine="fake",
+                cells=[Cell("beta=0.4", base.with_steering(beta=0.4))],
+            ),
+        )
     # -k changes no sample: a resumed run may report other k
-    prepare_out_dir(tmp_path, EvalSettings(task="fake", problem_ids=[p.id for p in PROBLEMS], n=4, ks=[1],
-                                           engine="fake", cells=[Cell("beta=0.4", base.with_steering(beta=0.4))]))
+    prepare_out_dir(
+        tmp_path,
+        EvalSettings(
+            task="fake",
+            problem_ids=[p.id for p in PROBLEMS],
+            n=4,
+            ks=[1],
+            engine="fake",
+            cells=[Cell("beta=0.4", base.with_steering(beta=0.4))],
+        ),
+    )
 
 
 def test_a_folder_from_before_cells_resumes_as_the_cell_esamp(tmp_path):
-    old = {"task": "fake", "problem_ids": [p.id for p in PROBLEMS], "n": 4, "ks": [1, 2, 4], "beta": 0.8,
-           "mix": "paper", "seed": 0, "max_tokens": 256, "temperature": 0.8, "top_p": 0.95, "top_k": 0,
-           "min_p": 0.1, "engine": "fake", "model": None}
+    old = {
+        "task": "fake",
+        "problem_ids": [p.id for p in PROBLEMS],
+        "n": 4,
+        "ks": [1, 2, 4],
+        "beta": 0.8,
+        "mix": "paper",
+        "seed": 0,
+        "max_tokens": 256,
+        "temperature": 0.8,
+        "top_p": 0.95,
+        "top_k": 0,
+        "min_p": 0.1,
+        "engine": "fake",
+        "model": None,
+    }
     (tmp_path / "run.json").write_text(json.dumps({"settings": old}))
-    prepare_out_dir(tmp_path, EvalSettings(task="fake", problem_ids=[p.id for p in PROBLEMS], n=4,
-                                           engine="fake"))
+    prepare_out_dir(tmp_path, EvalSettings(task="fake", problem_ids=[p.id for p in PROBLEMS], n=4, engine="fake"))
     (tmp_path / "run.json").write_text(json.dumps({"settings": old}))
     with pytest.raises(ResumeMismatch, match="beta"):
-        prepare_out_dir(tmp_path, EvalSettings(task="fake", problem_ids=[p.id for p in PROBLEMS], n=4,
-                                               engine="fake", beta=0.3))
+        prepare_out_dir(
+            tmp_path, EvalSettings(task="fake", problem_ids=[p.id for p in PROBLEMS], n=4, engine="fake", beta=0.3)
+        )

@@ -5,17 +5,23 @@ import json
 
 import pytest
 
+from esamp.commands.cli import main
 from esamp.core.config import EsampConfig, SamplingConfig
 from esamp.errors import ConfigError
 from esamp.eval.matrix import build_cells, build_plain_arms, parse_axes
-from esamp.eval.runner import EvalSettings, ResumeMismatch, prepare_out_dir, problem_seed, run_groups, with_recorded_cells
-
-from esamp.commands.cli import main
+from esamp.eval.runner import (
+    EvalSettings,
+    ResumeMismatch,
+    prepare_out_dir,
+    problem_seed,
+    run_groups,
+    with_recorded_cells,
+)
 
 from .fake_engine import FakeEngine
 from .test_cli_matrix import engines, needs_math_verify, task_file  # noqa: F401 (engines: a fixture)
-from .test_runner import grade, measure
 from .test_matrix import PROBLEMS
+from .test_runner import grade, measure
 
 BASE = SamplingConfig(n=4)
 
@@ -25,14 +31,26 @@ def plain_of(*specs, base=BASE):
 
 
 def settings(plain, cells=None, **kw):
-    return EvalSettings(task="fake", problem_ids=[p.id for p in PROBLEMS], ks=[1, 2, 4], engine="fake",
-                        cells=cells or build_cells({}, EsampConfig()), sampling=BASE, plain=plain, **kw)
+    return EvalSettings(
+        task="fake",
+        problem_ids=[p.id for p in PROBLEMS],
+        ks=[1, 2, 4],
+        engine="fake",
+        cells=cells or build_cells({}, EsampConfig()),
+        sampling=BASE,
+        plain=plain,
+        **kw,
+    )
 
 
 def test_plain_arms_are_named_by_what_they_set_and_each_spec_is_a_cross_product():
     arms = plain_of(["temperature=0.4,1.2"], ["temperature=1.5,2", "top_p=1", "min_p=0.1"])
-    assert [a.name for a in arms] == ["temperature=0.4", "temperature=1.2", "temperature=1.5,top_p=1.0,min_p=0.1",
-                                      "temperature=2.0,top_p=1.0,min_p=0.1"]
+    assert [a.name for a in arms] == [
+        "temperature=0.4",
+        "temperature=1.2",
+        "temperature=1.5,top_p=1.0,min_p=0.1",
+        "temperature=2.0,top_p=1.0,min_p=0.1",
+    ]
     hot = arms[2].sampling(BASE)
     assert (hot.temperature, hot.top_p, hot.min_p, hot.n, hot.max_tokens) == (1.5, 1.0, 0.1, 4, BASE.max_tokens)
 
@@ -44,8 +62,9 @@ def test_plain_arms_sample_without_esamp_at_their_own_filters_on_the_shared_seed
     engine = FakeEngine()
     started = []
     real_start = engine.start
-    engine.start = lambda prompt, sampling, esamp=None, group=None: started.append((group, sampling, esamp)) \
-        or real_start(prompt, sampling, esamp, group)
+    engine.start = lambda prompt, sampling, esamp=None, group=None: (
+        started.append((group, sampling, esamp)) or real_start(prompt, sampling, esamp, group)
+    )
     records = run_groups(PROBLEMS, engine, s, tmp_path, grade, measure)
     assert len(records) == 4 * len(PROBLEMS)
     for group, sampling, steering in started:
@@ -54,8 +73,10 @@ def test_plain_arms_sample_without_esamp_at_their_own_filters_on_the_shared_seed
         assert sampling.temperature == {"temperature=0.4": 0.4, "temperature=1.6": 1.6}.get(arm, BASE.temperature)
         assert steering.enabled == (arm == "esamp")
     # the fake engine's hotter arm reaches answers the colder never gives
-    answers = {arm: {t.split()[-2] for p in PROBLEMS for t in records[(p.id, arm)]["texts"]}
-               for arm in ("temperature=0.4", "temperature=1.6")}
+    answers = {
+        arm: {t.split()[-2] for p in PROBLEMS for t in records[(p.id, arm)]["texts"]}
+        for arm in ("temperature=0.4", "temperature=1.6")
+    }
     assert answers["temperature=0.4"] < answers["temperature=1.6"]
 
 
@@ -83,15 +104,18 @@ def test_a_plain_arm_of_the_same_name_with_other_settings_is_refused(tmp_path):
         prepare_out_dir(tmp_path, settings([other]))
 
 
-@pytest.mark.parametrize("spec, message", [
-    (["beta=0.4"], "unknown key 'beta'"),
-    (["n=4"], "unknown key 'n'"),
-    (["temperature=9"], "--plain temperature='9'"),
-    (["temperature=abc"], "--plain temperature='abc'"),
-    (["min_p=1"], "--plain min_p='1'"),
-    (["temperature=1.2,1.2"], "lists 1.2 twice"),
-    (["temperature"], "KEY=VALUE"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        (["beta=0.4"], "unknown key 'beta'"),
+        (["n=4"], "unknown key 'n'"),
+        (["temperature=9"], "--plain temperature='9'"),
+        (["temperature=abc"], "--plain temperature='abc'"),
+        (["min_p=1"], "--plain min_p='1'"),
+        (["temperature=1.2,1.2"], "lists 1.2 twice"),
+        (["temperature"], "KEY=VALUE"),
+    ],
+)
 def test_bad_plain_values_name_the_key(spec, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("'", "'")):
         plain_of(spec)
@@ -112,7 +136,7 @@ def test_plain_arms_from_flags_and_the_matrix_file_run_beside_the_cells(tmp_path
 task_files = ["{task_file(tmp_path)}"]
 n = 4
 engine = "reference"
-out = "{tmp_path / 'run'}"
+out = "{tmp_path / "run"}"
 [matrix]
 beta = [0.4, 1.2]
 [[plain]]
@@ -127,8 +151,15 @@ min_p = 0.1
     assert len(engines) == 1
     started = engines[0][0].started
     assert sorted({k.split("|")[1] for k in started}) == sorted(
-        ["baseline", "temperature=1.5,top_p=1.0,min_p=0.1", "temperature=0.4", "temperature=1.2",
-         "beta=0.4", "beta=1.2"])
+        [
+            "baseline",
+            "temperature=1.5,top_p=1.0,min_p=0.1",
+            "temperature=0.4",
+            "temperature=1.2",
+            "beta=0.4",
+            "beta=1.2",
+        ]
+    )
     run = json.loads((tmp_path / "run" / "run.json").read_text())["settings"]
     assert list(run["plain"]) == ["temperature=1.5,top_p=1.0,min_p=0.1", "temperature=0.4", "temperature=1.2"]
     report = json.loads((tmp_path / "run" / "report.json").read_text())
@@ -141,8 +172,16 @@ def test_one_matrix_file_serves_a_run_per_task(tmp_path, engines, capsys):
     error, one for a task the file does not list is."""
     matrix = tmp_path / "m.toml"
     matrix.write_text('tasks = ["arith", "open"]\nn = 2\nno_diversity = true\n[task.open]\nmax_tokens = 16\n')
-    argv = ["eval", "--matrix-file", str(matrix), "--task-file", str(task_file(tmp_path)), "--quiet",
-            "--engine", "reference"]
+    argv = [
+        "eval",
+        "--matrix-file",
+        str(matrix),
+        "--task-file",
+        str(task_file(tmp_path)),
+        "--quiet",
+        "--engine",
+        "reference",
+    ]
     assert main(argv + ["--out", str(tmp_path / "o")]) == 0
     matrix.write_text('tasks = ["arith"]\nn = 2\n[task.opn]\nmax_tokens = 16\n')
     assert main(argv + ["--out", str(tmp_path / "p")]) == 2
@@ -152,8 +191,20 @@ def test_one_matrix_file_serves_a_run_per_task(tmp_path, engines, capsys):
 @needs_math_verify
 def test_problem_order_and_report_only_report_the_problems_every_arm_finished(tmp_path, engines, capsys):
     out = tmp_path / "out"
-    argv = ["eval", "--task-file", str(task_file(tmp_path)), "-n", "2", "--engine", "reference", "--quiet",
-            "--plain", "temperature=0.4,1.2", "--out", str(out)]
+    argv = [
+        "eval",
+        "--task-file",
+        str(task_file(tmp_path)),
+        "-n",
+        "2",
+        "--engine",
+        "reference",
+        "--quiet",
+        "--plain",
+        "temperature=0.4,1.2",
+        "--out",
+        str(out),
+    ]
     assert main(argv + ["--report-only"]) == 0  # nothing sampled yet: a report of no problems
     assert "problems: 0 of 4 finished" in (out / "report.md").read_text()
     assert not engines

@@ -4,9 +4,9 @@ import importlib.util
 
 import pytest
 
+from esamp.core.config import EsampConfig
 from esamp.eval.html import markdown_to_html
 from esamp.eval.matrix import build_cells, parse_axes, validate_axes
-from esamp.core.config import EsampConfig
 from esamp.eval.plots import terminal_charts, write_plots
 from esamp.eval.report import render_run_markdown, summarize
 from esamp.eval.runner import EvalSettings, prepare_out_dir, run_groups
@@ -15,8 +15,9 @@ from esamp.eval.tasks import Problem
 from .fake_engine import FakeEngine
 from .test_runner import grade, measure
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
-                                reason="needs matplotlib (the eval extra)")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("matplotlib") is None, reason="needs matplotlib (the eval extra)"
+)
 
 MATH = [Problem(id=f"m{i}", kind="math", prompt=f"question {i}", answer="2") for i in range(6)]
 OPEN = [Problem(id=f"o{i}", kind="open", prompt=f"tell story {i}") for i in range(4)]
@@ -34,14 +35,21 @@ def summary_of(tmp_path, task, problems, axes=(), diversity=True):
 
 
 def test_every_view_is_written_for_a_matrix(tmp_path):
-    summaries = [summary_of(tmp_path, "sums", MATH, ["beta=0.4,1.2", "mix=paper,unsharpened"]),
-                 summary_of(tmp_path, "stories", OPEN, ["beta=0.4,1.2", "mix=paper,unsharpened"])]
+    summaries = [
+        summary_of(tmp_path, "sums", MATH, ["beta=0.4,1.2", "mix=paper,unsharpened"]),
+        summary_of(tmp_path, "stories", OPEN, ["beta=0.4,1.2", "mix=paper,unsharpened"]),
+    ]
     images, problem = write_plots(summaries, tmp_path)
     assert problem is None
-    assert images == {"sums": {"passk": "sums-passk.png", "plane": "sums-plane.png", "shifts": "sums-shifts.png",
-                               "learning": "sums-learning.png"},
-                      "stories": {"plane": "stories-plane.png", "shifts": "stories-shifts.png",
-                                  "learning": "stories-learning.png"}}
+    assert images == {
+        "sums": {
+            "passk": "sums-passk.png",
+            "plane": "sums-plane.png",
+            "shifts": "sums-shifts.png",
+            "learning": "sums-learning.png",
+        },
+        "stories": {"plane": "stories-plane.png", "shifts": "stories-shifts.png", "learning": "stories-learning.png"},
+    }
     for views in images.values():
         for name in views.values():
             data = (tmp_path / name).read_bytes()

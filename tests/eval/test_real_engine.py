@@ -19,14 +19,20 @@ def test_both_arms_on_the_embedded_model(tmp_path):
     threads = torch.get_num_threads()  # the engine sets the process-wide count; put it back after
 
     problems = load_task("arith")[:1]
-    s = EvalSettings(task="arith", problem_ids=[p.id for p in problems], n=2, ks=[1, 2],
-                     max_tokens=12, engine="reference")
+    s = EvalSettings(
+        task="arith", problem_ids=[p.id for p in problems], n=2, ks=[1, 2], max_tokens=12, engine="reference"
+    )
     prepare_out_dir(tmp_path, s)
     engine = create_engine("reference", threads=1)  # 2 threads crawl when other jobs share the 2 cores
     try:
-        records = run_groups(problems, engine, s, tmp_path,
-                             grade=lambda p, texts: [{"correct": "12" in t} for t in texts],
-                             measure=lambda texts: None)
+        records = run_groups(
+            problems,
+            engine,
+            s,
+            tmp_path,
+            grade=lambda p, texts: [{"correct": "12" in t} for t in texts],
+            measure=lambda texts: None,
+        )
     finally:
         engine.close()
         torch.set_num_threads(threads)

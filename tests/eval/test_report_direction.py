@@ -50,13 +50,13 @@ def _rows(md: str, first_cell: str) -> list[str]:
 
 def test_markdown_marks_a_gain_and_a_loss_and_leaves_noise_plain(summary):
     md = render_markdown(summary, {})
-    cells_table = md[md.index("## Cells against the baseline"):md.index("## Against the temperature curve")]
+    cells_table = md[md.index("## Cells against the baseline") : md.index("## Against the temperature curve")]
     assert "| beta=0.4 |" in cells_table and "**▲ +0.100 [+0.020, +0.200]**" in cells_table
     assert "**▼ -0.081 [-0.156, -0.012]**" in cells_table
     assert "| +0.190 [-0.088, +0.488] |" in cells_table  # holds 0: neither bold nor marked
     legend = "**bold**: the interval excludes 0, **▲ a gain** or **▼ a loss** (higher is better for every metric here)"
     assert legend in md
-    every = md[md.index("## Every metric"):]
+    every = md[md.index("## Every metric") :]
     (pass1,) = [line for line in every.splitlines() if line.startswith("| pass@1 |")]
     assert pass1.endswith("| **▲ +0.100 [+0.020, +0.200]** | **▼ -0.081 [-0.156, -0.012]** |")
 
@@ -65,7 +65,7 @@ def test_markdown_headline_is_a_gain_only_when_a_cell_lies_above_the_curve(summa
     md = render_markdown(summary, {})
     assert "- **▲ On pass@1, 1 of 2 ESamp cells lie above the temperature curve**: beta=0.4 by +0.050" in md
     assert "- **On pass@8, no ESamp cell lies above the temperature curve** (2 cells: 2 on it" in md
-    front = md[md.index("## Against the temperature curve"):md.index("## Totals")]
+    front = md[md.index("## Against the temperature curve") : md.index("## Totals")]
     assert "**▲ +0.050 [+0.010, +0.090] above**" in front and "**▼ -0.099 [-0.216, -0.011] below**" in front
     assert "| +0.010 [-0.050, +0.070] on the curve |" in front
 
@@ -78,7 +78,7 @@ def test_html_colours_by_direction(summary, tmp_path):
     assert '<strong class="gain">▲ On pass@1, 1 of 2 ESamp cells lie above the temperature curve</strong>' in page
     assert "<strong>On pass@8, no ESamp cell lies above the temperature curve</strong>" in page
     assert '<strong class="loss">▼ -0.099 [-0.216, -0.011] below</strong>' in page
-    style = page[page.index("<style>"):page.index("</style>")]
+    style = page[page.index("<style>") : page.index("</style>")]
     assert re.search(r"strong\.gain \{ color: #0[0-9a-f]{5}", style)  # green: little red
     assert re.search(r"strong\.loss \{ color: #[c-f][0-9a-f]{5}", style)  # red
     assert not re.search(r"(^|[\s}])strong \{", style)  # a bold span without a mark keeps the text's colour
@@ -120,11 +120,14 @@ def test_report_only_without_a_task_draws_the_report_again(summary, tmp_path, ca
     assert "again from report.json" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["--report-only"], "name the folder"),
-    (["--report-only", "--out", "nowhere"], "report.json does not exist"),
-    (["--report-only", "--out", "{out}", "--matrix", "beta=0.4"], "--matrix needs a task"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--report-only"], "name the folder"),
+        (["--report-only", "--out", "nowhere"], "report.json does not exist"),
+        (["--report-only", "--out", "{out}", "--matrix", "beta=0.4"], "--matrix needs a task"),
+    ],
+)
 def test_report_only_without_a_task_refuses_what_it_cannot_do(args, needle, tmp_path, capsys):
     from esamp.commands.cli import main
 

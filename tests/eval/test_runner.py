@@ -25,8 +25,9 @@ PROBLEMS.append(Problem(id="story", kind="open", prompt="tell a story"))
 def grade(problem, texts):
     if problem.kind != "math":
         return None
-    return [{"correct": text.split()[-2] == problem.answer, "extracted": text.split()[-2], "note": ""}
-            for text in texts]
+    return [
+        {"correct": text.split()[-2] == problem.answer, "extracted": text.split()[-2], "note": ""} for text in texts
+    ]
 
 
 def measure(texts):
@@ -89,8 +90,9 @@ def test_resume_after_interrupt_matches_an_uninterrupted_run(tmp_path):
     again = FakeEngine()
     resumed = run_all(out, again)
     assert len(again.started) == len(full) - len(partial)  # only the missing groups ran
-    assert {k: (r["texts"], r["correct"]) for k, r in resumed.items()} == \
-        {k: (r["texts"], r["correct"]) for k, r in full.items()}
+    assert {k: (r["texts"], r["correct"]) for k, r in resumed.items()} == {
+        k: (r["texts"], r["correct"]) for k, r in full.items()
+    }
     assert stable(summarize(PROBLEMS, resumed, s)) == stable(summarize(PROBLEMS, full, s))
 
 
@@ -138,8 +140,9 @@ def test_summary_and_markdown(tmp_path):
         assert d["delta"] == pytest.approx(d["esamp"] - d["baseline"])
     md = render_markdown(summary, {"command": "esamp eval --task fake", "wall_seconds": 1.0})
     assert "| pass@1 |" in md and "## Pass@k against k" in md
-    moved = [r for r in summary["per_problem"]
-             if r["kind"] == "math" and r["baseline"]["correct"] != r["esamp"]["correct"]]
+    moved = [
+        r for r in summary["per_problem"] if r["kind"] == "math" and r["baseline"]["correct"] != r["esamp"]["correct"]
+    ]
     for r in moved:
         assert f"{r['baseline']['correct']}/4 → {r['esamp']['correct']}/4" in md
 
@@ -156,8 +159,13 @@ def test_regrade_rewrites_verdicts_without_generating(tmp_path):
     from esamp.eval.runner import regrade
 
     before = run_all(tmp_path, FakeEngine())
-    after = regrade(tmp_path, PROBLEMS, lambda p, texts: None if p.kind == "open" else
-                    [{"correct": True, "extracted": None, "note": ""} for _ in texts])
+    after = regrade(
+        tmp_path,
+        PROBLEMS,
+        lambda p, texts: (
+            None if p.kind == "open" else [{"correct": True, "extracted": None, "note": ""} for _ in texts]
+        ),
+    )
     assert set(after) == set(before)
     assert all(r["correct"] == 4 for r in read_records(tmp_path).values() if r["kind"] == "math")
     assert [r["texts"] for r in read_records(tmp_path).values()] == [r["texts"] for r in before.values()]

@@ -14,8 +14,9 @@ import pytest
 from esamp.eval import sandbox as sb
 from esamp.eval.sandbox import Limits, Sandbox, SandboxUnavailable, code_program
 
-pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None,
-                                reason="bubblewrap is not installed (apt-get install bubblewrap)")
+pytestmark = pytest.mark.skipif(
+    shutil.which("bwrap") is None, reason="bubblewrap is not installed (apt-get install bubblewrap)"
+)
 
 
 @pytest.fixture(scope="module")
@@ -40,11 +41,7 @@ def test_blocks_network(box):
     port = server.getsockname()[1]
     try:
         socket.create_connection(("127.0.0.1", port), timeout=2).close()  # reachable from here
-        program = (
-            "import socket\n"
-            f"socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
-            "print('CONNECTED')\n"
-        )
+        program = f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('CONNECTED')\n"
         result = box.run(program)
     finally:
         server.close()
@@ -71,14 +68,7 @@ def _leftover_processes(uid: int) -> int:
 
 
 def test_stops_a_fork_bomb(box):
-    program = (
-        "import os\n"
-        "while True:\n"
-        "    try:\n"
-        "        os.fork()\n"
-        "    except OSError:\n"
-        "        pass\n"
-    )
+    program = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
     before = _leftover_processes(sb.NOBODY)  # another run's sandbox on this machine is not the bomb's
     t0 = time.monotonic()
     result = box.run(program)
@@ -112,7 +102,7 @@ def test_refuses_to_run_without_bubblewrap(monkeypatch):
 
 
 def test_code_program_shapes():
-    prefix = "def add(a, b):\n    \"\"\"Add.\"\"\"\n"
+    prefix = 'def add(a, b):\n    """Add."""\n'
     tests = "def check(f):\n    assert f(2, 3) == 5\n"
     body = code_program(prefix, "    return a + b\n", tests, "add")
     whole = code_program(prefix, "def add(a, b):\n    return a + b\n", tests, "add")

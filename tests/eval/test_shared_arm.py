@@ -23,15 +23,21 @@ def cells_of(*items):
 def test_the_distiller_is_an_engine_wide_matrix_key_and_each_shared_cell_gets_its_own_engine():
     assert "distiller" in MATRIX_KEYS
     cells = cells_of("distiller=bank,shared", "mix=paper,unsharpened")
-    assert [c.name for c in cells] == ["distiller=bank,mix=paper", "distiller=bank,mix=unsharpened",
-                                       "distiller=shared,mix=paper", "distiller=shared,mix=unsharpened"]
+    assert [c.name for c in cells] == [
+        "distiller=bank,mix=paper",
+        "distiller=bank,mix=unsharpened",
+        "distiller=shared,mix=paper",
+        "distiller=shared,mix=unsharpened",
+    ]
     assert [c.record()["distiller"] for c in cells] == ["bank", "bank", "shared", "shared"]
     # bank cells that differ in steering share an engine; a shared Distiller learns from every group
     # its engine steers, so each shared cell runs alone on its own
     groups = engine_groups(cells)
     assert [[c.name for c in members] for _, members in groups] == [
         ["distiller=bank,mix=paper", "distiller=bank,mix=unsharpened"],
-        ["distiller=shared,mix=paper"], ["distiller=shared,mix=unsharpened"]]
+        ["distiller=shared,mix=paper"],
+        ["distiller=shared,mix=unsharpened"],
+    ]
     assert [config.distiller for config, _ in groups] == ["bank", "shared", "shared"]
 
 
@@ -46,13 +52,32 @@ def test_shared_cells_join_the_committed_frontier_run_and_leave_its_arms_as_they
     sampled = {}
 
     def sample(args, runs, cells, todo, engine_name, total, started, out):
-        sampled.update(cells=[c.name for c in cells], todo=todo[runs[0].name],
-                       engines=[[c.name for c in m] for _, m in engine_groups(cells)])
+        sampled.update(
+            cells=[c.name for c in cells],
+            todo=todo[runs[0].name],
+            engines=[[c.name for c in m] for _, m in engine_groups(cells)],
+        )
 
     monkeypatch.setattr(eval_cli, "_sample", sample)
     monkeypatch.setattr(eval_cli, "_write_report", lambda *a: None)
-    assert main(["eval", "--matrix-file", str(FRONTIER), "--task", "arith", "--limit", "20",
-                 "--matrix", "distiller=shared", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "--matrix-file",
+                str(FRONTIER),
+                "--task",
+                "arith",
+                "--limit",
+                "20",
+                "--matrix",
+                "distiller=shared",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     new = ["beta=0.8,mix=paper,distiller=shared", "beta=0.8,mix=unsharpened,distiller=shared"]
     assert "new arms here: " + ", ".join(new) in capsys.readouterr().err
     assert sampled["engines"] == [[new[0]], [new[1]]]

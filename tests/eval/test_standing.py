@@ -12,11 +12,19 @@ from esamp.eval.standing import FRONTIER_RUNS, RESULTS, standing
 
 
 def write_report(root, run="m/arith", vendi=(-0.27, -0.45, -0.10), gap=(-0.05, -0.09, -0.01, "below")):
-    cell = {"settings": {"beta": 0.8, "mix": "paper", "train": True, "train_rows": "group", "lr": 0.001},
-            "deltas": {"vendi": dict(zip(("delta", "low", "high"), vendi))}}
-    report = {"task": "arith", "settings": {"n": 8}, "cells": {"beta=0.8,mix=paper": cell},
-              "frontier": {"problems": 20, "gaps": {"pass@1": {"beta=0.8,mix=paper": dict(
-                  zip(("gap", "low", "high", "verdict"), gap), outside=0.0)}}}}
+    cell = {
+        "settings": {"beta": 0.8, "mix": "paper", "train": True, "train_rows": "group", "lr": 0.001},
+        "deltas": {"vendi": dict(zip(("delta", "low", "high"), vendi))},
+    }
+    report = {
+        "task": "arith",
+        "settings": {"n": 8},
+        "cells": {"beta=0.8,mix=paper": cell},
+        "frontier": {
+            "problems": 20,
+            "gaps": {"pass@1": {"beta=0.8,mix=paper": dict(zip(("gap", "low", "high", "verdict"), gap), outside=0.0)}},
+        },
+    }
     (root / run).mkdir(parents=True)
     (root / run / "report.json").write_text(json.dumps(report))
 
@@ -30,10 +38,16 @@ def model(monkeypatch, tmp_path):
 
 def test_a_setting_with_a_run_gets_its_figures_in_words(model):
     found = standing("tiny", Steering(), results=model)
-    assert (found.cell, found.diversity, found.gap["verdict"], found.problems) == ("beta=0.8,mix=paper", "narrows",
-                                                                                   "below", 20)
-    assert found.short() == ("measured on arith: Vendi −0.27 [−0.45, −0.10] (narrower), pass@1 below the "
-                             "temperature curve (−0.05 [−0.09, −0.01]); ? for more")
+    assert (found.cell, found.diversity, found.gap["verdict"], found.problems) == (
+        "beta=0.8,mix=paper",
+        "narrows",
+        "below",
+        20,
+    )
+    assert found.short() == (
+        "measured on arith: Vendi −0.27 [−0.45, −0.10] (narrower), pass@1 below the "
+        "temperature curve (−0.05 [−0.09, −0.01]); ? for more"
+    )
     text = found.text()
     assert "narrows the samples (Vendi −0.27 [−0.45, −0.10]" in text
     assert "less accurate (pass@1) than plain sampling at the same diversity" in text

@@ -62,11 +62,14 @@ def _write(tmp_path, lines):
 
 
 def test_malformed_line_names_its_number(tmp_path):
-    path = _write(tmp_path, [
-        json.dumps({"id": 1, "prompt": "What is 1+1?", "answer": 2}),
-        "",
-        '{"id": 2, "prompt": "oops"',
-    ])
+    path = _write(
+        tmp_path,
+        [
+            json.dumps({"id": 1, "prompt": "What is 1+1?", "answer": 2}),
+            "",
+            '{"id": 2, "prompt": "oops"',
+        ],
+    )
     with pytest.raises(TaskError) as err:
         load_jsonl(path)
     assert "line 3" in str(err.value) and "not valid JSON" in str(err.value)
@@ -103,13 +106,19 @@ def test_duplicate_ids_and_empty_files(tmp_path):
 
 
 def test_kind_is_inferred(tmp_path):
-    path = _write(tmp_path, [
-        json.dumps({"id": 1, "prompt": "p", "answer": 3}),
-        json.dumps({"id": 2, "prompt": "p", "tests": "assert True"}),
-        json.dumps({"id": 3, "prompt": "p"}),
-    ])
+    path = _write(
+        tmp_path,
+        [
+            json.dumps({"id": 1, "prompt": "p", "answer": 3}),
+            json.dumps({"id": 2, "prompt": "p", "tests": "assert True"}),
+            json.dumps({"id": 3, "prompt": "p"}),
+        ],
+    )
     assert [(p.id, p.kind, p.answer) for p in load_jsonl(path)] == [
-        ("1", "math", "3"), ("2", "code", None), ("3", "open", None)]
+        ("1", "math", "3"),
+        ("2", "code", None),
+        ("3", "open", None),
+    ]
 
 
 def test_every_bad_line_is_reported_up_to_a_limit(tmp_path):
@@ -134,4 +143,4 @@ def test_text_that_is_not_utf8_or_holds_a_lone_surrogate(tmp_path):
     with pytest.raises(TaskError, match=r"line 1: 'prompt' holds the escape \\udcff at character 4"):
         load_jsonl(path)
     path.write_text('{"id": "a", "prompt": "ok \\ud83d\\ude00", "answer": "1"}\n')  # a full pair is fine
-    assert load_jsonl(path)[0].prompt == "ok \U0001F600"
+    assert load_jsonl(path)[0].prompt == "ok \U0001f600"

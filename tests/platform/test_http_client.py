@@ -53,8 +53,9 @@ def test_get_with_a_header_and_a_status(server):
 
 
 def test_post_gets_a_chunked_answer_joined(server):
-    status, body = asyncio.run(request("127.0.0.1", server, "/v1/completions", method="POST",
-                                       body=b'{"prompt": [1, 2]}', timeout=5))
+    status, body = asyncio.run(
+        request("127.0.0.1", server, "/v1/completions", method="POST", body=b'{"prompt": [1, 2]}', timeout=5)
+    )
     assert (status, body) == (200, b'{"prompt": [1, 2]}')
 
 

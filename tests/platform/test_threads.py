@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from esamp.platform import threads
 from esamp.errors import ConfigError
+from esamp.platform import threads
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,8 +32,10 @@ def test_apply_threads_sets_torch_and_returns_the_count():
     import subprocess
     import sys
 
-    code = ("import torch; from esamp.platform.threads import apply_threads; "
-            "assert apply_threads(None) == 1 and torch.get_num_threads() == 1")
+    code = (
+        "import torch; from esamp.platform.threads import apply_threads; "
+        "assert apply_threads(None) == 1 and torch.get_num_threads() == 1"
+    )
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
 
 
@@ -48,10 +50,12 @@ def test_the_users_wait_policy_wins(monkeypatch):
 
 def test_esamp_sets_the_policy_before_torch_loads():
     """libgomp reads OMP_WAIT_POLICY once, when torch loads it: the command must set it first."""
-    code = ("import os, sys\n"
-            "from esamp.commands.cli import main\n"
-            "assert main(['generate', ' ']) == 2\n"  # refused before any engine loads
-            "print(os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules)\n")
+    code = (
+        "import os, sys\n"
+        "from esamp.commands.cli import main\n"
+        "assert main(['generate', ' ']) == 2\n"  # refused before any engine loads
+        "print(os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules)\n"
+    )
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert out.stdout.split() == ["PASSIVE", "False"], out.stderr

@@ -12,8 +12,10 @@ README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 PAGES = sorted(DOCS.glob("*.md"))
 REQUIRED = ["dashboard", "generate", "eval", "serving", "vllm", "algorithm", "benchmarks"]
-SETUP_COMMANDS = ["bash scripts/setup.sh && .venv/bin/esamp-tui",
-                  "bash scripts/setup.sh --dev && .venv/bin/python -m pytest -q"]
+SETUP_COMMANDS = [
+    "bash scripts/setup.sh && .venv/bin/esamp-tui",
+    "bash scripts/setup.sh --dev && .venv/bin/python -m pytest -q",
+]
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 
 
@@ -87,6 +89,7 @@ def test_code_cites_docs_pages_that_exist():
             found += 1
             assert (DOCS / page).is_file(), f"{source}: names {page}, which does not exist"
         for page, heading in cited.findall(text):
-            assert slug(heading) in anchors(DOCS / page) or heading.lower() in run_in_headings(DOCS / page), \
+            assert slug(heading) in anchors(DOCS / page) or heading.lower() in run_in_headings(DOCS / page), (
                 f"{source}: {page} has no heading {heading!r}"
+            )
     assert found

@@ -36,8 +36,9 @@ def run_setup(tmp_path: Path, *args: str) -> list[str]:
     (bin_dir / "bwrap").write_text("#!/bin/sh\n")
     (bin_dir / "bwrap").chmod(0o755)
     env = dict(os.environ, PYTHON=str(stub), PATH=f"{bin_dir}:{os.environ['PATH']}")
-    done = subprocess.run(["bash", str(repo / "scripts" / "setup.sh"), *args], env=env, capture_output=True,
-                          text=True, timeout=60)
+    done = subprocess.run(
+        ["bash", str(repo / "scripts" / "setup.sh"), *args], env=env, capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stderr
     return done.stdout.splitlines()
 

@@ -17,9 +17,25 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 def test_200_groups_with_aborts_keep_memory_flat_and_return_every_slot(tmp_path):
     out = tmp_path / "soak.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--groups", "200", "--abort-every", "10",
-           "--overlap-every", "7", "--checkpoint", "20", "--tokens", "3", "--raw", "--threads", "1",
-           "--out", str(out)]
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "soak.py"),
+        "--groups",
+        "200",
+        "--abort-every",
+        "10",
+        "--overlap-every",
+        "7",
+        "--checkpoint",
+        "20",
+        "--tokens",
+        "3",
+        "--raw",
+        "--threads",
+        "1",
+        "--out",
+        str(out),
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())

@@ -38,14 +38,23 @@ class Served:
         self.api_key = api_key
         if api_key:
             args = [*args, "--api-key", api_key]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-               "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            **(env or {}),
+        }
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server's own engine core runs as vLLM decides
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "esamp", "serve", *args, "--host", "127.0.0.1", "--port", str(self.port)],
-            stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+            stdout=open(log, "w"),
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=ROOT,
+            start_new_session=True,
+        )
 
-    def wait(self) -> "Served":
+    def wait(self) -> Served:
         deadline = time.monotonic() + START_TIMEOUT
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -60,8 +69,9 @@ class Served:
         self.stop()
         pytest.fail(f"esamp serve did not answer within {START_TIMEOUT:.0f} s:\n{self.tail()}")
 
-    def request(self, method: str, path: str, body: dict | bytes | None = None, key: str | None = "",
-                timeout: float = 120) -> tuple[int, bytes, dict]:
+    def request(
+        self, method: str, path: str, body: dict | bytes | None = None, key: str | None = "", timeout: float = 120
+    ) -> tuple[int, bytes, dict]:
         """(status, body, headers); ``key``: the API key to send ("" = the server's, None = none)."""
         key = self.api_key if key == "" else key
         headers = {"Content-Type": "application/json"} if body is not None else {}
@@ -112,8 +122,8 @@ def started(tmp_path_factory, runs: list[list[str]], api_key: str | None = None,
 
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("needs vLLM installed")
-    from esamp.errors import ModelNotFoundError
     from esamp.engines.models import resolve
+    from esamp.errors import ModelNotFoundError
 
     try:
         resolve(None).hf_dir()  # convert the GGUF here (once), not inside the server's start

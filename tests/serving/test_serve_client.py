@@ -64,8 +64,17 @@ def make_handler(script: Script):
             if self._refused():
                 return
             if self.path == "/esamp/config" and script.esamp:
-                self._json(200, {"esamp": EsampConfig(slots=4).model_dump(), "ranks": 1, "model": "tiny",
-                                 "hidden_size": 16, "num_layers": 2, "max_model_len": 64})
+                self._json(
+                    200,
+                    {
+                        "esamp": EsampConfig(slots=4).model_dump(),
+                        "ranks": 1,
+                        "model": "tiny",
+                        "hidden_size": 16,
+                        "num_layers": 2,
+                        "max_model_len": 64,
+                    },
+                )
             elif self.path == "/v1/models":
                 self._json(200, {"data": [{"id": "tiny", "max_model_len": 64}]})
             elif self.path.startswith("/esamp/records?group="):
@@ -73,8 +82,10 @@ def make_handler(script: Script):
                 steps = []
                 for g in groups:
                     if not script.groups.get(g, True) and not script.unreachable:
-                        steps += [{"step": i + 1, "rows": [[g, s, k, e, 5] for s, k, e in rows], "loss": {g: 0.5}}
-                                  for i, rows in enumerate(ROWS)]
+                        steps += [
+                            {"step": i + 1, "rows": [[g, s, k, e, 5] for s, k, e in rows], "loss": {g: 0.5}}
+                            for i, rows in enumerate(ROWS)
+                        ]
                         script.groups[g] = True
                 self._json(200, {"steps": steps, "pending": 0, "unreachable": [1] if script.unreachable else []})
             else:
@@ -103,8 +114,11 @@ def make_handler(script: Script):
                 script.groups[group] = False
                 self.send_header("X-Esamp-Group", group)
             self.end_headers()
-            chunks = [{"error": {"message": script.stream_error}}] if script.stream_error else \
-                [{"choices": [c]} for c in CHUNKS]
+            chunks = (
+                [{"error": {"message": script.stream_error}}]
+                if script.stream_error
+                else [{"choices": [c]} for c in CHUNKS]
+            )
             for chunk in chunks:
                 self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
                 self.wfile.flush()
@@ -150,10 +164,16 @@ def test_chunks_and_records_become_the_library_engines_events(fake, steered):
     events = events_of(engine, key)
     tokens = [(e.sample, e.index, e.token_id, e.text, e.novelty is not None) for e in events if e.type == "token"]
     novel = steered
-    assert sorted(tokens) == [(0, 0, 10, "a", novel), (0, 1, 11, "", novel), (0, 2, 12, "cd", False),
-                              (1, 0, 20, "b", novel)]  # the stop token is not shown; its input's novelty is
-    assert sorted((e.sample, e.finish_reason, e.tokens) for e in events if e.type == "done") == \
-        [(0, "length", 3), (1, "stop", 1)]
+    assert sorted(tokens) == [
+        (0, 0, 10, "a", novel),
+        (0, 1, 11, "", novel),
+        (0, 2, 12, "cd", False),
+        (1, 0, 20, "b", novel),
+    ]  # the stop token is not shown; its input's novelty is
+    assert sorted((e.sample, e.finish_reason, e.tokens) for e in events if e.type == "done") == [
+        (0, "length", 3),
+        (1, "stop", 1),
+    ]
     steps = [e for e in events if e.type == "step"]
     assert sum(e.port_hits for e in steps) == (5 if steered else 0)
     # One step event per engine step of the server: ESamp on in every one of a steered run, off in

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from esamp.errors import ConfigError, ModelNotFoundError
 from esamp.commands.serve import ESAMP_FIELDS, EXTENSION, build, configure
+from esamp.errors import ConfigError, ModelNotFoundError
 
 pytestmark = [pytest.mark.vllm]
 PRESET = "qwen2.5-0.5b:dummy"  # a config.json only: resolving it is instant
@@ -33,11 +33,28 @@ def option(command: list[str], name: str, many: bool = False):
 
 
 def test_the_plan_carries_esamp_and_passes_everything_else_through():
-    p = plan(PRESET, "--beta", "1.2", "--mix", "unsharpened", "--port", "9000", "--gpu-memory-utilization", "0.5",
-             "--channel-port", "20000", "--enable-prefix-caching")
+    p = plan(
+        PRESET,
+        "--beta",
+        "1.2",
+        "--mix",
+        "unsharpened",
+        "--port",
+        "9000",
+        "--gpu-memory-utilization",
+        "0.5",
+        "--channel-port",
+        "20000",
+        "--enable-prefix-caching",
+    )
     command = p.command
-    assert command[command.index("--port"):command.index("--port") + 5] == [
-        "--port", "9000", "--gpu-memory-utilization", "0.5", "--enable-prefix-caching"]  # unchanged, in order
+    assert command[command.index("--port") : command.index("--port") + 5] == [
+        "--port",
+        "9000",
+        "--gpu-memory-utilization",
+        "0.5",
+        "--enable-prefix-caching",
+    ]  # unchanged, in order
     extra = json.loads(option(command, "--additional-config"))
     assert extra["esamp"]["beta"] == 1.2 and extra["esamp"]["mix"] == "unsharpened"
     assert (extra["esamp"]["source_layer"], extra["esamp"]["target_layer"]) == (0, 23)  # taps resolved: 24 layers
@@ -68,8 +85,21 @@ def test_every_esamp_setting_has_a_flag():
     p = argparse.ArgumentParser()
     configure(p)
     flags = {o for a in p._actions for o in a.option_strings}
-    assert {"--slots", "--rank", "--lr", "--optimizer", "--source-layer", "--target-layer", "--distiller-seed",
-            "--distiller", "--beta", "--mix", "--no-esamp", "--no-train", "--train-rows"} <= flags
+    assert {
+        "--slots",
+        "--rank",
+        "--lr",
+        "--optimizer",
+        "--source-layer",
+        "--target-layer",
+        "--distiller-seed",
+        "--distiller",
+        "--beta",
+        "--mix",
+        "--no-esamp",
+        "--no-train",
+        "--train-rows",
+    } <= flags
     assert len(ESAMP_FIELDS) == 13
 
 
@@ -88,13 +118,16 @@ def test_the_shared_distiller_is_an_engine_setting_of_the_server_not_of_a_reques
     assert "unknown ESamp setting esamp_distiller" in str(err.value)
 
 
-@pytest.mark.parametrize("argv, slots, seqs", [
-    ((), 64, 64),
-    (("--slots", "16"), 16, 16),
-    (("--max-num-seqs", "128"), 128, 128),
-    (("--max_num_seqs=96",), 96, 96),  # vLLM's underscore spelling
-    (("--slots", "32", "--max-num-seqs", "8"), 32, 8),
-])
+@pytest.mark.parametrize(
+    "argv, slots, seqs",
+    [
+        ((), 64, 64),
+        (("--slots", "16"), 16, 16),
+        (("--max-num-seqs", "128"), 128, 128),
+        (("--max_num_seqs=96",), 96, 96),  # vLLM's underscore spelling
+        (("--slots", "32", "--max-num-seqs", "8"), 32, 8),
+    ],
+)
 def test_never_more_sequences_in_flight_than_distiller_slots(argv, slots, seqs):
     command = plan(PRESET, *argv).command
     assert json.loads(option(command, "--additional-config"))["esamp"]["slots"] == slots
@@ -103,12 +136,27 @@ def test_never_more_sequences_in_flight_than_distiller_slots(argv, slots, seqs):
 
 
 def test_user_json_options_are_merged_not_replaced():
-    command = plan(PRESET, "--additional-config", '{"mine": 1}', "--hf-overrides", '{"rope_theta": 5}',
-                   "--override-generation-config", '{"temperature": 0.5}', "--generation-config", "vllm").command
+    command = plan(
+        PRESET,
+        "--additional-config",
+        '{"mine": 1}',
+        "--hf-overrides",
+        '{"rope_theta": 5}',
+        "--override-generation-config",
+        '{"temperature": 0.5}',
+        "--generation-config",
+        "vllm",
+    ).command
     assert json.loads(option(command, "--additional-config"))["mine"] == 1
-    assert json.loads(option(command, "--hf-overrides")) == {"rope_theta": 5, "architectures": ["EsampQwen2ForCausalLM"]}
+    assert json.loads(option(command, "--hf-overrides")) == {
+        "rope_theta": 5,
+        "architectures": ["EsampQwen2ForCausalLM"],
+    }
     # the user's filter stays; the penalty is neutralised; no esamp defaults over a filter they chose
-    assert json.loads(option(command, "--override-generation-config")) == {"temperature": 0.5, "repetition_penalty": 1.0}
+    assert json.loads(option(command, "--override-generation-config")) == {
+        "temperature": 0.5,
+        "repetition_penalty": 1.0,
+    }
     assert len(option(command, "--additional-config", many=True)) == 1
 
 
@@ -117,27 +165,30 @@ def test_vllm_neutral_defaults_when_asked():
     assert json.loads(option(command, "--override-generation-config")) == {"repetition_penalty": 1.0}
 
 
-@pytest.mark.parametrize("argv, words", [
-    (("-tp", "0"), ["--tensor-parallel-size 0", "at least 1"]),
-    (("--pipeline-parallel-size", "2"), ["--pipeline-parallel-size 2"]),
-    (("--speculative-config", "{}"), ["--speculative-config"]),
-    (("--headless",), ["--headless", "this machine", "one esamp serve per machine behind a load balancer"]),
-    (("--slots", "8", "--max-num-seqs", "16"), ["--max-num-seqs 16", "--slots 8", "raise --slots to 16"]),
-    (("--max-num-seqs", "lots"), ["--max-num-seqs='lots'"]),
-    (("--override-generation-config", '{"repetition_penalty": 1.05}'), ["repetition_penalty=1.05", "refused"]),
-    (("--additional-config", '{"esamp": {}}'), ["--additional-config", "esamp serve's own flags"]),
-    (("--additional-config", "[1]"), ["not a JSON object"]),
-    (("--additional-config", "{nope"), ["not JSON"]),
-    (("--additional-config.mine", "1"), ["one JSON object"]),
-    (("--hf-overrides", '{"architectures": ["X"]}'), ["architectures"]),
-    (("--worker-extension-cls", "my.Ext"), ["my.Ext", "one worker extension"]),
-    (("--beta", "11"), ["--beta=11.0", "<= 10"]),
-    (("--source-layer", "40"), ["source layer 40", "24-layer"]),
-    (("--model", "other"), ["two models"]),
-    (("--data-parallel-size", "2", "--channel-port", "65535"), ["--channel-port=65535"]),
-    (("--served-model-name",), ["needs a value"]),
-    (("-dp", "two"), ["--data-parallel-size='two'"]),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (("-tp", "0"), ["--tensor-parallel-size 0", "at least 1"]),
+        (("--pipeline-parallel-size", "2"), ["--pipeline-parallel-size 2"]),
+        (("--speculative-config", "{}"), ["--speculative-config"]),
+        (("--headless",), ["--headless", "this machine", "one esamp serve per machine behind a load balancer"]),
+        (("--slots", "8", "--max-num-seqs", "16"), ["--max-num-seqs 16", "--slots 8", "raise --slots to 16"]),
+        (("--max-num-seqs", "lots"), ["--max-num-seqs='lots'"]),
+        (("--override-generation-config", '{"repetition_penalty": 1.05}'), ["repetition_penalty=1.05", "refused"]),
+        (("--additional-config", '{"esamp": {}}'), ["--additional-config", "esamp serve's own flags"]),
+        (("--additional-config", "[1]"), ["not a JSON object"]),
+        (("--additional-config", "{nope"), ["not JSON"]),
+        (("--additional-config.mine", "1"), ["one JSON object"]),
+        (("--hf-overrides", '{"architectures": ["X"]}'), ["architectures"]),
+        (("--worker-extension-cls", "my.Ext"), ["my.Ext", "one worker extension"]),
+        (("--beta", "11"), ["--beta=11.0", "<= 10"]),
+        (("--source-layer", "40"), ["source layer 40", "24-layer"]),
+        (("--model", "other"), ["two models"]),
+        (("--data-parallel-size", "2", "--channel-port", "65535"), ["--channel-port=65535"]),
+        (("--served-model-name",), ["needs a value"]),
+        (("-dp", "two"), ["--data-parallel-size='two'"]),
+    ],
+)
 def test_what_esamp_serve_refuses_says_why_and_what_to_do(argv, words):
     with pytest.raises(ConfigError) as err:
         plan(PRESET, *argv)
@@ -204,9 +255,13 @@ def test_the_dry_run_line_makes_its_own_secret():
     import subprocess
 
     line = plan(PRESET).shell()
-    assert "ESAMP_CHANNEL_SECRET=\"$(python3 -c" in line
-    made = subprocess.run(["bash", "-c", line.split(" ESAMP_SERVE=")[0] + ' bash -c \'echo "$ESAMP_CHANNEL_SECRET"\''],
-                          capture_output=True, text=True, check=True).stdout.strip()
+    assert 'ESAMP_CHANNEL_SECRET="$(python3 -c' in line
+    made = subprocess.run(
+        ["bash", "-c", line.split(" ESAMP_SERVE=")[0] + " bash -c 'echo \"$ESAMP_CHANNEL_SECRET\"'"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     assert len(made) == 32 and int(made, 16) >= 0
 
 
@@ -260,9 +315,14 @@ def test_esamp_serve_on_a_busy_port_exits_2_at_once(tmp_path):
         holder.listen()
         port = holder.getsockname()[1]
         t0 = time.monotonic()
-        done = subprocess.run([sys.executable, "-m", "esamp", "serve", "no-such-model", "--port", str(port)],
-                              capture_output=True, text=True, cwd=root, timeout=120,
-                              env={**os.environ, "PYTHONPATH": str(root)})
+        done = subprocess.run(
+            [sys.executable, "-m", "esamp", "serve", "no-such-model", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            cwd=root,
+            timeout=120,
+            env={**os.environ, "PYTHONPATH": str(root)},
+        )
     assert done.returncode == 2, done.stderr
     assert f"port {port} on 127.0.0.1 is in use" in done.stderr and "hint:" in done.stderr
     assert "Traceback" not in done.stderr and time.monotonic() - t0 < 60

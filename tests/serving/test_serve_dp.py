@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from _served import serve
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.scale]
@@ -21,8 +22,11 @@ def server(tmp_path_factory):
 def channels_up(server) -> dict[str, float]:
     status, body = server.get("/esamp/metrics")
     assert status == 200
-    return {line.split('rank="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
-            for line in body.decode().splitlines() if line.startswith("esamp_channel_up{")}
+    return {
+        line.split('rank="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+        for line in body.decode().splitlines()
+        if line.startswith("esamp_channel_up{")
+    }
 
 
 def test_groups_stay_on_one_rank_and_spread_over_both(server):
@@ -33,9 +37,19 @@ def test_groups_stay_on_one_rank_and_spread_over_both(server):
     assert channels_up(server) == {"0": 1.0, "1": 1.0}
     ranks_of = {}
     for _ in range(4):
-        status, data, headers = server.request("POST", "/v1/completions", dict(
-            model=MODEL, prompt="The sea", n=4, max_tokens=6, seed=1, ignore_eos=True,
-            vllm_xargs={"esamp_records": "on"}))
+        status, data, headers = server.request(
+            "POST",
+            "/v1/completions",
+            dict(
+                model=MODEL,
+                prompt="The sea",
+                n=4,
+                max_tokens=6,
+                seed=1,
+                ignore_eos=True,
+                vllm_xargs={"esamp_records": "on"},
+            ),
+        )
         assert status == 200, data
         group = headers["x-esamp-group"]
         status, body = server.get(f"/esamp/records?group={group}")
@@ -48,8 +62,11 @@ def test_groups_stay_on_one_rank_and_spread_over_both(server):
         ranks_of[group] = ranks.pop()
     assert set(ranks_of.values()) == {0, 1}  # groups one after another alternate over the ranks
     status, body = server.get("/esamp/metrics")
-    steered = {line.split('rank="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
-               for line in body.decode().splitlines() if line.startswith("esamp_port_hits_total{")}
+    steered = {
+        line.split('rank="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+        for line in body.decode().splitlines()
+        if line.startswith("esamp_port_hits_total{")
+    }
     assert steered["0"] > 0 and steered["1"] > 0
     # every request has ended: its slot is free on its rank, without waiting for engine steps
     import time

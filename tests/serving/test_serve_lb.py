@@ -18,6 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
 import pytest
+
 from _served import started, take_records
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.scale]
@@ -26,8 +27,19 @@ MODEL = "SmolLM2-135M-Instruct"
 KEY = "lb-tenant-key-41d9"
 N, TOKENS = 4, 6
 # Hop-by-hop headers (RFC 9110 7.6.1), and those the proxy writes itself.
-HOP = {"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade",
-       "content-length", "host", "server", "date"}
+HOP = {
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "content-length",
+    "host",
+    "server",
+    "date",
+}
 
 
 class RoundRobin(ThreadingHTTPServer):
@@ -103,8 +115,7 @@ def through(url: str, method: str, path: str, body: dict | None = None, key: str
     if key:
         headers["Authorization"] = f"Bearer {key}"
     try:
-        connection.request(method, path, body=json.dumps(body).encode() if body is not None else None,
-                           headers=headers)
+        connection.request(method, path, body=json.dumps(body).encode() if body is not None else None, headers=headers)
         answer = connection.getresponse()
         return answer.status, answer.read(), {k.lower(): v for k, v in answer.getheaders()}
     finally:
@@ -127,8 +138,9 @@ def test_the_key_holds_through_the_proxy(deployment):
     servers, url = deployment
     answered = []
     for key in (None, None, "wrong", "wrong"):  # two of each: both servers answer each
-        status, data, headers = through(url, "POST", "/v1/completions", dict(model=MODEL, prompt="Hi", max_tokens=2),
-                                         key=key)
+        status, data, headers = through(
+            url, "POST", "/v1/completions", dict(model=MODEL, prompt="Hi", max_tokens=2), key=key
+        )
         assert status == 401 and headers["www-authenticate"] == "Bearer", (key, status, data[:200])
         answered.append(headers["x-upstream"])
         status, _, headers = through(url, "GET", "/esamp/records?group=x", key=key)
@@ -146,9 +158,20 @@ def test_each_request_stays_on_one_server_and_requests_alternate(deployment):
     groups = {}  # group → the server that answered
     for prompt in ("The sea at night is", "A river runs"):
         before = [counters(s) for s in servers]
-        status, data, headers = through(url, "POST", "/v1/completions", dict(
-            model=MODEL, prompt=prompt, n=N, max_tokens=TOKENS, seed=5, ignore_eos=True,
-            vllm_xargs={"esamp_records": "on"}))
+        status, data, headers = through(
+            url,
+            "POST",
+            "/v1/completions",
+            dict(
+                model=MODEL,
+                prompt=prompt,
+                n=N,
+                max_tokens=TOKENS,
+                seed=5,
+                ignore_eos=True,
+                vllm_xargs={"esamp_records": "on"},
+            ),
+        )
         assert status == 200, data[:300]
         assert sorted(c["index"] for c in json.loads(data)["choices"]) == list(range(N))
         here = int(headers["x-upstream"])

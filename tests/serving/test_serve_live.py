@@ -11,10 +11,10 @@ import os
 import subprocess
 import sys
 import time
-
 from pathlib import Path
 
 import pytest
+
 from _served import take_records
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -46,10 +46,20 @@ def metrics(server) -> dict[str, float]:
     return out
 
 
-def completion_ids(server, xargs: dict, prompt="The sea at night is", n=2, seed=7, max_tokens=16,
-                   headers: dict | None = None, **fields) -> list[list[int]]:
-    body = dict(model=MODEL, prompt=prompt, n=n, seed=seed, max_tokens=max_tokens, return_token_ids=True,
-                ignore_eos=True, vllm_xargs=xargs, **{**FILTERS, **fields})
+def completion_ids(
+    server, xargs: dict, prompt="The sea at night is", n=2, seed=7, max_tokens=16, headers: dict | None = None, **fields
+) -> list[list[int]]:
+    body = dict(
+        model=MODEL,
+        prompt=prompt,
+        n=n,
+        seed=seed,
+        max_tokens=max_tokens,
+        return_token_ids=True,
+        ignore_eos=True,
+        vllm_xargs=xargs,
+        **{**FILTERS, **fields},
+    )
     status, data, got = server.request("POST", "/v1/completions", body)
     assert status == 200, data
     if headers is not None:
@@ -65,8 +75,13 @@ def test_an_openai_client_n4_request_is_one_steered_group_with_a_record_for_ever
     client = openai_client(server)
     before = metrics(server)
     raw = client.completions.with_raw_response.create(
-        model=MODEL, prompt="Name a new colour and describe it.", n=4, max_tokens=16, seed=11,
-        extra_body={"vllm_xargs": {"esamp_records": "on"}, "return_token_ids": True})
+        model=MODEL,
+        prompt="Name a new colour and describe it.",
+        n=4,
+        max_tokens=16,
+        seed=11,
+        extra_body={"vllm_xargs": {"esamp_records": "on"}, "return_token_ids": True},
+    )
     group = raw.headers["x-esamp-group"]  # the server names the group
     reply = raw.parse()
     ids = {c.index: c.token_ids for c in reply.choices}
@@ -103,15 +118,18 @@ def test_esamp_off_is_plain_sampling_and_beta_and_mix_take_effect(server):
     assert "x-esamp-group" not in headers  # ESamp off: no group, no Distiller, no records
 
 
-@pytest.mark.parametrize("body, param, words", [
-    (dict(repetition_penalty=1.1), "repetition_penalty", ["penalties", '{"esamp": "off"}']),
-    (dict(presence_penalty=0.5), "presence_penalty", ["penalties"]),
-    (dict(n=65), "n", ["n=65", "64"]),
-    (dict(vllm_xargs={"esamp_beta": 11}), "vllm_xargs", ["esamp_beta=11", "<= 10"]),
-    (dict(vllm_xargs={"esamp_mix": "sharp"}), "vllm_xargs", ["esamp_mix", "unsharpened"]),
-    (dict(vllm_xargs={"esamp_temperature": 0.5}), "vllm_xargs", ["esamp_temperature", "set by the server"]),
-    (dict(temperature=7.0), "temperature", ["temperature=7.0", "<= 5"]),
-])
+@pytest.mark.parametrize(
+    "body, param, words",
+    [
+        (dict(repetition_penalty=1.1), "repetition_penalty", ["penalties", '{"esamp": "off"}']),
+        (dict(presence_penalty=0.5), "presence_penalty", ["penalties"]),
+        (dict(n=65), "n", ["n=65", "64"]),
+        (dict(vllm_xargs={"esamp_beta": 11}), "vllm_xargs", ["esamp_beta=11", "<= 10"]),
+        (dict(vllm_xargs={"esamp_mix": "sharp"}), "vllm_xargs", ["esamp_mix", "unsharpened"]),
+        (dict(vllm_xargs={"esamp_temperature": 0.5}), "vllm_xargs", ["esamp_temperature", "set by the server"]),
+        (dict(temperature=7.0), "temperature", ["temperature=7.0", "<= 5"]),
+    ],
+)
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_request_esamp_cannot_serve_gets_an_openai_style_400(server, body, param, words, stream):
     status, data = server.post("/v1/completions", dict(model=MODEL, prompt="Hi", max_tokens=4, stream=stream, **body))
@@ -126,12 +144,18 @@ def test_openai_clients_see_a_bad_request_and_esamp_off_takes_penalties(server):
     openai = pytest.importorskip("openai")
     client = openai_client(server)
     with pytest.raises(openai.BadRequestError) as err:
-        stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
-                                                max_tokens=4, stream=True, frequency_penalty=0.3)
+        stream = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, stream=True, frequency_penalty=0.3
+        )
         list(stream)
     assert "penalties" in str(err.value)
-    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
-                                           frequency_penalty=0.3, extra_body={"vllm_xargs": {"esamp": "off"}})
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        frequency_penalty=0.3,
+        extra_body={"vllm_xargs": {"esamp": "off"}},
+    )
     assert reply.choices[0].message.content is not None
 
 
@@ -140,10 +164,15 @@ def test_metrics_are_prometheus_text_labelled_by_rank(server):
     status, body = server.get("/esamp/metrics")
     assert status == 200
     families = {f.name: f for f in parser.text_string_to_metric_families(body.decode())}
-    for name, kind in [("esamp_port_hits", "counter"), ("esamp_slots_free", "gauge"),
-                       ("esamp_slots_in_use", "gauge"), ("esamp_bank_full", "counter"),
-                       ("esamp_graph_replays", "counter"), ("esamp_distiller_loss", "gauge"),
-                       ("esamp_channel_up", "gauge")]:
+    for name, kind in [
+        ("esamp_port_hits", "counter"),
+        ("esamp_slots_free", "gauge"),
+        ("esamp_slots_in_use", "gauge"),
+        ("esamp_bank_full", "counter"),
+        ("esamp_graph_replays", "counter"),
+        ("esamp_distiller_loss", "gauge"),
+        ("esamp_channel_up", "gauge"),
+    ]:
         assert families[name].type == kind, name
         assert [s.labels for s in families[name].samples if not s.name.endswith("_created")] == [{"rank": "0"}]
     assert families["esamp_channel_up"].samples[0].value == 1
@@ -168,11 +197,15 @@ def test_esamp_routes_say_what_they_take(server):
 def library():
     """The in-process vLLM engine (what esamp generate --engine vllm runs) on the same model."""
     from esamp.core.config import EsampConfig
-    from esamp.engines.vllm.engine import VllmEngine
     from esamp.engines.models import resolve
+    from esamp.engines.vllm.engine import VllmEngine
 
-    engine = VllmEngine(model=str(resolve(None).hf_dir()), esamp=EsampConfig(slots=8), max_model_len=1024,
-                        llm_kwargs={"enable_prefix_caching": False})
+    engine = VllmEngine(
+        model=str(resolve(None).hf_dir()),
+        esamp=EsampConfig(slots=8),
+        max_model_len=1024,
+        llm_kwargs={"enable_prefix_caching": False},
+    )
     yield engine
     engine.close()
 
@@ -224,8 +257,9 @@ def test_the_client_engine_streams_training_groups_and_aborts(server):
     from esamp.engines import create_engine
 
     client = create_engine("server", url=server.url)
-    samples, dones, steps = run_group(client, "Tell me about rivers.", SamplingConfig(n=4, max_tokens=12, seed=2),
-                                      Steering(beta=1.0))
+    samples, dones, steps = run_group(
+        client, "Tell me about rivers.", SamplingConfig(n=4, max_tokens=12, seed=2), Steering(beta=1.0)
+    )
     assert sorted(dones) == [0, 1, 2, 3]
     for s, tokens in samples.items():
         assert dones[s][1] == len(tokens)
@@ -273,12 +307,30 @@ def test_the_dashboards_session_runs_against_the_server(server):
 
 def test_esamp_eval_runs_against_the_server(server, tmp_path):
     tasks = tmp_path / "tiny.jsonl"
-    tasks.write_text('{"id": "a", "prompt": "What is 2 + 3? Answer with a number.", "answer": "5"}\n'
-                     '{"id": "b", "prompt": "What is 4 + 4? Answer with a number.", "answer": "8"}\n')
+    tasks.write_text(
+        '{"id": "a", "prompt": "What is 2 + 3? Answer with a number.", "answer": "5"}\n'
+        '{"id": "b", "prompt": "What is 4 + 4? Answer with a number.", "answer": "8"}\n'
+    )
     out = tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "esamp", "eval", "--server", server.url, "--task-file", str(tasks),
-               "-n", "2", "--max-tokens", "16", "--no-diversity", "--quiet", "--out", str(out)]
+    command = [
+        sys.executable,
+        "-m",
+        "esamp",
+        "eval",
+        "--server",
+        server.url,
+        "--task-file",
+        str(tasks),
+        "-n",
+        "2",
+        "--max-tokens",
+        "16",
+        "--no-diversity",
+        "--quiet",
+        "--out",
+        str(out),
+    ]
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads((out / "report.json").read_text())
@@ -293,10 +345,28 @@ def test_the_serving_bench_measures_attached_servers(server, tmp_path):
     """benchmarks/serve_bench.py end to end on running servers (here the same one as both sides:
     the mechanics, not a measurement)."""
     out = tmp_path / "bench.json"
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serve_bench.py"), "--model", "embedded",
-                           "--baseline-url", server.url, "--esamp-url", server.url, "--workloads", "2xn2x8",
-                           "--trials", "2", "--json", str(out)],
-                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "serve_bench.py"),
+            "--model",
+            "embedded",
+            "--baseline-url",
+            server.url,
+            "--esamp-url",
+            server.url,
+            "--workloads",
+            "2xn2x8",
+            "--trials",
+            "2",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(out.read_text())
     assert {"command", "commit", "device", "versions", "servers", "esamp"} <= set(result)
@@ -329,8 +399,13 @@ def test_the_dashboard_attaches_to_the_server(server, tmp_path):
 
     args = build_parser().parse_args(["--server", server.url, "-n", "2", "--max-tokens", "8"])
     assert args.server == server.url
-    options = Options(engine="server", engine_options={"url": server.url}, prompt="Name a colour.", log_file="",
-                      sampling=SamplingConfig(n=2, max_tokens=8))
+    options = Options(
+        engine="server",
+        engine_options={"url": server.url},
+        prompt="Name a colour.",
+        log_file="",
+        sampling=SamplingConfig(n=2, max_tokens=8),
+    )
 
     async def scenario():
         app = EsampApp(options, memory_sampler=Memory(), theme_dir=tmp_path, speed_file=tmp_path / "speed.json")

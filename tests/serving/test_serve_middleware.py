@@ -12,13 +12,13 @@ from types import SimpleNamespace
 
 import pytest
 
+from esamp.commands.serve import free_ports
 from esamp.core import payload as pl
 from esamp.core.config import EsampConfig
 from esamp.engines.vllm import settings as es
-from esamp.commands.serve import free_ports
-from esamp.serving.middleware import OPEN, EsampMiddleware
 from esamp.serving.channel import CHANNEL_SECRET_ENV, SECRET_HEADER, Channel
 from esamp.serving.metrics import parse
+from esamp.serving.middleware import OPEN, EsampMiddleware
 
 SECRET = "s3cret-for-the-test"
 
@@ -62,18 +62,34 @@ class FakeVllm:
     """vLLM's app as the middleware sees it: answers 200 (a stream when asked) and remembers what
     reached it."""
 
-    def __init__(self, ranks: int, port: int | None, hold: asyncio.Event | None = None,
-                 api_key: list[str] | None = None, server=None) -> None:
+    def __init__(
+        self,
+        ranks: int,
+        port: int | None,
+        hold: asyncio.Event | None = None,
+        api_key: list[str] | None = None,
+        server=None,
+    ) -> None:
         server_cfg = {"records_requested": True, "host": "127.0.0.1", "port": port} if port else None
         self.engine = FakeEngine()
-        self.state = SimpleNamespace(vllm_config=SimpleNamespace(
-            additional_config={"esamp": EsampConfig(slots=8).model_dump(),
-                               **({"esamp_server": server_cfg} if server_cfg else {})},
-            parallel_config=SimpleNamespace(data_parallel_size=ranks),
-            model_config=SimpleNamespace(hf_config=SimpleNamespace(hidden_size=16, num_hidden_layers=2),
-                                         served_model_name=["tiny"], model="/models/tiny", max_model_len=256)),
-            args=SimpleNamespace(api_key=api_key), engine_client=self.engine,
-            **({"server": server} if server is not None else {}))
+        self.state = SimpleNamespace(
+            vllm_config=SimpleNamespace(
+                additional_config={
+                    "esamp": EsampConfig(slots=8).model_dump(),
+                    **({"esamp_server": server_cfg} if server_cfg else {}),
+                },
+                parallel_config=SimpleNamespace(data_parallel_size=ranks),
+                model_config=SimpleNamespace(
+                    hf_config=SimpleNamespace(hidden_size=16, num_hidden_layers=2),
+                    served_model_name=["tiny"],
+                    model="/models/tiny",
+                    max_model_len=256,
+                ),
+            ),
+            args=SimpleNamespace(api_key=api_key),
+            engine_client=self.engine,
+            **({"server": server} if server is not None else {}),
+        )
         self.seen: list[tuple[dict, bytes]] = []
         self.prepared: list[str] = []  # the group of every prompt the engine steered
         self.params: list = []  # every prompt's params, as prepare left them
@@ -90,9 +106,18 @@ class FakeVllm:
             return
         prompts = request.get("prompt")
         for _ in prompts if isinstance(prompts, list) else [prompts]:
-            params = SimpleNamespace(n=int(request.get("n", 1)), temperature=1.0, top_p=1.0, top_k=0, min_p=0.0,
-                                     seed=None, repetition_penalty=1.0, presence_penalty=0.0,
-                                     frequency_penalty=0.0, extra_args=dict(xargs))
+            params = SimpleNamespace(
+                n=int(request.get("n", 1)),
+                temperature=1.0,
+                top_p=1.0,
+                top_k=0,
+                min_p=0.0,
+                seed=None,
+                repetition_penalty=1.0,
+                presence_penalty=0.0,
+                frequency_penalty=0.0,
+                extra_args=dict(xargs),
+            )
             es.prepare(params)
             self.params.append(params)
             self.prepared.append(params.extra_args["esamp_group"])
@@ -108,7 +133,9 @@ class FakeVllm:
         self.prepare(body)
         stream = b'"stream": true' in body
         if stream:
-            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+            await send(
+                {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]}
+            )
             await send({"type": "http.response.body", "body": b'data: {"choices": []}\n\n', "more_body": True})
         if self.hold is not None:
             await self.hold.wait()
@@ -121,9 +148,8 @@ class FakeVllm:
 
 async def call(middleware, app, method, path, body=b"", headers=(), query=b"", json_body=True, full=False):
     headers = [*headers, *([(b"content-type", b"application/json")] if json_body else [])]
-    scope = {"type": "http", "method": method, "path": path, "query_string": query, "headers": headers,
-             "app": app}
-    chunks = [body[i:i + 7] for i in range(0, len(body), 7)] or [b""]  # a body in several messages
+    scope = {"type": "http", "method": method, "path": path, "query_string": query, "headers": headers, "app": app}
+    chunks = [body[i : i + 7] for i in range(0, len(body), 7)] or [b""]  # a body in several messages
     messages = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1} for i, c in enumerate(chunks)]
     sent = []
 
@@ -196,8 +222,9 @@ def test_records_come_from_every_rank_once(ranks):
 
 
 def channel_get(port: int, path: str, secret: str | None) -> tuple[int, bytes]:
-    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}",
-                                     headers={SECRET_HEADER: secret} if secret is not None else {})
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}", headers={SECRET_HEADER: secret} if secret is not None else {}
+    )
     try:
         with urllib.request.urlopen(request, timeout=10) as r:
             return r.status, r.read()
@@ -248,12 +275,28 @@ def test_config_and_the_routes_errors(ranks):
 
 # -- the API key --------------------------------------------------------------------------------
 
-GUARDED = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
-           ("POST", "/invocations"), ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/docs"),
-           ("GET", "/openapi.json"), ("GET", "/redoc"), ("GET", "/load"), ("GET", "/version"),
-           ("POST", "/pooling"), ("POST", "/score"), ("POST", "/rerank"), ("POST", "/v1/responses"),
-           ("POST", "/inference/v1/generate"), ("POST", "/scale_elastic_ep"), ("GET", "/esamp/records"),
-           ("GET", "/esamp/config"), ("GET", "/a-route-vllm-adds-one-day")]
+GUARDED = [
+    ("POST", "/v1/completions"),
+    ("POST", "/v1/chat/completions"),
+    ("GET", "/v1/models"),
+    ("POST", "/invocations"),
+    ("POST", "/tokenize"),
+    ("POST", "/detokenize"),
+    ("GET", "/docs"),
+    ("GET", "/openapi.json"),
+    ("GET", "/redoc"),
+    ("GET", "/load"),
+    ("GET", "/version"),
+    ("POST", "/pooling"),
+    ("POST", "/score"),
+    ("POST", "/rerank"),
+    ("POST", "/v1/responses"),
+    ("POST", "/inference/v1/generate"),
+    ("POST", "/scale_elastic_ep"),
+    ("GET", "/esamp/records"),
+    ("GET", "/esamp/config"),
+    ("GET", "/a-route-vllm-adds-one-day"),
+]
 
 
 @pytest.mark.parametrize("method, path", GUARDED)
@@ -262,17 +305,23 @@ def test_with_an_api_key_every_route_but_health_and_metrics_needs_it(ranks, meth
     app = FakeVllm(1, port, api_key=["k1", "k2"])
     middleware = EsampMiddleware(app)
     body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 2}).encode()
-    for headers in ([], [(b"authorization", b"Bearer wrong")], [(b"authorization", b"Basic k1")],
-                    [(b"authorization", b"k1")]):
-        status, data, got = run(call(middleware, app, method, path, body, headers=headers, query=b"group=g0",
-                                     full=True))
+    for headers in (
+        [],
+        [(b"authorization", b"Bearer wrong")],
+        [(b"authorization", b"Basic k1")],
+        [(b"authorization", b"k1")],
+    ):
+        status, data, got = run(
+            call(middleware, app, method, path, body, headers=headers, query=b"group=g0", full=True)
+        )
         error = json.loads(data)["error"]
         assert status == 401 and error["code"] == 401 and "--api-key" in error["message"], (path, headers)
         assert got[b"www-authenticate"] == b"Bearer"
     assert app.seen == []  # nothing reached vLLM
     for key in (b"k1", b"k2"):
-        status, _ = run(call(middleware, app, method, path, body, headers=[(b"authorization", b"Bearer " + key)],
-                             query=b"group=g0"))
+        status, _ = run(
+            call(middleware, app, method, path, body, headers=[(b"authorization", b"Bearer " + key)], query=b"group=g0")
+        )
         assert status != 401, path
 
 
@@ -294,14 +343,19 @@ def test_cors_preflights_and_servers_without_a_key_pass(ranks, monkeypatch):
     env_app = FakeVllm(1, port)
     middleware = EsampMiddleware(env_app)
     assert run(call(middleware, env_app, "GET", "/v1/models"))[0] == 401
-    assert run(call(middleware, env_app, "GET", "/v1/models", headers=[(b"authorization", b"Bearer from-env")]))[0] == 200
+    assert (
+        run(call(middleware, env_app, "GET", "/v1/models", headers=[(b"authorization", b"Bearer from-env")]))[0] == 200
+    )
 
 
-@pytest.mark.parametrize("raw, taken, refused", [
-    ('["k1", "k2"]', [b"k1", b"k2"], [b"from-env", b"k3"]),  # esamp serve's list wins over VLLM_API_KEY
-    ("not a list", [b"not a list"], [b"from-env", b""]),  # malformed: taken whole, never open
-    ("[]", [b"[]"], [b"from-env", b""]),
-])
+@pytest.mark.parametrize(
+    "raw, taken, refused",
+    [
+        ('["k1", "k2"]', [b"k1", b"k2"], [b"from-env", b"k3"]),  # esamp serve's list wins over VLLM_API_KEY
+        ("not a list", [b"not a list"], [b"from-env", b""]),  # malformed: taken whole, never open
+        ("[]", [b"[]"], [b"from-env", b""]),
+    ],
+)
 def test_keys_from_the_environment_never_leave_the_server_open(monkeypatch, raw, taken, refused):
     from esamp.serving.middleware import KEYS_ENV
 
@@ -355,18 +409,22 @@ def test_each_steered_request_gets_an_unguessable_group_of_its_own(monkeypatch):
     assert len(es.ISSUED) == 0  # nothing kept once the requests ended
     assert app.engine.calls == [("esamp_release", ([groups[0]],)), ("esamp_release", ([groups[1]],))]
     # ESamp off: no group, nothing to free
-    status, _, headers = run(call(middleware, app, "POST", "/v1/completions",
-                                  completion(vllm_xargs={"esamp": "off"}), full=True))
+    status, _, headers = run(
+        call(middleware, app, "POST", "/v1/completions", completion(vllm_xargs={"esamp": "off"}), full=True)
+    )
     assert status == 200 and b"x-esamp-group" not in headers and "esamp_group" not in xargs_of(app.seen[-1][1])
     assert len(app.engine.calls) == 2
 
 
-@pytest.mark.parametrize("xargs, words", [
-    ({"esamp_group": "someone-elses"}, ["esamp_group", "set by the server", "X-Esamp-Group"]),
-    ({"esamp_sample": 1}, ["esamp_sample", "set by the server"]),
-    ({"esamp_seed": 3, "esamp_n": 2}, ["esamp_n, esamp_seed"]),
-    ({"esamp_temperature": 0.5, "esamp_group": "x"}, ["esamp_temperature"]),
-])
+@pytest.mark.parametrize(
+    "xargs, words",
+    [
+        ({"esamp_group": "someone-elses"}, ["esamp_group", "set by the server", "X-Esamp-Group"]),
+        ({"esamp_sample": 1}, ["esamp_sample", "set by the server"]),
+        ({"esamp_seed": 3, "esamp_n": 2}, ["esamp_n, esamp_seed"]),
+        ({"esamp_temperature": 0.5, "esamp_group": "x"}, ["esamp_temperature"]),
+    ],
+)
 def test_a_request_cannot_name_or_join_a_group(monkeypatch, xargs, words):
     monkeypatch.setenv(es.SERVE_ENV, "1")
     app = FakeVllm(1, 9)
@@ -391,13 +449,27 @@ def test_the_engine_steers_only_groups_the_middleware_issued(monkeypatch):
         pass
 
     def params(**extra):
-        return Params(n=2, temperature=0.7, top_p=0.9, top_k=0, min_p=0.0, seed=None,
-                      repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, extra_args=extra or None)
+        return Params(
+            n=2,
+            temperature=0.7,
+            top_p=0.9,
+            top_k=0,
+            min_p=0.0,
+            seed=None,
+            repetition_penalty=1.0,
+            presence_penalty=0.0,
+            frequency_penalty=0.0,
+            extra_args=extra or None,
+        )
 
     issued = es.ISSUED.issue()  # what the middleware writes: the ticket; the client sees the group
     answers = set()
-    for extra in ({"esamp_group": issued.group}, {"esamp_group": "eg-not-running"}, {"esamp_sample": 0},
-                  {"esamp_temperature": 0.5, "esamp_group": issued.ticket}):
+    for extra in (
+        {"esamp_group": issued.group},
+        {"esamp_group": "eg-not-running"},
+        {"esamp_sample": 0},
+        {"esamp_temperature": 0.5, "esamp_group": issued.ticket},
+    ):
         with pytest.raises(ValueError, match="set by the server") as err:
             es.prepare(params(**extra))
         answers.add(str(err.value))
@@ -438,9 +510,14 @@ def count_decodes(monkeypatch) -> dict:
     return calls
 
 
-@pytest.mark.parametrize("fields", [dict(n=2, vllm_xargs={"esamp_beta": 1.2, "esamp_records": "on"}),
-                                    dict(n=3, prompt=["a", "b"], vllm_xargs={"esamp_mix": "unsharpened"}),
-                                    dict(n=2)])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(n=2, vllm_xargs={"esamp_beta": 1.2, "esamp_records": "on"}),
+        dict(n=3, prompt=["a", "b"], vllm_xargs={"esamp_mix": "unsharpened"}),
+        dict(n=2),
+    ],
+)
 def test_a_served_requests_settings_are_decoded_once_in_the_api_server(monkeypatch, fields):
     """Admission decodes a request's vllm_xargs; the ticket holds what it checked, and prepare (for
     each prompt) takes that instead of decoding again. The engine still gets the request's settings,
@@ -467,13 +544,23 @@ def test_prepare_trusts_held_settings_only_for_the_xargs_admission_read(monkeypa
     issued = es.ISSUED.issue(es.Admitted(extra=read, payload=pl.decode(read)))
     try:
         calls = count_decodes(monkeypatch)
-        same = SimpleNamespace(n=1, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, seed=None, repetition_penalty=1.0,
-                               presence_penalty=0.0, frequency_penalty=0.0,
-                               extra_args={**read, "esamp_group": issued.ticket})
+        same = SimpleNamespace(
+            n=1,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            min_p=0.0,
+            seed=None,
+            repetition_penalty=1.0,
+            presence_penalty=0.0,
+            frequency_penalty=0.0,
+            extra_args={**read, "esamp_group": issued.ticket},
+        )
         es.prepare(same)
         assert calls["n"] == 0 and same.extra_args["esamp_beta"] == 2.0
-        other = SimpleNamespace(**{**vars(same), "extra_args": {"esamp_beta": 1.0, "kv_transfer_params": "x",
-                                                                "esamp_group": issued.ticket}})
+        other = SimpleNamespace(
+            **{**vars(same), "extra_args": {"esamp_beta": 1.0, "kv_transfer_params": "x", "esamp_group": issued.ticket}}
+        )
         es.prepare(other)
         assert calls["n"] == 1 and pl.decode(other.extra_args).steering == {"beta": 1.0}
     finally:
@@ -488,8 +575,9 @@ def test_a_tickets_settings_go_when_its_request_ends(monkeypatch):
     async def scenario():
         hold = asyncio.Event()
         app = FakeVllm(1, 9, hold)
-        running = asyncio.create_task(call(EsampMiddleware(app), app, "POST", "/v1/completions",
-                                           completion(vllm_xargs={"esamp_beta": 1.5})))
+        running = asyncio.create_task(
+            call(EsampMiddleware(app), app, "POST", "/v1/completions", completion(vllm_xargs={"esamp_beta": 1.5}))
+        )
         while not app.prepared:
             await asyncio.sleep(0.01)
         ticket = xargs_of(app.seen[-1][1])["esamp_group"]
@@ -528,13 +616,20 @@ def test_naming_a_running_group_gets_the_answer_any_name_gets(monkeypatch):
     assert answers[0] == answers[1] and answers[2] == answers[3]
 
 
-@pytest.mark.parametrize("fields, param, words, absent", [
-    (dict(n=-1), "n", ["n=-1", "at least 1"], ["esamp_n"]),
-    (dict(n=0), "n", ["n=0", "at least 1"], ["esamp_n"]),
-    (dict(vllm_xargs={"esamp_mix": "x" * 100_000}), "vllm_xargs", ["esamp_mix='xxx", "… (100000 characters)"], []),
-    (dict(vllm_xargs={"esamp_" + "y" * 50_000: 1}), "vllm_xargs", ["unknown ESamp setting", "(50006 characters)"],
-     []),
-])
+@pytest.mark.parametrize(
+    "fields, param, words, absent",
+    [
+        (dict(n=-1), "n", ["n=-1", "at least 1"], ["esamp_n"]),
+        (dict(n=0), "n", ["n=0", "at least 1"], ["esamp_n"]),
+        (dict(vllm_xargs={"esamp_mix": "x" * 100_000}), "vllm_xargs", ["esamp_mix='xxx", "… (100000 characters)"], []),
+        (
+            dict(vllm_xargs={"esamp_" + "y" * 50_000: 1}),
+            "vllm_xargs",
+            ["unknown ESamp setting", "(50006 characters)"],
+            [],
+        ),
+    ],
+)
 def test_a_refusal_names_the_field_sent_and_quotes_a_long_value_short(monkeypatch, fields, param, words, absent):
     monkeypatch.setenv(es.SERVE_ENV, "1")
     app = FakeVllm(1, 9)
@@ -554,8 +649,15 @@ def test_several_prompts_are_several_groups_and_records_need_one(monkeypatch):
     status, _, headers = run(call(middleware, app, "POST", "/v1/completions", completion(prompt=["a", "b"]), full=True))
     group = headers[b"x-esamp-group"].decode()
     assert status == 200 and app.engine.calls == [("esamp_release", ([group, group + ".1"],))]
-    status, body = run(call(middleware, app, "POST", "/v1/completions",
-                            completion(prompt=["a", "b"], vllm_xargs={"esamp_records": "on"})))
+    status, body = run(
+        call(
+            middleware,
+            app,
+            "POST",
+            "/v1/completions",
+            completion(prompt=["a", "b"], vllm_xargs={"esamp_records": "on"}),
+        )
+    )
     assert status == 400 and json.loads(body)["error"]["param"] == "prompt"
 
 
@@ -572,12 +674,21 @@ def test_a_group_goes_to_one_rank_and_groups_spread_over_ranks(monkeypatch):
         middleware = EsampMiddleware(app)
         first = asyncio.create_task(call(middleware, app, "POST", "/v1/completions", completion(n=4)))
         second = asyncio.create_task(call(middleware, app, "POST", "/v1/completions", completion(n=4)))
-        chat = asyncio.create_task(call(middleware, app, "POST", "/v1/chat/completions", json.dumps(
-            {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 2}).encode()))
-        own = asyncio.create_task(call(middleware, app, "POST", "/v1/completions", completion(n=4),
-                                       headers=[(b"X-Data-Parallel-Rank", b"1")]))
-        off = asyncio.create_task(call(middleware, app, "POST", "/v1/completions",
-                                       completion(n=4, vllm_xargs={"esamp": "off"})))
+        chat = asyncio.create_task(
+            call(
+                middleware,
+                app,
+                "POST",
+                "/v1/chat/completions",
+                json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 2}).encode(),
+            )
+        )
+        own = asyncio.create_task(
+            call(middleware, app, "POST", "/v1/completions", completion(n=4), headers=[(b"X-Data-Parallel-Rank", b"1")])
+        )
+        off = asyncio.create_task(
+            call(middleware, app, "POST", "/v1/completions", completion(n=4, vllm_xargs={"esamp": "off"}))
+        )
         while len(app.seen) < 5:
             await asyncio.sleep(0.01)
         assert sum(middleware.load.values()) == 4 + 4 + 2 and min(middleware.load.values()) >= 4
@@ -599,23 +710,32 @@ def test_a_group_goes_to_one_rank_and_groups_spread_over_ranks(monkeypatch):
 # -- what is refused before vLLM sees it --------------------------------------------------------
 
 
-@pytest.mark.parametrize("fields, param, words", [
-    (dict(n="1000"), "n", ["n=1000", "64"]),  # a number as a string: what vLLM will read
-    (dict(presence_penalty="0.5"), "presence_penalty", ["penalties"]),
-    (dict(n=True), "n", ["n=true", "not true/false"]),
-    (dict(temperature=False), "temperature", ["temperature=false"]),
-    (dict(seed=True), "seed", ["seed=true"]),
-    (dict(vllm_xargs={"esamp_beta": True}), "vllm_xargs", ["esamp_beta=true"]),
-    (dict(vllm_xargs={"esamp_beta": "11"}), "vllm_xargs", ["esamp_beta=", "<= 10"]),
-    (dict(prompt="caf\udce9"), "prompt", ["prompt: character 4", "surrogate", "\\udce9"]),
-])
+@pytest.mark.parametrize(
+    "fields, param, words",
+    [
+        (dict(n="1000"), "n", ["n=1000", "64"]),  # a number as a string: what vLLM will read
+        (dict(presence_penalty="0.5"), "presence_penalty", ["penalties"]),
+        (dict(n=True), "n", ["n=true", "not true/false"]),
+        (dict(temperature=False), "temperature", ["temperature=false"]),
+        (dict(seed=True), "seed", ["seed=true"]),
+        (dict(vllm_xargs={"esamp_beta": True}), "vllm_xargs", ["esamp_beta=true"]),
+        (dict(vllm_xargs={"esamp_beta": "11"}), "vllm_xargs", ["esamp_beta=", "<= 10"]),
+        (dict(prompt="caf\udce9"), "prompt", ["prompt: character 4", "surrogate", "\\udce9"]),
+    ],
+)
 @pytest.mark.parametrize("stream", [False, True])
 def test_refused_before_any_stream_opens(monkeypatch, fields, param, words, stream):
     monkeypatch.setenv(es.SERVE_ENV, "1")
     app = FakeVllm(1, 9)
-    status, body = run(call(EsampMiddleware(app), app, "POST", "/v1/completions",
-                            json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 4, "stream": stream,
-                                        **fields}).encode()))
+    status, body = run(
+        call(
+            EsampMiddleware(app),
+            app,
+            "POST",
+            "/v1/completions",
+            json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 4, "stream": stream, **fields}).encode(),
+        )
+    )
     error = json.loads(body)["error"]
     assert status == 400 and error["param"] == param, error
     for word in words:
@@ -635,15 +755,26 @@ def test_text_a_tokenizer_cannot_read_is_refused_on_tokenize_and_chat(monkeypatc
     monkeypatch.setenv(es.SERVE_ENV, "1")
     app = FakeVllm(1, 9)
     middleware = EsampMiddleware(app)
-    status, body = run(call(middleware, app, "POST", "/tokenize", json.dumps(
-        {"model": "tiny", "prompt": "a\ud800b"}).encode()))
+    status, body = run(
+        call(middleware, app, "POST", "/tokenize", json.dumps({"model": "tiny", "prompt": "a\ud800b"}).encode())
+    )
     assert status == 400 and "character 2" in json.loads(body)["error"]["message"]
-    status, body = run(call(middleware, app, "POST", "/v1/chat/completions", json.dumps(
-        {"model": "tiny", "messages": [{"role": "user", "content": "\udfff"}]}).encode()))
+    status, body = run(
+        call(
+            middleware,
+            app,
+            "POST",
+            "/v1/chat/completions",
+            json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "\udfff"}]}).encode(),
+        )
+    )
     error = json.loads(body)["error"]
     assert status == 400 and error["param"] == "messages" and "messages[0].content" in error["message"]
     assert app.seen == []
-    assert run(call(middleware, app, "POST", "/tokenize", json.dumps({"prompt": "caf\u00e9 \U0001f600"}).encode()))[0] == 200
+    assert (
+        run(call(middleware, app, "POST", "/tokenize", json.dumps({"prompt": "caf\u00e9 \U0001f600"}).encode()))[0]
+        == 200
+    )
 
 
 def test_one_rank_needs_no_pinning_and_refusals_never_reach_vllm(monkeypatch):
@@ -652,7 +783,9 @@ def test_one_rank_needs_no_pinning_and_refusals_never_reach_vllm(monkeypatch):
     middleware = EsampMiddleware(app)
     assert run(call(middleware, app, "POST", "/v1/completions", completion(n=4)))[0] == 200
     assert rank_of(app.seen[-1][0]) is None
-    status, body = run(call(middleware, app, "POST", "/v1/completions", completion(stream=True, repetition_penalty=1.2)))
+    status, body = run(
+        call(middleware, app, "POST", "/v1/completions", completion(stream=True, repetition_penalty=1.2))
+    )
     error = json.loads(body)["error"]
     assert status == 400 and error["param"] == "repetition_penalty" and error["type"] == "BadRequestError"
     assert len(app.seen) == 1
@@ -676,8 +809,9 @@ def test_when_the_server_stops_every_open_response_ends_with_an_error(monkeypatc
         server = SimpleNamespace(should_exit=False, force_exit=False)
         app = FakeVllm(1, 9, hold=asyncio.Event(), server=server)  # vLLM never answers: its engine is gone
         middleware = EsampMiddleware(app)
-        stream = asyncio.create_task(call(middleware, app, "POST", "/v1/completions",
-                                          completion(stream=True, n=2), full=True))
+        stream = asyncio.create_task(
+            call(middleware, app, "POST", "/v1/completions", completion(stream=True, n=2), full=True)
+        )
         whole = asyncio.create_task(call(middleware, app, "POST", "/v1/completions", completion(n=2)))
         while len(app.seen) < 2:
             await asyncio.sleep(0.01)
@@ -767,19 +901,44 @@ def test_other_generating_routes_get_server_groups_too(monkeypatch):
     monkeypatch.setenv(es.SERVE_ENV, "1")
     app = FakeVllm(1, 9)
     middleware = EsampMiddleware(app)
-    status, _, headers = run(call(middleware, app, "POST", "/v1/responses",
-                                  json.dumps({"model": "tiny", "input": "hi"}).encode(), full=True))
+    status, _, headers = run(
+        call(middleware, app, "POST", "/v1/responses", json.dumps({"model": "tiny", "input": "hi"}).encode(), full=True)
+    )
     group = headers[b"x-esamp-group"].decode()
     assert status == 200 and list(xargs_of(app.seen[-1][1])) == ["esamp_group"] and app.prepared == [group]
-    status, _, headers = run(call(middleware, app, "POST", "/v1/chat/completions/batch", json.dumps(
-        {"model": "tiny", "messages": [[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]]}).encode(),
-        full=True))
+    status, _, headers = run(
+        call(
+            middleware,
+            app,
+            "POST",
+            "/v1/chat/completions/batch",
+            json.dumps(
+                {"model": "tiny", "messages": [[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]]}
+            ).encode(),
+            full=True,
+        )
+    )
     assert status == 200 and headers[b"x-esamp-group"]
     for path in ("/v1/responses", "/v1/messages", "/v1/chat/completions/batch"):
-        status, body = run(call(middleware, app, "POST", path, json.dumps(
-            {"model": "tiny", "input": "hi", "vllm_xargs": {"esamp_group": group}}).encode()))
+        status, body = run(
+            call(
+                middleware,
+                app,
+                "POST",
+                path,
+                json.dumps({"model": "tiny", "input": "hi", "vllm_xargs": {"esamp_group": group}}).encode(),
+            )
+        )
         assert status == 400 and "set by the server" in json.loads(body)["error"]["message"], path
-    status, _, headers = run(call(middleware, app, "POST", "/v1/messages", json.dumps(
-        {"model": "tiny", "messages": [], "vllm_xargs": {"esamp": "off"}}).encode(), full=True))
+    status, _, headers = run(
+        call(
+            middleware,
+            app,
+            "POST",
+            "/v1/messages",
+            json.dumps({"model": "tiny", "messages": [], "vllm_xargs": {"esamp": "off"}}).encode(),
+            full=True,
+        )
+    )
     assert status == 200 and b"x-esamp-group" not in headers
     assert len(es.ISSUED) == 0

@@ -22,8 +22,7 @@ from esamp.serving.channel import CHANNEL_SECRET_ENV, SECRET_HEADER
 
 ROOT = Path(__file__).resolve().parents[2]
 GENERAL = "vllm.general_plugins"
-LIST_PLUGINS = ("from importlib.metadata import entry_points; "
-                f"print([e.value for e in entry_points(group={GENERAL!r})])")
+LIST_PLUGINS = f"from importlib.metadata import entry_points; print([e.value for e in entry_points(group={GENERAL!r})])"
 
 
 def test_the_serving_plugin_is_seen_only_where_esamp_serve_puts_it():
@@ -33,8 +32,7 @@ def test_the_serving_plugin_is_seen_only_where_esamp_serve_puts_it():
     plain = subprocess.run([sys.executable, "-c", LIST_PLUGINS], env=env, capture_output=True, text=True, check=True)
     assert plugin.ENTRY not in plain.stdout  # an engine of the library's, or anyone's: not there
     served = engine_plugin.scope_env(env, scopes=(engine_plugin.SCOPE, plugin.SCOPE))
-    found = subprocess.run([sys.executable, "-c", LIST_PLUGINS], env=served, capture_output=True, text=True,
-                           check=True)
+    found = subprocess.run([sys.executable, "-c", LIST_PLUGINS], env=served, capture_output=True, text=True, check=True)
     assert plugin.ENTRY in found.stdout
 
 
@@ -52,8 +50,8 @@ def test_esamp_serve_puts_both_scopes_on_its_servers_path():
 class Steering:
     """What the serving step reads of an engine's steering."""
 
-    def __init__(self, owner: bool, config=object()) -> None:
-        self.config = config
+    def __init__(self, owner: bool, config: object = True) -> None:
+        self.config = config  # anything but None: the engine runs ESamp
         self.tp = SimpleNamespace(owner=owner)
 
     def metrics(self) -> dict:
@@ -65,8 +63,10 @@ class Steering:
 
 def _config(port: int | None) -> SimpleNamespace:
     server = {"records_requested": True, "host": "127.0.0.1", "port": port} if port else None
-    return SimpleNamespace(additional_config={"esamp": {}, **({"esamp_server": json.dumps(server)} if server else {})},
-                           parallel_config=SimpleNamespace(data_parallel_index=0))
+    return SimpleNamespace(
+        additional_config={"esamp": {}, **({"esamp_server": json.dumps(server)} if server else {})},
+        parallel_config=SimpleNamespace(data_parallel_index=0),
+    )
 
 
 @pytest.mark.parametrize("owner", [True, False], ids=["owns-the-bank", "tp-worker"])

@@ -15,8 +15,13 @@ pytestmark = [pytest.mark.vllm]
 
 # Every switch vLLM 0.30 puts a router behind, on (vllm/entrypoints/launchers/api_server/routers.py)
 SWITCHES = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1", "VLLM_ENABLE_COHERE_API": "1"}
-ARGS = ["--enable-scale-out", "--tokens-only", "--enable-fault-tolerance",
-        "--profiler-config", '{"profiler": "torch", "torch_profiler_dir": "/tmp/esamp-unused"}']
+ARGS = [
+    "--enable-scale-out",
+    "--tokens-only",
+    "--enable-fault-tolerance",
+    "--profiler-config",
+    '{"profiler": "torch", "torch_profiler_dir": "/tmp/esamp-unused"}',
+]
 # Routes behind an SDK that is not installed here, which no app built here can show
 NEEDS_SDK = {"/cohere/v2/chat", "/cohere/v2/chat/render"}
 
@@ -48,10 +53,17 @@ def test_every_post_route_vllm_registers_is_classified(monkeypatch):
     kinds = rt.classify(served)
     assert kinds[rt.UNKNOWN] == [], (
         f"vLLM serves POST {kinds[rt.UNKNOWN]}, which esamp.serving.routes does not classify: say whether each "
-        "generates (STEERED if its vllm_xargs reach the sampling parameters, else PLAIN) or not (OTHER)")
+        "generates (STEERED if its vllm_xargs reach the sampling parameters, else PLAIN) or not (OTHER)"
+    )
     # what esamp steers is there, under these names, and /generative_scoring (the issue-29 leak) is known
-    assert {"/v1/completions", "/v1/chat/completions", "/invocations", "/v1/responses", "/v1/messages",
-            "/v1/chat/completions/batch"} == set(kinds[rt.STEERED])
+    assert {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/invocations",
+        "/v1/responses",
+        "/v1/messages",
+        "/v1/chat/completions/batch",
+    } == set(kinds[rt.STEERED])
     assert "/generative_scoring" in kinds[rt.PLAIN]
     # the table names nothing vLLM no longer has (a stale name would hide a renamed route)
     assert set(rt.POST_ROUTES) - set(served) == NEEDS_SDK

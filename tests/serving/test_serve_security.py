@@ -19,6 +19,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
 from _served import serve, take_records
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -40,8 +41,7 @@ def completion(**fields) -> dict:
 def metric(server, name: str) -> float:
     status, body = server.get("/esamp/metrics", key=None)
     assert status == 200
-    return sum(float(line.rsplit(" ", 1)[1]) for line in body.decode().splitlines()
-               if line.startswith(name + "{"))
+    return sum(float(line.rsplit(" ", 1)[1]) for line in body.decode().splitlines() if line.startswith(name + "{"))
 
 
 # -- the key ------------------------------------------------------------------------------------
@@ -51,10 +51,23 @@ def test_every_route_but_health_and_metrics_needs_the_key(server):
     status, body, _ = server.request("GET", "/openapi.json")
     assert status == 200
     routes = {(method.upper(), path) for path, item in json.loads(body)["paths"].items() for method in item}
-    routes |= {("GET", "/docs"), ("GET", "/redoc"), ("GET", "/docs/oauth2-redirect"), ("GET", "/openapi.json"),
-               ("GET", "/esamp/config"), ("GET", "/esamp/records?group=x"), ("GET", "/esamp/metrics")}
-    assert {("POST", "/invocations"), ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/load"),
-            ("POST", "/v1/completions"), ("POST", "/v1/responses")} <= routes
+    routes |= {
+        ("GET", "/docs"),
+        ("GET", "/redoc"),
+        ("GET", "/docs/oauth2-redirect"),
+        ("GET", "/openapi.json"),
+        ("GET", "/esamp/config"),
+        ("GET", "/esamp/records?group=x"),
+        ("GET", "/esamp/metrics"),
+    }
+    assert {
+        ("POST", "/invocations"),
+        ("POST", "/tokenize"),
+        ("POST", "/detokenize"),
+        ("GET", "/load"),
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/responses"),
+    } <= routes
     for method, path in sorted(routes):
         path = path.replace("{response_id}", "resp-0")
         for key in (None, "wrong"):
@@ -106,15 +119,22 @@ def test_no_command_line_holds_the_key(server):
 
 
 def test_a_client_cannot_join_or_read_another_clients_group(server):
-    status, data, headers = server.request("POST", "/v1/completions", completion(
-        n=2, seed=1, ignore_eos=True, return_token_ids=True, vllm_xargs={"esamp_records": "on"}))
+    status, data, headers = server.request(
+        "POST",
+        "/v1/completions",
+        completion(n=2, seed=1, ignore_eos=True, return_token_ids=True, vllm_xargs={"esamp_records": "on"}),
+    )
     assert status == 200, data
     group = headers["x-esamp-group"]
     assert len(group) >= 24  # the server's id: nobody else knows it
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-    for path, body in [("/v1/completions", completion()), ("/v1/chat/completions", dict(chat)),
-                       ("/invocations", completion()), ("/v1/responses", {"model": MODEL, "input": "hi"}),
-                       ("/v1/chat/completions/batch", {**chat, "messages": [chat["messages"]]})]:
+    for path, body in [
+        ("/v1/completions", completion()),
+        ("/v1/chat/completions", dict(chat)),
+        ("/invocations", completion()),
+        ("/v1/responses", {"model": MODEL, "input": "hi"}),
+        ("/v1/chat/completions/batch", {**chat, "messages": [chat["messages"]]}),
+    ]:
         for xargs in ({"esamp_group": group}, {"esamp_sample": 1, "esamp_n": 2}, {"esamp_temperature": 0.5}):
             status, data = server.post(path, {**body, "vllm_xargs": {**xargs, "esamp_records": "on"}})
             assert status == 400 and "set by the server" in data.decode(), (path, xargs, data[:300])
@@ -144,16 +164,24 @@ def test_a_refusal_tells_no_secret_names_the_field_sent_and_quotes_little(server
     about which groups run); a 100 KB value is quoted by its first characters and its length; n -1
     is refused naming n, the field the client sent."""
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
-    conn.request("POST", "/v1/completions", json.dumps(completion(max_tokens=300, ignore_eos=True, stream=True)),
-                 {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    conn.request(
+        "POST",
+        "/v1/completions",
+        json.dumps(completion(max_tokens=300, ignore_eos=True, stream=True)),
+        {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"},
+    )
     running = conn.getresponse()
     live = running.getheader("x-esamp-group")
     running.readline()  # the stream is open: its group is running
     try:
-        for path, body in [("/v1/completions", completion()), ("/v1/responses", {"model": MODEL, "input": "hi"}),
-                           ("/invocations", completion())]:
-            answers = {server.post(path, {**body, "vllm_xargs": {"esamp_group": name}})
-                       for name in (live, "eg-" + "A" * 22)}
+        for path, body in [
+            ("/v1/completions", completion()),
+            ("/v1/responses", {"model": MODEL, "input": "hi"}),
+            ("/invocations", completion()),
+        ]:
+            answers = {
+                server.post(path, {**body, "vllm_xargs": {"esamp_group": name}}) for name in (live, "eg-" + "A" * 22)
+            }
             assert len(answers) == 1 and next(iter(answers))[0] == 400, (path, answers)
     finally:
         conn.close()
@@ -168,12 +196,15 @@ def test_a_refusal_tells_no_secret_names_the_field_sent_and_quotes_little(server
 # -- requests refused before a stream opens ------------------------------------------------------
 
 
-@pytest.mark.parametrize("fields, param, words", [
-    (dict(n="1000"), "n", ["n=1000", "at most 64"]),
-    (dict(presence_penalty="0.5"), "presence_penalty", ["penalties"]),
-    (dict(n=True), "n", ["n=true", "not true/false"]),
-    (dict(vllm_xargs={"esamp_beta": True}), "vllm_xargs", ["esamp_beta=true"]),
-])
+@pytest.mark.parametrize(
+    "fields, param, words",
+    [
+        (dict(n="1000"), "n", ["n=1000", "at most 64"]),
+        (dict(presence_penalty="0.5"), "presence_penalty", ["penalties"]),
+        (dict(n=True), "n", ["n=true", "not true/false"]),
+        (dict(vllm_xargs={"esamp_beta": True}), "vllm_xargs", ["esamp_beta=true"]),
+    ],
+)
 def test_numbers_as_strings_or_booleans_are_refused_before_the_stream(server, fields, param, words):
     answers = []
     for stream in (True, False):
@@ -218,8 +249,12 @@ GENERATING = {
     "/v1/responses": {"model": MODEL, "input": "A story:", "max_output_tokens": 12},
     "/v1/messages": {"model": MODEL, "messages": CHAT, "max_tokens": 12},
     "/v1/chat/completions/batch": {"model": MODEL, "messages": [CHAT, CHAT], "max_tokens": 12},
-    "/generative_scoring": {"model": MODEL, "query": "Is the sea blue?", "items": [" Yes", " No"],
-                            "label_token_ids": [100, 200]},
+    "/generative_scoring": {
+        "model": MODEL,
+        "query": "Is the sea blue?",
+        "items": [" Yes", " No"],
+        "label_token_ids": [100, 200],
+    },
 }
 
 
@@ -302,9 +337,14 @@ def test_sigterm_to_every_process_ends_every_stream_at_once_and_the_server_exits
 
     def stream(i: int) -> None:
         conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
-        conn.request("POST", "/v1/completions", json.dumps(completion(
-            prompt=f"Count to a thousand, {i}:", n=2, max_tokens=400, ignore_eos=True, stream=True)),
-            {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+        conn.request(
+            "POST",
+            "/v1/completions",
+            json.dumps(
+                completion(prompt=f"Count to a thousand, {i}:", n=2, max_tokens=400, ignore_eos=True, stream=True)
+            ),
+            {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"},
+        )
         response = conn.getresponse()
         assert response.status == 200
         seen = response.readline()  # the first event: the stream is open and generating

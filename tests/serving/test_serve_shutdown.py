@@ -35,8 +35,13 @@ def test_a_served_worker_puts_off_one_stop_signal_and_never_ignores_it(signals):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    child = subprocess.Popen([sys.executable, "-c", WORKER], stdout=subprocess.PIPE, text=True, cwd=root,
-                             env={**os.environ, "PYTHONPATH": str(root)})
+    child = subprocess.Popen(
+        [sys.executable, "-c", WORKER],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
     try:
         assert child.stdout.readline().strip() == "ready"
         t0 = time.monotonic()

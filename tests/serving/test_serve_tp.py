@@ -14,6 +14,7 @@ import json
 import time
 
 import pytest
+
 from _served import serve
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.scale]
@@ -33,23 +34,41 @@ TP, MODEL_ARGS, MODEL = _layout()
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    yield from serve(tmp_path_factory, [*MODEL_ARGS, "--tensor-parallel-size", str(TP), "--slots", "4",
-                                        "--max-model-len", "256"])
+    yield from serve(
+        tmp_path_factory, [*MODEL_ARGS, "--tensor-parallel-size", str(TP), "--slots", "4", "--max-model-len", "256"]
+    )
 
 
 def rank_values(server, name: str) -> dict[str, float]:
     status, body = server.get("/esamp/metrics")
     assert status == 200
-    return {line.split('rank="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
-            for line in body.decode().splitlines() if line.startswith(name + "{")}
+    return {
+        line.split('rank="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+        for line in body.decode().splitlines()
+        if line.startswith(name + "{")
+    }
 
 
 def test_a_tensor_parallel_server_steers_records_and_frees_slots_from_rank_0(server):
     assert rank_values(server, "esamp_channel_up") == {"0": 1.0}  # one engine: rank 0's channel
     prompt = [100 + k for k in range(8)] if MODEL != "SmolLM2-135M-Instruct" else "The sea at night is"
-    status, data, headers = server.request("POST", "/v1/completions", dict(
-        model=MODEL, prompt=prompt, n=4, max_tokens=8, seed=3, ignore_eos=True, return_token_ids=True,
-        temperature=0.8, top_p=0.95, min_p=0.1, vllm_xargs={"esamp_records": "on"}))
+    status, data, headers = server.request(
+        "POST",
+        "/v1/completions",
+        dict(
+            model=MODEL,
+            prompt=prompt,
+            n=4,
+            max_tokens=8,
+            seed=3,
+            ignore_eos=True,
+            return_token_ids=True,
+            temperature=0.8,
+            top_p=0.95,
+            min_p=0.1,
+            vllm_xargs={"esamp_records": "on"},
+        ),
+    )
     assert status == 200, data
     ids = {c["index"]: c["token_ids"] for c in json.loads(data)["choices"]}
     assert sorted(ids) == [0, 1, 2, 3] and all(len(t) == 8 for t in ids.values())

@@ -14,7 +14,6 @@ from esamp_tui.options import Options
 
 from .fake_engine import FACTORY
 
-
 # The scripted engine stamps its steps 1,000,000 s + the step number; the memory readings are
 # stamped a minute later, so the charts' shared time axis shows the same picture on every run.
 FAKE_NOW = 1_000_060.0
@@ -44,10 +43,16 @@ def make_app(tmp_path):
     theme_dir = tmp_path / "themes"
     theme_dir.mkdir()
 
-    def build(theme_dir=theme_dir, keymap_path=tmp_path / "keymap.toml", speed_file=tmp_path / "speed.json",
-              **values) -> EsampApp:
-        return EsampApp(fake_options(**values), memory_sampler=FixedMemory(), theme_dir=theme_dir,
-                        keymap_path=keymap_path, speed_file=speed_file)
+    def build(
+        theme_dir=theme_dir, keymap_path=tmp_path / "keymap.toml", speed_file=tmp_path / "speed.json", **values
+    ) -> EsampApp:
+        return EsampApp(
+            fake_options(**values),
+            memory_sampler=FixedMemory(),
+            theme_dir=theme_dir,
+            keymap_path=keymap_path,
+            speed_file=speed_file,
+        )
 
     return build
 

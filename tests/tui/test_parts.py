@@ -16,8 +16,15 @@ from esamp_tui.theming import check_theme, load_themes
 from esamp_tui.widgets.charts import WINDOW_S, TimeSeries, segments, spark
 
 
-def finished_run(record: SessionRecord, run_id: int, steering: Steering, sampling: SamplingConfig,
-                 reasons=("length", "length"), prompt="p", words=("a b c", "a b d")):
+def finished_run(
+    record: SessionRecord,
+    run_id: int,
+    steering: Steering,
+    sampling: SamplingConfig,
+    reasons=("length", "length"),
+    prompt="p",
+    words=("a b c", "a b d"),
+):
     (group,) = record.new_run(run_id, prompt, steering, sampling, compare=False)
     for sample, (reason, text) in enumerate(zip(reasons, words)):
         for i, word in enumerate(text.split()):
@@ -64,13 +71,15 @@ def test_compare_runs_carry_the_steering_they_ran_with():
     assert groups[1].label() == "ESamp ON β=1.5 unsharpened" and groups[0].label() == "ESamp OFF"
 
 
-SVG = ('<svg class="rich-terminal" viewBox="0 0 100 40" xmlns="http://www.w3.org/2000/svg">\n<style>\n'
-       '@font-face {\n font-family: "Fira Code";\n src: local("FiraCode-Regular"),\n'
-       ' url("https://cdnjs.cloudflare.com/x.woff2") format("woff2");\n}\n'
-       '.m { font-family: Fira Code, monospace; font-size: 20px; }\n.t { font-family: arial; }\n</style>\n'
-       '<rect width="100" height="40" fill="#101010"/>\n'
-       '<g class="m"><text x="0" y="20" fill="#ffffff" textLength="60">Here&#160;</text>'
-       '<text x="60" y="20" fill="#ffffff" textLength="36">are</text></g>\n</svg>\n')
+SVG = (
+    '<svg class="rich-terminal" viewBox="0 0 100 40" xmlns="http://www.w3.org/2000/svg">\n<style>\n'
+    '@font-face {\n font-family: "Fira Code";\n src: local("FiraCode-Regular"),\n'
+    ' url("https://cdnjs.cloudflare.com/x.woff2") format("woff2");\n}\n'
+    ".m { font-family: Fira Code, monospace; font-size: 20px; }\n.t { font-family: arial; }\n</style>\n"
+    '<rect width="100" height="40" fill="#101010"/>\n'
+    '<g class="m"><text x="0" y="20" fill="#ffffff" textLength="60">Here&#160;</text>'
+    '<text x="60" y="20" fill="#ffffff" textLength="36">are</text></g>\n</svg>\n'
+)
 
 
 def test_offline_svg_asks_for_no_network_font_and_keeps_spaces():

@@ -137,8 +137,9 @@ def test_no_named_semaphores(monkeypatch):
 
     made = []
     original = multiprocessing.synchronize.SemLock.__init__
-    monkeypatch.setattr(multiprocessing.synchronize.SemLock, "__init__",
-                        lambda self, *a, **k: made.append(a) or original(self, *a, **k))
+    monkeypatch.setattr(
+        multiprocessing.synchronize.SemLock, "__init__", lambda self, *a, **k: made.append(a) or original(self, *a, **k)
+    )
     s = Session(spec()).start()
     try:
         collect(s, lambda ev: any(isinstance(e, ReadyEvent) for e in ev))
@@ -159,8 +160,7 @@ def test_compare_runs_off_and_on_together(session):
 def test_abort_and_a_new_run_replaces_the_old(session):
     session.send(RunPrompt(1, "a", compare=False))
     session.send(RunPrompt(2, "b"))  # aborts run 1 first
-    events = collect(session, lambda ev: sum(isinstance(e, DoneEvent) and e.group == "r2-on"
-                                             for e in ev) == 2)
+    events = collect(session, lambda ev: sum(isinstance(e, DoneEvent) and e.group == "r2-on" for e in ev) == 2)
     run1 = [e for e in events if isinstance(e, DoneEvent) and e.group == "r1-on"]
     assert len(run1) == 2
     session.send(Abort())  # nothing running: harmless
@@ -223,8 +223,12 @@ def test_worker_dies_with_its_parent(tmp_path, how):
     script = tmp_path / "parent.py"
     script.write_text(PARENT.format(paths=[str(ROOT / "tests"), str(ROOT)]))
     # SIGHUP at its default, as a terminal starts the dashboard, even when the tests run under nohup
-    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
-                              preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
+    parent = subprocess.Popen(
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL),
+    )
     try:
         worker_pid = int(parent.stdout.readline())
         parent.send_signal(how)

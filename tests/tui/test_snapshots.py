@@ -72,8 +72,7 @@ def test_builtin_theme(snap_compare, make_app, theme):
 
 def test_error_panel_after_a_crash(snap_compare, make_app):
     app = make_app(n=2, max_tokens=20, prompt="crash")
-    assert snap_compare(app, terminal_size=SIZE,
-                        run_before=prepare(lambda s: s.query_one("#error").visible_now))
+    assert snap_compare(app, terminal_size=SIZE, run_before=prepare(lambda s: s.query_one("#error").visible_now))
 
 
 def test_small_terminal(snap_compare, make_app):

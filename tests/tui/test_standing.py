@@ -4,13 +4,12 @@ run and the help screen (esamp.eval.standing; the figures come from the run's re
 from __future__ import annotations
 
 import pytest
+from eval.test_standing import write_report  # tests/ is on the path, as for tui.conftest in fake_app.py
 from textual.widgets import Markdown
 
 from esamp.eval.standing import FRONTIER_RUNS
 from esamp_tui.screens.help import HelpScreen
 from esamp_tui.widgets.run_row import RunRow
-
-from eval.test_standing import write_report  # tests/ is on the path, as for tui.conftest in fake_app.py
 
 from .conftest import run_finished, wait_for
 

@@ -182,10 +182,11 @@ MOUSE_OFF = b"\x1b[?1000l"
 def assert_terminal_restored(term: Terminal) -> None:
     out = term.output_text_bytes()
     assert ALT_SCREEN_ON in out, "the dashboard never drew"
-    tail = out[out.rindex(ALT_SCREEN_ON):]
+    tail = out[out.rindex(ALT_SCREEN_ON) :]
     assert ALT_SCREEN_OFF in tail and MOUSE_OFF in tail, "alternate screen or mouse reporting left on"
-    assert termios.tcgetattr(term.fd)[3] & (termios.ECHO | termios.ICANON) == \
-        term.modes_before & (termios.ECHO | termios.ICANON), "echo/line mode not restored"
+    assert termios.tcgetattr(term.fd)[3] & (termios.ECHO | termios.ICANON) == term.modes_before & (
+        termios.ECHO | termios.ICANON
+    ), "echo/line mode not restored"
     assert b"leaked semaphore" not in out and b"Traceback" not in out
 
 
@@ -234,7 +235,7 @@ def test_quit_leaves_nothing_on_the_users_terminal():
         assert_all_gone(family)  # the resource tracker included: it ends once both have exited
         time.sleep(0.5)
         out = term.output_text_bytes()
-        after = out[out.rindex(ALT_SCREEN_OFF) + len(ALT_SCREEN_OFF):]
+        after = out[out.rindex(ALT_SCREEN_OFF) + len(ALT_SCREEN_OFF) :]
         printed = re.sub(rb"\x1b\[[?<>=]?[0-9;]*[A-Za-z]", b"", after).replace(b"[dashboard exit 0]", b"")
         assert not printed.strip(), printed  # after the terminal's modes are restored: nothing
         assert b"leaked" not in out and b"Traceback" not in out and b"Warning" not in out

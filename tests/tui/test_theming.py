@@ -24,14 +24,20 @@ def test_every_repo_theme_file_is_valid():
         parse_theme_text(path.read_text())
 
 
-@pytest.mark.parametrize("text, reason", [
-    ("name = 'x'\n[colors\n", "not valid TOML"),
-    ("name = 'x'\n[colors]\nprimary = '#fff'\n", "heat: Field required"),
-    ("name = 'x'\n[colors]\nprimary = 'nope'\n[heat]\nstops=['#000']*5\n", "'nope' is not a colour"),
-    ("name = 'x'\n[colors]\nprimary = '#fff'\n[heat]\nstops=['#000', '#111']\n", "heat.stops"),
-    ("name = 'x y'\n[colors]\nprimary = '#fff'\n[heat]\nstops=['#000','#111','#222','#333','#444']\n", "name"),
-    ("name = 'x'\nfont = 1\n[colors]\nprimary = '#fff'\n[heat]\nstops=['#000','#111','#222','#333','#444']\n", "font"),
-])
+@pytest.mark.parametrize(
+    "text, reason",
+    [
+        ("name = 'x'\n[colors\n", "not valid TOML"),
+        ("name = 'x'\n[colors]\nprimary = '#fff'\n", "heat: Field required"),
+        ("name = 'x'\n[colors]\nprimary = 'nope'\n[heat]\nstops=['#000']*5\n", "'nope' is not a colour"),
+        ("name = 'x'\n[colors]\nprimary = '#fff'\n[heat]\nstops=['#000', '#111']\n", "heat.stops"),
+        ("name = 'x y'\n[colors]\nprimary = '#fff'\n[heat]\nstops=['#000','#111','#222','#333','#444']\n", "name"),
+        (
+            "name = 'x'\nfont = 1\n[colors]\nprimary = '#fff'\n[heat]\nstops=['#000','#111','#222','#333','#444']\n",
+            "font",
+        ),
+    ],
+)
 def test_bad_theme_text_says_why(text, reason):
     with pytest.raises(ValueError) as info:
         parse_theme_text(text.replace("['#000']*5", "['#000','#000','#000','#000','#000']"))
@@ -40,7 +46,8 @@ def test_bad_theme_text_says_why(text, reason):
 
 def test_user_folder_overrides_and_reports(tmp_path):
     (tmp_path / "dark.toml").write_text(
-        "name = 'dark'\n[colors]\nprimary = '#010203'\n[heat]\nstops=['#000','#111','#222','#333','#444']\n")
+        "name = 'dark'\n[colors]\nprimary = '#010203'\n[heat]\nstops=['#000','#111','#222','#333','#444']\n"
+    )
     (tmp_path / "bad.toml").write_bytes(b"\xff\xfe not utf8")
     themes, problems = load_themes(tmp_path)
     assert {t.name: t for t in themes}["dark"].primary == "#010203"

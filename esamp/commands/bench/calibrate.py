@@ -27,8 +27,9 @@ def _simulate(sigma, factors, filters: dict, rows: int, gen):
     scale = (factors * sigma).unsqueeze(0)
     z = torch.randn(rows, sigma.numel(), generator=gen, device=sigma.device) * scale / filters["temperature"]
     R = rows
-    mask = iv.candidate_mask(z, torch.full((R,), filters["top_k"]), torch.full((R,), filters["top_p"]),
-                             torch.full((R,), filters["min_p"]))
+    mask = iv.candidate_mask(
+        z, torch.full((R,), filters["top_k"]), torch.full((R,), filters["top_p"]), torch.full((R,), filters["min_p"])
+    )
     logp = z.log_softmax(-1)
     return float(mask.sum(-1).float().mean()), float(-(logp.exp() * logp).sum(-1).mean())
 
@@ -47,8 +48,9 @@ def calibrate_head(sigma: list[float], target: dict, filters: dict, seed: int = 
         lo, hi = math.log(1e-3), math.log(1e6)
         for _ in range(28):  # |C| falls as s grows: bisect log s
             mid = (lo + hi) / 2
-            cands, _ = _simulate(sig, profile * math.exp(mid), filters, 16,
-                                 torch.Generator(device=device).manual_seed(seed))
+            cands, _ = _simulate(
+                sig, profile * math.exp(mid), filters, 16, torch.Generator(device=device).manual_seed(seed)
+            )
             lo, hi = (mid, hi) if cands > target["candidates"] else (lo, mid)
         s = math.exp((lo + hi) / 2)
         cands, ent = _simulate(sig, profile * s, filters, 64, torch.Generator(device=device).manual_seed(seed + 1))
@@ -71,8 +73,9 @@ def scale_heads(sides, factors: list[float] | None) -> None:
         eng.engine.collective_rpc("esamp_scale_head", args=(factors,))
 
 
-def refine_scale(engine, factors: list[float], target: float, prompts, sampling_kw: dict, steering,
-                 steps: int = 8) -> tuple[list[float], float, float]:
+def refine_scale(
+    engine, factors: list[float], target: float, prompts, sampling_kw: dict, steering, steps: int = 8
+) -> tuple[list[float], float, float]:
     """Rescale the simulated profile until the model itself keeps ``target`` candidates on average
     (measured by the ESamp engine's processor on short runs): (factors, measured mean |C|, the
     multiplier applied to the simulated profile)."""
@@ -86,5 +89,3 @@ def refine_scale(engine, factors: list[float], target: float, prompts, sampling_
             best = (scaled, measured, math.exp(mid))
         lo, hi = (mid, hi) if measured > target else (lo, mid)
     return best
-
-

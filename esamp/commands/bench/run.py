@@ -12,9 +12,20 @@ from pathlib import Path
 
 from esamp.commands.bench import calibrate, memory, provenance, vllm_log
 from esamp.commands.bench.trials import run_interleaved, run_trial
-from esamp.commands.bench.workloads import (CPU_TRIALS, CPU_WORKLOADS, MAX_LENGTHENINGS, MAX_ROUNDS,
-                                            MIN_TRIAL_SECONDS, PRESETS, SPREAD_TARGET, parse_workloads, prompts,
-                                            rounds_for, spread, workload_name)
+from esamp.commands.bench.workloads import (
+    CPU_TRIALS,
+    CPU_WORKLOADS,
+    MAX_LENGTHENINGS,
+    MAX_ROUNDS,
+    MIN_TRIAL_SECONDS,
+    PRESETS,
+    SPREAD_TARGET,
+    parse_workloads,
+    prompts,
+    rounds_for,
+    spread,
+    workload_name,
+)
 from esamp.commands.cli import FILTER_FLAGS, add_model_flag
 from esamp.core.config import EsampConfig, Filters, SamplingConfig, add_flags, from_flags
 from esamp.errors import ConfigError, EngineError, EsampError
@@ -31,38 +42,74 @@ SAMPLING_DEFAULTS = {"seed": None}
 def configure(parser) -> None:
     # Not the embedded model on a GPU: the bench measures vLLM at the size it is used at.
     add_model_flag(parser, default=f"{GPU_MODEL} (random weights) on a GPU, the embedded model on a CPU")
-    parser.add_argument("--workloads", default=None,
-                        help="comma-separated workloads: PxL, PxnNxL or a preset (fair) (default: "
-                             f"{','.join(PRESETS['default']['workloads'])} on a GPU, {','.join(CPU_WORKLOADS)} on a CPU)")
-    parser.add_argument("--preset", choices=[p for p in PRESETS if p != "default"], default=None,
-                        help="run only a preset's workload with its settings (fair: 8xn16x256, top-p 1.0, "
-                             "min-p 0.05, beta 0.1)")
-    parser.add_argument("--logits", default="flat",
-                        help="comma-separated: flat (dummy weights as they are: the worst case) and/or "
-                             "realistic (the head rescaled to a real model's candidate count and entropy)")
-    parser.add_argument("--trials", type=int, default=None,
-                        help=f"timed trials per side and workload (default: 3 on a GPU, {CPU_TRIALS} on a CPU)")
-    parser.add_argument("--min-trial-seconds", type=float, default=MIN_TRIAL_SECONDS,
-                        help="repeat a short workload within each trial until it lasts about this long, "
-                             "the same passes on every side, interleaved (0: one pass; default: %(default)s)")
-    parser.add_argument("--spread", type=float, default=None,
-                        help="trust a workload's ratios when every trial's lies within this share of their median; "
-                             f"past it, run its trials again with passes twice as long, up to {MAX_LENGTHENINGS} "
-                             f"times (0: never; default: {SPREAD_TARGET} on a GPU, 0 on a CPU)")
+    parser.add_argument(
+        "--workloads",
+        default=None,
+        help="comma-separated workloads: PxL, PxnNxL or a preset (fair) (default: "
+        f"{','.join(PRESETS['default']['workloads'])} on a GPU, {','.join(CPU_WORKLOADS)} on a CPU)",
+    )
+    parser.add_argument(
+        "--preset",
+        choices=[p for p in PRESETS if p != "default"],
+        default=None,
+        help="run only a preset's workload with its settings (fair: 8xn16x256, top-p 1.0, min-p 0.05, beta 0.1)",
+    )
+    parser.add_argument(
+        "--logits",
+        default="flat",
+        help="comma-separated: flat (dummy weights as they are: the worst case) and/or "
+        "realistic (the head rescaled to a real model's candidate count and entropy)",
+    )
+    parser.add_argument(
+        "--trials",
+        type=int,
+        default=None,
+        help=f"timed trials per side and workload (default: 3 on a GPU, {CPU_TRIALS} on a CPU)",
+    )
+    parser.add_argument(
+        "--min-trial-seconds",
+        type=float,
+        default=MIN_TRIAL_SECONDS,
+        help="repeat a short workload within each trial until it lasts about this long, "
+        "the same passes on every side, interleaved (0: one pass; default: %(default)s)",
+    )
+    parser.add_argument(
+        "--spread",
+        type=float,
+        default=None,
+        help="trust a workload's ratios when every trial's lies within this share of their median; "
+        f"past it, run its trials again with passes twice as long, up to {MAX_LENGTHENINGS} "
+        f"times (0: never; default: {SPREAD_TARGET} on a GPU, 0 on a CPU)",
+    )
     parser.add_argument("--prompt-len", type=int, default=32, help="prompt length in tokens")
     parser.add_argument("--eager", action="store_true", help="every side without CUDA graphs")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=None,
-                        help="share of GPU memory for EACH engine (default: 0.42, or 0.28 with --floor)")
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="share of GPU memory for EACH engine (default: 0.42, or 0.28 with --floor)",
+    )
     parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--tensor-parallel-size", type=int, default=1,
-                        help="vLLM workers per engine, every side alike (ESamp: worker 0 owns the Distiller)")
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="vLLM workers per engine, every side alike (ESamp: worker 0 owns the Distiller)",
+    )
     add_flags(parser, SamplingConfig, SAMPLING_FLAGS, defaults=SAMPLING_DEFAULTS)
     add_flags(parser, EsampConfig, ESAMP_FLAGS)
-    parser.add_argument("--floor", action="store_true",
-                        help="also time the ESamp engine with ESamp off on every request (the seams' own cost)")
-    parser.add_argument("--json", dest="json_path", default=None,
-                        help="where to write the JSON result (default: benchmarks/results/bench-MODEL-DATE.json); "
-                             "vLLM's log goes beside it (NAME.vllm.log)")
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="also time the ESamp engine with ESamp off on every request (the seams' own cost)",
+    )
+    parser.add_argument(
+        "--json",
+        dest="json_path",
+        default=None,
+        help="where to write the JSON result (default: benchmarks/results/bench-MODEL-DATE.json); "
+        "vLLM's log goes beside it (NAME.vllm.log)",
+    )
 
 
 def run(args) -> int:
@@ -72,8 +119,10 @@ def run(args) -> int:
         log.parent.mkdir(parents=True, exist_ok=True)
         log.write_bytes(b"")
     except OSError as exc:
-        raise ConfigError(f"--json {plan.path}: cannot write {log} beside it ({exc.strerror or exc})",
-                          hint="pass --json a path in a folder you can write") from None
+        raise ConfigError(
+            f"--json {plan.path}: cannot write {log} beside it ({exc.strerror or exc})",
+            hint="pass --json a path in a folder you can write",
+        ) from None
     _say(f"vLLM's log (its warnings and progress, off this terminal): {log}")
     loaded: list = []  # engines started so far, closed here when anything fails
     try:
@@ -94,9 +143,13 @@ def run(args) -> int:
             raise
         raise EngineError(
             f"esamp bench stopped: {type(exc).__name__}: {exc}",
-            hint=vllm_log.failure_hint(log, "on a CPU it is usually memory (an engine process killed): try "
-                                       "--model qwen2.5-0.5b:dummy, fewer --workloads, or a smaller "
-                                       "VLLM_CPU_KVCACHE_SPACE")) from None
+            hint=vllm_log.failure_hint(
+                log,
+                "on a CPU it is usually memory (an engine process killed): try "
+                "--model qwen2.5-0.5b:dummy, fewer --workloads, or a smaller "
+                "VLLM_CPU_KVCACHE_SPACE",
+            ),
+        ) from None
 
 
 def _say(text: str) -> None:
@@ -125,46 +178,76 @@ def _plan(args) -> Plan:
     from esamp.platform.devices import cuda_available
 
     gpu = cuda_available()
-    workloads = parse_workloads(args.preset or args.workloads or ",".join(
-        PRESETS["default"]["workloads"] if gpu else CPU_WORKLOADS))
+    workloads = parse_workloads(
+        args.preset or args.workloads or ",".join(PRESETS["default"]["workloads"] if gpu else CPU_WORKLOADS)
+    )
     trials = args.trials if args.trials is not None else (3 if gpu else CPU_TRIALS)
     model = args.model or (GPU_MODEL if gpu else None)
     logits = [m.strip() for m in args.logits.split(",") if m.strip()]
     bad = [m for m in logits if m not in LOGITS]
     if bad or not logits:
-        raise ConfigError(f"--logits {args.logits}: unknown mode {', '.join(bad) or '(none)'}",
-                          hint="use --logits flat, --logits realistic or --logits flat,realistic")
+        raise ConfigError(
+            f"--logits {args.logits}: unknown mode {', '.join(bad) or '(none)'}",
+            hint="use --logits flat, --logits realistic or --logits flat,realistic",
+        )
     if args.tensor_parallel_size < 1:
-        raise ConfigError(f"--tensor-parallel-size={args.tensor_parallel_size}: at least 1 worker per engine",
-                          hint="e.g. --tensor-parallel-size 2 on a machine with two GPUs")
+        raise ConfigError(
+            f"--tensor-parallel-size={args.tensor_parallel_size}: at least 1 worker per engine",
+            hint="e.g. --tensor-parallel-size 2 on a machine with two GPUs",
+        )
     if trials < 1:
         raise ConfigError(f"--trials={trials}: at least 1 trial is needed", hint="use --trials 3")
     if not 0 <= args.min_trial_seconds <= 600:
-        raise ConfigError(f"--min-trial-seconds={args.min_trial_seconds}: a trial's length is 0 to 600 s",
-                          hint=f"use e.g. {MIN_TRIAL_SECONDS} (0: one pass per trial)")
+        raise ConfigError(
+            f"--min-trial-seconds={args.min_trial_seconds}: a trial's length is 0 to 600 s",
+            hint=f"use e.g. {MIN_TRIAL_SECONDS} (0: one pass per trial)",
+        )
     if args.spread is not None and not 0 <= args.spread < 1:
-        raise ConfigError(f"--spread={args.spread}: a share of the median ratio, from 0 (never lengthen) to below 1",
-                          hint=f"use e.g. {SPREAD_TARGET} (every trial's ratio within ±{SPREAD_TARGET:.0%} of the median)")
+        raise ConfigError(
+            f"--spread={args.spread}: a share of the median ratio, from 0 (never lengthen) to below 1",
+            hint=f"use e.g. {SPREAD_TARGET} (every trial's ratio within ±{SPREAD_TARGET:.0%} of the median)",
+        )
     if args.gpu_memory_utilization is not None and not 0 < args.gpu_memory_utilization < 1:
-        raise ConfigError(f"--gpu-memory-utilization={args.gpu_memory_utilization}: a share of the GPU per "
-                          "engine is between 0 and 1", hint="use e.g. 0.42 (two engines) or 0.28 (three, with --floor)")
-    path = Path(args.json_path) if args.json_path else (
-        Path("benchmarks/results") / f"bench-{str(model or 'embedded').replace(':', '-').replace('/', '_')}-"
-        f"{time.strftime('%Y%m%d-%H%M%S')}.json")
+        raise ConfigError(
+            f"--gpu-memory-utilization={args.gpu_memory_utilization}: a share of the GPU per engine is between 0 and 1",
+            hint="use e.g. 0.42 (two engines) or 0.28 (three, with --floor)",
+        )
+    path = (
+        Path(args.json_path)
+        if args.json_path
+        else (
+            Path("benchmarks/results") / f"bench-{str(model or 'embedded').replace(':', '-').replace('/', '_')}-"
+            f"{time.strftime('%Y%m%d-%H%M%S')}.json"
+        )
+    )
     sampling = from_flags(args, SamplingConfig, SAMPLING_FLAGS, defaults=SAMPLING_DEFAULTS)
     esamp = from_flags(args, EsampConfig, ESAMP_FLAGS)
     given_filters = {f: getattr(sampling, f) for f in Filters.model_fields if getattr(args, f, None) is not None}
     groups = max(p for _, (p, _, _) in workloads)
     if esamp.slots < groups:
-        raise ConfigError(f"--slots={esamp.slots}: a workload runs {groups} prompt groups at once, one "
-                          "Distiller slot each", hint=f"use --slots {groups} or more, or fewer prompts per workload")
+        raise ConfigError(
+            f"--slots={esamp.slots}: a workload runs {groups} prompt groups at once, one Distiller slot each",
+            hint=f"use --slots {groups} or more, or fewer prompts per workload",
+        )
     engines = 3 if args.floor else 2
     max_seqs = max(p * n for _, (p, n, _) in workloads)
     share = args.gpu_memory_utilization or (0.28 if args.floor else 0.42)
     memory.check_memory(model, engines, share, rows=max(max_seqs, 16), tensor_parallel=args.tensor_parallel_size)
     spread = args.spread if args.spread is not None else (SPREAD_TARGET if gpu else 0.0)
-    return Plan(workloads, trials, model, logits, sampling, esamp, given_filters, getattr(args, "beta", None),
-                share, max_seqs, spread, path)
+    return Plan(
+        workloads,
+        trials,
+        model,
+        logits,
+        sampling,
+        esamp,
+        given_filters,
+        getattr(args, "beta", None),
+        share,
+        max_seqs,
+        spread,
+        path,
+    )
 
 
 def _measure(args, plan: Plan, loaded: list, log: Path) -> int:
@@ -184,15 +267,23 @@ def _measure(args, plan: Plan, loaded: list, log: Path) -> int:
         except (EsampError, KeyboardInterrupt):
             raise
         except Exception as exc:  # vLLM's own start-up errors (memory, an unsupported model, ...)
-            raise EngineError(f"vLLM could not start {model or 'the embedded model'}: {type(exc).__name__}: {exc}",
-                              hint="try --model qwen2.5-0.5b:dummy or a smaller --gpu-memory-utilization") from None
+            raise EngineError(
+                f"vLLM could not start {model or 'the embedded model'}: {type(exc).__name__}: {exc}",
+                hint="try --model qwen2.5-0.5b:dummy or a smaller --gpu-memory-utilization",
+            ) from None
         loads[side] = round(time.perf_counter() - t0, 1)
         return loaded[-1]
 
-    common = dict(model=model, max_model_len=args.max_model_len, gpu_memory_utilization=plan.share, ignore_eos=True,
-                  max_num_seqs=max(plan.max_seqs, 16), enforce_eager=True if args.eager else None,
-                  tensor_parallel_size=args.tensor_parallel_size,
-                  llm_kwargs={"worker_extension_cls": BENCH_EXTENSION})
+    common = dict(
+        model=model,
+        max_model_len=args.max_model_len,
+        gpu_memory_utilization=plan.share,
+        ignore_eos=True,
+        max_num_seqs=max(plan.max_seqs, 16),
+        enforce_eager=True if args.eager else None,
+        tensor_parallel_size=args.tensor_parallel_size,
+        llm_kwargs={"worker_extension_cls": BENCH_EXTENSION},
+    )
     loads: dict[str, float] = {}
     base = load("baseline", plain=True, **common)
     steer = load("esamp", esamp=esamp, **common)
@@ -210,8 +301,21 @@ def _measure(args, plan: Plan, loaded: list, log: Path) -> int:
             if mode == "realistic":
                 calibration = _calibrate(base, steer, sides, plan.given_filters, args.prompt_len, vocab, esamp)
             for preset_name, (P, n, L) in plan.workloads:
-                _workload(mode, preset_name, (P, n, L), sides, plan.given_filters, plan.given_beta, sampling, esamp,
-                          vocab, args, plan.trials, results, spread=plan.spread)
+                _workload(
+                    mode,
+                    preset_name,
+                    (P, n, L),
+                    sides,
+                    plan.given_filters,
+                    plan.given_beta,
+                    sampling,
+                    esamp,
+                    vocab,
+                    args,
+                    plan.trials,
+                    results,
+                    spread=plan.spread,
+                )
             if mode == "realistic":
                 calibrate.scale_heads(sides, None)  # back to the dummy weights for the next mode
     except KeyboardInterrupt:
@@ -220,14 +324,26 @@ def _measure(args, plan: Plan, loaded: list, log: Path) -> int:
     counters, peaks = _engine_reports(steer, sides, interrupted)
     report = dict(
         command=" ".join(["esamp", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else " ".join(sys.argv),
-        commit=provenance.commit(), device=provenance.device(), versions=provenance.versions(), model=steer.model_name,
-        cuda_graphs=not args.eager, tensor_parallel_size=args.tensor_parallel_size, esamp=esamp.flat(),
-        seed=sampling.seed, trials=plan.trials, prompt_len=args.prompt_len, load_seconds=loads, calibration=calibration,
+        commit=provenance.commit(),
+        device=provenance.device(),
+        versions=provenance.versions(),
+        model=steer.model_name,
+        cuda_graphs=not args.eager,
+        tensor_parallel_size=args.tensor_parallel_size,
+        esamp=esamp.flat(),
+        seed=sampling.seed,
+        trials=plan.trials,
+        prompt_len=args.prompt_len,
+        load_seconds=loads,
+        calibration=calibration,
         peak_memory_bytes=peaks,
         esamp_counters=counters,
         host_ms_per_steady_step=round(counters["replay_host_ms"] / counters["replay_steps"], 4)
-        if counters.get("replay_steps") else None,
-        workloads=results, interrupted=interrupted, time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        if counters.get("replay_steps")
+        else None,
+        workloads=results,
+        interrupted=interrupted,
+        time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     )
     path = plan.path
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -248,18 +364,40 @@ def _calibrate(base, steer, sides, given_filters, prompt_len, vocab, esamp) -> d
     target = calibrate.REAL_MODEL["default"]
     cal = calibrate.calibrate_head(sigma, target, filt)
     probe = prompts(16, prompt_len, vocab, seed=1)
-    factors, measured, multiplier = calibrate.refine_scale(steer, cal.pop("factors"), target["candidates"], probe,
-                                                           dict(filt, seed=None), esamp.steering)
+    factors, measured, multiplier = calibrate.refine_scale(
+        steer, cal.pop("factors"), target["candidates"], probe, dict(filt, seed=None), esamp.steering
+    )
     calibrate.scale_heads(sides, factors)
-    _say(f"realistic logits: head rows × s·(rank+1)^−α with α={cal['alpha']}: simulated mean |C| "
-         f"{cal['candidates']}, entropy {cal['entropy']} nats; the model then keeps {measured} "
-         f"candidates on average (embedded model: {target})")
-    return dict(cal, scale=cal["scale"] * multiplier, simulated_scale=cal["scale"], target=calibrate.REAL_MODEL,
-                filters=filt, measured_candidates=measured)
+    _say(
+        f"realistic logits: head rows × s·(rank+1)^−α with α={cal['alpha']}: simulated mean |C| "
+        f"{cal['candidates']}, entropy {cal['entropy']} nats; the model then keeps {measured} "
+        f"candidates on average (embedded model: {target})"
+    )
+    return dict(
+        cal,
+        scale=cal["scale"] * multiplier,
+        simulated_scale=cal["scale"],
+        target=calibrate.REAL_MODEL,
+        filters=filt,
+        measured_candidates=measured,
+    )
 
 
-def _workload(mode, preset_name, shape, sides, given_filters, given_beta, sampling, esamp, vocab, args,
-              trials, results: list[dict], spread: float = 0.0) -> None:
+def _workload(
+    mode,
+    preset_name,
+    shape,
+    sides,
+    given_filters,
+    given_beta,
+    sampling,
+    esamp,
+    vocab,
+    args,
+    trials,
+    results: list[dict],
+    spread: float = 0.0,
+) -> None:
     """Measure one workload and append its summary to ``results``; interrupted, the trials that
     finished on every side are summarised (``interrupted: true``) before the interrupt goes on."""
     P, n, L = shape
@@ -282,8 +420,10 @@ def _workload(mode, preset_name, shape, sides, given_filters, given_beta, sampli
 
     def show(r: dict) -> None:
         ttft = f", first token {r['ttft_ms_median']:.1f} ms" if r.get("ttft_ms_median") is not None else ""
-        _say(f"  {mode:>9} {name:>18} trial {r['trial']} {r['side']:>8}: {r['tok_s']:>10.1f} tok/s  "
-             f"(client cpu {r['client_cpu_share']:.0%}{ttft})")
+        _say(
+            f"  {mode:>9} {name:>18} trial {r['trial']} {r['side']:>8}: {r['tok_s']:>10.1f} tok/s  "
+            f"(client cpu {r['client_cpu_share']:.0%}{ttft})"
+        )
 
     target = spread
     earlier: list[dict] = []  # the attempts whose ratios spread past the target
@@ -294,30 +434,58 @@ def _workload(mode, preset_name, shape, sides, given_filters, given_beta, sampli
         except KeyboardInterrupt:
             done = {r["trial"] for r in records if r["side"] == "esamp"}
             if done:
-                results.append(dict(summary(mode, preset_name, name, shape, sampling_kw, beta,
-                                            [r for r in records if r["trial"] in done]), rounds=rounds,
-                                    interrupted=True, spread_target=target, earlier=earlier))
+                results.append(
+                    dict(
+                        summary(
+                            mode,
+                            preset_name,
+                            name,
+                            shape,
+                            sampling_kw,
+                            beta,
+                            [r for r in records if r["trial"] in done],
+                        ),
+                        rounds=rounds,
+                        interrupted=True,
+                        spread_target=target,
+                        earlier=earlier,
+                    )
+                )
             elif earlier:  # the longer passes had not finished a trial: the last whole attempt stands
-                results.append(dict(earlier[-1]["summary"], interrupted=True, spread_target=target,
-                                    earlier=earlier[:-1]))
+                results.append(
+                    dict(earlier[-1]["summary"], interrupted=True, spread_target=target, earlier=earlier[:-1])
+                )
             raise
-        result = dict(summary(mode, preset_name, name, shape, sampling_kw, beta, records), rounds=rounds,
-                      spread_target=target)
+        result = dict(
+            summary(mode, preset_name, name, shape, sampling_kw, beta, records), rounds=rounds, spread_target=target
+        )
         if not target or result["spread"] <= target or len(earlier) == MAX_LENGTHENINGS or rounds >= MAX_ROUNDS:
-            result.update(earlier=[_attempt(e["summary"]) for e in earlier],
-                          within_target=not target or result["spread"] <= target)
+            result.update(
+                earlier=[_attempt(e["summary"]) for e in earlier],
+                within_target=not target or result["spread"] <= target,
+            )
             results.append(result)
             return
         earlier.append(dict(summary=result))
         rounds = min(MAX_ROUNDS, 2 * rounds)
-        _say(f"  {mode:>9} {name:>18}: ratios spread ±{result['spread']:.1%} (target ±{target:.0%}): "
-             f"again with {rounds} passes per trial")
+        _say(
+            f"  {mode:>9} {name:>18}: ratios spread ±{result['spread']:.1%} (target ±{target:.0%}): "
+            f"again with {rounds} passes per trial"
+        )
 
 
 def _attempt(result: dict) -> dict:
     """What a report keeps of an attempt whose ratios spread past the target."""
-    keys = ("rounds", "ratio_median", "ratio_min", "ratio_max", "spread", "floor_ratio_median", "floor_ratio_min",
-            "floor_ratio_max")
+    keys = (
+        "rounds",
+        "ratio_median",
+        "ratio_min",
+        "ratio_max",
+        "spread",
+        "floor_ratio_median",
+        "floor_ratio_min",
+        "floor_ratio_max",
+    )
     return {k: result[k] for k in keys if k in result}
 
 
@@ -346,27 +514,46 @@ def summary(mode, preset, name, shape, sampling_kw, beta, trials) -> dict:
     es_trials = [r for r in trials if r["side"] == "esamp"]
     extra, floor_ratios = {}, []
     if by["floor"]:
-        floor_ratios = [per_trial["floor"][t]["tok_s"] / per_trial["baseline"][t]["tok_s"] for t in sorted(per_trial["floor"])]
-        extra = dict(floor_tok_s_median=statistics.median(by["floor"]),
-                     floor_ratio_median=round(statistics.median(floor_ratios), 4),
-                     floor_ratio_min=round(min(floor_ratios), 4), floor_ratio_max=round(max(floor_ratios), 4))
-    ttft = {side: [r["ttft_ms_median"] for r in trials if r["side"] == side and r.get("ttft_ms_median") is not None]
-            for side in ("baseline", "esamp")}
+        floor_ratios = [
+            per_trial["floor"][t]["tok_s"] / per_trial["baseline"][t]["tok_s"] for t in sorted(per_trial["floor"])
+        ]
+        extra = dict(
+            floor_tok_s_median=statistics.median(by["floor"]),
+            floor_ratio_median=round(statistics.median(floor_ratios), 4),
+            floor_ratio_min=round(min(floor_ratios), 4),
+            floor_ratio_max=round(max(floor_ratios), 4),
+        )
+    ttft = {
+        side: [r["ttft_ms_median"] for r in trials if r["side"] == side and r.get("ttft_ms_median") is not None]
+        for side in ("baseline", "esamp")
+    }
     if ttft["baseline"] and ttft["esamp"]:
         b, e = statistics.median(ttft["baseline"]), statistics.median(ttft["esamp"])
         extra.update(ttft_ms_baseline=b, ttft_ms_esamp=e, ttft_ratio=round(e / b, 4) if b else None)
     return dict(
-        logits=mode, preset=preset, workload=name, prompts=P, n=n, tokens=L, sampling=sampling_kw, beta=beta,
-        trials=trials, spread=round(max(spread(r) for r in (ratios, floor_ratios) if r), 4), baseline_tok_s_median=statistics.median(by["baseline"]),
+        logits=mode,
+        preset=preset,
+        workload=name,
+        prompts=P,
+        n=n,
+        tokens=L,
+        sampling=sampling_kw,
+        beta=beta,
+        trials=trials,
+        spread=round(max(spread(r) for r in (ratios, floor_ratios) if r), 4),
+        baseline_tok_s_median=statistics.median(by["baseline"]),
         esamp_tok_s_median=statistics.median(by["esamp"]),
-        ratio_median=round(statistics.median(ratios), 4), ratio_min=round(min(ratios), 4),
+        ratio_median=round(statistics.median(ratios), 4),
+        ratio_min=round(min(ratios), 4),
         ratio_max=round(max(ratios), 4),
         ratio_of_medians=round(statistics.median(by["esamp"]) / statistics.median(by["baseline"]), 4),
         loss_count=[r["loss_count"] for r in es_trials],
-        loss_first=[r["loss_first"] for r in es_trials], loss_last=[r["loss_last"] for r in es_trials],
+        loss_first=[r["loss_first"] for r in es_trials],
+        loss_last=[r["loss_last"] for r in es_trials],
         port_hits=[r["port_hits"] for r in es_trials],
         candidates_mean=[r["candidates_mean"] for r in es_trials],
-        **extra)
+        **extra,
+    )
 
 
 def _spread_cell(r: dict) -> str:
@@ -376,22 +563,31 @@ def _spread_cell(r: dict) -> str:
 
 def _print_table(report: dict) -> None:
     print()
-    print(f"{'logits':>9} {'workload':>18} {'baseline tok/s':>15} {'esamp tok/s':>12} {'ratio':>7} "
-          f"{'(min..max)':>14} {'spread':>7} {'floor':>7} {'TTFT':>6} {'losses':>7} {'port hits':>10} {'mean |C|':>9}")
+    print(
+        f"{'logits':>9} {'workload':>18} {'baseline tok/s':>15} {'esamp tok/s':>12} {'ratio':>7} "
+        f"{'(min..max)':>14} {'spread':>7} {'floor':>7} {'TTFT':>6} {'losses':>7} {'port hits':>10} {'mean |C|':>9}"
+    )
     for r in report["workloads"]:
         floor = f"{r['floor_ratio_median']:.3f}" if "floor_ratio_median" in r else "-"
         ttft = f"{r['ttft_ratio']:.2f}" if r.get("ttft_ratio") else "-"
-        print(f"{r['logits']:>9} {r['workload']:>18} {r['baseline_tok_s_median']:>15.1f} "
-              f"{r['esamp_tok_s_median']:>12.1f} {r['ratio_median']:>7.3f} "
-              f"{r['ratio_min']:>6.3f}..{r['ratio_max']:<6.3f} {_spread_cell(r):>7} {floor:>7} {ttft:>6} {r['loss_count'][-1]:>7} "
-              f"{r['port_hits'][-1]:>10} {r['candidates_mean'][-1]:>9.1f}")
+        print(
+            f"{r['logits']:>9} {r['workload']:>18} {r['baseline_tok_s_median']:>15.1f} "
+            f"{r['esamp_tok_s_median']:>12.1f} {r['ratio_median']:>7.3f} "
+            f"{r['ratio_min']:>6.3f}..{r['ratio_max']:<6.3f} {_spread_cell(r):>7} {floor:>7} {ttft:>6} "
+            f"{r['loss_count'][-1]:>7} "
+            f"{r['port_hits'][-1]:>10} {r['candidates_mean'][-1]:>9.1f}"
+        )
         if "floor_ratio_median" in r:
-            print(f"{'':>28} floor (ESamp engine, ESamp off): {r['floor_tok_s_median']:.1f} tok/s, ratio "
-                  f"{r['floor_ratio_median']:.3f} {r['floor_ratio_min']:.3f}..{r['floor_ratio_max']:.3f}")
+            print(
+                f"{'':>28} floor (ESamp engine, ESamp off): {r['floor_tok_s_median']:.1f} tok/s, ratio "
+                f"{r['floor_ratio_median']:.3f} {r['floor_ratio_min']:.3f}..{r['floor_ratio_max']:.3f}"
+            )
     wide = [r["workload"] for r in report["workloads"] if r.get("within_target") is False]
     if wide:
-        print(f"* ratios spread past ±{report['workloads'][0]['spread_target']:.0%} even with the longest passes "
-              f"({', '.join(wide)}): read them as a range, or raise --min-trial-seconds or --trials")
+        print(
+            f"* ratios spread past ±{report['workloads'][0]['spread_target']:.0%} even with the longest passes "
+            f"({', '.join(wide)}): read them as a range, or raise --min-trial-seconds or --trials"
+        )
     if report.get("host_ms_per_steady_step") is not None:
         print(f"processor host time per steady step: {report['host_ms_per_steady_step']} ms")
     if report.get("interrupted"):

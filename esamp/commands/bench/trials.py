@@ -43,16 +43,31 @@ def run_trial(engine, prompts, n: int, tokens: int, sampling_kw: dict, steering,
     engine.drain()  # release the groups' slots before the next pass
     ttft = list(first) if first else []
     # client_cpu_share near 1: this process (event bookkeeping), not the engine, set the pace
-    return dict(tokens=produced, seconds=round(seconds, 4), tok_s=round(produced / max(seconds, 1e-9), 2),
-                client_cpu_share=round(client / seconds, 3),
-                loss_count=len(losses), loss_first=losses[0] if losses else None,
-                loss_last=losses[-1] if losses else None, port_hits=port_hits,
-                candidates_mean=round(sum(cands) / len(cands), 2) if cands else 0.0,
-                ttft_ms=[round(1e3 * t, 2) for t in ttft])
+    return dict(
+        tokens=produced,
+        seconds=round(seconds, 4),
+        tok_s=round(produced / max(seconds, 1e-9), 2),
+        client_cpu_share=round(client / seconds, 3),
+        loss_count=len(losses),
+        loss_first=losses[0] if losses else None,
+        loss_last=losses[-1] if losses else None,
+        port_hits=port_hits,
+        candidates_mean=round(sum(cands) / len(cands), 2) if cands else 0.0,
+        ttft_ms=[round(1e3 * t, 2) for t in ttft],
+    )
 
 
-def run_interleaved(sides, prompts, n: int, tokens: int, sampling_kw: dict, trials: int, rounds: int,
-                    report=None, out: list[dict] | None = None) -> list[dict]:
+def run_interleaved(
+    sides,
+    prompts,
+    n: int,
+    tokens: int,
+    sampling_kw: dict,
+    trials: int,
+    rounds: int,
+    report=None,
+    out: list[dict] | None = None,
+) -> list[dict]:
     """``trials`` trials of ``rounds`` passes per side, the sides interleaved pass by pass.
     ``sides``: (name, engine, steering). ``report(record)`` sees each trial's record per side as
     it completes. Returns one record per trial and side, appended to ``out`` as each trial ends
@@ -62,7 +77,7 @@ def run_interleaved(sides, prompts, n: int, tokens: int, sampling_kw: dict, tria
         order = list(sides) if t % 2 == 0 else list(reversed(sides))
         parts: dict[str, list[dict]] = {name: [] for name, _, _ in sides}
         for r in range(rounds):
-            for name, engine, steering in (order if r % 2 == 0 else list(reversed(order))):
+            for name, engine, steering in order if r % 2 == 0 else list(reversed(order)):
                 parts[name].append(run_trial(engine, prompts, n, tokens, sampling_kw, steering))
         for name, _, _ in order:
             record = dict(combine(parts[name]), side=name, trial=t, rounds=rounds)
@@ -79,12 +94,16 @@ def combine(passes: list[dict]) -> dict:
     losses = [p for p in passes if p["loss_count"]]
     cands = [p["candidates_mean"] for p in passes if p["candidates_mean"]]
     ttft = [t for p in passes for t in p["ttft_ms"]]
-    return dict(tokens=tokens, seconds=round(seconds, 4), tok_s=round(tokens / max(seconds, 1e-9), 2),
-                pass_tok_s=[p["tok_s"] for p in passes],
-                client_cpu_share=round(statistics.mean(p["client_cpu_share"] for p in passes), 3),
-                loss_count=sum(p["loss_count"] for p in passes),
-                loss_first=losses[0]["loss_first"] if losses else None,
-                loss_last=losses[-1]["loss_last"] if losses else None,
-                port_hits=sum(p["port_hits"] for p in passes),
-                candidates_mean=round(statistics.mean(cands), 2) if cands else 0.0,
-                ttft_ms_median=round(statistics.median(ttft), 2) if ttft else None)
+    return dict(
+        tokens=tokens,
+        seconds=round(seconds, 4),
+        tok_s=round(tokens / max(seconds, 1e-9), 2),
+        pass_tok_s=[p["tok_s"] for p in passes],
+        client_cpu_share=round(statistics.mean(p["client_cpu_share"] for p in passes), 3),
+        loss_count=sum(p["loss_count"] for p in passes),
+        loss_first=losses[0]["loss_first"] if losses else None,
+        loss_last=losses[-1]["loss_last"] if losses else None,
+        port_hits=sum(p["port_hits"] for p in passes),
+        candidates_mean=round(statistics.mean(cands), 2) if cands else 0.0,
+        ttft_ms_median=round(statistics.median(ttft), 2) if ttft else None,
+    )

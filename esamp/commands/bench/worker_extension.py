@@ -45,15 +45,20 @@ class EsampBenchExtension(EsampWorkerExtension):
         with torch.no_grad():
             if getattr(self, "_esamp_head_copy", None) is None:
                 self._esamp_head_copy = weight[:vocab].to("cpu", copy=True)
-            f = None if factors is None else torch.tensor(
-                factors[first:first + vocab], dtype=torch.float32, device=weight.device).unsqueeze(1)
+            f = (
+                None
+                if factors is None
+                else torch.tensor(factors[first : first + vocab], dtype=torch.float32, device=weight.device).unsqueeze(
+                    1
+                )
+            )
             # In blocks of rows: a float32 copy of a 7B head is 2 GiB, more than a GPU shared by
             # the bench's three engines has free.
             for start in range(0, vocab, HEAD_BLOCK):
-                rows = weight[start:min(vocab, start + HEAD_BLOCK)]
-                rows.copy_(self._esamp_head_copy[start:start + len(rows)])
+                rows = weight[start : min(vocab, start + HEAD_BLOCK)]
+                rows.copy_(self._esamp_head_copy[start : start + len(rows)])
                 if f is not None:
-                    rows.copy_((rows.float() * f[start:start + len(rows)]).to(rows.dtype))
+                    rows.copy_((rows.float() * f[start : start + len(rows)]).to(rows.dtype))
             if factors is None:
                 self._esamp_head_copy = None
 

@@ -12,10 +12,14 @@ from esamp.errors import ConfigError
 
 # Filter and steering settings per preset; "default" is the settings models' own defaults.
 PRESETS: dict[str, dict] = {
-    "default": dict(workloads=("16x64", "32xn8x256"), sampling=Filters().model_dump(),
-                    steering=Steering().model_dump(include={"beta"})),
-    "fair": dict(workloads=("8xn16x256",), sampling=Filters(top_p=1.0, min_p=0.05).model_dump(),
-                 steering=dict(beta=0.1)),
+    "default": dict(
+        workloads=("16x64", "32xn8x256"),
+        sampling=Filters().model_dump(),
+        steering=Steering().model_dump(include={"beta"}),
+    ),
+    "fair": dict(
+        workloads=("8xn16x256",), sampling=Filters(top_p=1.0, min_p=0.05).model_dump(), steering=dict(beta=0.1)
+    ),
 }
 # Without a GPU (vLLM on the CPU): the embedded model and workloads that finish in a few minutes.
 CPU_WORKLOADS = ("4x32", "2xn4x32")
@@ -34,9 +38,11 @@ def parse_workload(spec: str) -> tuple[int, int, int]:
     """``16x64`` → (16, 1, 64); ``32xn8x256`` → (32, 8, 256)."""
     m = re.fullmatch(r"(\d+)x(?:n(\d+)x)?(\d+)", spec.strip())
     if not m or int(m.group(1)) < 1 or int(m.group(3)) < 1 or (m.group(2) and int(m.group(2)) < 1):
-        raise ConfigError(f"bad workload {spec!r}",
-                          hint="write PROMPTSxTOKENS (16x64), PROMPTSxnSAMPLESxTOKENS (32xn8x256) or a "
-                               "preset name (" + ", ".join(p for p in PRESETS if p != "default") + ")")
+        raise ConfigError(
+            f"bad workload {spec!r}",
+            hint="write PROMPTSxTOKENS (16x64), PROMPTSxnSAMPLESxTOKENS (32xn8x256) or a "
+            "preset name (" + ", ".join(p for p in PRESETS if p != "default") + ")",
+        )
     return int(m.group(1)), int(m.group(2) or 1), int(m.group(3))
 
 

@@ -88,23 +88,39 @@ class FlatParameters:
         return self.flat.index_select(0, units)
 
     @torch.no_grad()
-    def update(self, units: torch.Tensor, counts: torch.Tensor, grads: dict[str, torch.Tensor],
-               optimizer: str, lr: float) -> None:
+    def update(
+        self, units: torch.Tensor, counts: torch.Tensor, grads: dict[str, torch.Tensor], optimizer: str, lr: float
+    ) -> None:
         """One SGD or Adam step on every unit with ``counts > 0``; ``grads``: name → [U, ...]."""
         if optimizer not in ("adam", "sgd"):
             raise ValueError(f"optimizer must be 'adam' or 'sgd', not {optimizer!r}")
         trains = counts > 0
         self.steps.index_add_(0, units, trains.to(self.steps.dtype))  # padded units add 0
-        usable = (triton is not None and self.flat.is_cuda
-                  and all(g.is_cuda and g.is_contiguous() for g in grads.values()))
+        usable = (
+            triton is not None and self.flat.is_cuda and all(g.is_cuda and g.is_contiguous() for g in grads.values())
+        )
         if usable:
             for name, grad in grads.items():
                 a, b = self.spans[name]
                 n = b - a
                 _update_kernel[(units.numel(), triton.cdiv(n, BLOCK))](
-                    self.flat, self.flat_m, self.flat_v, self.steps, grad, units, counts,
-                    self.flat.stride(0), a, n, lr, ADAM_BETAS[0], ADAM_BETAS[1], ADAM_EPS,
-                    ADAM=optimizer == "adam", BLOCK=BLOCK)
+                    self.flat,
+                    self.flat_m,
+                    self.flat_v,
+                    self.steps,
+                    grad,
+                    units,
+                    counts,
+                    self.flat.stride(0),
+                    a,
+                    n,
+                    lr,
+                    ADAM_BETAS[0],
+                    ADAM_BETAS[1],
+                    ADAM_EPS,
+                    ADAM=optimizer == "adam",
+                    BLOCK=BLOCK,
+                )
             return
         grad = torch.cat([g.reshape(g.shape[0], -1) for g in grads.values()], dim=1)  # [U, P]
         p = self.flat.index_select(0, units)
@@ -119,8 +135,8 @@ class FlatParameters:
         m_new = m * b1 + grad * (1 - b1)
         v_new = v * b2 + grad * grad * (1 - b2)
         step = self.steps.index_select(0, units).clamp(min=1).unsqueeze(1)
-        bias1 = 1 - b1 ** step
-        bias2 = 1 - b2 ** step
+        bias1 = 1 - b1**step
+        bias2 = 1 - b2**step
         p_new = p - (lr / bias1) * m_new / (v_new.sqrt() / bias2.sqrt() + ADAM_EPS)
         self.flat.index_copy_(0, units, torch.where(keep, p_new, p))
         self.flat_m.index_copy_(0, units, torch.where(keep, m_new, m))
@@ -130,8 +146,24 @@ class FlatParameters:
 if triton is not None:
 
     @triton.jit
-    def _update_kernel(p_ptr, m_ptr, v_ptr, steps_ptr, g_ptr, units_ptr, counts_ptr, row_stride, offset, n,
-                       lr, beta1, beta2, eps, ADAM: tl.constexpr, BLOCK: tl.constexpr):
+    def _update_kernel(
+        p_ptr,
+        m_ptr,
+        v_ptr,
+        steps_ptr,
+        g_ptr,
+        units_ptr,
+        counts_ptr,
+        row_stride,
+        offset,
+        n,
+        lr,
+        beta1,
+        beta2,
+        eps,
+        ADAM: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         """One unit's span [offset, offset + n) of its slot's row, one BLOCK per program."""
         u = tl.program_id(0)
         if tl.load(counts_ptr + u) > 0:

@@ -7,8 +7,8 @@ equal to eager steps.
 
 ``GraphCache.run(key, fn, *inputs)`` calls ``fn(*inputs)`` eagerly until the same ``key`` has
 been seen ``after`` times (keys may alternate: the sampler's logits can come from two buffers in
-turn), then captures it and replays it for every later call with that key. Graphs are kept per key (``size`` of them, least recently used first out), so a shape
-that comes back replays at once.
+turn), then captures it and replays it for every later call with that key. Graphs are kept per
+key (``size`` of them, least recently used first out), so a shape that comes back replays at once.
 
 Inputs are copied into the graph's own buffers before each replay, unless ``in_place=True``: then
 the graph reads and writes the caller's tensors where they are, and the caller puts their
@@ -31,7 +31,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from typing import Callable, Hashable
+from collections.abc import Callable, Hashable
 
 import torch
 
@@ -52,8 +52,14 @@ def _tensors(value):
 class _Graph:
     """One captured call: static inputs in, static outputs back (overwritten by the next replay)."""
 
-    def __init__(self, fn: Callable, inputs: tuple[torch.Tensor, ...], stream: torch.cuda.Stream,
-                 in_place: bool = False, pool=None) -> None:
+    def __init__(
+        self,
+        fn: Callable,
+        inputs: tuple[torch.Tensor, ...],
+        stream: torch.cuda.Stream,
+        in_place: bool = False,
+        pool=None,
+    ) -> None:
         # In place: no reference to the caller's tensors is kept (their memory must stay free to
         # be handed out again at the same address); the key names the addresses.
         self.inputs = () if in_place else tuple(t.clone() for t in inputs)
@@ -77,8 +83,14 @@ class _Graph:
 
 
 class GraphCache:
-    def __init__(self, enabled: bool = True, after: int = GRAPH_AFTER, size: int = GRAPH_CACHE,
-                 in_place: bool = False, shared_pool: bool = False) -> None:
+    def __init__(
+        self,
+        enabled: bool = True,
+        after: int = GRAPH_AFTER,
+        size: int = GRAPH_CACHE,
+        in_place: bool = False,
+        shared_pool: bool = False,
+    ) -> None:
         self.enabled = enabled
         self.in_place = in_place
         self.after, self.size = after, size

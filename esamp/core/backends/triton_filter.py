@@ -42,9 +42,16 @@ SPLIT = 64  # thresholds per narrowing pass
 RANGE = 40.0  # without min-p, tokens more than RANGE below the max in z̃ (mass < e^-40 each) count as dropped
 
 
-def filter_and_mix_torch(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor,
-                         min_p: torch.Tensor, top_p: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                         d: torch.Tensor | None) -> torch.Tensor:
+def filter_and_mix_torch(
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    temperature: torch.Tensor,
+    min_p: torch.Tensor,
+    top_p: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    d: torch.Tensor | None,
+) -> torch.Tensor:
     """The reference: rows ``rows`` of ``logits`` filtered and mixed in place; |C| per row.
 
     ``temperature``, ``min_p`` (0 = off), ``top_p`` (1 = off), ``a``, ``b``: [N] per listed row;
@@ -80,24 +87,45 @@ class FilterWorkspace:
         self.overflows = torch.zeros(1, **i32)
 
 
-def filter_and_mix(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor,
-                   top_p: torch.Tensor, a: torch.Tensor, b: torch.Tensor, d: torch.Tensor | None,
-                   work: FilterWorkspace | None = None) -> torch.Tensor:
+def filter_and_mix(
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    temperature: torch.Tensor,
+    min_p: torch.Tensor,
+    top_p: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    d: torch.Tensor | None,
+    work: FilterWorkspace | None = None,
+) -> torch.Tensor:
     """``filter_and_mix_torch`` with the Triton kernels where they apply (a CUDA fp32 ``logits``).
 
     A fixed sequence of launches for a given row count, reading every per-row setting from device
     tensors: it can be captured in a CUDA graph and replayed for other settings and rows. Returns
     |C| per listed row (int32, ``work.counts``)."""
-    usable = (triton is not None and logits.is_cuda and logits.dtype == torch.float32 and logits.stride(1) == 1
-              and (d is None or d.stride(1) == 1))
+    usable = (
+        triton is not None
+        and logits.is_cuda
+        and logits.dtype == torch.float32
+        and logits.stride(1) == 1
+        and (d is None or d.stride(1) == 1)
+    )
     if not usable:
         return filter_and_mix_torch(logits, rows, temperature, min_p, top_p, a, b, d)
     return launch(logits, rows, temperature, min_p, top_p, a, b, d, work)
 
 
-def launch(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor,
-           top_p: torch.Tensor, a: torch.Tensor, b: torch.Tensor, d: torch.Tensor | None,
-           work: FilterWorkspace | None = None) -> torch.Tensor:
+def launch(
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    temperature: torch.Tensor,
+    min_p: torch.Tensor,
+    top_p: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    d: torch.Tensor | None,
+    work: FilterWorkspace | None = None,
+) -> torch.Tensor:
     """The kernels, unconditionally (``filter_and_mix`` checks that they apply; tests run them in
     Triton's interpreter too)."""
     n = rows.numel()
@@ -114,28 +142,30 @@ def launch(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor, 
     _max_kernel[grid](logits, rows, work.part_max, work.edge_count, work.counts, V, logits.stride(0), C, BLOCK=BLOCK)
     _collect_kernel[grid](*row, work.edge, work.edge_count, work.cut, work.split, FIRST=True, **meta)
     for stage in range(4):
-        _cut_kernel[(n,)](*row, work.edge, work.edge_count, work.cut, work.split, work.partial, work.overflows,
-                          STAGE=stage, **meta)
+        _cut_kernel[(n,)](
+            *row, work.edge, work.edge_count, work.cut, work.split, work.partial, work.overflows, STAGE=stage, **meta
+        )
         if stage < 2:
             _split_kernel[grid](*row, work.cut, work.split, work.partial, **meta)
         elif stage == 2:
             _collect_kernel[grid](*row, work.edge, work.edge_count, work.cut, work.split, FIRST=False, **meta)
-    _mix_kernel[grid](*row, work.cut, a, b, d_arg, d_stride, m, work.counts, BLOCK=BLOCK,
-                      CHUNKS=triton.next_power_of_2(C))
+    _mix_kernel[grid](
+        *row, work.cut, a, b, d_arg, d_stride, m, work.counts, BLOCK=BLOCK, CHUNKS=triton.next_power_of_2(C)
+    )
     return work.counts[:n]
 
 
 if triton is not None:
 
     @triton.jit
-    def _row_setup(z_ptr, rows_ptr, t_ptr, min_p_ptr, top_p_ptr, part_ptr, i, chunks, RANGE,
-                   CHUNKS: tl.constexpr):
+    def _row_setup(z_ptr, rows_ptr, t_ptr, min_p_ptr, top_p_ptr, part_ptr, i, chunks, RANGE, CHUNKS: tl.constexpr):
         """Row i's logits row, T, max z, min-p floor (z units; −∞ when off), top-p, and the lowest
         logit whose mass the cut considers (the floor, or RANGE below the max in z̃)."""
         row = tl.load(rows_ptr + i).to(tl.int64)
         temp = tl.load(t_ptr + i)
-        parts = tl.load(part_ptr + i * chunks + tl.arange(0, CHUNKS), mask=tl.arange(0, CHUNKS) < chunks,
-                        other=float("-inf"))
+        parts = tl.load(
+            part_ptr + i * chunks + tl.arange(0, CHUNKS), mask=tl.arange(0, CHUNKS) < chunks, other=float("-inf")
+        )
         zmax = tl.max(parts, axis=0)
         min_p = tl.load(min_p_ptr + i)
         floor = tl.where(min_p > 0.0, zmax + temp * tl.log(tl.maximum(min_p, 1e-38)), float("-inf"))
@@ -144,8 +174,7 @@ if triton is not None:
         return row, temp, zmax, floor, low, top_p
 
     @triton.jit(do_not_specialize=["V", "z_stride", "chunks"])
-    def _max_kernel(z_ptr, rows_ptr, part_ptr, edge_count_ptr, counts_ptr, V, z_stride, chunks,
-                    BLOCK: tl.constexpr):
+    def _max_kernel(z_ptr, rows_ptr, part_ptr, edge_count_ptr, counts_ptr, V, z_stride, chunks, BLOCK: tl.constexpr):
         """Chunk maxima; clears the row's counters."""
         i = tl.program_id(0)
         c = tl.program_id(1)
@@ -158,14 +187,33 @@ if triton is not None:
         tl.store(part_ptr + i * chunks + c, tl.max(z, axis=0))
 
     @triton.jit(do_not_specialize=["V", "z_stride", "chunks"])
-    def _collect_kernel(z_ptr, rows_ptr, t_ptr, min_p_ptr, top_p_ptr, part_ptr, V, z_stride, chunks,
-                        edge_ptr, edge_count_ptr, cut_ptr, split_ptr, RANGE, FIRST: tl.constexpr,
-                        BLOCK: tl.constexpr, CHUNKS: tl.constexpr, EDGE: tl.constexpr, SPLIT: tl.constexpr):
+    def _collect_kernel(
+        z_ptr,
+        rows_ptr,
+        t_ptr,
+        min_p_ptr,
+        top_p_ptr,
+        part_ptr,
+        V,
+        z_stride,
+        chunks,
+        edge_ptr,
+        edge_count_ptr,
+        cut_ptr,
+        split_ptr,
+        RANGE,
+        FIRST: tl.constexpr,
+        BLOCK: tl.constexpr,
+        CHUNKS: tl.constexpr,
+        EDGE: tl.constexpr,
+        SPLIT: tl.constexpr,
+    ):
         """Collect the logits of a row's survivors (FIRST) or of those in its narrowed interval."""
         i = tl.program_id(0)
         c = tl.program_id(1)
-        row, temp, zmax, floor, low, top_p = _row_setup(z_ptr, rows_ptr, t_ptr, min_p_ptr, top_p_ptr, part_ptr,
-                                                        i, chunks, RANGE, CHUNKS)
+        row, temp, zmax, floor, low, top_p = _row_setup(
+            z_ptr, rows_ptr, t_ptr, min_p_ptr, top_p_ptr, part_ptr, i, chunks, RANGE, CHUNKS
+        )
         go = top_p < 1.0
         if not FIRST:
             go = tl.load(split_ptr + i) != 0
@@ -193,15 +241,35 @@ if triton is not None:
         return tl.min(tl.where(dropped | (k >= count), float("inf"), values), axis=0)
 
     @triton.jit(do_not_specialize=["V", "z_stride", "chunks"])
-    def _cut_kernel(z_ptr, rows_ptr, t_ptr, min_p_ptr, top_p_ptr, part_ptr, V, z_stride, chunks,
-                    edge_ptr, edge_count_ptr, cut_ptr, split_ptr, partial_ptr, overflow_ptr, RANGE,
-                    STAGE: tl.constexpr, BLOCK: tl.constexpr, CHUNKS: tl.constexpr, EDGE: tl.constexpr,
-                    SPLIT: tl.constexpr):
+    def _cut_kernel(
+        z_ptr,
+        rows_ptr,
+        t_ptr,
+        min_p_ptr,
+        top_p_ptr,
+        part_ptr,
+        V,
+        z_stride,
+        chunks,
+        edge_ptr,
+        edge_count_ptr,
+        cut_ptr,
+        split_ptr,
+        partial_ptr,
+        overflow_ptr,
+        RANGE,
+        STAGE: tl.constexpr,
+        BLOCK: tl.constexpr,
+        CHUNKS: tl.constexpr,
+        EDGE: tl.constexpr,
+        SPLIT: tl.constexpr,
+    ):
         """One program per row: place the cut (stage 0 from the survivors, stages 1 and 2 from the
         split passes' masses, stage 3 from the narrowed interval's survivors)."""
         i = tl.program_id(0)
-        row, temp, zmax, floor, low, top_p = _row_setup(z_ptr, rows_ptr, t_ptr, min_p_ptr, top_p_ptr, part_ptr,
-                                                        i, chunks, RANGE, CHUNKS)
+        row, temp, zmax, floor, low, top_p = _row_setup(
+            z_ptr, rows_ptr, t_ptr, min_p_ptr, top_p_ptr, part_ptr, i, chunks, RANGE, CHUNKS
+        )
         cut = cut_ptr + i * 6  # threshold, lo, hi, below, total, above
         if STAGE == 0:
             count = tl.load(edge_count_ptr + i)
@@ -223,8 +291,14 @@ if triton is not None:
             if tl.load(split_ptr + i) != 0:
                 k = tl.arange(0, SPLIT)
                 cc = tl.arange(0, CHUNKS)
-                acc = tl.sum(tl.load(partial_ptr + (i * chunks + cc[:, None]) * SPLIT + k[None, :],
-                                     mask=cc[:, None] < chunks, other=0.0), axis=0)
+                acc = tl.sum(
+                    tl.load(
+                        partial_ptr + (i * chunks + cc[:, None]) * SPLIT + k[None, :],
+                        mask=cc[:, None] < chunks,
+                        other=0.0,
+                    ),
+                    axis=0,
+                )
                 lo = tl.load(cut + 1)
                 hi = tl.load(cut + 2)
                 if STAGE == 1:
@@ -267,16 +341,33 @@ if triton is not None:
                 tl.store(split_ptr + i, 0)
 
     @triton.jit(do_not_specialize=["V", "z_stride", "chunks"])
-    def _split_kernel(z_ptr, rows_ptr, t_ptr, min_p_ptr, top_p_ptr, part_ptr, V, z_stride, chunks,
-                      cut_ptr, split_ptr, partial_ptr, RANGE, BLOCK: tl.constexpr, CHUNKS: tl.constexpr,
-                      EDGE: tl.constexpr, SPLIT: tl.constexpr):
+    def _split_kernel(
+        z_ptr,
+        rows_ptr,
+        t_ptr,
+        min_p_ptr,
+        top_p_ptr,
+        part_ptr,
+        V,
+        z_stride,
+        chunks,
+        cut_ptr,
+        split_ptr,
+        partial_ptr,
+        RANGE,
+        BLOCK: tl.constexpr,
+        CHUNKS: tl.constexpr,
+        EDGE: tl.constexpr,
+        SPLIT: tl.constexpr,
+    ):
         """Per chunk, the survivors' mass at or above each of SPLIT thresholds spread over the
         row's current interval [lo, hi] (rows whose cut is being narrowed)."""
         i = tl.program_id(0)
         c = tl.program_id(1)
         if tl.load(split_ptr + i) != 0:
-            row, temp, zmax, floor, low, top_p = _row_setup(z_ptr, rows_ptr, t_ptr, min_p_ptr, top_p_ptr,
-                                                            part_ptr, i, chunks, RANGE, CHUNKS)
+            row, temp, zmax, floor, low, top_p = _row_setup(
+                z_ptr, rows_ptr, t_ptr, min_p_ptr, top_p_ptr, part_ptr, i, chunks, RANGE, CHUNKS
+            )
             lo = tl.load(cut_ptr + i * 6 + 1)
             hi = tl.load(cut_ptr + i * 6 + 2)
             k = tl.arange(0, SPLIT)
@@ -292,9 +383,26 @@ if triton is not None:
             tl.store(partial_ptr + (i * chunks + c) * SPLIT + k, acc)
 
     @triton.jit(do_not_specialize=["V", "z_stride", "chunks", "d_stride", "mixed"])
-    def _mix_kernel(z_ptr, rows_ptr, t_ptr, min_p_ptr, top_p_ptr, part_ptr, V, z_stride, chunks,
-                    cut_ptr, a_ptr, b_ptr, d_ptr, d_stride, mixed, counts_ptr, BLOCK: tl.constexpr,
-                    CHUNKS: tl.constexpr):
+    def _mix_kernel(
+        z_ptr,
+        rows_ptr,
+        t_ptr,
+        min_p_ptr,
+        top_p_ptr,
+        part_ptr,
+        V,
+        z_stride,
+        chunks,
+        cut_ptr,
+        a_ptr,
+        b_ptr,
+        d_ptr,
+        d_stride,
+        mixed,
+        counts_ptr,
+        BLOCK: tl.constexpr,
+        CHUNKS: tl.constexpr,
+    ):
         """z' = (a/T)·z − b·d on C (z at or above the row's cut), −∞ elsewhere; |C| per row."""
         i = tl.program_id(0)
         c = tl.program_id(1)

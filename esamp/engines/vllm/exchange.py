@@ -28,7 +28,7 @@ batch is re-made once the KV cache is sized) finds the same Distiller bank.
 from __future__ import annotations
 
 import weakref
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -41,7 +41,7 @@ class StepMismatch(RuntimeError):
     """The model and the logits processor disagree about the step they are in."""
 
 
-def exchange_for(vllm_config) -> "StepExchange":
+def exchange_for(vllm_config) -> StepExchange:
     """The exchange of the engine ``vllm_config`` describes (made on first use).
 
     Keyed by the configuration object itself: vLLM hands the model, the logits processors and the
@@ -62,7 +62,7 @@ def exchange_for(vllm_config) -> "StepExchange":
     return exchange
 
 
-def live_exchanges() -> list["StepExchange"]:
+def live_exchanges() -> list[StepExchange]:
     return [x for _, ref in list(_EXCHANGES.values()) if (x := ref()) is not None]
 
 
@@ -79,7 +79,9 @@ class StepExchange:
 
     # -- set-up ------------------------------------------------------------------------------
 
-    def attach_adapter(self, adapter, make_steering: Callable[[], EngineSteering], late: bool = False) -> EngineSteering:
+    def attach_adapter(
+        self, adapter, make_steering: Callable[[], EngineSteering], late: bool = False
+    ) -> EngineSteering:
         """Make ``adapter`` the one that works (the latest built; an earlier one stays out of the
         way: ``is_live``) and return the engine's steering, made on first use."""
         self._adapter = weakref.ref(adapter)
@@ -114,15 +116,16 @@ class StepExchange:
         plan = adapter.plan(rows)
         return plan if plan is not None and plan.steered else None
 
-    def put_taps(self, plan: BatchPlan, aux: torch.Tensor, source: int, target: int, normalize,
-                 head_dtype: torch.dtype) -> torch.Tensor:
+    def put_taps(
+        self, plan: BatchPlan, aux: torch.Tensor, source: int, target: int, normalize, head_dtype: torch.dtype
+    ) -> torch.Tensor:
         """The Distiller step on ``plan``'s steered rows (``aux``: every logits row's tap columns);
         returns ŷ of those rows in ``head_dtype``, ready to stack under the head's input rows."""
         self.steering.keep_taps(aux)
         handoff = self.steering.distill(plan, source, target, normalize, head_dtype)
         self._handoff = handoff
         self.taps_put += 1
-        return handoff.prediction[:plan.steered]
+        return handoff.prediction[: plan.steered]
 
     def put_distiller_logits(self, plan: BatchPlan, d: torch.Tensor) -> None:
         """d = W·ŷ [steered, V] for ``plan``'s steered rows."""
@@ -138,8 +141,13 @@ class StepExchange:
     def put_taps_late(self, aux: torch.Tensor, source: int, target: int, normalize, head_dtype: torch.dtype) -> None:
         """For a late adapter with rows to steer: keep every logits row's taps for its ``apply``."""
         adapter = self.adapter
-        if not self.late or adapter is None or self.steering is None or self.steering.bank is None \
-                or not adapter.has_rows():
+        if (
+            not self.late
+            or adapter is None
+            or self.steering is None
+            or self.steering.bank is None
+            or not adapter.has_rows()
+        ):
             return
         if self.steering.keep_taps(aux):
             self._late_taps = (source, target, normalize, head_dtype)
@@ -154,7 +162,7 @@ class StepExchange:
             return None
         handoff = self.steering.distill(plan, *taps)
         head = model.esamp_lm_head()
-        handoff.d = handoff.prediction[:plan.steered].to(head.dtype) @ head[: self.steering.vocab].t()
+        handoff.d = handoff.prediction[: plan.steered].to(head.dtype) @ head[: self.steering.vocab].t()
         return handoff
 
     # -- the adapter's side ------------------------------------------------------------------
@@ -165,7 +173,9 @@ class StepExchange:
         if handoff is None:
             return None
         if handoff.plan is not plan:
-            raise StepMismatch("ESamp: the logits processor's rows are not the rows the model tapped this "
-                               "step; this vLLM calls its model and its logits processors in an order esamp "
-                               "does not support (see the supported versions in docs/vllm.md)")
+            raise StepMismatch(
+                "ESamp: the logits processor's rows are not the rows the model tapped this "
+                "step; this vLLM calls its model and its logits processors in an order esamp "
+                "does not support (see the supported versions in docs/vllm.md)"
+            )
         return handoff

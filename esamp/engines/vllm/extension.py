@@ -19,8 +19,9 @@ class EsampWorkerExtension:
     def _esamp_exchange(self):
         return exchange_for(self.vllm_config)
 
-    def esamp_drain(self, release: list[str] | tuple[str, ...] = (), groups: list[str] | None = None,
-                    columns: bool = False) -> dict:
+    def esamp_drain(
+        self, release: list[str] | tuple[str, ...] = (), groups: list[str] | None = None, columns: bool = False
+    ) -> dict:
         """Finished step records (of ``groups``, or all; rows as columns with ``columns``) and
         counters; frees released groups."""
         steering = self._esamp_exchange().steering

@@ -10,7 +10,8 @@ through a vLLM plugin that only its own processes load (``esamp.serving.plugin``
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 Step = Callable[[Any, Any], None]  # step(steering, vllm_config)
 

@@ -61,16 +61,19 @@ class ModelFacts:
         return (self.config.get("architectures") or ["LlamaForCausalLM"])[0]
 
 
-def model_facts(resolved, *, gguf: str = "convert", dtype: str | None = None,
-                tokenizer: str | None = None, progress=None) -> ModelFacts:
+def model_facts(
+    resolved, *, gguf: str = "convert", dtype: str | None = None, tokenizer: str | None = None, progress=None
+) -> ModelFacts:
     """What vLLM loads for ``resolved`` (``esamp.engines.models.resolve``). ``gguf``: "convert" loads the
     cached bf16 HF directory of a GGUF model, "native" lets vLLM read the GGUF itself. ``progress``
     hears of a first start's GGUF conversion."""
     if gguf not in GGUF_MODES:
         from esamp.errors import ConfigError
 
-        raise ConfigError(f"gguf must be one of {', '.join(GGUF_MODES)}, not {gguf!r}",
-                          hint="'convert' loads the cached bf16 HF directory; 'native' lets vLLM read the GGUF")
+        raise ConfigError(
+            f"gguf must be one of {', '.join(GGUF_MODES)}, not {gguf!r}",
+            hint="'convert' loads the cached bf16 HF directory; 'native' lets vLLM read the GGUF",
+        )
     kind = resolved.kind
     if kind == "dummy":
         config_dir = Path(resolved.path)
@@ -78,8 +81,11 @@ def model_facts(resolved, *, gguf: str = "convert", dtype: str | None = None,
     elif kind == "gguf" and gguf == "native":
         # vLLM 0.20 reads GGUF itself; fp16 activations (bf16/fp32 gave NaN logits there).
         config_dir = Path(resolved.hf_dir(progress))
-        load = dict(model=str(resolved.path), dtype=dtype or "float16",
-                    tokenizer=str(Path(tokenizer or resolved.tokenizer or config_dir).resolve()))
+        load = dict(
+            model=str(resolved.path),
+            dtype=dtype or "float16",
+            tokenizer=str(Path(tokenizer or resolved.tokenizer or config_dir).resolve()),
+        )
     else:  # an HF directory; a GGUF is dequantised once to a cached bf16 HF directory
         config_dir = Path(resolved.hf_dir(progress))
         load = dict(model=str(config_dir), dtype=dtype or "bfloat16")

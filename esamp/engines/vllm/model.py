@@ -94,8 +94,10 @@ class _TapMixin:
         """The two tapped residual rows through their layers' input norms: the Distiller's x and y."""
         layers = self.model.layers
         src, tgt = self.esamp_taps
-        return (_first(layers[src].input_layernorm(source.contiguous())),
-                _first(layers[tgt].input_layernorm(target.contiguous())))
+        return (
+            _first(layers[src].input_layernorm(source.contiguous())),
+            _first(layers[tgt].input_layernorm(target.contiguous())),
+        )
 
     def esamp_head_dtype(self, hidden: torch.Tensor) -> torch.dtype:
         """The dtype ŷ joins the LM head's input rows in."""
@@ -104,8 +106,12 @@ class _TapMixin:
     def _esamp_plain_head(self) -> bool:
         """True when ``compute_logits`` is exactly W·h (no soft cap, scale 1, hidden states in)."""
         lp = getattr(self, "logits_processor", None)
-        return (lp is not None and getattr(lp, "soft_cap", None) is None
-                and float(getattr(lp, "scale", 1.0)) == 1.0 and not getattr(lp, "logits_as_input", False))
+        return (
+            lp is not None
+            and getattr(lp, "soft_cap", None) is None
+            and float(getattr(lp, "scale", 1.0)) == 1.0
+            and not getattr(lp, "logits_as_input", False)
+        )
 
     # -- what the processor needs from the model ----------------------------------------------
 
@@ -119,8 +125,14 @@ class _TapMixin:
         """
         weight = getattr(self.lm_head, "weight", None)
         H = self.esamp_hidden
-        if (not self.esamp_head_sharded and isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[1] == H
-                and weight.dtype.is_floating_point and weight.dtype.itemsize >= 2):
+        if (
+            not self.esamp_head_sharded
+            and isinstance(weight, torch.Tensor)
+            and weight.dim() == 2
+            and weight.shape[1] == H
+            and weight.dtype.is_floating_point
+            and weight.dtype.itemsize >= 2
+        ):
             return weight
         cached = getattr(self, "_esamp_dense_head", None)
         if cached is None:
@@ -215,11 +227,17 @@ def _build_gemma3():
             self.quant_config = vllm_config.quant_config
             stages = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
             if stages > 1:
-                raise ValueError(f"ESamp's Gemma 3 tap runs on one pipeline stage, not {stages}: "
-                                 "start the engine without pipeline parallelism")
+                raise ValueError(
+                    f"ESamp's Gemma 3 tap runs on one pipeline stage, not {stages}: "
+                    "start the engine without pipeline parallelism"
+                )
             self.model = _TappedGemma3Model(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
-            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, quant_config=self.quant_config,
-                                          prefix=maybe_prefix(prefix, "lm_head"))
+            self.lm_head = ParallelLMHead(
+                config.vocab_size,
+                config.hidden_size,
+                quant_config=self.quant_config,
+                prefix=maybe_prefix(prefix, "lm_head"),
+            )
             if config.tie_word_embeddings:
                 self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
             self.logits_processor = LogitsProcessor(config.vocab_size, soft_cap=config.final_logit_softcapping)

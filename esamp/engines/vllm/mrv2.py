@@ -61,17 +61,23 @@ def refusal(vllm_config) -> str | None:
     """Why this engine cannot run ESamp's MRV2 adapter, or None. ESamp needs one logits row per
     request and step, and the rows through the model's own ``compute_logits``."""
     if getattr(vllm_config, "speculative_config", None) is not None:
-        return ("ESamp does not run with speculative decoding (a steered request needs one logits row per "
-                "step): start the engine without a speculative config")
+        return (
+            "ESamp does not run with speculative decoding (a steered request needs one logits row per "
+            "step): start the engine without a speculative config"
+        )
     parallel = getattr(vllm_config, "parallel_config", None)
     if int(getattr(parallel, "tensor_parallel_size", 1) or 1) > 1:
         # The late path computes d from the LM head's weight, which is one vocabulary shard per
         # worker under tensor parallelism; the V1 runner's joint GEMM gathers it (docs/vllm.md).
-        return ("ESamp runs under tensor parallelism on vLLM's V1 runner only, not on Model Runner V2: "
-                f"start the engine with {RUNNER_ENV}=0")
+        return (
+            "ESamp runs under tensor parallelism on vLLM's V1 runner only, not on Model Runner V2: "
+            f"start the engine with {RUNNER_ENV}=0"
+        )
     if getattr(parallel, "enable_batch_sharded_sampling", False):
-        return ("ESamp does not run with batch-sharded sampling (it bypasses the ESamp model's "
-                "compute_logits): start the engine without enable_batch_sharded_sampling")
+        return (
+            "ESamp does not run with batch-sharded sampling (it bypasses the ESamp model's "
+            "compute_logits): start the engine without enable_batch_sharded_sampling"
+        )
     return None
 
 
@@ -91,7 +97,8 @@ class Mrv2Adapter(LogitsProcessor):
         self._order: np.ndarray | None = None  # the row → slot order the plan was built for
         self.exchange = exchange_for(vllm_config)
         self.steering = self.exchange.attach_adapter(
-            self, lambda: make_steering(vllm_config, torch.device(req_states.device), self.steering_class), late=True)
+            self, lambda: make_steering(vllm_config, torch.device(req_states.device), self.steering_class), late=True
+        )
         self.steering.forget_rows = weakref.WeakMethod(self.forget)
 
     @classmethod
@@ -106,8 +113,14 @@ class Mrv2Adapter(LogitsProcessor):
         row = None
         if self.exchange.is_live(self):
             steering = self.steering
-            row = request_row(sampling_params.extra_args, sampling_params.seed, _Generated(), steering.groups,
-                              steering.config, steering.record_all)
+            row = request_row(
+                sampling_params.extra_args,
+                sampling_params.seed,
+                _Generated(),
+                steering.groups,
+                steering.config,
+                steering.record_all,
+            )
         if row is None:
             self.slots.pop(req_idx, None)
             return False
@@ -124,8 +137,10 @@ class Mrv2Adapter(LogitsProcessor):
             return logits
         order = ctx.idx_mapping_np
         if logits.shape[0] != len(order):  # refused at start (``refusal``); never steer rows we cannot place
-            raise RuntimeError(f"ESamp: {logits.shape[0]} logits rows for {len(order)} requests; ESamp needs one "
-                               "row per request (no speculative decoding)")
+            raise RuntimeError(
+                f"ESamp: {logits.shape[0]} logits rows for {len(order)} requests; ESamp needs one "
+                "row per request (no speculative decoding)"
+            )
         if self._order is None or not np.array_equal(self._order, order):
             self._rows = {i: row for i, slot in enumerate(order.tolist()) if (row := self.slots.get(slot)) is not None}
             self._plan = self.steering.plan(self._rows, logits.shape[0]) if self._rows else None
@@ -133,7 +148,7 @@ class Mrv2Adapter(LogitsProcessor):
         plan = self._plan
         if plan is None:
             return logits  # no request of ours in this batch
-        generated = ctx.seq_lens_upper_bound_np[:len(order)] - self.req_states.prompt_len.np[order]
+        generated = ctx.seq_lens_upper_bound_np[: len(order)] - self.req_states.prompt_len.np[order]
         for index, row in self._rows.items():
             row.output_ids.index = max(0, int(generated[index]))
         return self.steering.apply(plan, logits, self.exchange.distill_late(plan))

@@ -30,8 +30,9 @@ class RequestRow:
     n: int | None  # samples in the row's group, when the request said
 
 
-def request_row(extra_args, seed: int | None, output_ids: list[int], groups: "Groups",
-                config: EsampConfig | None, record_all: bool) -> RequestRow | None:
+def request_row(
+    extra_args, seed: int | None, output_ids: list[int], groups: Groups, config: EsampConfig | None, record_all: bool
+) -> RequestRow | None:
     """The row of a request vLLM adds (``extra_args`` and ``seed`` of its ``SamplingParams``), or
     None when ``settings.prepare`` did not make it an ESamp request."""
     if not extra_args:
@@ -50,8 +51,9 @@ def request_row(extra_args, seed: int | None, output_ids: list[int], groups: "Gr
     else:
         sample = groups.sample_of(group, output_ids)
     steering = payload.steering_over(config.steering) if config is not None else None
-    return RequestRow(group, sample, steering, payload.filters, output_ids,
-                      records=record_all or bool(payload.records), n=payload.n)
+    return RequestRow(
+        group, sample, steering, payload.filters, output_ids, records=record_all or bool(payload.records), n=payload.n
+    )
 
 
 class Groups:

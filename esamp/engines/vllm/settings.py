@@ -135,8 +135,7 @@ def request_settings(group: str, sample: int, steering: Steering) -> pl.Payload:
     """The library engine's settings for one sample of a group, typed, for ``prepare(params,
     settings=...)`` (the filters stay on the params: ``prepare`` hands them over, as for a served
     request)."""
-    return pl.Payload(steering={name: getattr(steering, name) for name in pl.STEERING_KEYS}, group=group,
-                      sample=sample)
+    return pl.Payload(steering={name: getattr(steering, name) for name in pl.STEERING_KEYS}, group=group, sample=sample)
 
 
 def hand_filters_to_esamp(params, filters: Filters) -> None:
@@ -155,8 +154,13 @@ def hand_filters_to_esamp(params, filters: Filters) -> None:
 
 def _filters_of(params) -> Filters:
     top_k = int(params.top_k or 0)
-    return make_config(Filters, temperature=float(params.temperature), top_p=float(params.top_p),
-                       top_k=top_k if top_k > 0 else 0, min_p=float(params.min_p or 0.0))
+    return make_config(
+        Filters,
+        temperature=float(params.temperature),
+        top_p=float(params.top_p),
+        top_k=top_k if top_k > 0 else 0,
+        min_p=float(params.min_p or 0.0),
+    )
 
 
 @dataclass(frozen=True)
@@ -195,8 +199,9 @@ class IssuedGroups:
         self._groups: dict[str, tuple[str, list[str], Admitted | None]] = {}
 
     def issue(self, settings: Admitted | None = None) -> Issued:
-        issued = Issued(group="eg-" + secrets.token_urlsafe(GROUP_ID_BYTES),
-                        ticket="et-" + secrets.token_urlsafe(GROUP_ID_BYTES))
+        issued = Issued(
+            group="eg-" + secrets.token_urlsafe(GROUP_ID_BYTES), ticket="et-" + secrets.token_urlsafe(GROUP_ID_BYTES)
+        )
         with self._lock:
             self._groups[issued.ticket] = (issued.group, [], settings)
         return issued
@@ -233,21 +238,28 @@ class IssuedGroups:
 
 ISSUED = IssuedGroups()
 # The params ``prepare`` made ESamp requests of, by id (weakly: nothing is kept once vLLM drops them).
-_PREPARED: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+_PREPARED: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 
 
 def refuse_server_keys(extra) -> None:
     """In a server: a ``ValueError`` for any key only the server may set (see the module docstring)."""
-    engine_keys = sorted(k for k in extra if isinstance(k, str) and k in pl.KNOWN and k not in CLIENT_KEYS
-                         and k != pl.ROUTE_KEYS["group"])
+    engine_keys = sorted(
+        k
+        for k in extra
+        if isinstance(k, str) and k in pl.KNOWN and k not in CLIENT_KEYS and k != pl.ROUTE_KEYS["group"]
+    )
     if engine_keys:
-        raise ValueError(f"vllm_xargs {', '.join(engine_keys)}: set by the server, not by a request; send the "
-                         "request's own fields (temperature, top_p, top_k, min_p, seed, n) instead, and in "
-                         "vllm_xargs only " + ", ".join(sorted(CLIENT_KEYS)))
+        raise ValueError(
+            f"vllm_xargs {', '.join(engine_keys)}: set by the server, not by a request; send the "
+            "request's own fields (temperature, top_p, top_k, min_p, seed, n) instead, and in "
+            "vllm_xargs only " + ", ".join(sorted(CLIENT_KEYS))
+        )
     if pl.ROUTE_KEYS["group"] in extra:
-        raise ValueError(f"vllm_xargs {pl.ROUTE_KEYS['group']}: set by the server, not by a request (each request "
-                         "is its own group); leave it out and read the group's id from the response's "
-                         "X-Esamp-Group header")
+        raise ValueError(
+            f"vllm_xargs {pl.ROUTE_KEYS['group']}: set by the server, not by a request (each request "
+            "is its own group); leave it out and read the group's id from the response's "
+            "X-Esamp-Group header"
+        )
 
 
 def prepare(params, *, settings: pl.Payload | None = None) -> None:
@@ -285,9 +297,14 @@ def prepare(params, *, settings: pl.Payload | None = None) -> None:
     # The base seed names the samples (child i has seed + i). vLLM takes any integer as a seed (and
     # -1 as none); a negative one is not a sample name, so those samples are numbered as they arrive.
     seed = params.seed
-    params.extra_args = {**extra, **pl.encode(
-        n=_samples(params), group=group,
-        seed=seed if seed is not None and seed >= 0 and payload.sample is None else None)}
+    params.extra_args = {
+        **extra,
+        **pl.encode(
+            n=_samples(params),
+            group=group,
+            seed=seed if seed is not None and seed >= 0 and payload.sample is None else None,
+        ),
+    }
     hand_filters_to_esamp(params, filters)
     try:
         _PREPARED[id(params)] = params
@@ -333,18 +350,20 @@ def _steerable(params, payload: pl.Payload | None, served: bool) -> tuple[pl.Pay
         return None
     if payload is not None and payload.filters is not None:
         return None  # prepared by the caller (the library engine does not, but may)
-    if (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
-            or params.frequency_penalty != 0.0):
-        raise ValueError("ESamp cannot steer a request with repetition, presence or frequency "
-                         "penalties (they would act after steering): drop them, or send "
-                         "vllm_xargs {\"esamp\": \"off\"} for plain sampling")
+    if params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0:
+        raise ValueError(
+            "ESamp cannot steer a request with repetition, presence or frequency "
+            "penalties (they would act after steering): drop them, or send "
+            'vllm_xargs {"esamp": "off"} for plain sampling'
+        )
     n = _samples(params)
     most = bound(SamplingConfig, "n", "le")
     if n < 1:  # named as the client sent it, before it becomes the engine's esamp_n
         raise ValueError(f"n={n}: a request asks for at least 1 sample; send n from 1 to {most}")
     if n > most:
-        raise ValueError(f"n={n}: an ESamp group holds at most {most} samples; send fewer, "
-                         "or split them over several requests")
+        raise ValueError(
+            f"n={n}: an ESamp group holds at most {most} samples; send fewer, or split them over several requests"
+        )
     try:
         filters = _filters_of(params)
     except EsampError as exc:
@@ -363,6 +382,8 @@ def _refuse_unsteerable(extra) -> None:
     payload = _decoded(extra)
     if payload is not None and payload.enabled is not False:
         keys = ", ".join(sorted(k for k in extra if isinstance(k, str) and k in pl.KNOWN))
-        raise ValueError(f"vllm_xargs {keys}: this route is served without ESamp (it cannot carry the server's "
-                         "group); send the request to /v1/completions or /v1/chat/completions for ESamp, or "
-                         "leave the esamp keys out (docs/serving.md, \"Requests\")")
+        raise ValueError(
+            f"vllm_xargs {keys}: this route is served without ESamp (it cannot carry the server's "
+            "group); send the request to /v1/completions or /v1/chat/completions for ESamp, or "
+            'leave the esamp keys out (docs/serving.md, "Requests")'
+        )

@@ -35,8 +35,7 @@ from esamp.core.backends.graphs import GraphCache
 from esamp.core.config import EsampConfig, SamplingConfig, Steering, bound
 from esamp.core.distiller import DistillerBank, SlotLedger, bank_for, ledger_for
 from esamp.core.steerer import PlanBuffers, SteeredRow, Steerer, StepPlan, bucket, reference_filter
-from esamp.engines.vllm import hooks
-from esamp.engines.vllm import settings as es
+from esamp.engines.vllm import hooks, settings as es
 from esamp.engines.vllm.rows import Groups, RequestRow
 from esamp.engines.vllm.step_records import RecordStore
 from esamp.engines.vllm.tp import ALONE, TensorParallel, tensor_parallel
@@ -46,8 +45,19 @@ APPLY_GRAPHS = 4  # captured filter-and-mix steps kept
 EXPIRE_EVERY = 1.0  # seconds between checks for records nobody read
 # Counters operators read (``metrics``), all present from the start: a reader on another thread
 # copies the dict while the engine counts, which is safe only while it never grows.
-COUNTERS = ("port_hits", "train_steps", "replay_steps", "plan_builds", "taps_missing", "bank_full",
-            "slots_evicted", "slots_released", "slots_freed", "graphs_prepared", "prepare_ms")
+COUNTERS = (
+    "port_hits",
+    "train_steps",
+    "replay_steps",
+    "plan_builds",
+    "taps_missing",
+    "bank_full",
+    "slots_evicted",
+    "slots_released",
+    "slots_freed",
+    "graphs_prepared",
+    "prepare_ms",
+)
 
 
 @dataclass
@@ -81,8 +91,10 @@ class Handoff:
 
 
 try:  # the top-k/top-p functions vLLM's sampler calls (a drift canary holds them to the core's)
-    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p as vllm_top_k_top_p
-    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch as vllm_top_k_top_p_cpu
+    from vllm.v1.sample.ops.topk_topp_sampler import (
+        apply_top_k_top_p as vllm_top_k_top_p,
+        apply_top_k_top_p_pytorch as vllm_top_k_top_p_cpu,
+    )
 except ImportError:  # pragma: no cover - depends on the installed vLLM
     vllm_top_k_top_p = vllm_top_k_top_p_cpu = None
 
@@ -108,9 +120,18 @@ class EngineSteering:
     """ESamp in one engine (``config`` None: an engine without ESamp, whose ESamp-prepared
     requests are filtered but never steered), on one worker of its tensor-parallel group (``tp``)."""
 
-    def __init__(self, config: EsampConfig | None, *, hidden: int, vocab: int, max_rows: int,
-                 device: torch.device, record_all: bool = True, retain_seconds: float | None = None,
-                 tp: TensorParallel = ALONE) -> None:
+    def __init__(
+        self,
+        config: EsampConfig | None,
+        *,
+        hidden: int,
+        vocab: int,
+        max_rows: int,
+        device: torch.device,
+        record_all: bool = True,
+        retain_seconds: float | None = None,
+        tp: TensorParallel = ALONE,
+    ) -> None:
         self.config, self.hidden, self.vocab, self.tp = config, hidden, vocab, tp
         self.device = torch.device(device)
         self.max_rows = max_rows
@@ -127,9 +148,17 @@ class EngineSteering:
             with torch.inference_mode(False):
                 bank = bank_for(config, hidden, self.device)
             self.slots = bank
-        self.steerer = Steerer(bank, filter=vllm_filter, graphs=GraphCache(
-            enabled=graphs and bank is not None, after=0, size=DISTILL_GRAPHS, in_place=True, shared_pool=True)) \
-            if bank is not None else Steerer(None, filter=vllm_filter)
+        self.steerer = (
+            Steerer(
+                bank,
+                filter=vllm_filter,
+                graphs=GraphCache(
+                    enabled=graphs and bank is not None, after=0, size=DISTILL_GRAPHS, in_place=True, shared_pool=True
+                ),
+            )
+            if bank is not None
+            else Steerer(None, filter=vllm_filter)
+        )
         self.apply_graphs = GraphCache(enabled=graphs, after=1, size=APPLY_GRAPHS, in_place=True)
         self.steerer.reserve(max_rows, vocab, self.device)
         if self.slots is not None and self.slots.shared:  # one unit: every steered row of the batch
@@ -137,8 +166,9 @@ class EngineSteering:
         else:  # a unit per group, as wide as a group's samples
             units = bucket(min(config.slots if config else 1, max_rows))
             width = bucket(min(bound(SamplingConfig, "n", "le"), max_rows))
-        self.buffers = PlanBuffers(max_rows, units=units, width=width, device=self.device,
-                                   scratch=self.slots.scratch if self.slots else 0)
+        self.buffers = PlanBuffers(
+            max_rows, units=units, width=width, device=self.device, scratch=self.slots.scratch if self.slots else 0
+        )
         self.groups = Groups(self.slots)
         self.records = RecordStore(self.device) if retain_seconds is None else RecordStore(self.device, retain_seconds)
         self._taps: torch.Tensor | None = None  # [max_rows + 1, A·H] tapped rows (last row zero)
@@ -169,8 +199,9 @@ class EngineSteering:
         for _, row, _ in steered:
             self.groups.arrived(row)
         quiet = Steering(enabled=False, beta=0.0)
-        spec = ([SteeredRow(s, r.steering, r.filters, self.groups.complete(r), r.group) for _, r, s in steered]
-                + [SteeredRow(-1, quiet, r.filters) for _, r, _ in plain])
+        spec = [SteeredRow(s, r.steering, r.filters, self.groups.complete(r), r.group) for _, r, s in steered] + [
+            SteeredRow(-1, quiet, r.filters) for _, r, _ in plain
+        ]
         index = [i for i, _, _ in steered] + [i for i, _, _ in plain]
         with torch.inference_mode(False):
             plan = StepPlan.build(spec, self.device, steered=len(steered), index=index, buffers=self.buffers)
@@ -183,9 +214,15 @@ class EngineSteering:
                 if trains:
                     owners[unit_of[s]][r.group] = None
             unit_groups = [tuple(o) for o in owners]
-        out = BatchPlan(rows=n_logits, step=plan, members=members, groups=[r.group for r in members],
-                        samples=[r.sample for r in members], unit_groups=unit_groups,
-                        recorded=None if self.record_all else {r.group for r in members if r.records})
+        out = BatchPlan(
+            rows=n_logits,
+            step=plan,
+            members=members,
+            groups=[r.group for r in members],
+            samples=[r.sample for r in members],
+            unit_groups=unit_groups,
+            recorded=None if self.record_all else {r.group for r in members if r.records},
+        )
         self.counters["plan_builds"] += 1
         self.plan_seconds += time.perf_counter() - t0
         return out
@@ -200,7 +237,7 @@ class EngineSteering:
 
     def _views(self, taps: torch.Tensor, source: int, target: int) -> tuple[torch.Tensor, torch.Tensor]:
         H = self.hidden
-        return taps[:, source * H:(source + 1) * H], taps[:, target * H:(target + 1) * H]
+        return taps[:, source * H : (source + 1) * H], taps[:, target * H : (target + 1) * H]
 
     def prepare(self, aux: torch.Tensor, source: int, target: int, normalize, head_dtype: torch.dtype) -> None:
         """Capture the Distiller step of every bucketed shape up to the batch's rows, before any
@@ -233,7 +270,7 @@ class EngineSteering:
             return False
         if self.bank is None:
             return True
-        self._tap_buffer(aux)[:aux.shape[0]].copy_(aux)
+        self._tap_buffer(aux)[: aux.shape[0]].copy_(aux)
         return True
 
     def distill(self, plan: BatchPlan, source: int, target: int, normalize, head_dtype: torch.dtype) -> Handoff:
@@ -243,7 +280,7 @@ class EngineSteering:
         that ŷ (no errors, no losses) and run nothing else."""
         t0 = time.perf_counter()
         if self.bank is None:
-            prediction = self.tp.share(self._shared_buffer(head_dtype)[:plan.steered])
+            prediction = self.tp.share(self._shared_buffer(head_dtype)[: plan.steered])
             spent = time.perf_counter() - t0
             self.host_seconds += spent
             return Handoff(plan, prediction, None, None, False, spent)
@@ -252,7 +289,7 @@ class EngineSteering:
         x, y = self._views(self._taps, source, target)
         prediction, errors, losses = self.steerer.distill(plan.step, x, y, normalize, head_dtype)
         if self.tp.size > 1:
-            self.tp.share(prediction[:plan.steered])  # the plan's rows come first: a contiguous view
+            self.tp.share(prediction[: plan.steered])  # the plan's rows come first: a contiguous view
         spent = time.perf_counter() - t0
         self.host_seconds += spent
         return Handoff(plan, prediction, errors, losses, graphs.replays > replays, spent)
@@ -282,7 +319,9 @@ class EngineSteering:
         # What the captured kernels read: every other input is a fixed buffer of the plan's.
         key = (step.rows, s if steered else 0, step.key, step.mix_key, logits.shape[0], logits.data_ptr()) + (
             (d.data_ptr(), d.stride(0), reported and err.data_ptr(), loss is not None and loss.data_ptr())
-            if steered else ())
+            if steered
+            else ()
+        )
 
         def run(logits, *rest):
             d_ = rest[0] if steered else None
@@ -298,8 +337,15 @@ class EngineSteering:
             if loss is not None:
                 self.counters["train_steps"] += 1
         if reported:
-            self.records.push(self.step_no, plan.groups, plan.samples, [len(r.output_ids) for r in plan.members],
-                              packed, plan.unit_groups if loss is not None else [], keep=plan.recorded)
+            self.records.push(
+                self.step_no,
+                plan.groups,
+                plan.samples,
+                [len(r.output_ids) for r in plan.members],
+                packed,
+                plan.unit_groups if loss is not None else [],
+                keep=plan.recorded,
+            )
         now = time.monotonic()
         if now - self._last_expire > EXPIRE_EVERY:
             self._last_expire = now
@@ -331,26 +377,40 @@ class EngineSteering:
         steps, pending = self.records.take(groups, columns)
         self.records.expire(self.groups.live)
         slots = self.slots
-        return {"steps": steps, "pending": pending, "counters": self.metrics(),
-                "free_slots": slots.free_slots if slots is not None else 0,
-                "groups": sorted(slots.groups) if slots is not None else []}
+        return {
+            "steps": steps,
+            "pending": pending,
+            "counters": self.metrics(),
+            "free_slots": slots.free_slots if slots is not None else 0,
+            "groups": sorted(slots.groups) if slots is not None else [],
+        }
 
     def metrics(self) -> dict:
         """Counters for operators (``esamp.serving`` exposes them in the Prometheus format)."""
         graphs, bank = self.steerer.graphs, self.slots
         self.records.collect()
         self.records.expire(self.groups.live)  # also when the engine is idle and nobody reads
-        return dict(self.counters, steps=self.step_no, loss=self.records.loss,
-                    slots=bank.capacity if bank else 0, slots_free=bank.free_slots if bank else 0,
-                    slots_in_use=len(bank.groups) if bank else 0,
-                    graph_captures=graphs.captures, graph_replays=graphs.replays, graph_failures=graphs.failures,
-                    graph_eager=graphs.eager, capture_ms=round(1e3 * graphs.capture_seconds, 1),
-                    apply_graph_replays=self.apply_graphs.replays, apply_graph_failures=self.apply_graphs.failures,
-                    apply_graph_captures=self.apply_graphs.captures,
-                    filter_overflows=self.steerer.filter_overflows,
-                    records_dropped=self.records.dropped,
-                    host_ms=round(1e3 * self.host_seconds, 1), replay_host_ms=round(1e3 * self.replay_seconds, 1),
-                    plan_ms=round(1e3 * self.plan_seconds, 1))
+        return dict(
+            self.counters,
+            steps=self.step_no,
+            loss=self.records.loss,
+            slots=bank.capacity if bank else 0,
+            slots_free=bank.free_slots if bank else 0,
+            slots_in_use=len(bank.groups) if bank else 0,
+            graph_captures=graphs.captures,
+            graph_replays=graphs.replays,
+            graph_failures=graphs.failures,
+            graph_eager=graphs.eager,
+            capture_ms=round(1e3 * graphs.capture_seconds, 1),
+            apply_graph_replays=self.apply_graphs.replays,
+            apply_graph_failures=self.apply_graphs.failures,
+            apply_graph_captures=self.apply_graphs.captures,
+            filter_overflows=self.steerer.filter_overflows,
+            records_dropped=self.records.dropped,
+            host_ms=round(1e3 * self.host_seconds, 1),
+            replay_host_ms=round(1e3 * self.replay_seconds, 1),
+            plan_ms=round(1e3 * self.plan_seconds, 1),
+        )
 
 
 def make_steering(vllm_config, device: torch.device, cls: type[EngineSteering] = EngineSteering) -> EngineSteering:
@@ -358,10 +418,14 @@ def make_steering(vllm_config, device: torch.device, cls: type[EngineSteering] =
     the steps other packages registered for it (``hooks``)."""
     server = es.server_settings(vllm_config)
     steering = cls(
-        es.engine_config(vllm_config), hidden=int(vllm_config.model_config.get_hidden_size()),
+        es.engine_config(vllm_config),
+        hidden=int(vllm_config.model_config.get_hidden_size()),
         vocab=int(vllm_config.model_config.get_vocab_size()),
-        max_rows=int(vllm_config.scheduler_config.max_num_seqs), device=device,
-        record_all=not server.get("records_requested", False), retain_seconds=server.get("records_retain_s"),
-        tp=tensor_parallel(vllm_config))
+        max_rows=int(vllm_config.scheduler_config.max_num_seqs),
+        device=device,
+        record_all=not server.get("records_requested", False),
+        retain_seconds=server.get("records_retain_s"),
+        tp=tensor_parallel(vllm_config),
+    )
     hooks.steering_ready(steering, vllm_config)  # what other packages add here (none for a library engine)
     return steering

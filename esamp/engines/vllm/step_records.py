@@ -63,8 +63,16 @@ class RecordStore:
             parts.append(losses.float())
         return torch.cat(parts)
 
-    def push(self, step: int, groups: list[str], samples: list[int], generated: list[int],
-             packed: torch.Tensor, loss_groups: list[LossOwner], keep: set[str] | None = None) -> None:
+    def push(
+        self,
+        step: int,
+        groups: list[str],
+        samples: list[int],
+        generated: list[int],
+        packed: torch.Tensor,
+        loss_groups: list[LossOwner],
+        keep: set[str] | None = None,
+    ) -> None:
         """Queue one step's record (of the ``keep`` groups' rows, or all) from its ``pack``ed
         values; ``loss_groups``: per packed loss, the group whose loss it is, several groups (the
         shared Distiller's one loss is each training group's), or None (a unit that did not
@@ -78,8 +86,9 @@ class RecordStore:
             event = self._events.pop() if self._events else torch.cuda.Event()
             event.record()
         with self._lock:
-            self._in_flight.append(_Step(step, groups, samples, generated, loss_groups, keep, packed, event,
-                                         time.monotonic()))
+            self._in_flight.append(
+                _Step(step, groups, samples, generated, loss_groups, keep, packed, event, time.monotonic())
+            )
             if len(self._in_flight) > COLLECT_AFTER:
                 self._collect()  # nobody is reading (a server): keep what waits bounded
 
@@ -94,13 +103,13 @@ class RecordStore:
             if s.event is not None:
                 self._buffers[s.packed.numel()].append(s.packed)
                 self._events.append(s.event)
-            loss = {g: v for owner, v in zip(s.loss_groups, values[2 * n:]) for g in _owners(owner)}
+            loss = {g: v for owner, v in zip(s.loss_groups, values[2 * n :]) for g in _owners(owner)}
             if loss:
                 mean = sum(loss.values()) / len(loss)
                 self.loss = mean if self.loss is None else 0.9 * self.loss + 0.1 * mean
             if s.keep is not None and not s.keep:
                 continue  # nobody asked for this step's rows
-            cols = (s.groups, s.samples, s.generated, values[:n], [int(c) for c in values[n:2 * n]])
+            cols = (s.groups, s.samples, s.generated, values[:n], [int(c) for c in values[n : 2 * n]])
             if s.keep is not None:
                 cols = _select(cols, s.keep.__contains__)
                 loss = {g: v for g, v in loss.items() if g in s.keep}

@@ -44,7 +44,8 @@ class V1Adapter(LogitsProcessor):
         self._sampled = False  # this step's sampler has run (a later compute_logits is not ours)
         self.exchange = exchange_for(vllm_config)
         self.steering = self.exchange.attach_adapter(
-            self, lambda: make_steering(vllm_config, torch.device(device), self.steering_class))
+            self, lambda: make_steering(vllm_config, torch.device(device), self.steering_class)
+        )
         self.steering.forget_rows = weakref.WeakMethod(self.forget)
 
     @classmethod
@@ -61,8 +62,13 @@ class V1Adapter(LogitsProcessor):
         if batch_update is None or not self.exchange.is_live(self):
             return
         steering = self.steering
-        if process_dict_updates(self.rows, batch_update, lambda params, _prompt, output: request_row(
-                params.extra_args, params.seed, output, steering.groups, steering.config, steering.record_all)):
+        if process_dict_updates(
+            self.rows,
+            batch_update,
+            lambda params, _prompt, output: request_row(
+                params.extra_args, params.seed, output, steering.groups, steering.config, steering.record_all
+            ),
+        ):
             self._plan = None
 
     def has_rows(self) -> bool:

@@ -61,5 +61,6 @@ def check() -> str:
     if not supported(version):
         raise EngineError(
             f"{name} {version} is not supported: ESamp runs on vLLM {SUPPORTED}",
-            hint=f"install a supported vLLM ({INSTALL_HINT}), or use --engine reference")
+            hint=f"install a supported vLLM ({INSTALL_HINT}), or use --engine reference",
+        )
     return version

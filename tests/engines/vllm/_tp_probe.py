@@ -38,7 +38,7 @@ class TensorParallelProbe(EsampWorkerExtension):
             s = plan.steered
             if s:
                 top = out.index_select(0, plan.step.index[:s]).float().topk(5, dim=-1).values
-                d = handoff.d[:s, :steering.vocab].float()
+                d = handoff.d[:s, : steering.vocab].float()
                 thirds = [part.sum(-1, keepdim=True) for part in d.chunk(3, dim=-1)]
                 values = torch.cat([top, *thirds], dim=-1).tolist()
                 seen.extend((m.group, m.sample, len(m.output_ids), v) for m, v in zip(plan.members, values))

@@ -8,8 +8,8 @@ share: ``traced()`` to keep the steps of a block, ``collect`` to run groups to t
 
 from __future__ import annotations
 
-from esamp.engines.vllm.v1 import V1Adapter
 from esamp.engines.vllm.steering import EngineSteering
+from esamp.engines.vllm.v1 import V1Adapter
 
 TRACER = "_tracing:TracingProcessor"
 
@@ -22,28 +22,40 @@ class TracingSteering(EngineSteering):
         handoff = super().distill(plan, source, target, normalize, head_dtype)
         s, H = plan.steered, self.hidden
         taps = self._taps.index_select(0, plan.step.index[:s])
-        x, y = taps[:, source * H:(source + 1) * H], taps[:, target * H:(target + 1) * H]
+        x, y = taps[:, source * H : (source + 1) * H], taps[:, target * H : (target + 1) * H]
         if normalize is not None:
             x, y = normalize(x, y)
         losses = {}
         if handoff.losses is not None:
             losses = {g: v for owners, v in zip(plan.unit_groups, handoff.losses.tolist()) for g in owners}
         m = plan.members
-        self._trace = dict(meta=[(r.group, r.sample, len(r.output_ids)) for r in m],
-                           filters=[r.filters for r in m], steering=[r.steering for r in m],
-                           source=x.float().clone(), target=y.float().clone(),
-                           prediction=handoff.prediction[:s].float().clone(), errors=handoff.errors[:s].clone(),
-                           losses=losses, trains=plan.step.trains)
+        self._trace = dict(
+            meta=[(r.group, r.sample, len(r.output_ids)) for r in m],
+            filters=[r.filters for r in m],
+            steering=[r.steering for r in m],
+            source=x.float().clone(),
+            target=y.float().clone(),
+            prediction=handoff.prediction[:s].float().clone(),
+            errors=handoff.errors[:s].clone(),
+            losses=losses,
+            trains=plan.step.trains,
+        )
         return handoff
 
     def apply(self, plan, logits, handoff):
         trace, self._trace = self._trace, None
-        index = plan.step.index[:plan.steered]
+        index = plan.step.index[: plan.steered]
         raw = logits.index_select(0, index).clone() if trace is not None else None
         out = super().apply(plan, logits, handoff)
         if trace is not None and handoff is not None and handoff.d is not None:
-            self.traces.append(dict(trace, logits=raw, steered=out.index_select(0, index).clone(),
-                                    distiller_logits=handoff.d.float().clone()))
+            self.traces.append(
+                dict(
+                    trace,
+                    logits=raw,
+                    steered=out.index_select(0, index).clone(),
+                    distiller_logits=handoff.d.float().clone(),
+                )
+            )
         return out
 
 
@@ -58,6 +70,7 @@ class TracingProcessor(V1Adapter):
 
 
 # -- driving a traced engine in this process ---------------------------------------------------
+
 
 def exchange():
     """The exchange of the module's engine (in this process: the tests run the engine core here)."""

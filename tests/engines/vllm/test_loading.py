@@ -15,14 +15,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from _vllm_helpers import HAS_MRV2_PROCESSORS, require_model, require_vllm
 
-from esamp.engines.vllm import plugin
-from esamp.engines.vllm import versions
+from esamp.engines.vllm import plugin, versions
 from esamp.errors import EngineError
 
-pytestmark = [pytest.mark.vllm]
+from _vllm_helpers import HAS_MRV2_PROCESSORS, require_model, require_vllm
 
+pytestmark = [pytest.mark.vllm]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -39,24 +38,32 @@ def _vllm_config(processors=None):
     from vllm.engine.arg_utils import EngineArgs
 
     path = require_model().hf_dir()
-    return EngineArgs(model=str(path), max_model_len=256, enforce_eager=True,
-                      logits_processors=processors).create_engine_config()
+    return EngineArgs(
+        model=str(path), max_model_len=256, enforce_eager=True, logits_processors=processors
+    ).create_engine_config()
 
 
 def _rstate(vocab=32, device="cpu"):
     """vLLM's own MRV2 request state over CPU stand-ins for the runner's buffers."""
     from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcRequestState
 
-    return LogitsProcRequestState(device=torch.device(device), max_num_reqs=8, vocab_size=vocab,
-                                  all_token_ids=None, prompt_len=SimpleNamespace(np=torch.zeros(8, dtype=torch.int32).numpy()),
-                                  prefill_len=None, total_len=None)
+    return LogitsProcRequestState(
+        device=torch.device(device),
+        max_num_reqs=8,
+        vocab_size=vocab,
+        all_token_ids=None,
+        prompt_len=SimpleNamespace(np=torch.zeros(8, dtype=torch.int32).numpy()),
+        prefill_len=None,
+        total_len=None,
+    )
 
 
 def test_installing_esamp_adds_no_logits_processor_to_other_engines():
     assert _ours() == []
     assert not plugin.processor_visible()
     assert [e.value for e in entry_points(group="vllm.general_plugins") if e.name == "esamp"] == [
-        "esamp.engines.vllm.plugin:register"]
+        "esamp.engines.vllm.plugin:register"
+    ]
     # the scoped entry point names the class plugin names (one string, checked here)
     text = next(plugin.SCOPE.glob("*.dist-info")).joinpath("entry_points.txt").read_text()
     assert f"[{plugin.GROUP}]" in text and f"= {plugin.PROCESSOR}" in text
@@ -70,8 +77,10 @@ def test_the_scope_shows_the_entry_point_here_and_to_spawned_processes_then_goes
     before = os.environ.get("PYTHONPATH")
     with plugin.processor_scope():
         assert _ours() == [plugin.PROCESSOR] and plugin.processor_visible()
-        code = ("from importlib.metadata import entry_points as e; "
-                "print([x.value for x in e(group='vllm.logits_processors')])")
+        code = (
+            "from importlib.metadata import entry_points as e; "
+            "print([x.value for x in e(group='vllm.logits_processors')])"
+        )
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout
         assert plugin.PROCESSOR in out
     assert _ours() == [] and os.environ.get("PYTHONPATH") == before
@@ -89,9 +98,11 @@ def test_v1_loader_loads_the_entry_point_and_builds_the_v1_adapter():
         loaded = _load_custom_logitsprocs(None)
         assert loaded == [EsampLogitsProcessor]
         assert _load_custom_logitsprocs([plugin.PROCESSOR]) == [EsampLogitsProcessor] * 2  # also by name
-    config = SimpleNamespace(model_config=SimpleNamespace(get_vocab_size=lambda: 32, get_hidden_size=lambda: 8,
-                                                          logits_processors=None),
-                             scheduler_config=SimpleNamespace(max_num_seqs=4), additional_config={})
+    config = SimpleNamespace(
+        model_config=SimpleNamespace(get_vocab_size=lambda: 32, get_hidden_size=lambda: 8, logits_processors=None),
+        scheduler_config=SimpleNamespace(max_num_seqs=4),
+        additional_config={},
+    )
     built = loaded[0](config, torch.device("cpu"), False)  # as build_logitsprocs calls it
     assert type(built) is V1Adapter and not built.is_argmax_invariant()
 
@@ -113,9 +124,11 @@ def test_mrv2_loader_accepts_the_entry_point_and_builds_the_mrv2_adapter():
     params = _params(extra_args={"esamp": "on"})
     validate(params)  # the frontend's check: prepares the request
     assert params.top_p == 1.0 and params.extra_args["esamp_group"]
-    config = SimpleNamespace(model_config=SimpleNamespace(get_vocab_size=lambda: 32, get_hidden_size=lambda: 8,
-                                                          logits_processors=None),
-                             scheduler_config=SimpleNamespace(max_num_seqs=4), additional_config={})
+    config = SimpleNamespace(
+        model_config=SimpleNamespace(get_vocab_size=lambda: 32, get_hidden_size=lambda: 8, logits_processors=None),
+        scheduler_config=SimpleNamespace(max_num_seqs=4),
+        additional_config={},
+    )
     built = EsampLogitsProcessor(config, _rstate())  # as build_custom_logits_processors calls it
     assert type(built) is Mrv2Adapter
     assert built.add_request(0, _params()) is False  # a plain request: vLLM skips us for it
@@ -179,8 +192,13 @@ def test_a_plain_engine_starts_on_vllms_runner_and_loads_no_esamp_processor():
     from esamp.engines.vllm.engine import gpu_share
 
     # On a GPU the suite's engines share the device (ESAMP_GPU_MEMORY_UTILIZATION: gpu_suite.sh sets it).
-    llm = LLM(model=str(require_model().hf_dir()), max_model_len=256, enforce_eager=True, seed=0,
-              gpu_memory_utilization=gpu_share(None))
+    llm = LLM(
+        model=str(require_model().hf_dir()),
+        max_model_len=256,
+        enforce_eager=True,
+        seed=0,
+        gpu_memory_utilization=gpu_share(None),
+    )
     try:
         config = llm.llm_engine.vllm_config
         runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
@@ -205,9 +223,20 @@ def _params(**kw):
 
 # -- versions --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("version, ok", [("0.19.1", False), ("0.20.0", True), ("0.20.2.dev3+gabc.cu130", True),
-                                         ("0.26.0", True), ("0.32.0", True), ("0.33.0", True), ("0.34.0", False),
-                                         ("1.0.0", False)])
+
+@pytest.mark.parametrize(
+    "version, ok",
+    [
+        ("0.19.1", False),
+        ("0.20.0", True),
+        ("0.20.2.dev3+gabc.cu130", True),
+        ("0.26.0", True),
+        ("0.32.0", True),
+        ("0.33.0", True),
+        ("0.34.0", False),
+        ("1.0.0", False),
+    ],
+)
 def test_supported_range(version, ok):
     assert versions.supported(version) is ok
 

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+
 from _vllm_helpers import HAS_MRV2_PROCESSORS, require_vllm
 
 pytestmark = [pytest.mark.vllm]
@@ -83,20 +84,30 @@ def _rstate(prompt_len: np.ndarray):
     """vLLM's own MRV2 request state over CPU stand-ins for the runner's buffers."""
     from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcRequestState
 
-    return LogitsProcRequestState(device=torch.device("cpu"), max_num_reqs=SLOTS, vocab_size=V, all_token_ids=None,
-                                  prompt_len=SimpleNamespace(np=prompt_len), prefill_len=None, total_len=None)
+    return LogitsProcRequestState(
+        device=torch.device("cpu"),
+        max_num_reqs=SLOTS,
+        vocab_size=V,
+        all_token_ids=None,
+        prompt_len=SimpleNamespace(np=prompt_len),
+        prefill_len=None,
+        total_len=None,
+    )
 
 
 def _ctx(slots: list[int], seq_lens: list[int]):
     from vllm.v1.worker.gpu.sample.logits_processor import LogitsContext
 
     mapping = torch.tensor(slots, dtype=torch.int64)
-    return LogitsContext(expanded_idx_mapping=mapping, idx_mapping=mapping,
-                         idx_mapping_np=np.array(slots, dtype=np.intp),
-                         expanded_local_pos=torch.zeros(len(slots), dtype=torch.int32),
-                         input_ids=torch.zeros(len(slots), dtype=torch.int32),
-                         pos=torch.tensor(seq_lens, dtype=torch.int64) - 1,
-                         seq_lens_upper_bound_np=np.array(seq_lens, dtype=np.int32))
+    return LogitsContext(
+        expanded_idx_mapping=mapping,
+        idx_mapping=mapping,
+        idx_mapping_np=np.array(slots, dtype=np.intp),
+        expanded_local_pos=torch.zeros(len(slots), dtype=torch.int32),
+        input_ids=torch.zeros(len(slots), dtype=torch.int32),
+        pos=torch.tensor(seq_lens, dtype=torch.int64) - 1,
+        seq_lens_upper_bound_np=np.array(seq_lens, dtype=np.int32),
+    )
 
 
 def _request(group: str, sample: int, n: int, **filters):
@@ -228,8 +239,12 @@ def test_mrv2_adapter_steers_like_the_v1_adapter_with_rows_reordered_and_slots_r
     records = _records(s2)
     assert records == _records(s1)
     assert [r["step"] for r in records] == list(range(1, len(steps) + 1))
-    assert {(g, s, k) for r in records for g, s, k, _, _ in r["rows"] if g == "gc"} == {("gc", 0, 0), ("gc", 0, 1),
-                                                                                       ("gc", 0, 2), ("gc", 0, 3)}
+    assert {(g, s, k) for r in records for g, s, k, _, _ in r["rows"] if g == "gc"} == {
+        ("gc", 0, 0),
+        ("gc", 0, 1),
+        ("gc", 0, 2),
+        ("gc", 0, 3),
+    }
     assert not any(g == "gb" for r in records[2:] for g, *_ in r["rows"])  # b0's slot is c0's from step 3
     assert all(r["loss"] and all(np.isfinite(v) for v in r["loss"].values()) for r in records)
     assert records[0]["loss"].keys() == {"ga", "gb"} and records[-1]["loss"].keys() == {"ga", "gc", "gd"}
@@ -301,11 +316,14 @@ def test_an_engine_without_esamp_filters_esamp_requests_like_the_v1_adapter():
     assert v2.model.exchange.taps_put == 0  # no bank: the model keeps no taps
 
 
-@pytest.mark.parametrize("engine, words", [
-    ({"speculative_config": SimpleNamespace(num_speculative_tokens=2)}, "speculative decoding"),
-    ({"parallel_config": SimpleNamespace(enable_batch_sharded_sampling=True)}, "batch-sharded sampling"),
-    ({"parallel_config": SimpleNamespace(tensor_parallel_size=2)}, "VLLM_USE_V2_MODEL_RUNNER=0"),
-])
+@pytest.mark.parametrize(
+    "engine, words",
+    [
+        ({"speculative_config": SimpleNamespace(num_speculative_tokens=2)}, "speculative decoding"),
+        ({"parallel_config": SimpleNamespace(enable_batch_sharded_sampling=True)}, "batch-sharded sampling"),
+        ({"parallel_config": SimpleNamespace(tensor_parallel_size=2)}, "VLLM_USE_V2_MODEL_RUNNER=0"),
+    ],
+)
 def test_mrv2_adapter_refuses_engines_it_cannot_steer(engine, words):
     from esamp.engines.vllm.entry import EsampLogitsProcessor
 
@@ -326,13 +344,17 @@ def test_with_the_shared_distiller_the_mrv2_adapter_steers_like_the_v1_adapter()
         v1 = _V1Engine(_config(additional_config=shared), head)
         v2 = _Mrv2Engine(_config(additional_config=shared), head)
     assert v1.adapter.steering.bank.shared and v2.adapter.steering.bank.shared
-    requests = {"a0": _request("ga", 0, 2, temperature=0.7, top_p=0.9),
-                "a1": _request("ga", 1, 2, temperature=0.7, top_p=0.9),
-                "b0": _request("gb", 0, 1, temperature=1.0, min_p=0.1),
-                "c0": _request("gc", 0, 1, temperature=0.9)}
-    steps = [(["b0", "a1", "a0"], {"a0": 3, "a1": 0, "b0": 5}),
-             (["a0", "b0", "a1"], {}),
-             (["c0", "a1", "a0"], {"c0": 5})]  # c0 takes the slot b0 left
+    requests = {
+        "a0": _request("ga", 0, 2, temperature=0.7, top_p=0.9),
+        "a1": _request("ga", 1, 2, temperature=0.7, top_p=0.9),
+        "b0": _request("gb", 0, 1, temperature=1.0, min_p=0.1),
+        "c0": _request("gc", 0, 1, temperature=0.9),
+    }
+    steps = [
+        (["b0", "a1", "a0"], {"a0": 3, "a1": 0, "b0": 5}),
+        (["a0", "b0", "a1"], {}),
+        (["c0", "a1", "a0"], {"c0": 5}),
+    ]  # c0 takes the slot b0 left
     slot_of: dict[str, int] = {}
     outputs = {n: [] for n in requests}
     gen = torch.Generator().manual_seed(0)

@@ -28,8 +28,12 @@ def engine():
     from esamp.core.config import EsampConfig
     from esamp.engines.vllm.engine import VllmEngine
 
-    eng = VllmEngine(model=str(resolved.hf_dir()), esamp=EsampConfig(slots=4, distiller="shared"),
-                     max_model_len=1024, llm_kwargs={"enable_prefix_caching": False, "logits_processors": [TRACER]})
+    eng = VllmEngine(
+        model=str(resolved.hf_dir()),
+        esamp=EsampConfig(slots=4, distiller="shared"),
+        max_model_len=1024,
+        llm_kwargs={"enable_prefix_caching": False, "logits_processors": [TRACER]},
+    )
     yield eng
     eng.close()
 
@@ -51,8 +55,12 @@ def _copy_of(bank, config):
     from esamp.core.distiller import bank_for
 
     copy = bank_for(config, bank.hidden)
-    for mine, theirs in ((copy.store.flat, bank.store.flat), (copy.store.flat_m, bank.store.flat_m),
-                         (copy.store.flat_v, bank.store.flat_v), (copy.store.steps, bank.store.steps)):
+    for mine, theirs in (
+        (copy.store.flat, bank.store.flat),
+        (copy.store.flat_m, bank.store.flat_m),
+        (copy.store.flat_v, bank.store.flat_v),
+        (copy.store.steps, bank.store.steps),
+    ):
         mine.copy_(theirs)
     return copy
 
@@ -70,13 +78,22 @@ def test_the_engines_shared_step_is_the_reference_step_on_the_same_taps(engine):
     p = steering()
     reference = Steerer(_copy_of(p.bank, engine.esamp))
     with traced() as trace:
-        keys, _ = collect(engine, {
-            0: [dict(prompt=PROMPT_A, sampling=sampling(n=2, max_tokens=6), steering=steer())],
-            1: [dict(prompt=PROMPT_B, sampling=sampling(n=3, max_tokens=8, seed=2),
-                     steering=steer(train_rows="all", beta=1.2))],
-        })
-    assert any({m[0] for m in t["meta"]} == set(keys) and {m[2] == 0 for m in t["meta"]} == {True, False}
-               for t in trace), "no step mixed one group's prefill with the other's decode rows"
+        keys, _ = collect(
+            engine,
+            {
+                0: [dict(prompt=PROMPT_A, sampling=sampling(n=2, max_tokens=6), steering=steer())],
+                1: [
+                    dict(
+                        prompt=PROMPT_B,
+                        sampling=sampling(n=3, max_tokens=8, seed=2),
+                        steering=steer(train_rows="all", beta=1.2),
+                    )
+                ],
+            },
+        )
+    assert any(
+        {m[0] for m in t["meta"]} == set(keys) and {m[2] == 0 for m in t["meta"]} == {True, False} for t in trace
+    ), "no step mixed one group's prefill with the other's decode rows"
     head = exchange().model.esamp_lm_head()
     for t in trace:
         rows = [SteeredRow(SHARED_SLOT, st, f, group=m[0]) for m, st, f in zip(t["meta"], t["steering"], t["filters"])]
@@ -91,8 +108,12 @@ def test_the_engines_shared_step_is_the_reference_step_on_the_same_taps(engine):
         # the mix: z' = a·z/T − b·W·ŷ on the request's own candidates (no top-k: no ties at a cut)
         f = t["filters"]
         scaled = iv.scale_logits(t["logits"].float().cpu(), torch.tensor([x.temperature for x in f]))
-        mask = iv.candidate_mask(scaled, torch.zeros(len(f), dtype=torch.long), torch.tensor([x.top_p for x in f]),
-                                 torch.tensor([x.min_p for x in f]))
+        mask = iv.candidate_mask(
+            scaled,
+            torch.zeros(len(f), dtype=torch.long),
+            torch.tensor([x.top_p for x in f]),
+            torch.tensor([x.min_p for x in f]),
+        )
         a, b = iv.mix_coefficients([(s.mix, s.beta) for s in t["steering"]])
         want = iv.steer(scaled, mask, t["prediction"].cpu(), head.cpu(), a, b)
         got = t["steered"].float().cpu()
@@ -105,10 +126,16 @@ def test_the_engines_shared_step_is_the_reference_step_on_the_same_taps(engine):
 def test_beta_zero_is_plain_sampling_with_groups_sharing_the_distiller(engine):
     runs = {}
     for name, st in (("zero", steer(beta=0.0)), ("off", steer(enabled=False))):
-        runs[name] = collect(engine, {0: [
-            dict(prompt=PROMPT_B, sampling=sampling(n=3, max_tokens=12, seed=7), steering=st),
-            dict(prompt=PROMPT_A, sampling=sampling(n=2, max_tokens=10, seed=8), steering=st)]})
-    for (k_zero, k_off) in zip(runs["zero"][0], runs["off"][0]):
+        runs[name] = collect(
+            engine,
+            {
+                0: [
+                    dict(prompt=PROMPT_B, sampling=sampling(n=3, max_tokens=12, seed=7), steering=st),
+                    dict(prompt=PROMPT_A, sampling=sampling(n=2, max_tokens=10, seed=8), steering=st),
+                ]
+            },
+        )
+    for k_zero, k_off in zip(runs["zero"][0], runs["off"][0]):
         n = 3 if k_zero == runs["zero"][0][0] else 2
         for sample in range(n):
             assert tokens_of(runs["zero"][1], k_zero, sample) == tokens_of(runs["off"][1], k_off, sample)
@@ -154,8 +181,17 @@ def test_served_slots_evictions_and_a_tp_follower_with_the_shared_distiller():
     H, V = 16, 48
     wire = Wire()
     config = EsampConfig(slots=2, rank=4, distiller="shared")
-    workers = [EngineSteering(config, hidden=H, vocab=V, max_rows=8, device=torch.device("cpu"),
-                              tp=TensorParallel(rank, 2, wire.end(rank))) for rank in (0, 1)]
+    workers = [
+        EngineSteering(
+            config,
+            hidden=H,
+            vocab=V,
+            max_rows=8,
+            device=torch.device("cpu"),
+            tp=TensorParallel(rank, 2, wire.end(rank)),
+        )
+        for rank in (0, 1)
+    ]
     owner, follower = workers
     assert owner.bank.shared and follower.bank is None and follower.slots.shared
     assert (owner.buffers.units, owner.buffers.width) == (1, 8)  # one unit as wide as the batch
@@ -163,12 +199,21 @@ def test_served_slots_evictions_and_a_tp_follower_with_the_shared_distiller():
     torch.manual_seed(0)
 
     def row(group, sample, n=1):
-        return RequestRow(group, sample, Steering(beta=1.0), Filters(temperature=1.0, top_p=0.9, min_p=0.0),
-                          [0] * sample, records=True, n=n)
+        return RequestRow(
+            group,
+            sample,
+            Steering(beta=1.0),
+            Filters(temperature=1.0, top_p=0.9, min_p=0.0),
+            [0] * sample,
+            records=True,
+            n=n,
+        )
 
-    batches = [{0: row("a", 0, 2), 1: row("a", 1, 2), 2: row("b", 0)},
-               {0: row("a", 0, 2), 1: row("b", 0), 2: row("c", 0)},  # two groups steered: c is sampled plainly
-               {0: row("c", 0), 1: row("d", 0)}]  # b released, a idle: c takes b's place, d evicts a
+    batches = [
+        {0: row("a", 0, 2), 1: row("a", 1, 2), 2: row("b", 0)},
+        {0: row("a", 0, 2), 1: row("b", 0), 2: row("c", 0)},  # two groups steered: c is sampled plainly
+        {0: row("c", 0), 1: row("d", 0)},
+    ]  # b released, a idle: c takes b's place, d evicts a
     for step, rows in enumerate(batches):
         if step == 2:
             assert owner.release("b") and follower.release("b")

@@ -23,10 +23,12 @@ from __future__ import annotations
 import os
 
 import pytest
+
 from _tp_probe import PROBE
 from _vllm_helpers import require_model, require_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.scale]
+
 
 def _layout() -> tuple[int, str | None]:
     """(workers, model: None for the embedded one; workers 0 on a machine with one GPU)."""
@@ -49,27 +51,45 @@ def _run(tp: int) -> dict:
     from esamp.core.config import EsampConfig, SamplingConfig, Steering
     from esamp.engines.vllm.engine import VllmEngine
 
-    eng = VllmEngine(model=MODEL or str(require_model().hf_dir()), esamp=EsampConfig(slots=4), dtype="float32",
-                     max_model_len=256, max_num_seqs=8, tensor_parallel_size=tp,
-                     llm_kwargs={"enable_prefix_caching": False, "worker_extension_cls": PROBE})
+    eng = VllmEngine(
+        model=MODEL or str(require_model().hf_dir()),
+        esamp=EsampConfig(slots=4),
+        dtype="float32",
+        max_model_len=256,
+        max_num_seqs=8,
+        tensor_parallel_size=tp,
+        llm_kwargs={"enable_prefix_caching": False, "worker_extension_cls": PROBE},
+    )
     try:
         ids = eng.tokenizer.encode(PROMPT) if eng.tokenizer is not None else [100 + k for k in range(8)]
         sampling = SamplingConfig(n=2, max_tokens=TOKENS, seed=5, ignore_eos=True)
         eng.workers("esamp_test_watch")
-        keys = {"plain": eng.start(ids, sampling, Steering(enabled=False)),
-                "steered": eng.start(ids, sampling, Steering(beta=1.5))}
+        keys = {
+            "plain": eng.start(ids, sampling, Steering(enabled=False)),
+            "steered": eng.start(ids, sampling, Steering(beta=1.5)),
+        }
         events, mid = [], None
         while eng.has_unfinished():
             events += eng.step()
             if mid is None and eng.step_count >= MID:
                 mid = eng.workers("esamp_test_generated")
-        tokens = {(kind, s): [e.token_id for e in events if e.type == "token" and e.group == key and e.sample == s]
-                  for kind, key in keys.items() for s in range(2)}
+        tokens = {
+            (kind, s): [e.token_id for e in events if e.type == "token" and e.group == key and e.sample == s]
+            for kind, key in keys.items()
+            for s in range(2)
+        }
         novelty = [e.novelty for e in events if e.type == "token" and e.group == keys["steered"]]
         kinds = {key: kind for kind, key in keys.items()}
         mixed = [{(kinds[g], s, i): v for g, s, i, v in worker} for worker in eng.workers("esamp_test_seen")]
-        return dict(tokens=tokens, novelty=novelty, mid=mid, mixed=mixed, info=eng.workers("esamp_info"),
-                    drained=eng.workers("esamp_drain"), modules=eng.workers("esamp_test_module"))
+        return dict(
+            tokens=tokens,
+            novelty=novelty,
+            mid=mid,
+            mixed=mixed,
+            info=eng.workers("esamp_info"),
+            drained=eng.workers("esamp_drain"),
+            modules=eng.workers("esamp_test_module"),
+        )
     finally:
         eng.close()
 

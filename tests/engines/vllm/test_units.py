@@ -8,12 +8,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from _vllm_helpers import Wire as _Wire, lockstep
-from esamp.core import intervention as iv
-from esamp.core import payload as pl
+from esamp.core import intervention as iv, payload as pl
 from esamp.core.config import Filters, Steering
 from esamp.engines.vllm import settings as es
 from esamp.errors import ConfigError
+
+from _vllm_helpers import Wire as _Wire, lockstep
 
 
 def _params(**kw):
@@ -63,14 +63,17 @@ def test_prepare_leaves_plain_requests_alone_and_serves_only_issued_groups(monke
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("kw, words", [
-    (dict(repetition_penalty=1.1, extra_args={"esamp": "on"}), ["penalties", "esamp"]),
-    (dict(extra_args={"esamp_beta": 12}), ["esamp_beta=12", "<= 10"]),
-    (dict(extra_args={"esamp_mix": "sharp"}), ["esamp_mix", "paper"]),
-    (dict(extra_args={"esamp_bta": 1.0}), ["esamp_bta", "esamp_beta"]),
-    (dict(n=65, extra_args={"esamp": "on"}), ["n=65", "64"]),
-    (dict(extra_args={"esamp_mix": "x" * 5000}), ["esamp_mix='xxx", "… (5000 characters)"]),
-])
+@pytest.mark.parametrize(
+    "kw, words",
+    [
+        (dict(repetition_penalty=1.1, extra_args={"esamp": "on"}), ["penalties", "esamp"]),
+        (dict(extra_args={"esamp_beta": 12}), ["esamp_beta=12", "<= 10"]),
+        (dict(extra_args={"esamp_mix": "sharp"}), ["esamp_mix", "paper"]),
+        (dict(extra_args={"esamp_bta": 1.0}), ["esamp_bta", "esamp_beta"]),
+        (dict(n=65, extra_args={"esamp": "on"}), ["n=65", "64"]),
+        (dict(extra_args={"esamp_mix": "x" * 5000}), ["esamp_mix='xxx", "… (5000 characters)"]),
+    ],
+)
 def test_prepare_refuses_what_esamp_cannot_serve(kw, words):
     with pytest.raises(ValueError) as err:
         es.prepare(_params(**kw))
@@ -83,9 +86,21 @@ class _StandIn(SimpleNamespace):  # what prepare reads of vLLM's SamplingParams 
 
 
 def _stand_in(**kw):
-    return _StandIn(**{"n": 1, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "seed": None,
-                       "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-                       "extra_args": None, **kw})
+    return _StandIn(
+        **{
+            "n": 1,
+            "temperature": 0.7,
+            "top_p": 0.9,
+            "top_k": 20,
+            "min_p": 0.05,
+            "seed": None,
+            "repetition_penalty": 1.0,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "extra_args": None,
+            **kw,
+        }
+    )
 
 
 def _count_decodes(monkeypatch) -> dict:
@@ -108,8 +123,12 @@ def test_check_changes_nothing(monkeypatch, served):
         monkeypatch.setenv(es.SERVE_ENV, "1")
     else:
         monkeypatch.delenv(es.SERVE_ENV, raising=False)
-    for params in (_stand_in(n=4, seed=2, extra_args={"esamp_beta": 1.2}), _stand_in(extra_args={"esamp": "off"}),
-                   _stand_in(), _stand_in(repetition_penalty=1.1, extra_args={"esamp": "on"})):
+    for params in (
+        _stand_in(n=4, seed=2, extra_args={"esamp_beta": 1.2}),
+        _stand_in(extra_args={"esamp": "off"}),
+        _stand_in(),
+        _stand_in(repetition_penalty=1.1, extra_args={"esamp": "on"}),
+    ):
         before, issued = copy.deepcopy(vars(params)), len(es.ISSUED)
         try:
             es.check(params)
@@ -226,9 +245,16 @@ def test_processor_filter_equals_core_candidate_mask(device):
         p = 0.5 + 0.5 * torch.rand(R, generator=gen)
         m = 0.2 * torch.rand(R, generator=gen) if trial % 3 else torch.zeros(R)
         want = iv.candidate_mask(z, k, p, m)
-        plan = StepPlan.build([SteeredRow(-1, Steering(), Filters(temperature=1.0, top_k=int(k[r]), top_p=float(p[r]),
-                                                                   min_p=float(m[r]))) for r in range(R)],
-                              device, steered=0)
+        plan = StepPlan.build(
+            [
+                SteeredRow(
+                    -1, Steering(), Filters(temperature=1.0, top_k=int(k[r]), top_p=float(p[r]), min_p=float(m[r]))
+                )
+                for r in range(R)
+            ],
+            device,
+            steered=0,
+        )
         got = vllm_filter(z.clone().to(device), plan).cpu()
         kept = torch.isfinite(got)
         assert torch.equal(got[kept], z[kept]), trial  # kept tokens keep their z̃
@@ -245,8 +271,10 @@ def test_processor_filter_equals_core_candidate_mask(device):
         moved.append((count - want.sum(-1)).abs())
     if moved:
         moved = torch.cat(moved)
-        print(f"Triton top-p cut vs the sort: {int((moved > 0).sum())}/{moved.numel()} rows moved, "
-              f"at most {int(moved.max())} tokens")
+        print(
+            f"Triton top-p cut vs the sort: {int((moved > 0).sum())}/{moved.numel()} rows moved, "
+            f"at most {int(moved.max())} tokens"
+        )
         assert (moved > 0).float().mean() <= 0.1 and int(moved.max()) <= 3
 
 
@@ -259,8 +287,16 @@ def test_bench_workload_parsing():
         parse_workload("16by64")
 
 
-@pytest.mark.parametrize("args", [["--trials", "0"], ["--seed", "-1"], ["--gpu-memory-utilization", "1.5"],
-                                  ["--workloads", "16by64"], ["--tensor-parallel-size", "0"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--trials", "0"],
+        ["--seed", "-1"],
+        ["--gpu-memory-utilization", "1.5"],
+        ["--workloads", "16by64"],
+        ["--tensor-parallel-size", "0"],
+    ],
+)
 def test_bench_refuses_bad_options_before_loading_anything(args, capsys):
     from esamp.commands.cli import main
 
@@ -379,7 +415,8 @@ def test_a_second_compute_logits_after_sampling_is_not_steered():
     config = SimpleNamespace(
         model_config=SimpleNamespace(get_vocab_size=lambda: 32, get_hidden_size=lambda: 8, logits_processors=None),
         scheduler_config=SimpleNamespace(max_num_seqs=4),
-        additional_config={es.KEY: es.engine_settings(EsampConfig(slots=2, rank=2), 2)})
+        additional_config={es.KEY: es.engine_settings(EsampConfig(slots=2, rank=2), 2)},
+    )
     adapter = V1Adapter(config, torch.device("cpu"), False)
     params = SamplingParams(extra_args={"esamp": "on"})
     es.prepare(params)
@@ -407,8 +444,11 @@ def test_building_an_engines_steering_starts_nothing_and_runs_the_steps_register
     config = SimpleNamespace(
         model_config=SimpleNamespace(get_vocab_size=lambda: 32, get_hidden_size=lambda: 8),
         scheduler_config=SimpleNamespace(max_num_seqs=4),
-        additional_config={es.KEY: es.engine_settings(EsampConfig(slots=2, rank=2), 2),
-                           es.SERVER_KEY: {"records_requested": True, "host": "127.0.0.1", "port": 1}})
+        additional_config={
+            es.KEY: es.engine_settings(EsampConfig(slots=2, rank=2), 2),
+            es.SERVER_KEY: {"records_requested": True, "host": "127.0.0.1", "port": 1},
+        },
+    )
     monkeypatch.setattr(hooks, "_STEPS", [])
     threads, handler = set(threading.enumerate()), signal.getsignal(signal.SIGTERM)
     steering = make_steering(config, torch.device("cpu"))
@@ -433,8 +473,17 @@ def test_a_tensor_parallel_worker_without_the_bank_plans_and_mixes_as_rank_0():
 
     H, V = 16, 48
     wire = _Wire()
-    workers = [EngineSteering(EsampConfig(slots=2, rank=4), hidden=H, vocab=V, max_rows=8, device=torch.device("cpu"),
-                              tp=TensorParallel(rank, 2, wire.end(rank))) for rank in (0, 1)]
+    workers = [
+        EngineSteering(
+            EsampConfig(slots=2, rank=4),
+            hidden=H,
+            vocab=V,
+            max_rows=8,
+            device=torch.device("cpu"),
+            tp=TensorParallel(rank, 2, wire.end(rank)),
+        )
+        for rank in (0, 1)
+    ]
     owner, follower = workers
     assert isinstance(owner.slots, DistillerBank) and follower.bank is None
     assert type(follower.slots) is SlotLedger and follower.slots.capacity == 2
@@ -442,12 +491,21 @@ def test_a_tensor_parallel_worker_without_the_bank_plans_and_mixes_as_rank_0():
     torch.manual_seed(0)
 
     def row(group, sample, n=2):
-        return RequestRow(group, sample, Steering(beta=1.0), Filters(temperature=1.0, top_p=0.9, min_p=0.0), [0] * sample,
-                          records=True, n=n)
+        return RequestRow(
+            group,
+            sample,
+            Steering(beta=1.0),
+            Filters(temperature=1.0, top_p=0.9, min_p=0.0),
+            [0] * sample,
+            records=True,
+            n=n,
+        )
 
-    batches = [{0: row("a", 0), 1: row("a", 1), 2: row("b", 0, 1)},
-               {0: row("a", 0), 1: row("b", 0, 1), 2: row("c", 0, 1)},  # bank full: c is sampled plainly
-               {0: row("c", 0, 1), 1: row("d", 0, 1)}]  # a and b idle: c and d evict them
+    batches = [
+        {0: row("a", 0), 1: row("a", 1), 2: row("b", 0, 1)},
+        {0: row("a", 0), 1: row("b", 0, 1), 2: row("c", 0, 1)},  # bank full: c is sampled plainly
+        {0: row("c", 0, 1), 1: row("d", 0, 1)},
+    ]  # a and b idle: c and d evict them
     for step, rows in enumerate(batches):
         if step == 2:
             assert owner.release("b") and follower.release("b")
@@ -511,8 +569,14 @@ def test_the_model_classes_pickle_by_name():
     from esamp.engines.vllm import model
 
     inner = model._TappedGemma3Model
-    for obj in (model.EsampLlamaForCausalLM, model.EsampQwen2ForCausalLM, model.EsampGemma3ForCausalLM,
-                inner, inner.forward, model._Gemma3WithTaps):
+    for obj in (
+        model.EsampLlamaForCausalLM,
+        model.EsampQwen2ForCausalLM,
+        model.EsampGemma3ForCausalLM,
+        inner,
+        inner.forward,
+        model._Gemma3WithTaps,
+    ):
         assert "<locals>" not in obj.__qualname__
         assert pickle.loads(pickle.dumps(obj)) is obj
 
