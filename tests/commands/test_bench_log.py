@@ -123,7 +123,7 @@ WARMUP, FAILURE, FAIL = {warmup!r}, {failure!r}, {fail!r}
 def plan(args):
     return bench_run.Plan(workloads=[("default", (1, 1, 4))], trials=1, model=None, logits=["flat"],
                           sampling=SamplingConfig(), esamp=EsampConfig(), given_filters={{}}, given_beta=None,
-                          share=0.42, max_seqs=1, path=Path("bench.json"))
+                          share=0.42, max_seqs=1, spread=0.0, path=Path("bench.json"))
 
 def measure(args, plan, loaded, log):
     bench_run._say("loading the baseline engine (plain vLLM)...")
