@@ -318,8 +318,8 @@ class EsampMiddleware:
         for path in self.routes[rt.UNKNOWN]:
             log.warning(
                 "ESamp: this vLLM serves POST %s, a route esamp does not know: its requests are sampled "
-                'without ESamp and hold no Distiller slot (docs/serving.md, "Routes: which generate, and how '
-                'each is served")',
+                "without ESamp and hold no Distiller slot "
+                '(docs/serving.md, "Routes: which generate, and how each is served")',
                 path,
             )
 
