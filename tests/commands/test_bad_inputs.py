@@ -141,6 +141,7 @@ CASES = [
     ("bench --floor on 12 GiB of RAM", BENCH + ["--model", "qwen2.5-0.5b:dummy", "--floor"], "third engine"),
     ("bench --trials 0", BENCH + ["--trials", "0"], "--trials"),
     ("bench --min-trial-seconds -1", BENCH + ["--min-trial-seconds", "-1"], "--min-trial-seconds=-1"),
+    ("bench --spread 1.5", BENCH + ["--spread", "1.5"], "--spread=1.5"),
     ("bench bad workload", BENCH + ["--workloads", "16y64"], "16y64"),
     ("bench --gpu-memory-utilization", BENCH + ["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
     ("bench --top-p", BENCH + ["--top-p", "2"], "--top-p=2.0"),

@@ -132,27 +132,40 @@ class NoisyEngine:
         return {}
 
 
-def _noisy(monkeypatch, spread: float) -> dict:
+def _noisy(monkeypatch, spread: float, stop_after: int | None = None) -> dict:
     clock = StepClock()
     monkeypatch.setattr(trials_mod, "time", clock)
-    sides = [("baseline", NoisyEngine(clock, False, 32), False), ("esamp", NoisyEngine(clock, True, 32), True)]
+    esamp = NoisyEngine(clock, True, 32)
+    if stop_after is not None:  # Ctrl-C at the start of the esamp side's pass number stop_after
+        start = esamp.start
+
+        def stopping(prompt, sampling, steering):
+            if not esamp.pending and sampling.max_tokens == 32 and esamp.passes + 1 == stop_after:
+                raise KeyboardInterrupt
+            start(prompt, sampling, steering)
+
+        esamp.start = stopping
+    sides = [("baseline", NoisyEngine(clock, False, 32), False), ("esamp", esamp, True)]
     args = SimpleNamespace(prompt_len=4, min_trial_seconds=0.0)
     results: list[dict] = []
-    bench_run._workload(
-        "flat",
-        "default",
-        (1, 1, 32),
-        sides,
-        {},
-        None,
-        SamplingConfig(seed=0),
-        EsampConfig(),
-        32_000,
-        args,
-        4,
-        results,
-        spread=spread,
-    )
+    try:
+        bench_run._workload(
+            "flat",
+            "default",
+            (1, 1, 32),
+            sides,
+            {},
+            None,
+            SamplingConfig(seed=0),
+            EsampConfig(),
+            32_000,
+            args,
+            4,
+            results,
+            spread=spread,
+        )
+    except KeyboardInterrupt:
+        assert stop_after is not None
     (r,) = results
     return r
 
@@ -177,3 +190,10 @@ def test_the_table_marks_ratios_that_stayed_wide(monkeypatch, capsys):
     bench_run._print_table(dict(workloads=[r], device="cpu", versions=dict(vllm="-", torch="-")))
     out = capsys.readouterr().out
     assert f"±{r['spread']:.1%}*" in out and "read them as a range" in out
+
+
+def test_an_interrupt_before_the_longer_passes_finish_a_trial_keeps_the_last_whole_attempt(monkeypatch):
+    # 4 trials of 1 pass (esamp passes 1-4), then the first pass of 2-pass trials is stopped
+    r = _noisy(monkeypatch, spread=0.03, stop_after=5)
+    assert r["interrupted"] is True and r["rounds"] == 1 and r["earlier"] == []
+    assert len({t["trial"] for t in r["trials"]}) == 4 and r["within_target"] is False

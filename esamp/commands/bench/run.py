@@ -425,8 +425,14 @@ def _workload(
             f"(client cpu {r['client_cpu_share']:.0%}{ttft})"
         )
 
-    target = spread
     earlier: list[dict] = []  # the attempts whose ratios spread past the target
+
+    def keep(result: dict, **extra) -> None:
+        within = not spread or result["spread"] <= spread
+        results.append(
+            dict(result, spread_target=spread, within_target=within, earlier=[_attempt(e) for e in earlier], **extra)
+        )
+
     while True:
         records: list[dict] = []
         try:
@@ -434,42 +440,22 @@ def _workload(
         except KeyboardInterrupt:
             done = {r["trial"] for r in records if r["side"] == "esamp"}
             if done:
-                results.append(
-                    dict(
-                        summary(
-                            mode,
-                            preset_name,
-                            name,
-                            shape,
-                            sampling_kw,
-                            beta,
-                            [r for r in records if r["trial"] in done],
-                        ),
-                        rounds=rounds,
-                        interrupted=True,
-                        spread_target=target,
-                        earlier=earlier,
-                    )
+                kept = [r for r in records if r["trial"] in done]
+                keep(
+                    dict(summary(mode, preset_name, name, shape, sampling_kw, beta, kept), rounds=rounds),
+                    interrupted=True,
                 )
             elif earlier:  # the longer passes had not finished a trial: the last whole attempt stands
-                results.append(
-                    dict(earlier[-1]["summary"], interrupted=True, spread_target=target, earlier=earlier[:-1])
-                )
+                keep(earlier.pop(), interrupted=True)
             raise
-        result = dict(
-            summary(mode, preset_name, name, shape, sampling_kw, beta, records), rounds=rounds, spread_target=target
-        )
-        if not target or result["spread"] <= target or len(earlier) == MAX_LENGTHENINGS or rounds >= MAX_ROUNDS:
-            result.update(
-                earlier=[_attempt(e["summary"]) for e in earlier],
-                within_target=not target or result["spread"] <= target,
-            )
-            results.append(result)
+        result = dict(summary(mode, preset_name, name, shape, sampling_kw, beta, records), rounds=rounds)
+        if not spread or result["spread"] <= spread or len(earlier) == MAX_LENGTHENINGS or rounds >= MAX_ROUNDS:
+            keep(result)
             return
-        earlier.append(dict(summary=result))
+        earlier.append(result)
         rounds = min(MAX_ROUNDS, 2 * rounds)
         _say(
-            f"  {mode:>9} {name:>18}: ratios spread ±{result['spread']:.1%} (target ±{target:.0%}): "
+            f"  {mode:>9} {name:>18}: ratios spread ±{result['spread']:.1%} (target ±{spread:.0%}): "
             f"again with {rounds} passes per trial"
         )
 
