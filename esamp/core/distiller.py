@@ -158,9 +158,36 @@ def init_slot(hidden: int, rank: int, seed: int, slot: int) -> dict[str, torch.T
     }
 
 
-def forward(block: torch.Tensor, p: dict[str, torch.Tensor], rank: int) -> torch.Tensor:
-    """ŷ for a [U, W, H] block of source rows through the slots' parameters ``p`` ([U, ...])."""
-    both = torch.bmm(block, p["AG"])  # [U, W, 2r]: x·A | x·G
+SPLIT_PIECE = 384  # the shortest piece of H one product of ``forward``'s split x·[A|G] sums over
+
+
+def split_for(hidden: int, device: torch.device | str) -> int:
+    """How many pieces ``forward`` cuts H into for x·[A|G] on ``device``.
+
+    x·[A|G] is U products of [W, H]·[H, 2r]: few rows and a long sum. On a GPU, cuBLAS gives each
+    product a few thread blocks that walk all of H in turn (115 of the fair workload's 405 µs of
+    ESamp kernel time at 7B, ``benchmarks/results/steps-7b-fair-9aef8c3-h100``); cut into k pieces
+    the same work is U·k products of H/k and one sum over k. A CPU's BLAS splits long sums itself:
+    1 there."""
+    if torch.device(device).type != "cuda":
+        return 1
+    for k in (16, 8, 4, 2):
+        if hidden % k == 0 and hidden // k >= SPLIT_PIECE:
+            return k
+    return 1
+
+
+def forward(block: torch.Tensor, p: dict[str, torch.Tensor], rank: int, split: int = 1) -> torch.Tensor:
+    """ŷ for a [U, W, H] block of source rows through the slots' parameters ``p`` ([U, ...]);
+    ``split`` (dividing H): x·[A|G] summed over that many pieces of H (``split_for``)."""
+    if split == 1:
+        both = torch.bmm(block, p["AG"])  # [U, W, 2r]: x·A | x·G
+    else:
+        U, W, H = block.shape
+        h = H // split
+        pieces = block.view(U, W, split, h).transpose(1, 2).reshape(U * split, W, h)
+        # [U, H, 2r] → [U·k, H/k, 2r]: a view where AG is contiguous (``DistillerBank`` gathers it so)
+        both = torch.bmm(pieces, p["AG"].reshape(U * split, h, 2 * rank)).view(U, split, W, 2 * rank).sum(dim=1)
     gate = F.silu(both[..., rank:] + p["b"].unsqueeze(1))
     out = block + torch.bmm(both[..., :rank] * gate, p["B"])  # [U, W, H]
     out = F.layer_norm(out, (block.shape[-1],), eps=LN_EPS)
@@ -247,6 +274,7 @@ class DistillerBank(SlotLedger):
         device: torch.device | str = "cpu",
         seed: int = 0,
         shared: bool = False,
+        split: int | None = None,
     ) -> None:
         if optimizer not in ("adam", "sgd"):
             raise ValueError(f"optimizer must be 'adam' or 'sgd', not {optimizer!r}")
@@ -254,6 +282,9 @@ class DistillerBank(SlotLedger):
         self.hidden, self.rank = hidden, rank
         self.lr, self.optimizer, self.seed = lr, optimizer, seed
         self.device = torch.device(device)
+        self.split = split_for(hidden, self.device) if split is None else split
+        if hidden % self.split:
+            raise ValueError(f"split {self.split} does not divide the hidden size {hidden}")
         H, r = hidden, rank
         shapes = {"AG": (H, 2 * r), "b": (r,), "B": (r, H), "ln_w": (H,), "ln_b": (H,)}
         self.store = FlatParameters({k: shapes[k] for k in self.PARAMS}, self.distillers, self.device)
@@ -281,14 +312,13 @@ class DistillerBank(SlotLedger):
 
     def _forward(self, block: torch.Tensor, layout: RowLayout, p: dict[str, torch.Tensor]) -> torch.Tensor:
         U, W = layout.shape
-        return forward(block.view(U, W, self.hidden), p, self.rank).view(U * W, self.hidden)
+        return forward(block.view(U, W, self.hidden), p, self.rank, self.split).view(U * W, self.hidden)
 
     @torch.no_grad()
     def predict(self, x: torch.Tensor, layout: RowLayout) -> torch.Tensor:
         """ŷ [R, H] in fp32 for source rows ``x`` [R, H]."""
         block = self._blocks(x, layout).float()
-        p = self.store.named(self.store.gather(layout.units))
-        return self._forward(block, layout, p).index_select(0, layout.cell)
+        return self._forward(block, layout, self.store.gather(layout.units)).index_select(0, layout.cell)
 
     row_error = staticmethod(row_error)
 
@@ -307,7 +337,7 @@ class DistillerBank(SlotLedger):
             bx, by = normalize(bx, by)
         if not layout.training:
             with torch.no_grad():
-                prediction = self._forward(bx.float(), layout, self.store.named(self.store.gather(layout.units)))
+                prediction = self._forward(bx.float(), layout, self.store.gather(layout.units))
                 err = row_error(prediction, by)
                 return prediction.index_select(0, layout.cell), err.index_select(0, layout.cell), None
         with torch.inference_mode(False), torch.enable_grad():
@@ -315,10 +345,9 @@ class DistillerBank(SlotLedger):
             # cannot be saved for backward: the gathered blocks and the weights are fresh copies.
             bx, by = bx.float().clone(), by.float().clone()
             weight = layout.weight.clone().view(layout.shape)
-            # Each parameter's [U, ...] view of the gathered rows is a leaf: autograd writes its
-            # gradient straight into a [U, ...] tensor.
-            rows = self.store.gather(layout.units)
-            p = {k: self.store.view(rows, k).requires_grad_(True) for k in self.PARAMS}
+            # Each parameter's gathered [U, ...] copy is a leaf: autograd writes its gradient
+            # straight into a [U, ...] tensor.
+            p = {k: t.requires_grad_(True) for k, t in self.store.gather(layout.units).items()}
             prediction = self._forward(bx, layout, p)
             err = row_error(prediction, by)  # [U·W]
             counts = weight.sum(dim=1)

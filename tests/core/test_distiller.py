@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from esamp.core.distiller import DistillerBank, RowLayout
+from esamp.core.distiller import DistillerBank, RowLayout, split_for
 from esamp.errors import BankFullError
 
 
@@ -43,6 +43,26 @@ def test_a_padded_layout_steps_exactly_like_the_tight_one():
     assert not b[2][2:].any()
     torch.testing.assert_close(padded.store.flat, tight.store.flat)  # (other GEMM shapes: rounding)
     assert torch.equal(tight.store.steps, padded.store.steps)
+
+
+def test_x_ag_split_over_pieces_of_h_steps_like_one_long_product():
+    """The GPU's split of x·[A|G] over pieces of H (``split_for``) changes no prediction, error,
+    loss or parameter beyond rounding, through several optimizer steps of two slots."""
+    x, y = torch.randn(7, H), torch.randn(7, H)
+    slots = [0, 1, 1, 0, 1, 0, 0]
+    banks = [_bank(split=k) for k in (1, 4)]
+    for _ in range(3):
+        one, split = (bank.step(x, y, RowLayout.from_slots(slots)) for bank in banks)
+        for a, b in zip(one, split):
+            torch.testing.assert_close(b, a)
+    torch.testing.assert_close(banks[1].store.flat, banks[0].store.flat)
+    with pytest.raises(ValueError, match="does not divide"):
+        _bank(split=5)
+
+
+def test_h_is_split_on_a_gpu_only_and_into_pieces_no_shorter_than_its_floor():
+    assert split_for(3584, "cpu") == 1
+    assert [split_for(h, "cuda") for h in (3584, 896, 576, 4096, 1536)] == [8, 2, 1, 8, 4]
 
 
 def test_predict_shapes_and_layer_norm_output():

@@ -8,7 +8,7 @@ views of its row), and so do the two Adam moments. Row S is a scratch slot: fixe
 their slot list with it, and it is never trained. A step names its slots by a device tensor of
 slot ids (``units``), so one captured step serves every assignment of groups to slots:
 
-- ``gather(units)`` reads the units' rows ([U, P], one copy);
+- ``gather(units)`` reads the units' tensors (a contiguous [U, ...] copy of each);
 - ``update(units, counts, grads)`` takes one SGD or Adam step on every unit whose ``counts`` (its
   training rows this step) is positive, each with its own step count, and leaves the others and
   the scratch slot alone. On a GPU that is one Triton kernel per tensor; elsewhere the same
@@ -83,9 +83,10 @@ class FlatParameters:
         self.flat_v[slot].zero_()
         self.steps[slot].zero_()
 
-    def gather(self, units: torch.Tensor) -> torch.Tensor:
-        """[U, P]: the rows of the slots in ``units`` (a copy)."""
-        return self.flat.index_select(0, units)
+    def gather(self, units: torch.Tensor) -> dict[str, torch.Tensor]:
+        """name → [U, *shape]: the tensors of the slots in ``units``, each a contiguous copy (a
+        product may then view a tensor in other shapes for free)."""
+        return {name: view.index_select(0, units) for name, view in self.params.items()}
 
     @torch.no_grad()
     def update(
