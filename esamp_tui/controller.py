@@ -39,7 +39,7 @@ BATCH_SECONDS = 0.1  # events reach the UI at most 10 times a second: a frame of
 # cost is mostly per frame (8 panes scrolled and redrawn), not per token, so at a 7B model's
 # 1,000 tok/s fewer, larger batches keep the dashboard's own CPU share down (benchmarks/ui_bench.py).
 BUSY_TOKENS_PER_S = 600.0
-BUSY_BATCH_SECONDS = 0.2
+BUSY_BATCH_SECONDS = 0.25
 
 
 class SessionController:

@@ -22,6 +22,7 @@ series averaged into about one bin per column, and the compact line at 2 Hz.
 from __future__ import annotations
 
 import collections
+import itertools
 import math
 from collections.abc import Iterable
 
@@ -38,6 +39,7 @@ from esamp.platform.gpu import GIB, MemorySample, MemorySampler
 from esamp_tui.messages import MemorySampled
 
 WINDOW_S = 120.0  # seconds of history on the shared time axis
+HITS_STEPS = 16  # the port-hits value: rows per step over this many last steps
 TIME_TICKS = [(-120, "-2m"), (-90, "-90s"), (-60, "-1m"), (-30, "-30s"), (0, "now")]
 FEW_TIME_TICKS = TIME_TICKS[::2]  # for plots narrower than WIDE_PLOT columns
 WIDE_PLOT = 40
@@ -77,6 +79,11 @@ class TimeSeries:
 
     def values(self, now: float) -> list[float]:
         return [v for at, v in self.points if at >= now - WINDOW_S]
+
+    def mean_of_last(self, count: int) -> float | None:
+        """The mean of the last ``count`` values (None: none)."""
+        recent = [v for _, v in itertools.islice(reversed(self.points), count)]
+        return sum(recent) / len(recent) if recent else None
 
 
 def segments(points: list[tuple[float, float]], gap: float) -> Iterable[list[tuple[float, float]]]:
@@ -272,7 +279,11 @@ class ChartStrip(Horizontal):
             or "–"
         )
         loss = "– (ESamp off)" if self.loss.last is None else f"{self.loss.last:.4g}"
-        hits = "–" if self.hits.last is None else f"{self.hits.last:g} row{'' if self.hits.last == 1 else 's'}"
+        # An engine that reads its records back every few steps (vLLM) reports a step's hits with
+        # a later step: rows per step is their mean over the last steps, not the last step's.
+        per_step = self.hits.mean_of_last(HITS_STEPS)
+        shown = None if per_step is None else round(per_step, 0 if compact else 1)
+        hits = "–" if shown is None else f"{shown:g} row{'' if shown == 1 else 's'}"
         sample = self.memory_sample
         mem = escape(sample.label() if sample else "mem N/A")
         narrow = self.size.width < 4 * WIDE_PLOT

@@ -10,6 +10,8 @@ the strip cache, since colours are looked up at render time.
 
 from __future__ import annotations
 
+import time
+
 from rich.segment import Segment
 from rich.style import Style
 from textual.geometry import Size
@@ -20,6 +22,9 @@ from esamp_tui.theming import heat_ramp
 from esamp_tui.wrap import WrappedLines
 
 PLAIN = -1  # bucket of a token without novelty
+# A new border subtitle repaints the whole pane: while tokens stream, its count and mean novelty
+# change at most this often (the text itself is drawn on every batch).
+HEADER_SECONDS = 1.0
 BUCKETS = 21  # novelty 0..1 is drawn in this many colours blended from the theme's five stops
 
 
@@ -57,7 +62,9 @@ class SamplePane(ScrollView, can_focus=False):
         self._strips: dict[int, Strip] = {}
         self._styles: dict[int, Style] | None = None
         self._base: Style | None = None  # the pane's own style, under every token
+        self._header_due = False  # a later subtitle update is armed
         self._update_header()
+        self._header_at = 0.0  # when the subtitle last changed while streaming (monotonic)
 
     # -- data in ------------------------------------------------------------------------------
 
@@ -78,7 +85,12 @@ class SamplePane(ScrollView, can_focus=False):
         for y in range(first_dirty, len(lines)):
             self._strips.pop(y, None)
         self._set_extent(Size(self._wrap_width, len(lines)))
-        self._update_header()
+        wait = self._header_at + HEADER_SECONDS - time.monotonic()
+        if wait <= 0:
+            self._update_header()
+        elif not self._header_due:
+            self._header_due = True
+            self.set_timer(wait, self._update_header)
         if follow:
             self.scroll_end(animate=False, immediate=True, x_axis=False)
         self.refresh_lines(first_dirty, len(lines) - first_dirty)
@@ -101,6 +113,8 @@ class SamplePane(ScrollView, can_focus=False):
         return "".join(t for t, _ in self.tokens)
 
     def _update_header(self) -> None:
+        self._header_due = False
+        self._header_at = time.monotonic()
         # Assigning a border title refreshes the border even when the text is the same: only on a change.
         title = f"sample {self.sample + 1}"
         if self.border_title != title:

@@ -235,18 +235,18 @@ def _plan(args) -> Plan:
     memory.check_memory(model, engines, share, rows=max(max_seqs, 16), tensor_parallel=args.tensor_parallel_size)
     spread = args.spread if args.spread is not None else (SPREAD_TARGET if gpu else 0.0)
     return Plan(
-        workloads,
-        trials,
-        model,
-        logits,
-        sampling,
-        esamp,
-        given_filters,
-        getattr(args, "beta", None),
-        share,
-        max_seqs,
-        spread,
-        path,
+        workloads=workloads,
+        trials=trials,
+        model=model,
+        logits=logits,
+        sampling=sampling,
+        esamp=esamp,
+        given_filters=given_filters,
+        given_beta=getattr(args, "beta", None),
+        share=share,
+        spread=spread,
+        max_seqs=max_seqs,
+        path=path,
     )
 
 
