@@ -67,3 +67,28 @@ class EsampBenchExtension(EsampWorkerExtension):
         import torch
 
         return int(torch.cuda.max_memory_allocated()) if torch.cuda.is_available() else None
+
+    def esamp_host_profile(self, action: str, top: int = 30) -> str | None:
+        """cProfile of this worker's own thread, the one that runs its engine steps: ``"start"``,
+        then ``"stop"`` returns the functions with the most time (by own time, then cumulative).
+        What ``benchmarks/profile_host.py`` reads from every worker under tensor parallelism,
+        where the workers are processes of their own."""
+        import cProfile
+        import io
+        import pstats
+
+        if action == "start":
+            self._esamp_profile = cProfile.Profile()
+            self._esamp_profile.enable()
+            return None
+        if action != "stop":
+            raise ValueError(f"action must be 'start' or 'stop', not {action!r}")
+        profile, self._esamp_profile = getattr(self, "_esamp_profile", None), None
+        if profile is None:
+            return None
+        profile.disable()
+        text = io.StringIO()
+        stats = pstats.Stats(profile, stream=text)
+        stats.sort_stats("tottime").print_stats(top)
+        stats.sort_stats("cumulative").print_stats(top)
+        return text.getvalue()
