@@ -743,3 +743,28 @@ async def test_a_batch_reaches_each_pane_in_one_append_and_hits_read_per_step(ma
             charts.add_step(charts.now + 0.01, 100.0, None, hits, True)
         charts.redraw()
         assert str(charts.query_one("#chart-hits-value").render()) == "2 rows"
+
+
+async def test_a_streaming_panes_subtitle_changes_at_most_once_a_second():
+    """A new subtitle repaints the whole pane: while tokens stream, its count and mean novelty
+    follow at most once a second (the last change arrives by timer), and a finish shows at once."""
+    from textual.app import App
+
+    from esamp_tui.widgets.sample_pane import HEADER_SECONDS, SamplePane
+
+    class OnePane(App):
+        def compose(self):
+            yield SamplePane(0)
+
+    app = OnePane()
+    async with app.run_test(size=(40, 10)) as pilot:
+        pane = app.query_one(SamplePane)
+        pane.append([("a ", 0.5)])
+        assert pane.border_subtitle == "1 tok · nov 0.50"
+        pane.append([("b ", 0.5)])
+        assert pane.border_subtitle == "1 tok · nov 0.50" and pane.token_count == 2
+        await pilot.pause(HEADER_SECONDS + 0.3)
+        assert pane.border_subtitle == "2 tok · nov 0.50"
+        pane.append([("c ", 0.5)])
+        pane.finish("stop")
+        assert pane.border_subtitle == "3 tok · nov 0.50 · stop"
