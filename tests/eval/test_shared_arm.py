@@ -2,7 +2,6 @@
 run that adds shared cells to the committed frontier folder beside its own, reusing its baseline."""
 
 import json
-import shutil
 from pathlib import Path
 
 import esamp.commands.eval as eval_cli
@@ -42,13 +41,17 @@ def test_the_distiller_is_an_engine_wide_matrix_key_and_each_shared_cell_gets_it
 
 
 def test_shared_cells_join_the_committed_frontier_run_and_leave_its_arms_as_they_are(tmp_path, monkeypatch, capsys):
-    """The command in eval_frontier_cpu.toml's header, on a copy of the committed arith folder:
-    two new cells, the baseline and the plain arms reused, the committed cells' records unchanged."""
+    """The command in eval_frontier_cpu.toml's header, on a copy of the committed arith folder as
+    it was before its shared cells (they are taken out of the copy): two new cells, the baseline
+    and the plain arms reused, the other cells' records unchanged."""
     out = tmp_path / "arith"
     out.mkdir()
-    for name in ("run.json", "samples.jsonl"):
-        shutil.copy(COMMITTED / name, out / name)
-    committed = json.loads((COMMITTED / "run.json").read_text())["settings"]
+    run = json.loads((COMMITTED / "run.json").read_text())
+    run["settings"]["cells"] = {k: v for k, v in run["settings"]["cells"].items() if "distiller=shared" not in k}
+    (out / "run.json").write_text(json.dumps(run))
+    with open(COMMITTED / "samples.jsonl") as src, open(out / "samples.jsonl", "w") as dst:
+        dst.writelines(line for line in src if "distiller=shared" not in json.loads(line)["arm"])
+    committed = run["settings"]
     sampled = {}
 
     def sample(args, runs, cells, todo, engine_name, total, started, out):
