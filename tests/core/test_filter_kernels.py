@@ -64,6 +64,13 @@ def check_kernels(device: str) -> None:
             assert torch.equal(kept_got, kept_want), (seed, (kept_got != kept_want).sum())
         both = kept_want & kept_got
         torch.testing.assert_close(got[both], want[both], rtol=1e-5, atol=1e-4)
+    # β = 0 (a = 1, b = 0): a mixed row is the filtered row of plain sampling, bit for bit.
+    logits, index, T, m, p, a, b, d = _case(3)
+    rows = [t.to(device) for t in (index, T, m, p)]
+    plain, mixed = logits.clone().to(device), logits.clone().to(device)
+    tf.launch(plain, *rows, a.to(device), b.to(device), None)
+    tf.launch(mixed, *rows, torch.ones_like(a).to(device), torch.zeros_like(b).to(device), d.to(device))
+    assert torch.equal(mixed, plain)
     # A tie group at the cut larger than what is sorted is kept whole (the tie rule), and counted.
     logits = torch.zeros(1, 9_000)
     logits[0, 5_000:] = -1e-3

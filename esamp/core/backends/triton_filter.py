@@ -5,7 +5,7 @@ For each listed row i of the sampler's logits z (fp32, in place) with its temper
 1. min-p in logit space: keep z ≥ max z + T·log min_p (p_c ≥ min_p · p_max, no softmax);
 2. top-p over the min-p survivors, renormalised, as vLLM's sampler applies it: in ascending order
    a token is dropped while the survivors' mass up to and including it is ≤ (1 − top_p) of theirs;
-3. the mix on what is kept, z' = (a/T)·z − b·d for the rows given Distiller logits d (the first
+3. the mix on what is kept, z' = a·(z/T) − b·d for the rows given Distiller logits d (the first
    rows listed), z' = z/T for the others; −∞ outside C; and |C| per row.
 
 The top-p cut needs no sort of the vocabulary. A row's min-p survivors are collected (up to
@@ -403,7 +403,7 @@ if triton is not None:
         BLOCK: tl.constexpr,
         CHUNKS: tl.constexpr,
     ):
-        """z' = (a/T)·z − b·d on C (z at or above the row's cut), −∞ elsewhere; |C| per row."""
+        """z' = a·(z/T) − b·d on C (z at or above the row's cut), −∞ elsewhere; |C| per row."""
         i = tl.program_id(0)
         c = tl.program_id(1)
         row = tl.load(rows_ptr + i).to(tl.int64)
@@ -417,6 +417,8 @@ if triton is not None:
         out = z / temp
         if i < mixed:
             d = tl.load(d_ptr + i.to(tl.int64) * d_stride + offs, mask=kept, other=0.0).to(tl.float32)
-            out = (tl.load(a_ptr + i) / temp) * z - tl.load(b_ptr + i) * d
+            # a·(z/T), as the reference computes it: at β = 0 (a = 1, b·d = ±0) a mixed row is then
+            # bit for bit the filtered row of plain sampling
+            out = tl.load(a_ptr + i) * out - tl.load(b_ptr + i) * d
         tl.store(where, tl.where(kept, out, float("-inf")), mask=inside)
         tl.atomic_add(counts_ptr + i, tl.sum(kept.to(tl.int32), axis=0))
