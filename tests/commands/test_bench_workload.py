@@ -53,6 +53,26 @@ class CountingEngine:
         return {}
 
 
+def _run(sides, shape, trials: int, results: list[dict], **kw) -> None:
+    """``esamp bench``'s one workload (flat logits, the default preset) on these sides."""
+    args = SimpleNamespace(prompt_len=4, min_trial_seconds=0.0)
+    bench_run._workload(
+        "flat",
+        "default",
+        shape,
+        sides,
+        {},
+        None,
+        SamplingConfig(seed=0),
+        EsampConfig(),
+        32_000,
+        args,
+        trials,
+        results,
+        **kw,
+    )
+
+
 def _measure(stop_at: int, monkeypatch) -> list[dict]:
     starts, clock = [0], StepClock()
     monkeypatch.setattr(trials_mod, "time", clock)
@@ -60,23 +80,9 @@ def _measure(stop_at: int, monkeypatch) -> list[dict]:
         (name, CountingEngine(starts, stop_at, clock), on)
         for name, on in (("baseline", False), ("floor", False), ("esamp", True))
     ]
-    args = SimpleNamespace(prompt_len=4, min_trial_seconds=0.0)
     results: list[dict] = []
     with pytest.raises(KeyboardInterrupt):
-        bench_run._workload(
-            "flat",
-            "default",
-            (2, 1, 8),
-            sides,
-            {},
-            None,
-            SamplingConfig(seed=0),
-            EsampConfig(),
-            32_000,
-            args,
-            3,
-            results,
-        )
+        _run(sides, (2, 1, 8), 3, results)
     return results
 
 
@@ -146,24 +152,9 @@ def _noisy(monkeypatch, spread: float, stop_after: int | None = None) -> dict:
 
         esamp.start = stopping
     sides = [("baseline", NoisyEngine(clock, False, 32), False), ("esamp", esamp, True)]
-    args = SimpleNamespace(prompt_len=4, min_trial_seconds=0.0)
     results: list[dict] = []
     try:
-        bench_run._workload(
-            "flat",
-            "default",
-            (1, 1, 32),
-            sides,
-            {},
-            None,
-            SamplingConfig(seed=0),
-            EsampConfig(),
-            32_000,
-            args,
-            4,
-            results,
-            spread=spread,
-        )
+        _run(sides, (1, 1, 32), 4, results, spread=spread)
     except KeyboardInterrupt:
         assert stop_after is not None
     (r,) = results
