@@ -114,3 +114,22 @@ def collect(engine, starts, max_steps=400):
 
 def tokens_of(events, group, sample):
     return [e.token_id for e in events if e.type == "token" and e.group == group and e.sample == sample]
+
+
+def kept_by_both(got, want, scaled):
+    """The candidates both sides kept, once their sets are held equal up to ties at the cut.
+
+    ``got`` is the engine's steered row set (-inf where filtered), ``want`` the core's; ``scaled``
+    the logits over T. vLLM's top-k keeps every token tied with the k-th value, and at a top-p
+    cut the fused filter keeps or drops a tied group whole where a sort keeps part of it (bf16
+    logits tie often): the two sets may differ, but only inside the tie group at the cut, so
+    every token one side alone kept has the value of the lowest token the core kept."""
+    import torch
+
+    kept_got, kept_want = torch.isfinite(got).cpu(), torch.isfinite(want).cpu()
+    scaled = scaled.cpu()
+    differ = kept_got ^ kept_want
+    for r in differ.any(-1).nonzero().flatten().tolist():
+        lowest = scaled[r][kept_want[r]].min()
+        assert (scaled[r][differ[r]] == lowest).all(), f"row {r}: the candidate sets differ away from the cut"
+    return kept_want & kept_got

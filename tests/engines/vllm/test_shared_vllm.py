@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _tracing import TRACER, collect, exchange, steering, tokens_of, traced
+from _tracing import TRACER, collect, exchange, kept_by_both, steering, tokens_of, traced
 from _vllm_helpers import Wire, lockstep, require_model, require_vllm
 
 pytestmark = [pytest.mark.vllm]
@@ -105,7 +105,7 @@ def test_the_engines_shared_step_is_the_reference_step_on_the_same_taps(engine):
         trained = {m[0] for m, trains in zip(t["meta"], t["trains"]) if trains}
         assert set(t["losses"]) == trained
         assert all(v == pytest.approx(float(loss), rel=1e-3) for v in t["losses"].values())
-        # the mix: z' = a·z/T − b·W·ŷ on the request's own candidates (no top-k: no ties at a cut)
+        # the mix: z' = a·z/T − b·W·ŷ on the request's own candidates
         f = t["filters"]
         scaled = iv.scale_logits(t["logits"].float().cpu(), torch.tensor([x.temperature for x in f]))
         mask = iv.candidate_mask(
@@ -117,9 +117,19 @@ def test_the_engines_shared_step_is_the_reference_step_on_the_same_taps(engine):
         a, b = iv.mix_coefficients([(s.mix, s.beta) for s in t["steering"]])
         want = iv.steer(scaled, mask, t["prediction"].cpu(), head.cpu(), a, b)
         got = t["steered"].float().cpu()
-        assert torch.equal(torch.isfinite(got), mask)
-        assert torch.allclose(got[mask], want[mask], atol=0.1, rtol=1e-2)  # d from the bf16 head GEMM
-    torch.testing.assert_close(p.bank.store.flat.cpu(), reference.bank.store.flat, rtol=1e-3, atol=1e-4)
+        fin = kept_by_both(got, want, scaled)  # on a GPU the fused filter keeps a tie at the cut whole
+        assert torch.allclose(got[fin], want[fin], atol=0.1, rtol=1e-2)  # d from the bf16 head GEMM
+    ours, theirs = p.bank.store.flat.cpu(), reference.bank.store.flat
+    close = torch.isclose(ours, theirs, rtol=1e-3, atol=1e-4)
+    if ours.device != p.bank.store.flat.device:
+        # On a GPU the sums run in another order: a weight whose gradient is ~0 may get the other sign
+        # there, and Adam's step is ±lr whatever the gradient's size. Such weights are few and at most
+        # 2·lr a step apart; every other weight ends where the reference's does.
+        assert close.float().mean() > 0.999
+        steps = int(reference.bank.store.steps.max())
+        assert float((ours - theirs).abs().max()) <= 2 * engine.esamp.lr * steps + 1e-4
+    else:
+        assert close.all()
     assert torch.equal(p.bank.store.steps.cpu(), reference.bank.store.steps)
 
 
@@ -144,11 +154,12 @@ def test_beta_zero_is_plain_sampling_with_groups_sharing_the_distiller(engine):
 
 def test_a_new_group_starts_from_what_the_shared_distiller_learnt(engine):
     """A group's end frees its place, not the Distiller: the next group is steered by the weights
-    the last one left, which predict its rows better than a fresh Distiller (a bank's new slot)."""
+    the last one left, which predict its rows better than a fresh Distiller (a bank's new slot).
+    The group before trains enough for that to show on a fresh engine: the test holds in any order."""
     from esamp.core.distiller import SHARED_SLOT, RowLayout, bank_for, row_error
 
     bank = steering().bank
-    collect(engine, {0: [dict(prompt=PROMPT_A, sampling=sampling(n=3, max_tokens=16, seed=5))]})
+    collect(engine, {0: [dict(prompt=PROMPT_A, sampling=sampling(n=4, max_tokens=48, seed=5))]})
     state = engine.drain()
     assert state["free_slots"] == engine.esamp.slots and state["groups"] == []
     assert state["counters"]["taps_missing"] == 0 and state["counters"]["bank_full"] == 0
