@@ -133,3 +133,31 @@ def test_graphed_step_equals_eager_steps_even_as_the_first_cuda_work():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_a_shared_pool_outlives_no_graph_of_it():
+    """With a shared pool, a cache whose every graph went (evicted, or cleared) captures again into
+    a new pool: PyTorch releases a pool with its last graph, and a capture into the released pool's
+    handle fails an allocator assert. Seen on the GPU suite when a test cleared the engine's cache."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from esamp.core.backends.graphs import GraphCache\n"
+        "dev = torch.device('cuda')\n"
+        "x = torch.randn(8, 64, device=dev)\n"
+        "step = lambda t: (t @ t.t()).relu().sum(0)\n"
+        "cache = GraphCache(after=0, size=1, shared_pool=True)\n"
+        "cache.run('warm', step, x)\n"  # the first call warms the capture stream eagerly
+        "for i in range(6):\n"  # size 1: every capture evicts the other key's graph, the pool's last
+        "    got = cache.run(('k', i % 2), step, x)\n"
+        "    torch.testing.assert_close(got, step(x))\n"
+        "cache.clear()\n"
+        "torch.testing.assert_close(cache.run('again', step, x), step(x))\n"
+        "assert cache.captures == 7 and not cache.failures and cache.enabled, vars(cache)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]

@@ -17,7 +17,9 @@ buffers (the steering plan's, the engine's tap rows) and inputs too large to cop
 such as the sampler's logits, which PyTorch's allocator hands out at the same address step after
 step once a batch is steady. With ``shared_pool=True`` the cache's graphs share one memory pool:
 they must then never run at the same time, and a graph's outputs are valid until the next replay
-of any graph of the cache.
+of any graph of the cache. The pool lives as long as one of its graphs does: once the last is gone
+(evicted, or the cache cleared) PyTorch releases it, and a capture into the released pool's handle
+fails an allocator assert ("use_count > 0"), so the cache then takes a new handle.
 
 Every capture, and the first eager call, runs on one side stream kept for captures. A capture
 needs the libraries it calls to be initialised on its stream beforehand (cuBLAS fails with
@@ -120,6 +122,8 @@ class GraphCache:
             return self._on_stream(fn, inputs)
         while len(self.graphs) >= self.size:
             self.graphs.popitem(last=False)  # the least recently used graph and its memory go
+        if not self.graphs:
+            self._pool = None  # released with its last graph (module docstring)
         t0 = time.perf_counter()
         try:
             # Captured under the caller's inference mode: a step that needs autograd turns it off
@@ -129,7 +133,7 @@ class GraphCache:
             graph = _Graph(fn, inputs, self.stream, self.in_place, self._pool)
         except Exception as exc:  # an optimisation must never take the engine down
             self.enabled = False
-            self.graphs.clear()
+            self.clear()
             self.failures += 1
             log.warning("ESamp: capturing a step as a CUDA graph failed (%s); continuing without graphs", exc)
             return fn(*inputs)
@@ -138,6 +142,11 @@ class GraphCache:
         self._seen.pop(key, None)
         self.captures += 1
         return graph.replay(inputs)
+
+    def clear(self) -> None:
+        """Drop every graph and, with them, the shared pool (the next capture takes a new one)."""
+        self.graphs.clear()
+        self._pool = None
 
     @property
     def stream(self) -> torch.cuda.Stream:
