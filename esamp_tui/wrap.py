@@ -40,6 +40,21 @@ def break_point(text: str, width: int) -> tuple[int, int]:
     The last whitespace whose preceding words fit in ``width`` cells; the whitespace itself is
     dropped. Without one (a single word wider than the line) the word is split at the width.
     """
+    if text.isascii() and text.isprintable():  # one cell a character, and a space the only blank
+        space = text.rfind(" ", 0, width + 1)
+        stay = len(text[:space].rstrip()) if space > 0 else 0
+        if not stay:
+            fit = max(min(len(text), width), 1)
+            return fit, fit
+        resume = space
+        while resume < len(text) and text[resume] == " ":
+            resume += 1
+        return stay, resume
+    return _break_point_by_cells(text, width)
+
+
+def _break_point_by_cells(text: str, width: int) -> tuple[int, int]:
+    """``break_point`` for any text: characters of any cell width, any whitespace."""
     cells = 0
     best: tuple[int, int] | None = None
     fit = 0  # characters that fit, for the hard split

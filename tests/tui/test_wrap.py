@@ -67,6 +67,20 @@ def test_break_point():
     assert break_point("  abcdefgh", 5) == (5, 5)  # only leading spaces: no word to break after
 
 
+def test_the_ascii_break_point_is_the_cell_counting_one():
+    """Plain ASCII text (most tokens) takes a shortcut: one cell per character, a space the only
+    blank. It must break exactly where the general, cell-counting path does."""
+    import random
+
+    from esamp_tui.wrap import _break_point_by_cells
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        text = "".join(rng.choice("ab  .,x") for _ in range(rng.randint(1, 40)))
+        width = rng.randint(1, 30)
+        assert break_point(text, width) == _break_point_by_cells(text, width), (text, width)
+
+
 @pytest.mark.asyncio
 async def test_panes_wrap_streamed_tokens_at_word_boundaries(make_app):
     """In the dashboard: narrow panes, a scripted stream of word pieces; no word is cut."""
