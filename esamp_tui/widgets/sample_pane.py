@@ -50,7 +50,7 @@ class SamplePane(ScrollView, can_focus=False):
         min-width: 16;
         min-height: 4;
     }
-    SamplePane.-reading { scrollbar-size-vertical: 1; padding-right: 0; scrollbar-gutter: stable; }
+    SamplePane.-reading { scrollbar-size-vertical: 1; padding-right: 0; }
     SamplePane.-finished { border: round $panel-lighten-1; }
     """
 
@@ -179,11 +179,6 @@ class SamplePane(ScrollView, can_focus=False):
         super().watch_scroll_y(old_value, new_value)
         # Scrolled back from the newest line: reading, with a scrollbar; at the end again: following.
         self.set_class(not self.is_vertical_scroll_end, "-reading")
-
-    @property
-    def reading(self) -> bool:
-        """The reader has scrolled back from the newest line (the pane shows its scrollbar)."""
-        return self.has_class("-reading")
 
     def restyle(self) -> None:
         """Forget colours and strips; the next render reads the theme's heat variables again."""

@@ -101,15 +101,21 @@ def test_fused_mix_equals_the_reference_mix(device, mix):
         assert torch.equal(got[r], z[r])
 
 
+def in_a_fresh_process(code: str) -> None:
+    """Run ``code`` in a new Python process (its CUDA work is the first that process does)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def test_graphed_step_equals_eager_steps_even_as_the_first_cuda_work():
     """A CUDA-graph replay of the Distiller step does what the eager step does, step after step,
     and capturing works on a cold stream: run alone in a fresh process, this is the first CUDA
     work that process does (cuBLAS initialised by nothing else)."""
-    import subprocess
-    import sys
-
     code = (
         "import torch\n"
         "from esamp.core.backends.graphs import GraphCache\n"
@@ -131,8 +137,7 @@ def test_graphed_step_equals_eager_steps_even_as_the_first_cuda_work():
         "torch.testing.assert_close(banks[1].store.flat, banks[0].store.flat)\n"
         "assert cache.captures == 1 and cache.replays == 4 and not cache.failures, vars(cache)\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    in_a_fresh_process(code)
 
 
 @pytest.mark.cuda
@@ -141,9 +146,6 @@ def test_a_shared_pool_outlives_no_graph_of_it():
     """With a shared pool, a cache whose every graph went (evicted, or cleared) captures again into
     a new pool: PyTorch releases a pool with its last graph, and a capture into the released pool's
     handle fails an allocator assert. Seen on the GPU suite when a test cleared the engine's cache."""
-    import subprocess
-    import sys
-
     code = (
         "import torch\n"
         "from esamp.core.backends.graphs import GraphCache\n"
@@ -155,9 +157,8 @@ def test_a_shared_pool_outlives_no_graph_of_it():
         "for i in range(6):\n"  # size 1: every capture evicts the other key's graph, the pool's last
         "    got = cache.run(('k', i % 2), step, x)\n"
         "    torch.testing.assert_close(got, step(x))\n"
-        "cache.clear()\n"
+        "cache.graphs.clear()\n"
         "torch.testing.assert_close(cache.run('again', step, x), step(x))\n"
         "assert cache.captures == 7 and not cache.failures and cache.enabled, vars(cache)\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    in_a_fresh_process(code)

@@ -745,18 +745,25 @@ async def test_a_batch_reaches_each_pane_in_one_append_and_hits_read_per_step(ma
         assert str(charts.query_one("#chart-hits-value").render()) == "2 rows"
 
 
-async def test_a_streaming_panes_subtitle_changes_at_most_once_a_second():
-    """A new subtitle repaints the whole pane: while tokens stream, its count and mean novelty
-    follow at most once a second (the last change arrives by timer), and a finish shows at once."""
+def one_pane_app():
+    """An app of one sample pane and nothing else."""
     from textual.app import App
 
-    from esamp_tui.widgets.sample_pane import HEADER_SECONDS, SamplePane
+    from esamp_tui.widgets.sample_pane import SamplePane
 
     class OnePane(App):
         def compose(self):
             yield SamplePane(0)
 
-    app = OnePane()
+    return OnePane()
+
+
+async def test_a_streaming_panes_subtitle_changes_at_most_once_a_second():
+    """A new subtitle repaints the whole pane: while tokens stream, its count and mean novelty
+    follow at most once a second (the last change arrives by timer), and a finish shows at once."""
+    from esamp_tui.widgets.sample_pane import HEADER_SECONDS, SamplePane
+
+    app = one_pane_app()
     async with app.run_test(size=(40, 10)) as pilot:
         pane = app.query_one(SamplePane)
         pane.append([("a ", 0.5)])
@@ -774,26 +781,20 @@ async def test_a_pane_shows_its_scrollbar_only_while_the_reader_scrolls_back():
     """A pane following its newest line draws no scrollbar (redrawn on every batch, it cost a
     quarter of the UI's CPU at 1,000 tok/s); scrolled back it shows one and stays where the reader
     is while tokens arrive; back at the end it follows again. The wrap width never changes."""
-    from textual.app import App
-
     from esamp_tui.widgets.sample_pane import SamplePane
 
-    class OnePane(App):
-        def compose(self):
-            yield SamplePane(0)
-
-    app = OnePane()
+    app = one_pane_app()
     async with app.run_test(size=(40, 10)) as pilot:
         pane = app.query_one(SamplePane)
         pane.append([(f"word{i} ", 0.5) for i in range(60)])
         await pilot.pause()
         width = pane.scrollable_content_region.width
         assert pane.max_scroll_y > 0 and pane.is_vertical_scroll_end
-        assert not pane.reading and pane.styles.scrollbar_size_vertical == 0
+        assert not pane.has_class("-reading") and pane.styles.scrollbar_size_vertical == 0
 
         pane.scroll_home(animate=False, immediate=True)
         await pilot.pause()
-        assert pane.reading and pane.styles.scrollbar_size_vertical == 1 and pane.scroll_offset.y == 0
+        assert pane.has_class("-reading") and pane.styles.scrollbar_size_vertical == 1 and pane.scroll_offset.y == 0
         assert pane.scrollable_content_region.width == width
         lines = len(pane.lines)
         pane.append([(f"more{i} ", 0.5) for i in range(30)])
@@ -802,7 +803,7 @@ async def test_a_pane_shows_its_scrollbar_only_while_the_reader_scrolls_back():
 
         pane.scroll_end(animate=False, immediate=True)
         await pilot.pause()
-        assert not pane.reading and pane.styles.scrollbar_size_vertical == 0
+        assert not pane.has_class("-reading") and pane.styles.scrollbar_size_vertical == 0
         assert pane.scrollable_content_region.width == width
         pane.append([("last ", 0.5)])
         await pilot.pause()

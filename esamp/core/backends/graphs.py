@@ -19,7 +19,7 @@ step once a batch is steady. With ``shared_pool=True`` the cache's graphs share 
 they must then never run at the same time, and a graph's outputs are valid until the next replay
 of any graph of the cache. The pool lives as long as one of its graphs does: once the last is gone
 (evicted, or the cache cleared) PyTorch releases it, and a capture into the released pool's handle
-fails an allocator assert ("use_count > 0"), so the cache then takes a new handle.
+fails an allocator assert ("use_count > 0"), so a capture into an empty cache takes a new handle.
 
 Every capture, and the first eager call, runs on one side stream kept for captures. A capture
 needs the libraries it calls to be initialised on its stream beforehand (cuBLAS fails with
@@ -122,18 +122,16 @@ class GraphCache:
             return self._on_stream(fn, inputs)
         while len(self.graphs) >= self.size:
             self.graphs.popitem(last=False)  # the least recently used graph and its memory go
-        if not self.graphs:
-            self._pool = None  # released with its last graph (module docstring)
         t0 = time.perf_counter()
         try:
             # Captured under the caller's inference mode: a step that needs autograd turns it off
             # itself (the Distiller's), and one that writes the sampler's logits in place needs it on.
-            if self.shared_pool and self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
+            if self.shared_pool and (self._pool is None or not self.graphs):
+                self._pool = torch.cuda.graph_pool_handle()  # a pool goes with its last graph (module docstring)
             graph = _Graph(fn, inputs, self.stream, self.in_place, self._pool)
         except Exception as exc:  # an optimisation must never take the engine down
             self.enabled = False
-            self.clear()
+            self.graphs.clear()
             self.failures += 1
             log.warning("ESamp: capturing a step as a CUDA graph failed (%s); continuing without graphs", exc)
             return fn(*inputs)
@@ -142,11 +140,6 @@ class GraphCache:
         self._seen.pop(key, None)
         self.captures += 1
         return graph.replay(inputs)
-
-    def clear(self) -> None:
-        """Drop every graph and, with them, the shared pool (the next capture takes a new one)."""
-        self.graphs.clear()
-        self._pool = None
 
     @property
     def stream(self) -> torch.cuda.Stream:
