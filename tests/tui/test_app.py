@@ -808,3 +808,28 @@ async def test_a_pane_shows_its_scrollbar_only_while_the_reader_scrolls_back():
         pane.append([("last ", 0.5)])
         await pilot.pause()
         assert pane.is_vertical_scroll_end  # following again
+
+
+async def test_a_drawn_line_is_what_textuals_strip_chain_draws():
+    """The pane builds each line as one strip; it must equal Textual's crop_extend + apply_offsets
+    chain segment for segment (text, colour, selection offsets), wide characters and an empty line
+    included."""
+    from rich.segment import Segment
+    from textual.strip import Strip
+
+    app = one_pane_app()
+    async with app.run_test(size=(30, 10)) as pilot:
+        pane = app.query_one("SamplePane")
+        pane.append([("plain ", None), ("漢字", 0.5), (" hot", 1.0), ("\n", 0.0), ("\n", None), ("tail", 0.2)])
+        await pilot.pause()
+        width, base = pane.scrollable_content_region.width, pane.rich_style
+        styles = pane.heat_styles()
+        for index, runs in enumerate(pane._wrapped.lines):
+            chain = (
+                Strip([Segment(text, base + styles[b]) for text, b in runs])
+                .crop_extend(0, width, base)
+                .apply_offsets(0, index)
+            )
+            drawn = pane.render_line(index)
+            assert drawn.cell_length == chain.cell_length == width
+            assert [(s.text, s.style) for s in drawn] == [(s.text, s.style) for s in chain], index
