@@ -534,7 +534,14 @@ def convert_gguf(path: Path, progress: Progress | None = None) -> Path:
         vocab = gguf_tokenizer.GgufVocab.from_header(gguf_metadata(path, gguf_tokenizer.HEADER_KEYS))
         gguf_tokenizer.repair(tmp, path, vocab)
         (tmp / "esamp_source.json").write_text(json.dumps({"gguf": str(path.resolve())}))
-        os.replace(tmp, out)
+        try:
+            os.replace(tmp, out)
+        except OSError:
+            # Another process (a second esamp, a server beside the dashboard) converted the same
+            # file meanwhile and renamed its directory first: the same bytes, so use that one.
+            if not (out / "config.json").is_file():
+                raise
+            return out
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

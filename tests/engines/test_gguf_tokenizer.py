@@ -6,6 +6,9 @@ alone, and one that cannot be repaired is an error that says what to do."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -171,3 +174,21 @@ def test_a_new_conversion_drops_the_older_ones_of_the_same_file(tmp_path, monkey
     out = models.convert_gguf(path)
     assert out.parent == cache and (out / "config.json").is_file()
     assert not older.exists() and other.exists() and mine.exists()
+
+
+def test_two_processes_converting_one_gguf_at_once_both_get_the_cached_model(tmp_path, monkeypatch, embedded_gguf):
+    """Two esamp processes started together (seen on the GPU: two test runs) both convert; the one
+    that renames second finds the other's directory in place and uses it, leaving no partial."""
+    monkeypatch.setenv("ESAMP_CACHE_DIR", str(tmp_path))
+    replace = os.replace
+
+    def the_other_process_first(src, dst):
+        Path(dst).mkdir(parents=True)
+        for f in Path(src).iterdir():
+            shutil.copy(f, Path(dst) / f.name)
+        return replace(src, dst)  # the directory is not empty: OSError, as on Linux
+
+    monkeypatch.setattr(models.os, "replace", the_other_process_first)
+    out = models.convert_gguf(embedded_gguf)
+    assert (out / "config.json").is_file()
+    assert [p.name for p in out.parent.iterdir()] == [out.name]  # no .partial- left

@@ -420,9 +420,10 @@ def _workload(
 
     def show(r: dict) -> None:
         ttft = f", first token {r['ttft_ms_median']:.1f} ms" if r.get("ttft_ms_median") is not None else ""
+        drains = f", {r['drains']} record fetches {r['drain_share']:.0%} of it" if r.get("drains") else ""
         _say(
             f"  {mode:>9} {name:>18} trial {r['trial']} {r['side']:>8}: {r['tok_s']:>10.1f} tok/s  "
-            f"(client cpu {r['client_cpu_share']:.0%}{ttft})"
+            f"(client cpu {r['client_cpu_share']:.0%}{ttft}{drains})"
         )
 
     earlier: list[dict] = []  # the attempts whose ratios spread past the target

@@ -22,6 +22,7 @@ def run_trial(engine, prompts, n: int, tokens: int, sampling_kw: dict, steering,
     first = getattr(engine, "first_token_seconds", None)
     if first is not None:
         first.clear()
+    drains0, drain_s0 = getattr(engine, "drains", 0), getattr(engine, "drain_seconds", 0.0)
     c0 = time.process_time()
     t0 = time.perf_counter()
     produced, losses, port_hits, cands = 0, [], 0, []
@@ -48,6 +49,9 @@ def run_trial(engine, prompts, n: int, tokens: int, sampling_kw: dict, steering,
         seconds=round(seconds, 4),
         tok_s=round(produced / max(seconds, 1e-9), 2),
         client_cpu_share=round(client / seconds, 3),
+        # the ESamp engine's record fetches: this process waits for each (esamp.engines.vllm.engine)
+        drains=getattr(engine, "drains", 0) - drains0,
+        drain_share=round((getattr(engine, "drain_seconds", 0.0) - drain_s0) / max(seconds, 1e-9), 3),
         loss_count=len(losses),
         loss_first=losses[0] if losses else None,
         loss_last=losses[-1] if losses else None,
