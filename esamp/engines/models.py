@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from esamp.engines import gguf_tokenizer, hub
+from esamp.engines.base import text_decoder
 from esamp.errors import ModelFormatError, ModelNotFoundError
 from esamp.events import LoadingEvent
 
@@ -437,6 +438,11 @@ class StandInTokenizer:
 
     def decode(self, ids, **kwargs) -> str:
         return self._tokenizer.decode([int(i) % self._size for i in ids], **kwargs)
+
+    def text_decoder(self):
+        """``esamp.engines.base.text_decoder`` of the lent tokenizer, on the ids mapped into its vocabulary."""
+        inner, size = text_decoder(self._tokenizer), self._size
+        return lambda ids: inner([int(i) % size for i in ids])
 
 
 def stand_in_tokenizer(progress: Progress | None = None) -> StandInTokenizer:
