@@ -556,16 +556,17 @@ def convert_gguf(path: Path, progress: Progress | None = None) -> Path:
 
 
 def _drop_older_conversions(path: Path, kept: Path) -> None:
-    """Remove the cached directories converted from the same GGUF path before ``kept`` (by an older
-    esamp, or from the file before it changed): a cache, a few hundred MB each, that nothing reads
-    again once the new one exists."""
+    """Remove the cached directories that nothing reads again once ``kept`` exists, a few hundred
+    MB each: those converted from the same GGUF path before it (by an older esamp, or from the file
+    before it changed), and those whose GGUF is gone (e.g. the embedded model of a deleted virtual
+    environment: the cache is keyed by the file's path, so no later run can ask for them)."""
     source = str(path.resolve())
     for other in kept.parent.iterdir():
         if other == kept or other.name.startswith(".") or not other.is_dir():
             continue
         try:
-            same = json.loads((other / "esamp_source.json").read_text()).get("gguf") == source
+            theirs = json.loads((other / "esamp_source.json").read_text()).get("gguf")
         except (OSError, ValueError, AttributeError):
             continue
-        if same:
+        if isinstance(theirs, str) and (theirs == source or not Path(theirs).exists()):
             shutil.rmtree(other, ignore_errors=True)

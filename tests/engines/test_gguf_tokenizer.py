@@ -154,8 +154,9 @@ def test_a_new_converter_redoes_older_conversions(tmp_path, monkeypatch):
 
 
 def test_a_new_conversion_drops_the_older_ones_of_the_same_file(tmp_path, monkeypatch, embedded_gguf):
-    """Directories converted from the same GGUF by an older esamp go once the new one exists; those
-    of other files, and anything without esamp's source note, stay."""
+    """Directories converted from the same GGUF by an older esamp go once the new one exists, and
+    those of a GGUF that is gone (a deleted virtual environment's); those of other files that are
+    still there, and anything without esamp's source note, stay."""
     path = embedded_gguf
     monkeypatch.setenv("ESAMP_CACHE_DIR", str(tmp_path))
     cache = tmp_path / "models"
@@ -168,12 +169,14 @@ def test_a_new_conversion_drops_the_older_ones_of_the_same_file(tmp_path, monkey
         return d
 
     older = converted("SmolLM2-old", path.resolve())
+    (tmp_path / "other.gguf").write_bytes(b"GGUF")
     other = converted("other-model", tmp_path / "other.gguf")
+    orphan = converted("SmolLM2-of-a-deleted-venv", tmp_path / "gone" / "model.gguf")
     mine = cache / "a-users-own-directory"
     mine.mkdir()
     out = models.convert_gguf(path)
     assert out.parent == cache and (out / "config.json").is_file()
-    assert not older.exists() and other.exists() and mine.exists()
+    assert not older.exists() and not orphan.exists() and other.exists() and mine.exists()
 
 
 def test_two_processes_converting_one_gguf_at_once_both_get_the_cached_model(tmp_path, monkeypatch, embedded_gguf):
