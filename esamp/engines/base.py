@@ -143,7 +143,6 @@ class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas without re-decoding the whole list."""
 
     def __init__(self, tokenizer, prompt_tail: Sequence[int] = ()) -> None:
-        self.tokenizer = tokenizer
         self._decode = text_decoder(tokenizer) if tokenizer is not None else None
         self.ids: list[int] = list(prompt_tail)[-4:]
         self.prefix_offset = 0

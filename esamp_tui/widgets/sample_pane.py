@@ -228,19 +228,17 @@ class SamplePane(ScrollView, can_focus=False):
         if index >= len(lines):
             return Strip.blank(width, base)
         if scroll_x or width != self._wrap_width:  # not drawn so in a pane that wraps (overflow-x hidden)
-            return (
-                self._line_strip(index, base)
-                .crop_extend(scroll_x, scroll_x + width, base)
-                .apply_offsets(scroll_x, index)
-            )
+            return self._chained_line(index, base, scroll_x, width)
         strip = self._strips.get(index)
         if strip is None:
             strip = self._strips[index] = self._drawn_line(index, width, base)
         return strip
 
-    def _line_strip(self, index: int, base: Style) -> Strip:
+    def _chained_line(self, index: int, base: Style, x: int, width: int) -> Strip:
+        """Line ``index`` through Textual's own strip chain (crop or pad, selection offsets)."""
         styles = self.heat_styles()
-        return Strip([Segment(text, base + styles[b]) for text, b in self._wrapped.lines[index]])
+        strip = Strip([Segment(text, base + styles[b]) for text, b in self._wrapped.lines[index]])
+        return strip.crop_extend(x, x + width, base).apply_offsets(x, index)
 
     def _drawn_line(self, index: int, width: int, base: Style) -> Strip:
         """Line ``index`` as drawn: its runs, padded to ``width``, with the offsets text selection reads.
@@ -255,7 +253,7 @@ class SamplePane(ScrollView, can_focus=False):
         for text, b in self._wrapped.lines[index]:
             cells += cell_len(text)
             if cells > width:  # a run wider than the pane: let Strip crop it
-                return self._line_strip(index, base).crop_extend(0, width, base).apply_offsets(0, index)
+                return self._chained_line(index, base, 0, width)
             segments.append(Segment(text, base + styles[b] + Style.from_meta({"offset": (x, index)})))
             x += len(text)
         if cells < width:

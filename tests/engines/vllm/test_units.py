@@ -605,11 +605,8 @@ def test_records_are_fetched_every_few_engine_steps_while_vllm_is_busy():
     from esamp.engines.vllm import engine as ve
 
     e = object.__new__(ve.VllmEngine)
-    e.drain_interval = None
     e._batches_since_drain = ve.DRAIN_STEPS - 1
     assert not e.drain_due(ve.DRAIN_MIN_SECONDS) and not e.drain_due(0.9 * ve.DRAIN_MAX_SECONDS)
     assert e.drain_due(ve.DRAIN_MAX_SECONDS)  # slow steps: novelty never waits longer than this
     e._batches_since_drain = ve.DRAIN_STEPS
     assert not e.drain_due(0.9 * ve.DRAIN_MIN_SECONDS) and e.drain_due(ve.DRAIN_MIN_SECONDS)
-    e.drain_interval = 0.5  # a fixed interval, when the caller gives one
-    assert not e.drain_due(0.4) and e.drain_due(0.5)
