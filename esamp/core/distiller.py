@@ -287,19 +287,37 @@ class DistillerBank(SlotLedger):
             raise ValueError(f"split {self.split} does not divide the hidden size {hidden}")
         H, r = hidden, rank
         shapes = {"AG": (H, 2 * r), "b": (r,), "B": (r, H), "ln_w": (H,), "ln_b": (H,)}
-        self.store = FlatParameters({k: shapes[k] for k in self.PARAMS}, self.distillers, self.device)
-        assert self.store.scratch == self.scratch
-        self.params = dict(self.store.params)  # name → [S + 1, ...] views, plus A and G
+        self._store = FlatParameters({k: shapes[k] for k in self.PARAMS}, self.distillers, self.device)
+        assert self._store.scratch == self.scratch
+        self.params = dict(self._store.params)  # name → [S + 1, ...] views, plus A and G
         self.params["A"], self.params["G"] = self.params["AG"][..., :r], self.params["AG"][..., r:]
         # + the scratch slot. The shared Distiller starts as a bank's slot 0 does.
-        self.store.initialise([init_slot(H, r, seed, s) for s in range(self.distillers + 1)])
+        self._store.initialise([init_slot(H, r, seed, s) for s in range(self.distillers + 1)])
+        self._updating = None  # CUDA event of an update still running beside the current stream
+
+    @property
+    def store(self) -> FlatParameters:
+        """The parameters and optimizer state, once any update in flight has landed (``settle``)."""
+        self.settle()
+        return self._store
+
+    def updating(self, event) -> None:
+        """An update (``learn``) runs beside the current stream until ``event``: whatever next
+        reads or writes the parameters waits for it (``settle``)."""
+        self._updating = event
+
+    def settle(self) -> None:
+        """Order the current stream after the update in flight, if any."""
+        if self._updating is not None:
+            torch.cuda.current_stream().wait_event(self._updating)
+            self._updating = None
 
     def free(self, group: str) -> int | None:
         """Release ``group``'s slot. A bank's slot is re-initialised, so the next holder starts
         fresh; the shared Distiller keeps what it learnt."""
         slot = self._groups.get(group)
         if slot is not None and not self.shared:
-            self.store.reset(slot)
+            self.store.reset(slot)  # (after the update in flight)
         return super().free(group)
 
     # -- compute -----------------------------------------------------------------------------
@@ -310,15 +328,15 @@ class DistillerBank(SlotLedger):
             x = F.pad(x, (0, 0, 0, 1))
         return x.index_select(0, layout.gather)
 
-    def _forward(self, block: torch.Tensor, layout: RowLayout, p: dict[str, torch.Tensor]) -> torch.Tensor:
-        U, W = layout.shape
+    def _forward(self, block: torch.Tensor, shape: tuple[int, int], p: dict[str, torch.Tensor]) -> torch.Tensor:
+        U, W = shape
         return forward(block.view(U, W, self.hidden), p, self.rank, self.split).view(U * W, self.hidden)
 
     @torch.no_grad()
     def predict(self, x: torch.Tensor, layout: RowLayout) -> torch.Tensor:
         """ŷ [R, H] in fp32 for source rows ``x`` [R, H]."""
         block = self._blocks(x, layout).float()
-        return self._forward(block, layout, self.store.gather(layout.units)).index_select(0, layout.cell)
+        return self._forward(block, layout.shape, self.store.gather(layout.units)).index_select(0, layout.cell)
 
     row_error = staticmethod(row_error)
 
@@ -327,37 +345,58 @@ class DistillerBank(SlotLedger):
 
         ŷ and e come from the parameters before this step's update (what steers this step). The
         units in ``layout.training`` take one optimizer step on the mean error of their training
-        rows (the loss of the other units is 0). ``normalize(x, y) -> (x, y)`` turns raw taps into
-        the Distiller's inputs, applied to the gathered rows (a zero row stays zero under a norm).
-        A fixed sequence of kernels for a given layout shape: it can be captured as a CUDA graph
-        and replayed for any layout of that shape.
+        rows (the loss of the other units is 0). ``normalize(x, y) -> (x, y)`` turns the raw taps
+        into the Distiller's inputs, applied to the gathered rows (a zero row stays zero under a
+        norm). It is ``evaluate`` then ``learn``, which an engine may run apart: the update beside
+        the next work (``Steerer``), as long as nothing reads the parameters before it lands.
         """
+        prediction, err, loss, batch = self.evaluate(x, y, layout, normalize)
+        if batch is not None:
+            self.learn(*batch)
+        return prediction, err, loss
+
+    def evaluate(self, x: torch.Tensor, y: torch.Tensor, layout: RowLayout, normalize=None):
+        """A step's first half: (ŷ [R, H] fp32, e [R], loss [U] or None, batch) from the
+        parameters as they are. ``batch`` (None when no unit trains) is what ``learn`` takes:
+        tensors of this call's own (the plan's may change before ``learn`` runs). A fixed sequence
+        of kernels for a given layout shape, as ``learn`` is: each can be captured as a CUDA graph
+        and replayed for any layout of that shape."""
+        self.settle()
         bx, by = self._blocks(x, layout), self._blocks(y, layout)
         if normalize is not None:
             bx, by = normalize(bx, by)
-        if not layout.training:
-            with torch.no_grad():
-                prediction = self._forward(bx.float(), layout, self.store.gather(layout.units))
-                err = row_error(prediction, by)
-                return prediction.index_select(0, layout.cell), err.index_select(0, layout.cell), None
+        bx, by = bx.float(), by.float()
+        with torch.no_grad():
+            prediction = self._forward(bx, layout.shape, self._store.gather(layout.units))
+            err = row_error(prediction, by)
+        loss = batch = None
+        if layout.training:
+            loss = _unit_loss(err, layout.weight, layout.shape)
+            batch = (bx, by, layout.units.clone(), layout.weight.clone().view(layout.shape))
+        return prediction.index_select(0, layout.cell), err.index_select(0, layout.cell), loss, batch
+
+    def learn(self, bx: torch.Tensor, by: torch.Tensor, units: torch.Tensor, weight: torch.Tensor) -> None:
+        """A step's second half: one optimizer step for every unit whose ``weight`` row ([U, W])
+        has a training cell, on the mean error of those cells, from ``evaluate``'s ``batch``
+        (the parameters must be the ones ``evaluate`` read)."""
         with torch.inference_mode(False), torch.enable_grad():
             # Tensors made under inference mode (vLLM's sampler, the reference engine's forward)
-            # cannot be saved for backward: the gathered blocks and the weights are fresh copies.
-            bx, by = bx.float().clone(), by.float().clone()
-            weight = layout.weight.clone().view(layout.shape)
-            # Each parameter's gathered [U, ...] copy is a leaf: autograd writes its gradient
-            # straight into a [U, ...] tensor.
-            p = {k: t.requires_grad_(True) for k, t in self.store.gather(layout.units).items()}
-            prediction = self._forward(bx, layout, p)
-            err = row_error(prediction, by)  # [U·W]
-            counts = weight.sum(dim=1)
-            loss = (err.view(layout.shape) * weight).sum(dim=1) / counts.clamp(min=1.0)
+            # cannot be saved for backward: the blocks and the weights are fresh copies. Each
+            # parameter's gathered [U, ...] copy is a leaf: autograd writes its gradient straight
+            # into a [U, ...] tensor.
+            bx, by, weight = bx.clone(), by.clone(), weight.clone()
+            p = {k: t.requires_grad_(True) for k, t in self._store.gather(units).items()}
+            err = row_error(self._forward(bx, weight.shape, p), by)
+            loss = _unit_loss(err, weight, weight.shape)
             grads = torch.autograd.grad(loss.sum(), [p[k] for k in self.PARAMS])
-        self.store.update(
-            layout.units, counts, {k: g.contiguous() for k, g in zip(self.PARAMS, grads)}, self.optimizer, self.lr
-        )
-        prediction, err = prediction.detach(), err.detach()
-        return prediction.index_select(0, layout.cell), err.index_select(0, layout.cell), loss.detach()
+        grads = {k: g.contiguous() for k, g in zip(self.PARAMS, grads)}
+        self._store.update(units, weight.sum(dim=1), grads, self.optimizer, self.lr)
+
+
+def _unit_loss(err: torch.Tensor, weight: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """Per unit of a [U, W] block, the mean error [U] of its training cells (0 where none)."""
+    weight = weight.view(shape)
+    return (err.view(shape) * weight).sum(dim=1) / weight.sum(dim=1).clamp(min=1.0)
 
 
 def bank_for(config: EsampConfig, hidden: int, device: torch.device | str = "cpu") -> DistillerBank:

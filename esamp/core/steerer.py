@@ -18,7 +18,9 @@ to the reference:
 - distill: ``backends.graphs.GraphCache`` replays the step as a CUDA graph. A plan built on
   ``PlanBuffers`` keeps every tensor at a fixed address and pads its block to a bucketed
   [U, W] shape, so one graph per shape serves every batch and every assignment of groups to
-  slots; ``Steerer.prepare`` captures the common shapes before the first request.
+  slots; ``Steerer.prepare`` captures the common shapes before the first request. With a
+  ``SideStream`` the step's update (``DistillerBank.learn``) is a second graph on a stream of its
+  own, beside what follows the prediction; the bank makes the next reader of its parameters wait.
 - filter and mix: ``backends.triton_filter.filter_and_mix`` does both in four passes over the
   logits (no sort of the vocabulary), on rows picked by index where they lie. It knows only the
   (a, b) form: a plan with entropy-matched rows (or top-k) takes the PyTorch path instead.
@@ -33,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from esamp.core import intervention as iv
-from esamp.core.backends.graphs import GraphCache
+from esamp.core.backends.graphs import GraphCache, SideStream
 from esamp.core.backends.triton_filter import FilterWorkspace, filter_and_mix
 from esamp.core.backends.triton_mix import mix_and_count
 from esamp.core.config import Filters, Steering
@@ -294,11 +296,17 @@ class Steerer:
     """Runs ESamp's step over a ``StepPlan``'s rows with the given backends."""
 
     def __init__(
-        self, bank: DistillerBank, *, filter: Filter = reference_filter, graphs: GraphCache | None = None
+        self,
+        bank: DistillerBank,
+        *,
+        filter: Filter = reference_filter,
+        graphs: GraphCache | None = None,
+        beside: SideStream | None = None,
     ) -> None:
         self.bank = bank
         self._filter = filter
         self.graphs = graphs or GraphCache(enabled=False)
+        self.beside = beside  # where the Distiller's update runs on a GPU (None: in line)
         self._work: FilterWorkspace | None = None
 
     # -- distill -----------------------------------------------------------------------------
@@ -313,16 +321,27 @@ class Steerer:
         a plan on ``PlanBuffers``, ``x`` and ``y`` are the engine's fixed tap buffers (every logits
         row's taps, the buffer's last row zero) and ŷ, e have a row per block cell, the plan's rows
         first; the step runs as a CUDA graph per plan shape, reading its inputs where they are.
+        With ``beside``, the update runs there (``SideStream``): ŷ, e and the losses are ready as
+        soon as the prediction is, and the update lands before anything reads the parameters.
         """
 
-        def step(gx, gy):
-            prediction, errors, losses = self.bank.step(gx, gy, plan.layout, normalize)
+        def evaluate(gx, gy):
+            prediction, errors, losses, batch = self.bank.evaluate(gx, gy, plan.layout, normalize)
             if out_dtype is not None:
                 prediction = prediction.to(out_dtype)
-            return prediction, errors, losses
+            return prediction, errors, losses, batch
 
+        self.bank.settle()  # the previous step's update first (``learn`` below)
         key = (plan.key, out_dtype, x.data_ptr(), y.data_ptr(), x.stride(0), y.stride(0))
-        return self.graphs.run(key, step, x, y)
+        prediction, errors, losses, batch = self.graphs.run(key, evaluate, x, y)
+        if batch is not None and self.beside is not None:
+            # The update is not needed before the next step's prediction: it runs beside what
+            # follows (the mix, the sampler, the model's next forward) instead of before it.
+            key = ("learn", plan.key) + tuple(t.data_ptr() for t in batch)
+            self.bank.updating(self.beside.run(key, self.bank.learn, *batch))
+        elif batch is not None:
+            self.bank.learn(*batch)
+        return prediction, errors, losses
 
     def prepare(
         self,

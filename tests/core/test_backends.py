@@ -49,7 +49,7 @@ def test_flat_fused_update_matches_torch_optimizers_per_slot(optimizer):
 def iv_free_error(bank, x, y, p):
     from esamp.core.distiller import row_error
 
-    return row_error(bank._forward(x, RowLayout.from_slots([0] * len(x)), p), y)
+    return row_error(bank._forward(x, RowLayout.from_slots([0] * len(x)).shape, p), y)
 
 
 def test_one_pass_step_equals_predict_then_train():
@@ -162,3 +162,57 @@ def test_a_shared_pool_outlives_no_graph_of_it():
         "assert cache.captures == 7 and not cache.failures and cache.enabled, vars(cache)\n"
     )
     in_a_fresh_process(code)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_an_update_beside_the_stream_equals_the_update_in_line():
+    """The Distiller's update on a side stream (the vLLM engine's) gives every step the ŷ, errors
+    and losses of the update made in line, and the same parameters in the end, while the main
+    stream rewrites the taps and the plan right after each step and a group's slot is freed and
+    taken again between steps (each must wait for the update in flight, and does)."""
+    from esamp.core.backends.graphs import GraphCache, SideStream
+    from esamp.core.config import Filters, Steering
+    from esamp.core.steerer import PlanBuffers, SteeredRow, Steerer, StepPlan
+
+    dev, H = torch.device("cuda"), 512
+    banks = [DistillerBank(H, rank=16, slots=4, device=dev, seed=3) for _ in range(2)]
+    for bank in banks:
+        for g in "abc":
+            bank.allocate(g)
+    steerers = [
+        Steerer(banks[0]),
+        Steerer(
+            banks[1],
+            graphs=GraphCache(after=0, in_place=True, shared_pool=True),
+            beside=SideStream(GraphCache(after=0, in_place=True)),
+        ),
+    ]
+    buffers = [PlanBuffers(rows=16, units=4, width=8, device=dev, scratch=b.scratch) for b in banks]
+    taps = [torch.zeros(17, 2 * H, device=dev) for _ in banks]
+    noise = torch.randn(4096, 4096, device=dev)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    batches = [[0, 0, 1, 2, 2, 2], [0, 1, 1, 2], [0, 0, 1, 2, 2, 2]]
+    for i in range(10):
+        if i == 5:  # group b ends; d takes its slot, re-initialised
+            for bank in banks:
+                assert bank.free("b") == 1 and bank.allocate("d") == 1
+        slots = batches[i % len(batches)]
+        rows = [SteeredRow(s, Steering(beta=0.8, train_rows="all"), Filters()) for s in slots]
+        fresh = torch.randn(len(slots), 2 * H, device=dev, generator=gen)
+        outs = []
+        for steerer, buf, tap in zip(steerers, buffers, taps):
+            tap[: len(slots)].copy_(fresh)
+            plan = StepPlan.build(rows, dev, index=list(range(len(rows))), buffers=buf)
+            outs.append([t.clone() for t in steerer.distill(plan, tap[:, :H], tap[:, H:])])
+            tap.normal_()  # the next step's taps, while the update may still run
+            tap[-1].zero_()
+            noise @ noise  # keeps the main stream busy beside it
+        (pred, err, loss), (pred2, err2, loss2) = outs
+        n = len(slots)
+        torch.testing.assert_close(pred2[:n], pred[:n])
+        torch.testing.assert_close(err2[:n], err[:n])
+        torch.testing.assert_close(loss2[:3], loss[:3])
+    for a, b in ((banks[1].store.flat, banks[0].store.flat), (banks[1].store.steps, banks[0].store.steps)):
+        torch.testing.assert_close(a, b)
+    assert steerers[1].beside.graphs.replays > 0 and not steerers[1].beside.graphs.failures

@@ -158,3 +158,27 @@ class GraphCache:
             t.record_stream(main)  # allocated on the side stream, read on the main one
         self._warm = True
         return out
+
+
+class SideStream:
+    """Work launched beside the current stream, on a stream of its own: ``run`` queues a call
+    (replayed from its own ``GraphCache``) after everything the current stream has queued so far
+    and returns the CUDA event of its end. Nothing waits for it here: whoever owns what it writes
+    makes the next reader wait for that event (``DistillerBank.settle`` for the Distiller's update,
+    which so runs beside the mix, the sampler and the model's next forward)."""
+
+    def __init__(self, graphs: GraphCache) -> None:
+        self.graphs = graphs
+        self._stream: torch.cuda.Stream | None = None
+
+    def run(self, key: Hashable, fn: Callable, *inputs: torch.Tensor) -> torch.cuda.Event:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        stream = self._stream
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self.graphs.run(key, fn, *inputs)
+            done = stream.record_event()
+        for t in inputs:
+            t.record_stream(stream)  # an eager input's memory is not reused before this reads it
+        return done

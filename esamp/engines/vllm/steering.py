@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from esamp.core.backends.graphs import GraphCache
+from esamp.core.backends.graphs import GraphCache, SideStream
 from esamp.core.config import EsampConfig, SamplingConfig, Steering, bound
 from esamp.core.distiller import DistillerBank, SlotLedger, bank_for, ledger_for
 from esamp.core.steerer import PlanBuffers, SteeredRow, Steerer, StepPlan, bucket, reference_filter
@@ -155,6 +155,10 @@ class EngineSteering:
                 graphs=GraphCache(
                     enabled=graphs and bank is not None, after=0, size=DISTILL_GRAPHS, in_place=True, shared_pool=True
                 ),
+                # On a GPU the Distiller's update runs beside the steps that follow it.
+                beside=SideStream(GraphCache(enabled=graphs, after=0, size=DISTILL_GRAPHS, in_place=True))
+                if self.device.type == "cuda"
+                else None,
             )
             if bank is not None
             else Steerer(None, filter=vllm_filter)
