@@ -336,9 +336,11 @@ class Steerer:
         prediction, errors, losses, batch = self.graphs.run(key, evaluate, x, y)
         if batch is not None and self.beside is not None:
             # The update is not needed before the next step's prediction: it runs beside what
-            # follows (the mix, the sampler, the model's next forward) instead of before it.
-            key = ("learn", plan.key) + tuple(t.data_ptr() for t in batch)
-            self.bank.updating(self.beside.run(key, self.bank.learn, *batch))
+            # follows (the mix, the sampler, the model's next forward) instead of before it, as a
+            # graph of its own where the prediction was one (its inputs then stay where they are).
+            learn_key = ("learn", plan.key) + tuple(t.data_ptr() for t in batch)
+            graphed = key in self.graphs.graphs
+            self.bank.updating(self.beside.run(learn_key, self.bank.learn, *batch, graphed=graphed))
         elif batch is not None:
             self.bank.learn(*batch)
         return prediction, errors, losses

@@ -171,13 +171,19 @@ class SideStream:
         self.graphs = graphs
         self._stream: torch.cuda.Stream | None = None
 
-    def run(self, key: Hashable, fn: Callable, *inputs: torch.Tensor) -> torch.cuda.Event:
+    def run(self, key: Hashable, fn: Callable, *inputs: torch.Tensor, graphed: bool = True) -> torch.cuda.Event:
+        """``fn(*inputs)`` beside the current stream, replayed from a graph unless ``graphed`` is
+        False (inputs at new addresses every call, e.g. from a step that is not a graph itself:
+        one capture per call would cost more than it saves)."""
         if self._stream is None:
             self._stream = torch.cuda.Stream()
         stream = self._stream
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            self.graphs.run(key, fn, *inputs)
+            if graphed:
+                self.graphs.run(key, fn, *inputs)
+            else:
+                fn(*inputs)
             done = stream.record_event()
         for t in inputs:
             t.record_stream(stream)  # an eager input's memory is not reused before this reads it
