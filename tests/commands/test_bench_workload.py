@@ -188,3 +188,46 @@ def test_an_interrupt_before_the_longer_passes_finish_a_trial_keeps_the_last_who
     r = _noisy(monkeypatch, spread=0.03, stop_after=5)
     assert r["interrupted"] is True and r["rounds"] == 1 and r["earlier"] == []
     assert len({t["trial"] for t in r["trials"]}) == 4 and r["within_target"] is False
+
+
+class FetchingEngine(CountingEngine):
+    """Like ``CountingEngine``, and every step fetches records the way the ESamp engine counts
+    them (``drains``, ``drain_seconds``): ``fetch`` seconds each on the trials' clock, of a 1 ms step."""
+
+    def __init__(self, clock: StepClock, fetch: float) -> None:
+        super().__init__([0], 0, clock)
+        self.fetch, self.drains, self.drain_seconds = fetch, 0, 0.0
+
+    def step(self):
+        if self.fetch:
+            self.drains += 1
+            self.drain_seconds += self.fetch
+        return super().step()
+
+    def drain(self) -> dict:  # the pass's closing fetch, outside its timed window
+        self.drains += 1
+        self.drain_seconds += 1.0
+        return {}
+
+
+def test_a_trial_of_several_passes_reports_its_record_fetches(monkeypatch, capsys):
+    """Each pass counts the fetches of its timed window; the trial sums them, their share is
+    their seconds over the passes' (the JSON's trials and the trial line show both)."""
+    clock = StepClock()
+    monkeypatch.setattr(trials_mod, "time", clock)
+    sides = [("baseline", FetchingEngine(clock, 0.0), False), ("esamp", FetchingEngine(clock, 0.25e-3), True)]
+    one = trials_mod.run_trial(sides[1][1], [[1, 2]], 1, 4, {}, None)
+    assert (one["drains"], one["drain_seconds"], one["drain_share"]) == (1, 0.00025, 0.25)
+    records = trials_mod.run_interleaved([(n, e, None) for n, e, _ in sides], [[1, 2]], 1, 4, {}, trials=2, rounds=3)
+    for r in records:
+        steered = r["side"] == "esamp"
+        assert r["drains"] == (3 if steered else 0) and r["drain_share"] == (0.25 if steered else 0.0), r
+        assert r["drain_seconds"] == pytest.approx(3 * 0.25e-3 if steered else 0.0)
+    results: list[dict] = []
+    _run(sides, (2, 1, 8), 2, results)
+    (w,) = results
+    esamp = [t for t in w["trials"] if t["side"] == "esamp"]
+    assert esamp and all(t["drains"] == t["rounds"] and t["drain_share"] == 0.25 for t in esamp)
+    out = capsys.readouterr().out
+    assert "esamp:" in out and ", 1 record fetches 25% of it)" in out
+    assert not [line for line in out.splitlines() if "baseline:" in line and "record fetches" in line]

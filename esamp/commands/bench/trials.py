@@ -41,6 +41,8 @@ def run_trial(engine, prompts, n: int, tokens: int, sampling_kw: dict, steering,
                         cands.append(ev.candidates)
     seconds = time.perf_counter() - t0
     client = time.process_time() - c0
+    # the record fetches within the timed pass (not the closing one below)
+    drains, drain_s = getattr(engine, "drains", 0) - drains0, getattr(engine, "drain_seconds", 0.0) - drain_s0
     engine.drain()  # release the groups' slots before the next pass
     ttft = list(first) if first else []
     # client_cpu_share near 1: this process (event bookkeeping), not the engine, set the pace
@@ -50,8 +52,9 @@ def run_trial(engine, prompts, n: int, tokens: int, sampling_kw: dict, steering,
         tok_s=round(produced / max(seconds, 1e-9), 2),
         client_cpu_share=round(client / seconds, 3),
         # the ESamp engine's record fetches: this process waits for each (esamp.engines.vllm.engine)
-        drains=getattr(engine, "drains", 0) - drains0,
-        drain_share=round((getattr(engine, "drain_seconds", 0.0) - drain_s0) / max(seconds, 1e-9), 3),
+        drains=drains,
+        drain_seconds=round(drain_s, 6),
+        drain_share=round(drain_s / max(seconds, 1e-9), 3),
         loss_count=len(losses),
         loss_first=losses[0] if losses else None,
         loss_last=losses[-1] if losses else None,
@@ -92,9 +95,11 @@ def run_interleaved(
 
 
 def combine(passes: list[dict]) -> dict:
-    """One trial's record from its passes: total tokens over total time, every count summed."""
+    """One trial's record from its passes: total tokens over total time, every count summed; the
+    record fetches' share is their seconds over the passes' seconds."""
     tokens = sum(p["tokens"] for p in passes)
     seconds = sum(p["seconds"] for p in passes)
+    drain_seconds = sum(p.get("drain_seconds", 0.0) for p in passes)
     losses = [p for p in passes if p["loss_count"]]
     cands = [p["candidates_mean"] for p in passes if p["candidates_mean"]]
     ttft = [t for p in passes for t in p["ttft_ms"]]
@@ -104,6 +109,9 @@ def combine(passes: list[dict]) -> dict:
         tok_s=round(tokens / max(seconds, 1e-9), 2),
         pass_tok_s=[p["tok_s"] for p in passes],
         client_cpu_share=round(statistics.mean(p["client_cpu_share"] for p in passes), 3),
+        drains=sum(p.get("drains", 0) for p in passes),
+        drain_seconds=round(drain_seconds, 6),
+        drain_share=round(drain_seconds / max(seconds, 1e-9), 3),
         loss_count=sum(p["loss_count"] for p in passes),
         loss_first=losses[0]["loss_first"] if losses else None,
         loss_last=losses[-1]["loss_last"] if losses else None,

@@ -302,17 +302,19 @@ class VllmEngine(RecordedEngine):
     def step(self) -> list[Event]:
         outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
         tokens = 0
-        for out in outputs:
-            where = self.by_request.get(out.request_id)
-            if where is None or where[0] not in self.groups:
+        where_is, group_of, admitted = self.by_request.get, self.groups.get, self._admitted
+        for out in outputs:  # every running request's, every step: the lookups are hoisted
+            where = where_is(out.request_id)
+            g = None if where is None else group_of(where[0])
+            if g is None:
                 continue
-            g = self.groups[where[0]]
             sample = where[1]
             for c in out.outputs:
-                g.arrived[sample].extend(c.token_ids)
-                tokens += len(c.token_ids)
-                if c.token_ids and g.key in self._admitted:
-                    self.first_token_seconds.append(time.perf_counter() - self._admitted.pop(g.key))
+                ids = c.token_ids
+                g.arrived[sample].extend(ids)
+                tokens += len(ids)
+                if admitted and ids and g.key in admitted:
+                    self.first_token_seconds.append(time.perf_counter() - admitted.pop(g.key))
                 if c.finish_reason is not None or out.finished:
                     g.final[sample] = finish_reason(c.finish_reason)
             if out.finished and sample not in g.final:
