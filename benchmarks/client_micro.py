@@ -146,6 +146,7 @@ def make_engine(plain: bool, tokenizer, fake: FakeVllm, context: int):
     engine.plain, engine.ignore_eos = plain, True
     engine._last_drain, engine._batches_since_drain = 0.0, 0
     engine.drains, engine.drain_seconds = 0, 0.0
+    engine._channel, engine._channel_asked = None, True  # records through the fake's RPC
     engine.num_layers, engine.hidden, engine.context = 28, 3584, context
     engine.engine, engine.llm = fake, None
     engine.tokenizer, engine.stop_ids = tokenizer, set()

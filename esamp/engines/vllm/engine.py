@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import os
 import time
 
@@ -24,11 +25,13 @@ from esamp.core.distiller import bank_full
 from esamp.engines.base import Group, StepStats, stop_token_ids
 from esamp.engines.models import resolve, stand_in_tokenizer
 from esamp.engines.record_streams import RecordedEngine, RecordedGroup, finish_reason
-from esamp.engines.vllm import launch, settings as es, versions
+from esamp.engines.vllm import launch, records_channel, settings as es, versions
 from esamp.errors import ConfigError, EngineError
 from esamp.events import Event, LoadingEvent
 from esamp.platform.devices import cuda_available
 from esamp.platform.spawn import check_main_guard
+
+log = logging.getLogger(__name__)
 
 GPU_SHARE = 0.85  # of the GPU's memory an engine takes unless told (vLLM's own default is 0.9)
 GPU_SHARE_ENV = "ESAMP_GPU_MEMORY_UTILIZATION"  # the operator's say, for every command at once
@@ -136,6 +139,8 @@ class VllmEngine(RecordedEngine):
         self.ignore_eos = ignore_eos
         self._last_drain = 0.0
         self._batches_since_drain = 0
+        self._channel = None  # the records channel (``_records_channel``)
+        self._channel_asked = False
         self.drains = 0  # record fetches, and the wall time this process spent in them
         self.drain_seconds = 0.0
         self.resolved = resolve(model, progress)
@@ -256,6 +261,9 @@ class VllmEngine(RecordedEngine):
                 self.drain()
             except Exception:
                 pass
+            if self._channel is not None:
+                self._channel.close()  # the worker's reader thread ends with it
+                self._channel = None
             # The engine core's own shutdown: it stops its processes, and an in-process core
             # (VLLM_ENABLE_V1_MULTIPROCESSING=0) undoes the gc.freeze() of its start, without
             # which its weights and KV cache would never be collected.
@@ -278,12 +286,33 @@ class VllmEngine(RecordedEngine):
             return {"steps": [], "counters": {}}
         release, self.release = self.release, []
         t0 = time.perf_counter()
-        out = self.engine.collective_rpc("esamp_drain", args=(release, None, True))[0]  # rows as columns
+        channel = self._records_channel()
+        if channel is None:
+            out = self.engine.collective_rpc("esamp_drain", args=(release, None, True))[0]  # rows as columns
+        else:
+            if release:  # every worker's ledger frees the groups (the channel is rank 0's)
+                self.engine.collective_rpc("esamp_release", args=(release,))
+            channel.send(None)
+            out = channel.recv()
         self.drains += 1
         self.drain_seconds += time.perf_counter() - t0
         self.counters = out.get("counters", {})
         self.free_slots = out.get("free_slots", self.free_slots)
         return out
+
+    def _records_channel(self):
+        """The records channel of the worker that keeps them (asked for once), or None: records
+        then come through ``collective_rpc`` (``records_channel`` says why a channel)."""
+        if self._channel_asked:
+            return self._channel
+        self._channel_asked = True
+        try:
+            answer = self.engine.collective_rpc("esamp_records_channel")[0]
+        except Exception as exc:  # an extension without the method: the RPC path serves
+            log.warning("ESamp: no records channel (%s); fetching records through vLLM's RPC", exc)
+            answer = None
+        self._channel = records_channel.connect(answer)
+        return self._channel
 
     def drain_due(self, since: float) -> bool:
         """Whether to fetch records now, ``since`` seconds after the last fetch, vLLM busy."""

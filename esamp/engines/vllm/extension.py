@@ -6,7 +6,8 @@ its own engine core, and ``collective_rpc`` answers for one rank only: a server 
 through its own side channel instead (``esamp.serving``). Under tensor parallelism
 ``collective_rpc`` runs every method on every worker of the engine and returns their answers in
 rank order: ``esamp_release`` then frees a group on every worker (the slot ledgers stay equal),
-and records come from rank 0, the only worker that keeps them (``esamp.engines.vllm.tp``). What
+and records come from rank 0, the only worker that keeps them (``esamp.engines.vllm.tp``); the
+library engine reads them through ``esamp_records_channel`` instead, off vLLM's RPC path. What
 only ``esamp bench`` calls lives in ``esamp.commands.bench.worker_extension``.
 """
 
@@ -30,6 +31,18 @@ class EsampWorkerExtension:
         out = steering.drain(tuple(release), set(groups) if groups is not None else None, columns)
         out["active"] = steering.slots is not None
         return out
+
+    def esamp_records_channel(self) -> tuple[str, bytes] | None:
+        """Where this worker serves its step records from a thread, off vLLM's RPC path (address,
+        authentication key): the library engine's fetches (``records_channel``). None on a worker
+        that keeps no records (a TP rank other than 0) or without ESamp."""
+        steering = self._esamp_exchange().steering
+        if steering is None or steering.bank is None:
+            return None
+        from esamp.engines.vllm.records_channel import server_for
+
+        server = server_for(steering)
+        return server.address, server.key
 
     def esamp_release(self, groups: list[str]) -> int:
         """Free the Distiller slots of ``groups`` (their requests have ended): the API server's

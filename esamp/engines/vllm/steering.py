@@ -180,6 +180,7 @@ class EngineSteering:
         self._prepared = False
         self._last_expire = time.monotonic()
         self.forget_rows = None  # weak method of the live adapter: drops a released group's rows
+        self.records_server = None  # the library engine's records channel (``records_channel``), once asked
 
     @property
     def bank(self) -> DistillerBank | None:

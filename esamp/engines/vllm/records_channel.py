@@ -1,0 +1,73 @@
+"""The library engine's step records off vLLM's RPC path: a thread of the worker that keeps them.
+
+A ``collective_rpc`` runs in vLLM's engine-core loop, which waits for every worker's answer before
+it schedules again, and the workers answer only between two steps: fetched that way, step records
+cost ``esamp bench`` about a step each (7% of a 7B trial's time on one GPU, 13–17% under TP = 2;
+``docs/benchmarks.md``). So the library engine asks once, through ``collective_rpc``, for this
+channel: the worker that owns the records (TP rank 0) opens a local socket
+(``multiprocessing.connection`` over a Unix socket in a private temporary folder, with a random
+authentication key that only the asking process receives) and a daemon thread answers each fetch
+from the lock-protected record store, as ``esamp serve``'s side channel reads it, while the worker
+steps on. A released group still goes through ``collective_rpc`` (every worker's slot ledger must
+free it), but only when a group ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Client, Connection, Listener
+
+log = logging.getLogger(__name__)
+
+
+class RecordsServer:
+    """Serves ``steering.drain(groups=None, columns=True)`` to every connection, one request at a
+    time per connection: a request is ``None``, the answer the drain's dict."""
+
+    def __init__(self, steering) -> None:
+        self.steering = steering
+        self.key = secrets.token_bytes(32)
+        self.listener = Listener(family="AF_UNIX", authkey=self.key)
+        self.address = self.listener.address
+        threading.Thread(target=self._accept, name="esamp-records", daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn = self.listener.accept()
+            except AuthenticationError:
+                continue  # a connection without the key is refused; the channel stays open
+            except OSError:
+                return  # the listener is closed
+            threading.Thread(target=self._answer, args=(conn,), name="esamp-records-reader", daemon=True).start()
+
+    def _answer(self, conn: Connection) -> None:
+        with conn:
+            while True:
+                try:
+                    conn.recv()
+                except (EOFError, OSError):
+                    return  # the client closed (its engine is shutting down)
+                conn.send(self.steering.drain((), None, True))
+
+
+def server_for(steering) -> RecordsServer:
+    """The worker's one records server (started at the first ask)."""
+    if steering.records_server is None:
+        steering.records_server = RecordsServer(steering)
+    return steering.records_server
+
+
+def connect(answer) -> Connection | None:
+    """A client connection from ``esamp_records_channel``'s answer (None: no channel there)."""
+    if not answer:
+        return None
+    address, key = answer
+    try:
+        return Client(address, family="AF_UNIX", authkey=bytes(key))
+    except Exception as exc:  # the records still come, through collective_rpc
+        log.warning("ESamp: the records channel did not open (%s); fetching through vLLM's RPC", exc)
+        return None

@@ -1,0 +1,57 @@
+"""The library engine's records channel: a worker thread answers record fetches off vLLM's RPC."""
+
+from __future__ import annotations
+
+import threading
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Client
+
+import pytest
+
+from esamp.engines.vllm import records_channel
+
+
+class FakeSteering:
+    """What the channel reads: ``drain`` from another thread, and its own attribute slot."""
+
+    def __init__(self) -> None:
+        self.records_server = None
+        self.calls: list[tuple] = []
+        self.threads: set[str] = set()
+
+    def drain(self, release=(), groups=None, columns=False) -> dict:
+        self.calls.append((tuple(release), groups, columns))
+        self.threads.add(threading.current_thread().name)
+        return {"steps": [{"step": len(self.calls)}], "pending": 0, "counters": {}, "free_slots": 3, "groups": []}
+
+
+def test_fetches_come_from_the_workers_thread_and_release_nothing():
+    steering = FakeSteering()
+    server = records_channel.server_for(steering)
+    assert records_channel.server_for(steering) is server  # one server per worker
+    conn = records_channel.connect((server.address, server.key))
+    for step in (1, 2, 3):
+        conn.send(None)
+        assert conn.recv()["steps"] == [{"step": step}]
+    # every fetch: all groups' records, as columns; a release never goes this way (every TP
+    # worker's ledger must free a group: that stays a collective_rpc)
+    assert steering.calls == [((), None, True)] * 3
+    assert steering.threads == {"esamp-records-reader"}
+    conn.close()
+
+
+def test_a_client_without_the_key_is_refused_and_the_channel_stays_open():
+    steering = FakeSteering()
+    server = records_channel.server_for(steering)
+    with pytest.raises(AuthenticationError):
+        Client(server.address, family="AF_UNIX", authkey=b"not the key")
+    conn = records_channel.connect((server.address, server.key))
+    conn.send(None)
+    assert conn.recv()["free_slots"] == 3
+
+
+def test_no_channel_means_the_rpc_path():
+    """A worker without records answers None; an address that does not open warns and gives None
+    (the engine then fetches through ``collective_rpc``, as before)."""
+    assert records_channel.connect(None) is None
+    assert records_channel.connect(("/nonexistent/esamp-records", b"k" * 32)) is None
