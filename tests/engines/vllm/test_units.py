@@ -594,9 +594,11 @@ def test_closing_an_engine_shuts_its_core_down_and_frees_cached_memory(monkeypat
     engine.llm = object()
     engine.engine = types.SimpleNamespace(engine_core=core)
     engine.drain = lambda: calls.append("drain")
+    engine._channel = types.SimpleNamespace(close=lambda: calls.append("records channel closed"))
     monkeypatch.setattr(vllm_engine, "_release_cached_gpu_memory", lambda: calls.append("released"))
     engine._shutdown()
-    assert calls == ["drain", "shutdown", "released"] and engine.llm is None
+    assert calls == ["drain", "records channel closed", "shutdown", "released"] and engine.llm is None
+    assert engine._channel is None
 
 
 def test_records_are_fetched_every_few_engine_steps_while_vllm_is_busy():
