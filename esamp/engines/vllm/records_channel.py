@@ -24,8 +24,9 @@ log = logging.getLogger(__name__)
 
 
 class RecordsServer:
-    """Serves ``steering.drain(groups=None, columns=True)`` to every connection, one request at a
-    time per connection: a request is ``None``, the answer the drain's dict."""
+    """Serves ``steering.drain(groups=None, columns=True)`` to its engine's connection, one request
+    at a time: a request is ``None``, the answer the drain's dict. When that connection closes the
+    server closes too (a later ask starts a new one)."""
 
     def __init__(self, steering) -> None:
         self.steering = steering
@@ -50,8 +51,17 @@ class RecordsServer:
                 try:
                     conn.recv()
                 except (EOFError, OSError):
-                    return  # the client closed (its engine is shutting down)
+                    break  # the client closed: its engine is shutting down
                 conn.send(self.steering.drain((), None, True))
+        self.close()
+
+    def close(self) -> None:
+        """Stop serving and let go of the steering: an in-process engine's worker (tests, a GPU
+        suite) lives on in this process, and its Distiller bank must be freed with the engine."""
+        self.listener.close()
+        steering, self.steering = self.steering, None
+        if steering is not None and steering.records_server is self:
+            steering.records_server = None
 
 
 def server_for(steering) -> RecordsServer:

@@ -37,7 +37,13 @@ def test_fetches_come_from_the_workers_thread_and_release_nothing():
     # worker's ledger must free a group: that stays a collective_rpc)
     assert steering.calls == [((), None, True)] * 3
     assert steering.threads == {"esamp-records-reader"}
-    conn.close()
+    conn.close()  # the engine closes: the server lets go of the steering (an in-process engine's bank)
+    for _ in range(200):
+        if server.steering is None:
+            break
+        threading.Event().wait(0.01)
+    assert server.steering is None and steering.records_server is None
+    assert records_channel.server_for(steering) is not server  # a later ask: a new server
 
 
 def test_a_client_without_the_key_is_refused_and_the_channel_stays_open():
