@@ -145,19 +145,13 @@ class RecordedEngine(EngineBase):
                     latest = g.latest
                     rows = [(s, k, e) for s, k, e in rows if latest.get((s, k), step) == step]
                 rows = sorted(rows)
-            unit, known, errors, unknown, waiting = [], [], [], [], False
-            for s, k, e in rows:  # ``_feed``'s sorting of the inputs' errors done on the way
+            unit, waiting = [], False
+            for s, k, e in rows:
                 if k < fed[s]:
                     continue  # already fed (duplicate)
                 got = arrived[s]
                 if k < len(got):
                     unit.append((s, k, got[k], e))
-                    if k >= 1:
-                        if e is not None and isfinite(e):
-                            known.append(s)
-                            errors.append(e)
-                        else:
-                            unknown.append(s)
                 elif s not in final:
                     waiting = True
                     break
@@ -166,7 +160,7 @@ class RecordedEngine(EngineBase):
             del records[step]
             g.superseded.discard(step)
             if unit:
-                events += self._take(g, unit, known, errors, unknown, steered=True)
+                events += self._feed(g, unit, steered=True)
         # Samples that ended with tokens no record will ever cover (a row the processor could not
         # steer: counted in its counters). Only once every engine step has reported back.
         if all_back and final:
@@ -180,7 +174,7 @@ class RecordedEngine(EngineBase):
 
     def _feed(self, g: RecordedGroup, unit: list[tuple[int, int, int, float | None]], steered: bool) -> list[Event]:
         """One engine step of a group: release the inputs' novelty, then take the new tokens."""
-        known, errors, unknown = [], [], []
+        known, errors, unknown = [], [], []  # inputs (gen idx >= 1) with a finite error, and without
         for s, k, _, e in unit:
             if k >= 1:
                 if e is not None and isfinite(e):
@@ -188,18 +182,6 @@ class RecordedEngine(EngineBase):
                     errors.append(e)
                 else:
                     unknown.append(s)
-        return self._take(g, unit, known, errors, unknown, steered)
-
-    def _take(
-        self,
-        g: RecordedGroup,
-        unit: list[tuple[int, int, int, float | None]],
-        known: list[int],
-        errors: list[float],
-        unknown: list[int],
-        steered: bool,
-    ) -> list[Event]:
-        """``_feed`` with the inputs (gen idx >= 1) sorted: ``known`` with finite ``errors``, ``unknown``."""
         events: list[Event] = []
         stream = g.stream
         if steered and known:
