@@ -22,6 +22,7 @@
 #                                                    (FRONTIER_FILE's arms, default eval_frontier_cpu.toml)
 #                                                    on MODEL with the vLLM engine, FRONTIER_TASKS (arith
 #                                                    open); FRONTIER_SHARED=1 adds the shared Distiller;
+#                                                    FRONTIER_UNTIL (epoch s) ends it by a deadline;
 #                                                    for gemma3-270m its five wheels go into the kit
 #                                                    (benchmarks/kit_add.sh)
 set -uo pipefail
@@ -135,8 +136,12 @@ case "${1:-}" in
       runs=("")
       [ "${FRONTIER_SHARED:-0}" = 1 ] && runs+=("--matrix distiller=shared mix=paper")
       for extra in "${runs[@]}"; do
+        # FRONTIER_UNTIL (epoch seconds) bounds the whole command, FRONTIER_SECONDS each run
+        left=${FRONTIER_SECONDS:-86400}
+        [ -n "${FRONTIER_UNTIL:-}" ] && left=$(( FRONTIER_UNTIL - $(date +%s) ))
+        [ "$left" -gt 30 ] || { echo "frontier: no time left for $task $extra"; continue; }
         # shellcheck disable=SC2086  # $extra is a list of arguments
-        timeout -s INT "${FRONTIER_SECONDS:-86400}" python3 -m esamp eval --matrix-file "$file" \
+        timeout -s INT "$left" python3 -m esamp eval --matrix-file "$file" \
           --task $task --model "$model" --engine vllm --parallel 40 --order problems --out /tmp/$name/$task $extra "$@" 2>&1 \
           | tee -a /tmp/$name/$task.log | grep -v "$QUIET" | tail -12
       done
