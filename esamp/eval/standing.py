@@ -20,7 +20,10 @@ from esamp.engines.models import EMBEDDED_NAME
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 # model name (as the engine reports it) -> its frontier run, a folder under RESULTS
-FRONTIER_RUNS = {EMBEDDED_NAME: "eval-cpu-frontier/arith"}
+FRONTIER_RUNS = {
+    EMBEDDED_NAME: "eval-cpu-frontier/arith",
+    "gemma3-270m": "eval-gpu-frontier-gemma3-270m/arith",  # the packaged name (engines.models.PACKAGED)
+}
 STEERING_KEYS = tuple(k for k in Steering.model_fields if k != "enabled")
 
 
@@ -65,10 +68,12 @@ class Standing:
         """One line for a row header."""
         where = {"above": "above", "below": "below", "on": "on"}.get(self.gap["verdict"], "beyond")
         change = {"narrows": "narrower", "widens": "wider", "unchanged": "no change beyond noise"}[self.diversity]
-        return (
-            f"measured on {self.task}: Vendi {_interval(self.vendi, 'delta')} ({change}), "
-            f"{self.metric} {where} the temperature curve ({_interval(self.gap, 'gap')}); ? for more"
+        against = (
+            f"{self.metric} {where} the temperature curve ({_interval(self.gap, 'gap')})"
+            if where != "beyond"
+            else "beyond the temperature curve's diversity"
         )
+        return f"measured on {self.task}: Vendi {_interval(self.vendi, 'delta')} ({change}), {against}; ? for more"
 
     def text(self) -> str:
         """A paragraph for the help screen."""
@@ -76,10 +81,14 @@ class Standing:
             f"Measured on {self.model} ({self.task}, {self.problems} problems, n = {self.n}, "
             f"{self.source}): ESamp with these settings {self.diversity_words} (Vendi "
             f"{_interval(self.vendi, 'delta')} against plain sampling at the same temperature) and "
-            f"{self.accuracy_words} ({_interval(self.gap, 'gap')} against the temperature curve). "
+            + (
+                f"{self.accuracy_words} ({_interval(self.gap, 'gap')} against the temperature curve). "
+                if self.gap["verdict"] in ("above", "below", "on")
+                else f"{self.accuracy_words}, so the run cannot compare its accuracy with plain sampling's. "
+            )
             + (
                 "So on this model, sampling hotter or colder without ESamp does at least as well."
-                if self.gap["verdict"] != "above"
+                if self.gap["verdict"] in ("below", "on")
                 else ""
             )
         ).strip()

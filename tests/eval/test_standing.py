@@ -6,7 +6,7 @@ import json
 import pytest
 
 from esamp.core.config import Steering
-from esamp.engines.models import EMBEDDED_NAME
+from esamp.engines.models import EMBEDDED_NAME, PACKAGED
 from esamp.eval import standing as standing_lib
 from esamp.eval.standing import FRONTIER_RUNS, RESULTS, standing
 
@@ -62,6 +62,17 @@ def test_widening_and_beating_the_curve_read_so(tmp_path, monkeypatch):
     assert "without ESamp does at least as well" not in found.text()
 
 
+def test_a_cell_beyond_the_curve_is_not_compared_with_it(monkeypatch, tmp_path):
+    """Past the diversity the temperature curve covers there is no gap: the words say so and draw
+    no conclusion either way."""
+    write_report(tmp_path, vendi=(-1.6, -1.9, -1.3), gap=(float("nan"), float("nan"), float("nan"), "outside"))
+    monkeypatch.setitem(FRONTIER_RUNS, "tiny", "m/arith")
+    found = standing("tiny", Steering(), results=tmp_path)
+    assert "beyond the temperature curve's diversity" in found.short() and "n/a" not in found.short()
+    assert "cannot compare its accuracy" in found.text()
+    assert "does at least as well" not in found.text()
+
+
 def test_nothing_is_said_without_a_run_a_cell_or_a_file(model, tmp_path):
     assert standing("other", Steering(), results=model) is None
     assert standing("tiny", Steering(beta=1.2), results=model) is None  # no such cell
@@ -69,12 +80,14 @@ def test_nothing_is_said_without_a_run_a_cell_or_a_file(model, tmp_path):
     assert standing("tiny", Steering(), results=tmp_path / "nowhere") is None
 
 
-def test_the_embedded_model_has_a_committed_run_at_the_default_setting():
-    """The dashboard's figure for the embedded model comes from the committed report.json."""
-    path = RESULTS / FRONTIER_RUNS[EMBEDDED_NAME] / "report.json"
+@pytest.mark.parametrize("name", [EMBEDDED_NAME, "gemma3-270m"])
+def test_each_model_with_a_committed_run_has_the_default_setting_in_it(name):
+    """The dashboard's figure for the model comes from the committed report.json."""
+    assert name == EMBEDDED_NAME or name in PACKAGED  # the name the engines report
+    path = RESULTS / FRONTIER_RUNS[name] / "report.json"
     if not path.exists():
         pytest.skip("no committed frontier run here")
-    found = standing(EMBEDDED_NAME, Steering())
+    found = standing(name, Steering())
     assert found is not None
     report = json.loads(path.read_text())
     assert found.vendi == report["cells"][found.cell]["deltas"]["vendi"]
