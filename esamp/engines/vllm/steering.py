@@ -163,7 +163,12 @@ class EngineSteering:
             if bank is not None
             else Steerer(None, filter=vllm_filter)
         )
-        self.apply_graphs = GraphCache(enabled=graphs, after=1, size=APPLY_GRAPHS, in_place=True)
+        # One pool for the filter-and-mix graphs, which hold [rows, vocab] temporaries (335 MB each
+        # for Gemma's 262k vocabulary at 320 rows): with a pool per graph, Gemma 3 270M's eval ran
+        # out of memory above vLLM's share while capturing them. One pool costs the largest
+        # graph's, not the sum. Safe: they replay one after another on one stream, and a step's
+        # output (its record values) is copied out before the next replay.
+        self.apply_graphs = GraphCache(enabled=graphs, after=1, size=APPLY_GRAPHS, in_place=True, shared_pool=True)
         self.steerer.reserve(max_rows, vocab, self.device)
         if self.slots is not None and self.slots.shared:  # one unit: every steered row of the batch
             units, width = 1, bucket(max_rows)
