@@ -13,7 +13,8 @@
 #                                                    commit), installed in place of this one
 #   bash benchmarks/gpu_suite.sh steps MODEL W [sides]  device time per steady step, kernel by kernel
 #                                                    (LOGITS=realistic for the rescaled head; TP=2 traces
-#                                                    both ranks with vLLM's profiler)
+#                                                    both ranks with vLLM's profiler; ENGINE_PROCESS=1 puts
+#                                                    the engine core in its own process, as the bench)
 #   bash benchmarks/gpu_suite.sh dashboard           the dashboard on the GPU: auto picks vLLM, the memory
 #                                                    chart's GPU series and a screenshot (test_e2e), and
 #                                                    ui_bench.py on qwen2.5-7b:dummy (8 samples, its CPU cost)
@@ -157,9 +158,10 @@ case "${1:-}" in
     # Traces stay on the machine (they are large); the summaries come back.
     mkdir -p /tmp/steps
     for side in $sides; do
+      # ENGINE_PROCESS=1: the engine core in a process of its own, as esamp bench runs it
       VLLM_ENABLE_V1_MULTIPROCESSING=0 timeout -s INT "${STEPS_SECONDS:-300}" python3 benchmarks/profile_steps.py \
         --side $side --model "$model" --workload "$w" --logits "${LOGITS:-flat}" --tensor-parallel-size "${TP:-1}" \
-        --top 25 --out /tmp/steps 2>&1 | grep -v "$QUIET" | head -${STEPS_LINES:-30}
+        ${ENGINE_PROCESS:+--engine-process} --top 25 --out /tmp/steps 2>&1 | grep -v "$QUIET" | head -${STEPS_LINES:-30}
     done
     (cd /tmp/steps && tar -czf "$OUT/steps-${model//:/-}-$w-tp${TP:-1}.tar.gz" *.json)
     if [ -f /tmp/steps/steps-baseline-$w-${LOGITS:-flat}.json ] && [ -f /tmp/steps/steps-esamp-$w-${LOGITS:-flat}.json ]; then

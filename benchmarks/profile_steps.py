@@ -14,6 +14,12 @@ trial of the workload; ``--steps`` engine steps from the middle of the decode ph
 difference of the two summaries). One side per process: vLLM's engine core is not built twice in
 one process. CUDA only; it measures, it asserts nothing.
 
+``--engine-process``: vLLM's engine core in a process of its own, as ``esamp bench`` runs it
+(with the engine core in this process the client and the engine share one host thread, which
+hides what the bench sees: whether a side's engine host runs ahead of its device or waits for
+it). The engine's worker is then traced by vLLM's profiler, as under tensor parallelism below, and
+the device's idle share in the summary is the one the bench's trials have.
+
 ``--tensor-parallel-size N``: the workers are processes of vLLM's own, so vLLM's profiler traces
 them (``profiler_config``, ``LLM.start_profile``/``stop_profile``: one trace per rank). The summary
 then holds ``ranks``, each rank's window and kernels (NCCL's broadcast and all-reduce among them),
@@ -22,6 +28,7 @@ every piece under TP is read per rank: rank 0's Distiller step, the ŷ broadcast
 and its gather, and where one rank waits for the other (its device idle).
 
     python benchmarks/profile_steps.py --side esamp --model qwen2.5-7b:dummy --workload 32xn8x256
+    python benchmarks/profile_steps.py --side esamp --model qwen2.5-7b:dummy --workload fair --engine-process
     python benchmarks/profile_steps.py --side esamp --model qwen2.5-7b:dummy --workload fair --tensor-parallel-size 2
     python benchmarks/profile_steps.py --compare out/steps-baseline.json out/steps-esamp.json
 """
@@ -156,10 +163,17 @@ def main() -> int:
         default=1,
         help="workers per engine; above 1 each rank is traced by vLLM's profiler",
     )
+    ap.add_argument(
+        "--engine-process",
+        action="store_true",
+        help="vLLM's engine core in a process of its own, as esamp bench runs it (traced by vLLM's profiler)",
+    )
     ap.add_argument("--compare", nargs=2, metavar=("BASE", "ESAMP"))
     args = ap.parse_args()
     if args.compare:
         return compare(*args.compare, args.top)
+    if args.engine_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # read when the engine starts, below
 
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -179,9 +193,10 @@ def main() -> int:
     esamp = EsampConfig()
     es = esamp.steering.model_copy(update={"enabled": args.side == "esamp", **preset.get("steering", {})})
     tp = args.tensor_parallel_size
+    by_vllm = tp > 1 or args.engine_process  # the workers are in other processes: vLLM's profiler traces them
     llm_kwargs = {"worker_extension_cls": BENCH_EXTENSION}
     trace_dir = os.path.abspath(os.path.join(args.out, f"traces-{args.side}-{args.workload}-tp{tp}"))
-    if tp > 1:
+    if by_vllm:
         os.makedirs(trace_dir, exist_ok=True)
         llm_kwargs["profiler_config"] = {
             "profiler": "torch",
@@ -220,7 +235,7 @@ def main() -> int:
     def traced_step():
         i = len(walls)
         if i == skip:
-            if tp > 1:
+            if by_vllm:
                 engine.llm.start_profile(args.side)
             else:
                 if cuda:
@@ -231,7 +246,7 @@ def main() -> int:
         out = inner()
         walls.append(time.perf_counter() - t0)
         if i == skip + args.steps - 1:
-            if tp > 1:
+            if by_vllm:
                 engine.llm.stop_profile()
             elif state["prof"] is not None:
                 if cuda:
@@ -251,6 +266,7 @@ def main() -> int:
         workload=args.workload,
         tok_s=result["tok_s"],
         tensor_parallel_size=tp,
+        engine_process=by_vllm,
         ttft_ms=result.get("ttft_ms"),
         step_ms=[round(1e3 * w, 3) for w in walls],
         step_ms_median=round(1e3 * statistics.median(walls[skip : skip + 4 * args.steps] or walls), 3),
@@ -258,7 +274,7 @@ def main() -> int:
         window=None,
         kernels={},
     )
-    if tp > 1:
+    if by_vllm:
         # Every rank's counters (the processor's host time per rank), then every rank's trace.
         per_rank = (
             []
@@ -270,11 +286,8 @@ def main() -> int:
             opener = gzip.open if path.endswith(".gz") else open
             with opener(path, "rt") as f:
                 trace = json.load(f)
-            rank = (
-                int(re.search(r"tp(\d+)", os.path.basename(path)).group(1))
-                if re.search(r"tp(\d+)", os.path.basename(path))
-                else len(ranks)
-            )
+            named = re.search(r"(?:tp|rank-)(\d+)", os.path.basename(path))  # vLLM's names: ...tpN... or ...rank-N...
+            rank = int(named.group(1)) if named else len(ranks)
             ranks.append(dict(rank=rank, trace=os.path.basename(path), **summarize_trace(trace, args.steps)))
         ranks.sort(key=lambda r: r["rank"])
         for r in ranks:
@@ -301,7 +314,7 @@ def main() -> int:
         flush=True,
     )
     for r in summary.get("ranks") or [dict(rank=0, window=summary["window"], kernels=summary["kernels"])]:
-        if tp > 1:
+        if by_vllm:
             rw, c = r["window"] or {}, r.get("counters", {})
             print(
                 f"-- rank {r['rank']}: device busy {rw.get('busy_us_per_step')} us/step, idle {rw.get('idle_share')}; "
