@@ -102,13 +102,22 @@ def test_an_interrupt_before_any_trial_finished_reports_no_workload(monkeypatch)
 
 def test_an_interrupted_bench_asks_the_engines_nothing_for_its_report():
     """Ctrl-C reaches vLLM's engine processes too; neither the counters nor the peak memory are
-    asked of engines that may not answer (this hung a GPU run until the machine's time limit)."""
+    asked of engines that may not answer (this hung a GPU run until the machine's time limit).
+    The counters of the last fetch, kept by the client, are reported instead."""
 
     class Mute:
+        counters = {"replay_host_ms": 12.0, "replay_steps": 40}  # the last fetch's, in the client
+
         def __getattr__(self, name):
             raise AssertionError(f"the engine was called ({name}) after an interrupt")
 
     steer = Mute()
+    assert bench_run._engine_reports(steer, [("esamp", steer, True)], interrupted=True) == (Mute.counters, {})
+
+    class Fresh(Mute):
+        counters = None  # interrupted before any fetch
+
+    steer = Fresh()
     assert bench_run._engine_reports(steer, [("esamp", steer, True)], interrupted=True) == ({}, {})
 
 

@@ -477,12 +477,13 @@ def _attempt(result: dict) -> dict:
 
 
 def _engine_reports(steer, sides, interrupted: bool) -> tuple[dict, dict]:
-    """(ESamp's counters, each side's peak GPU memory), asked of the engines; nothing when the
-    bench was interrupted: a Ctrl-C reaches vLLM's engine processes too (the terminal's whole
-    process group), and an engine that still holds the pass's requests or has stopped would not
-    answer, so the report is written without calling into them."""
+    """(ESamp's counters, each side's peak GPU memory), asked of the engines. When the bench was
+    interrupted nothing is asked: a Ctrl-C reaches vLLM's engine processes too (the terminal's
+    whole process group), and an engine that still holds the pass's requests or has stopped would
+    not answer. The counters are then those of the last fetch, at the end of the last finished
+    pass (every pass ends with one), and the peaks are not known."""
     if interrupted:
-        return {}, {}
+        return dict(getattr(steer, "counters", None) or {}), {}
     return steer.drain().get("counters", {}), {side: _peak_memory(eng) for side, eng, _ in sides}
 
 
