@@ -162,6 +162,28 @@ def match_entropy(
     return out if rows is None else torch.where(rows.reshape(-1, 1).to(out.device), out, mixed_at)
 
 
+def match_entropy_rows(
+    mixed: torch.Tensor,
+    scaled: torch.Tensor,
+    novelty: torch.Tensor,
+    rows: torch.Tensor | None = None,
+    width: int | None = None,
+) -> torch.Tensor:
+    """``match_entropy`` of whole rows ([R, V], −∞ outside C), computed at each row's candidates:
+    the bisection's forty passes then read [R, K] (K: the widest row's |C|) instead of the whole
+    vocabulary, which at Gemma's 262k tokens and a few hundred rows is most of a step. ``width``:
+    K when known; otherwise one host read of it. Returns [R, V]: the matched rows' z' rescaled (or
+    z̃ where the novelty is uninformative), the others' ``mixed``, −∞ outside C."""
+    ids, valid = candidate_ids(torch.isfinite(scaled), scaled, width)
+    mixed_at = mixed.gather(1, ids).masked_fill(~valid, NEG_INF)
+    scaled_at = scaled.gather(1, ids).masked_fill(~valid, NEG_INF)
+    matched_at = match_entropy(mixed_at, scaled_at, novelty.gather(1, ids), rows)
+    out = torch.full_like(mixed, NEG_INF)
+    # Scatter valid entries only: padded ids may repeat a real candidate's id.
+    out.scatter_(1, torch.where(valid, ids, ids[:, :1]), torch.where(valid, matched_at, matched_at[:, :1]))
+    return out
+
+
 def filtered_logits(scaled: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Plain sampling's logits: z / T on candidates, −∞ elsewhere."""
     return scaled.masked_fill(~mask, NEG_INF)

@@ -375,7 +375,7 @@ class Steerer:
             return mix_and_count(scaled, d, a, b)
         plain = scaled.clone()  # the entropy to match is z̃'s, which the fused mix overwrites
         out, counts = mix_and_count(scaled, d, a, b)
-        out.copy_(iv.match_entropy(out, plain, b * d.float(), plan.matched_rows()))
+        out.copy_(iv.match_entropy_rows(out, plain, b * d.float(), plan.matched_rows()))
         return out, counts
 
     def mix_at_candidates(
@@ -401,7 +401,8 @@ class Steerer:
         ``d`` holds the Distiller logits of the plan's first ``d.shape[0]`` rows, the rest are only
         filtered. Returns |C| per row. Rows with top-k take the filter given to the constructor;
         plans with entropy-matched rows take this PyTorch path too (the fused kernel knows only
-        the (a, b) form), which matches over the whole vocabulary row: slower, for measuring."""
+        the (a, b) form), which matches at the candidates after one host read of the widest row's
+        |C| (``intervention.match_entropy_rows``): slower, for measuring."""
         if plan.top_k is not None or plan.matched is not None or not FUSED_FILTER:
             scaled = self.filter(plan, logits.index_select(0, plan.index))
             counts = torch.isfinite(scaled).sum(dim=-1).to(torch.int32)
@@ -410,7 +411,7 @@ class Steerer:
                 a, b = plan.a[:m].reshape(-1, 1), plan.b[:m].reshape(-1, 1)
                 mixed = scaled[:m] * a - b * d.float()
                 if plan.matched is not None:
-                    mixed = iv.match_entropy(mixed, scaled[:m], b * d.float(), plan.matched_rows(m))
+                    mixed = iv.match_entropy_rows(mixed, scaled[:m], b * d.float(), plan.matched_rows(m))
                 scaled[:m] = mixed
             logits.index_copy_(0, plan.index, scaled)
             return counts

@@ -141,3 +141,27 @@ def test_entropy_matching_touches_only_the_rows_it_is_given():
     torch.testing.assert_close(
         iv.candidate_entropy(out[[0, 2]]), iv.candidate_entropy(scaled[[0, 2]]), atol=1e-5, rtol=0
     )
+
+
+def test_matching_whole_rows_at_their_candidates_equals_matching_over_the_vocabulary():
+    """``match_entropy_rows`` (the bisection at each row's candidates) gives what the bisection
+    over every vocabulary entry gives (−∞ outside C contributes nothing to either), for matched,
+    unmatched and uninformative rows, with the width read or given."""
+    torch.manual_seed(8)
+    R, V = 6, 300
+    scaled = torch.randn(R, V) * 3
+    mask = torch.zeros(R, V, dtype=torch.bool)
+    for r, width in enumerate((1, 2, 5, 17, 40, 9)):
+        mask[r, torch.randperm(V)[:width]] = True
+    scaled = scaled.masked_fill(~mask, float("-inf"))
+    a, b = torch.full((R, 1), 1.8), torch.full((R, 1), 0.8)
+    d = torch.randn(R, V)
+    d[5] = 0.5  # an uninformative Distiller on the last row: plain sampling, bit for bit
+    mixed, novelty = a * scaled - b * d, b * d
+    rows = torch.tensor([True, True, True, False, True, True]).reshape(-1, 1)
+    dense = iv.match_entropy(mixed, scaled, novelty, rows)
+    for width in (None, 40):
+        out = iv.match_entropy_rows(mixed, scaled, novelty, rows, width=width)
+        assert torch.isneginf(out[~mask]).all() and torch.equal(out[3], mixed[3]) and torch.equal(out[5], scaled[5])
+        torch.testing.assert_close(out[mask], dense[mask], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(iv.candidate_entropy(out[[0, 1, 2, 4]]), iv.candidate_entropy(scaled[[0, 1, 2, 4]]))

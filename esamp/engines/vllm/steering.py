@@ -341,7 +341,10 @@ class EngineSteering:
             return RecordStore.pack(rest[1][:s], counts[:s], rest[2] if loss is not None else None)
 
         replays = self.apply_graphs.replays
-        packed = self.apply_graphs.run(key, run, *inputs)
+        if step.matched is not None:  # the matched mix reads its rows' widest |C| on the host: no graph
+            packed = run(*inputs)
+        else:
+            packed = self.apply_graphs.run(key, run, *inputs)
         if steered:
             self.counters["port_hits"] += s
             if loss is not None:
