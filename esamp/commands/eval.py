@@ -461,7 +461,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _sample(args, runs, cells, todo, engine_name, total, started, out) -> None:
     from esamp.eval.matrix import engine_groups
-    from esamp.eval.runner import Graders, SessionLog, run_groups
+    from esamp.eval.prompts import frame_for, legacy_frame
+    from esamp.eval.runner import Graders, SessionLog, record_prompts, run_groups
 
     command = "esamp " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     session = SessionLog(out, command, started)
@@ -491,6 +492,11 @@ def _sample(args, runs, cells, todo, engine_name, total, started, out) -> None:
                 env = _environment(engine)
                 session.update(environment=env)
                 _note(f"engine {env['engine']} ({env['model']} on {env['device']}) ready")
+                frame = frame_for(engine)
+                if not frame.chat:
+                    _note(f"prompts: {frame.describe()}")
+                for run in runs:  # every folder, before any samples
+                    record_prompts(run.folder, frame, legacy_frame(engine))
                 parallel = _parallel(args, env["engine"], config.slots)
                 for run in runs:
                     if any(todo[run.name][arm] for arm in arms):
@@ -506,6 +512,7 @@ def _sample(args, runs, cells, todo, engine_name, total, started, out) -> None:
                             arms=arms,
                             engine_config=config,
                             by_problem=args.order == "problems",
+                            frame=frame,
                         )
             finally:
                 engine.close()

@@ -32,13 +32,16 @@ HELP = "generate n samples of a prompt with ESamp (or without, --no-esamp)"
 JSON_TYPES = ("token", "step", "done", "error")
 INTERRUPTED = 130  # the shell's status for a command ended by SIGINT
 
+# The sampling flags, and stop strings (a base model, prompted with --raw, runs on without them).
+GENERATE_SAMPLING = (*SAMPLING_FLAGS, "stop")
+
 # 256-colour ramp from cool (expected) to hot (novel), 11 stops for novelty 0.0 .. 1.0.
 HEAT_256 = (39, 38, 37, 36, 71, 106, 142, 178, 208, 202, 196)
 
 
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", help="the prompt (the chat template is applied unless --raw)")
-    add_flags(p, SamplingConfig, SAMPLING_FLAGS)
+    add_flags(p, SamplingConfig, GENERATE_SAMPLING)
     add_flags(p, EsampConfig, GROUP_ESAMP_FLAGS)
     add_engine_flags(p, server_help="generate on an esamp serve endpoint (http://HOST:PORT) instead of a local engine")
     add_threads_flag(p)
@@ -49,7 +52,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 def settings_from_args(args) -> tuple[SamplingConfig, EsampConfig]:
     """The group's settings from the flags the user typed; an error names the flag."""
     refuse_server_distiller(args)
-    return from_flags(args, SamplingConfig, SAMPLING_FLAGS), from_flags(args, EsampConfig, GROUP_ESAMP_FLAGS)
+    return from_flags(args, SamplingConfig, GENERATE_SAMPLING), from_flags(args, EsampConfig, GROUP_ESAMP_FLAGS)
 
 
 def use_colour(stream) -> bool:

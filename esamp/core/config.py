@@ -1,7 +1,7 @@
 """Every ESamp setting once: its default, its range, what it means and how a user spells it.
 
 - ``Filters``: the request's own sampling filters (temperature, top-k, top-p, min-p).
-- ``SamplingConfig(Filters)``: a prompt group's sampling: n, max_tokens, seed, ignore_eos.
+- ``SamplingConfig(Filters)``: a prompt group's sampling: n, max_tokens, seed, ignore_eos, stop.
 - ``Steering``: how ESamp steers one prompt group: on/off, β, mix, training.
 - ``EsampConfig(Steering)``: the engine-wide Distiller (a bank or one shared) and taps, and the
   default steering.
@@ -21,9 +21,9 @@ from __future__ import annotations
 import argparse
 import typing
 from collections.abc import Iterable, Mapping
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from esamp.core import mixes
 from esamp.core.mixes import MixName
@@ -53,6 +53,12 @@ class Filters(_Settings):
     min_p: float = Field(0.1, ge=0.0, lt=1.0, description="keep tokens at least this share of the most likely, 0 = off")
 
 
+def _stop_string(text: str) -> str:
+    if not text:
+        raise ValueError("a stop string cannot be empty; give the text that ends a sample, e.g. a newline")
+    return text
+
+
 class SamplingConfig(Filters):
     """How a prompt group samples: n samples, each up to ``max_tokens``, with the filters above."""
 
@@ -62,6 +68,17 @@ class SamplingConfig(Filters):
     max_tokens: int = Field(128, ge=1, le=32_768, description="tokens per sample")
     seed: int | None = Field(0, ge=0, description="sampling seed: same seed, same tokens")
     ignore_eos: bool = Field(False, description="keep sampling past the stop token (benchmarks)")
+    stop: list[Annotated[str, AfterValidator(_stop_string)]] = Field(
+        default_factory=list,
+        description="stop a sample where its text holds this string, which its text then leaves out "
+        "(vLLM's stop); may be repeated",
+        json_schema_extra=_flag(metavar="TEXT"),
+    )
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _one_stop_string(cls, stop: Any) -> Any:
+        return [stop] if isinstance(stop, str) else stop  # one string is a list of one, as in vLLM
 
 
 class Steering(_Settings):
@@ -256,8 +273,8 @@ def _help(model: type[BaseModel], field: str, defaults: Mapping[str, Any] | None
     if info.annotation is bool:
         return text
     rng = _constraint(info)
-    default = defaults[field] if defaults and field in defaults else info.default
-    default_text = "none" if default is None else default
+    default = defaults[field] if defaults and field in defaults else info.get_default(call_default_factory=True)
+    default_text = "none" if default is None or default == [] else default
     return f"{text} ({rng + ', ' if rng and not _choices(info.annotation) else ''}default {default_text})"
 
 
@@ -280,6 +297,17 @@ def add_flags(
         if info.annotation is bool:
             action = "store_false" if extra.get("negate") else "store_true"
             parser.add_argument(flag, dest=dest, action=action, default=None, help=_help(model, field))
+            continue
+        if typing.get_origin(info.annotation) is list:  # a flag given once per value
+            parser.add_argument(
+                flag,
+                dest=dest,
+                action="append",
+                type=_scalar(info.annotation),
+                default=None,
+                metavar=extra.get("metavar") or field.upper(),
+                help=_help(model, field, defaults),
+            )
             continue
         choices = _choices(info.annotation)
         kind = type(choices[0]) if choices else _scalar(info.annotation)

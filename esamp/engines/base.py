@@ -55,6 +55,9 @@ class Engine(Protocol):
         chat: bool = True,
     ) -> str: ...
 
+    @property
+    def has_chat_template(self) -> bool: ...
+
     def step(self) -> list[Event]: ...
 
     def abort(self, group: str) -> list[Event]: ...
@@ -87,6 +90,12 @@ def check_prompt_text(prompt: str) -> str:
     return prompt
 
 
+def has_chat_template(tokenizer) -> bool:
+    """Whether text prompts go through the model's chat template (``encode_prompt``): a pretrained
+    base model's tokenizer usually has none, and its prompts then go in as they are."""
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
 def encode_prompt(tokenizer, prompt: str | Sequence[int], chat: bool, context: int) -> list[int]:
     """Prompt → token ids: text through the chat template (when the model has one), or ids as
     given. Empty prompts and prompts that fill the context are errors a user can act on."""
@@ -94,7 +103,7 @@ def encode_prompt(tokenizer, prompt: str | Sequence[int], chat: bool, context: i
         ids = [int(t) for t in prompt]
     else:
         check_prompt_text(prompt)
-        if chat and getattr(tokenizer, "chat_template", None):
+        if chat and has_chat_template(tokenizer):
             text = tokenizer.apply_chat_template(
                 [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
             )
@@ -174,12 +183,41 @@ def _token_event(group: str, sample: int, held: tuple[int, int, str], novelty: f
     )
 
 
+def find_stop(text: str, new_chars: int, stop: Sequence[str]) -> int:
+    """Where in ``text`` the first stop string to complete within its last ``new_chars``
+    characters begins, or -1. vLLM's rule: the one that completes earliest, ties in list order."""
+    found, end = -1, len(text) + 1
+    if not new_chars:
+        return found
+    for s in stop:
+        at = text.find(s, max(0, len(text) - new_chars - len(s) + 1))
+        if at != -1 and at + len(s) < end:
+            found, end = at, at + len(s)
+    return found
+
+
+def stop_prefix(text: str, stop: Sequence[str]) -> int:
+    """The length of the longest end of ``text`` that a stop string begins with (and is longer
+    than): text a later token may still turn into a stop string."""
+    for size in range(min(len(text), max(map(len, stop)) - 1), 0, -1):
+        tail = text[-size:]
+        if any(s.startswith(tail) for s in stop):
+            return size
+    return 0
+
+
 class GroupStream:
     """Per-group event bookkeeping shared by all engines.
 
     A sampled token waits until the step where it is the input: that step's Distiller error is
     its novelty. ``novelties`` delivers those errors; ``sampled`` queues the new tokens; ``finish``
     flushes a sample's last token (novelty unknown) and emits its ``done``.
+
+    With stop strings (``stop``) a token also waits while its text may be the start of one; the
+    token whose text completes a stop string ends the sample (finish reason "stop"), and the
+    texts of its tokens then end where the stop string begins, as vLLM's text does. A token whose
+    text lay wholly inside the stop string keeps its place and id with empty text. A sample that
+    ends another way keeps the text it waited with.
     """
 
     def __init__(
@@ -190,12 +228,18 @@ class GroupStream:
         normalizer: NoveltyNormalizer,
         stop_ids: Iterable[int] = (),
         prompt_ids: Sequence[int] = (),
+        stop: Sequence[str] = (),
     ) -> None:
         self.group, self.n = group, n
         self.normalizer = normalizer
         self.stop_ids = frozenset(stop_ids)
+        self.stop = tuple(stop)
         self.detok = [IncrementalDetokenizer(tokenizer, prompt_ids) for _ in range(n)]
         self.pending: dict[int, tuple[int, int, str]] = {}  # sample → (index, token id, text)
+        # With stop strings, every token not yet emitted, oldest first, instead of ``pending``:
+        # [index, token id, text, novelty, novelty known]; the first ``decided`` have their final text.
+        self.queue: list[list] = [[] for _ in range(n)] if self.stop else []
+        self.decided = [0] * n
         self.count = [0] * n
         self.finished: dict[int, str] = {}
 
@@ -206,6 +250,10 @@ class GroupStream:
         else:
             values = self.normalizer.normalise(self.group, errors if type(errors) is list else list(errors))
         events: list[Event] = []
+        if self.stop:
+            for sample, value in zip(samples, values):
+                events += self._settle(sample, value)
+            return events
         pending, group = self.pending, self.group
         for sample, value in zip(samples, values):  # ``_release``, inline: every sample of the step
             held = pending.pop(sample, None)
@@ -217,19 +265,60 @@ class GroupStream:
         held = self.pending.pop(sample, None)
         return [] if held is None else [_token_event(self.group, sample, held, novelty)]
 
+    def _settle(self, sample: int, novelty: float | None) -> list[Event]:
+        """With stop strings: the newest token of ``sample`` has its novelty; emit the tokens,
+        oldest first, that have both their novelty and their final text."""
+        queue = self.queue[sample]
+        if queue and not queue[-1][4]:
+            queue[-1][3], queue[-1][4] = novelty, True
+        events: list[Event] = []
+        while self.decided[sample] and queue[0][4]:
+            index, token_id, text, value, _ = queue.pop(0)
+            self.decided[sample] -= 1
+            events.append(_token_event(self.group, sample, (index, token_id, text), value))
+        return events
+
     def sampled(self, sample: int, token_id: int) -> bool:
-        """Queue a freshly sampled token. Returns True when it is a stop token (not shown)."""
+        """Queue a freshly sampled token. Returns True when the sample stops here: at a stop token
+        (not shown) or at a token that completes a stop string (shown up to where it begins)."""
         if token_id in self.stop_ids:
             return True
         text = self.detok[sample].push(token_id)
-        self.pending[sample] = (self.count[sample], token_id, text)
+        index = self.count[sample]
         self.count[sample] += 1
+        if not self.stop:
+            self.pending[sample] = (index, token_id, text)
+            return False
+        queue = self.queue[sample]
+        queue.append([index, token_id, text, None, False])
+        undecided = queue[self.decided[sample] :]
+        window = "".join(t[2] for t in undecided)
+        cut = find_stop(window, len(text), self.stop)
+        if cut >= 0:  # every text ends where the stop string begins
+            at = 0
+            for t in undecided:
+                t[2], at = t[2][: max(0, cut - at)], at + len(t[2])
+            self.decided[sample] = len(queue)
+            return True
+        keep, at = len(window) - stop_prefix(window, self.stop), 0
+        for t in undecided:  # a token's text is final once it ends before text that may begin a stop string
+            at += len(t[2])
+            if at > keep:
+                break
+            self.decided[sample] += 1
         return False
 
     def finish(self, sample: int, reason: str) -> list[Event]:
         if sample in self.finished:
             return []
-        events = self._release(sample, None)
+        if self.stop:
+            queue, self.queue[sample], self.decided[sample] = self.queue[sample], [], 0
+            events: list[Event] = [
+                _token_event(self.group, sample, (index, token_id, text), value if known else None)
+                for index, token_id, text, value, known in queue
+            ]
+        else:
+            events = self._release(sample, None)
         self.finished[sample] = reason
         events.append(DoneEvent(group=self.group, sample=sample, finish_reason=reason, tokens=self.count[sample]))
         return events
@@ -370,6 +459,11 @@ class EngineBase:
     def ready(self) -> ReadyEvent:
         return self._ready
 
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether ``start(..., chat=True)`` applies a chat template (``has_chat_template``)."""
+        return has_chat_template(self.tokenizer)
+
     # -- admission ---------------------------------------------------------------------------
 
     def steering_of(self, steering: Steering | None) -> Steering:
@@ -407,7 +501,13 @@ class EngineBase:
         if key in self.groups:
             raise EngineError(f"group {key!r} is already running", hint="use a new group key")
         stream = GroupStream(
-            key, sampling.n, self.tokenizer, self.normalizer, () if sampling.ignore_eos else self.stop_ids, ids
+            key,
+            sampling.n,
+            self.tokenizer,
+            self.normalizer,
+            () if sampling.ignore_eos else self.stop_ids,
+            ids,
+            stop=sampling.stop,
         )
         g = self._admit(
             Group(

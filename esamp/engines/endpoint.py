@@ -133,6 +133,7 @@ class EndpointEngine(RecordedEngine):
         self.server_rate = RateMeter()  # steered tokens per second, on the server's clock (record times)
         self._last_poll = 0.0
         self.counters: dict = {}
+        self._chat_template: bool | None = None  # whether the served model has one, once asked
 
         info = self._server_info()
         served = self.request_json("GET", "/v1/models").get("data") or []
@@ -207,6 +208,25 @@ class EndpointEngine(RecordedEngine):
     def info(self) -> dict:
         return self.request_json("GET", "/esamp/config")
 
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether the server applies a chat template to a prompt: asked once, as ``/tokenize``
+        refuses a chat for a model without one (``_tokenize`` then sends the text as it is)."""
+        if self._chat_template is None:
+            body = {
+                "model": self.model_id,
+                "messages": [{"role": "user", "content": "Hi"}],
+                "add_generation_prompt": True,
+            }
+            try:
+                self.request_json("POST", "/tokenize", body)
+                self._chat_template = True
+            except (ConfigError, EngineError) as exc:
+                if "chat template" not in exc.message.lower():
+                    raise
+                self._chat_template = False
+        return self._chat_template
+
     # -- admission ---------------------------------------------------------------------------
 
     def encode(self, prompt: str | Sequence[int], chat: bool = True) -> list[int]:
@@ -255,6 +275,7 @@ class EndpointEngine(RecordedEngine):
             "top_k": s.top_k,
             "min_p": s.min_p,
             "ignore_eos": s.ignore_eos,
+            "stop": s.stop,
             "stream": True,
             "return_token_ids": True,
             "vllm_xargs": xargs,

@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from esamp.eval import direction, frontier as frontier_lib, learning as learning_lib
 from esamp.eval.matrix import BASELINE, SINGLE, format_value
 from esamp.eval.passk import pass_at_k
+from esamp.eval.prompts import describe_record
 from esamp.eval.runner import EvalSettings
 from esamp.eval.stats import paired_bootstrap
 from esamp.eval.tasks import Problem
@@ -413,6 +414,8 @@ def render_header(title: str, summaries: Sequence[dict], meta: dict) -> list[str
         f"- engine: {env.get('engine', s['engine'])}, model: {env.get('model', s['model'])}, "
         f"device: {env.get('device', '?')}"
     )
+    if s.get("prompts"):  # folders sampled before esamp recorded it have none
+        lines.append(f"- prompts: {describe_record(s['prompts'])}")
     if len(summaries) == 1:
         both = "both arms" if len(summaries[0]["cells"]) == 1 else "every arm"
         lines += _settings_lines(summaries[0], both)

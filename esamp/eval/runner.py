@@ -10,6 +10,10 @@ position). A later run with the same settings reads that file and skips what is 
 interrupted evaluation resumes where it stopped, per group and so per cell, and ends with the same
 records as one that never stopped. Cells and plain arms can be added to a finished folder: only the
 new ones are sampled, against the baseline already there.
+
+How the problems reach the model (``esamp.eval.prompts``: the chat template, or a completion frame
+for a model without one) is known once the engine has loaded; ``record_prompts`` then checks it
+against the folder's and records it.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from typing import Any
 from esamp.core.config import EsampConfig, SamplingConfig, make_config, settings_fields
 from esamp.errors import ConfigError, EngineError, EsampError
 from esamp.eval.matrix import BASELINE, SINGLE, Cell, PlainArm
+from esamp.eval.prompts import CHAT, PromptFrame, describe_record
 from esamp.eval.tasks import Problem
 
 RECORDS = "samples.jsonl"
@@ -39,6 +44,8 @@ EVAL_DEFAULTS = {"n": 8, "max_tokens": 256}
 REPORT_ONLY = frozenset({"ks"})
 # The run.json keys that hold named arms; a folder gathers them over runs.
 ARM_KEYS = ("plain", "cells")
+# The run.json key of the prompt frame, which the loaded engine decides (``record_prompts``).
+PROMPTS = "prompts"
 
 
 def default_ks(n: int) -> list[int]:
@@ -101,6 +108,7 @@ class EvalSettings:
         self.ks = list(ks) if ks else default_ks(sampling.n)
         self.engine = engine
         self.model = model
+        self.prompts: dict | None = None  # the frame's record, once known (``PromptFrame.record``)
 
     @property
     def n(self) -> int:
@@ -137,6 +145,7 @@ class EvalSettings:
             "model": self.model,
             "plain": {a.name: a.record() for a in self.plain},
             "cells": {c.name: c.record() for c in self.cells},
+            **({PROMPTS: self.prompts} if self.prompts is not None else {}),
         }
 
     def arm_sampling(self, arm: str) -> SamplingConfig:
@@ -209,7 +218,8 @@ def prepare_out_dir(out: Path, settings: EvalSettings, write: bool = True) -> li
 
     The shared settings (problems, sampling, engine, model) must match; a cell or plain arm
     already recorded must have the same settings; new ones are added (``write=False``: only
-    check). Returns the names of the arms new here.
+    check). The prompt frame is checked once the engine has loaded (``record_prompts``).
+    Returns the names of the arms new here.
     """
     check_writable(out)
     path = out / SETTINGS
@@ -222,7 +232,7 @@ def prepare_out_dir(out: Path, settings: EvalSettings, write: bool = True) -> li
             raise ResumeMismatch(
                 f"{path} is not an esamp eval settings file", hint="choose another --out folder"
             ) from None
-        shared = {k: v for k, v in mine.items() if k not in ARM_KEYS and k not in REPORT_ONLY}
+        shared = {k: v for k, v in mine.items() if k not in ARM_KEYS and k not in REPORT_ONLY and k != PROMPTS}
         differ = _differences(shared, {k: v for k, v in theirs.items() if k not in ARM_KEYS})
         if differ:
             raise ResumeMismatch(
@@ -248,10 +258,30 @@ def prepare_out_dir(out: Path, settings: EvalSettings, write: bool = True) -> li
     return new
 
 
+def record_prompts(out: Path, frame: PromptFrame, legacy: PromptFrame) -> None:
+    """Record in ``out``'s settings file (which ``prepare_out_dir`` wrote) how this run's engine
+    gets the problems, or refuse (``ResumeMismatch``) a folder whose replies answered prompts
+    framed otherwise. ``legacy``: the frame of replies sampled before esamp recorded frames."""
+    path = out / SETTINGS
+    data = json.loads(path.read_text(encoding="utf-8"))
+    recorded = data["settings"].get(PROMPTS)
+    if recorded is None and read_records(out):
+        recorded = legacy.record()
+    if recorded is not None and recorded != frame.record():
+        raise ResumeMismatch(
+            f"{out} was sampled with its prompts framed otherwise (there: {describe_record(recorded)}; "
+            f"now: {frame.describe()})",
+            hint="pass a new --out folder, or resume it with the model that sampled it",
+        )
+    if recorded is None:
+        data["settings"][PROMPTS] = frame.record()
+        _write_json(path, data)
+
+
 def with_recorded_cells(settings: EvalSettings, out: Path) -> EvalSettings:
     """``settings`` with every cell and plain arm the folder holds: earlier runs' (they share this
     run's baseline and sampling, which ``prepare_out_dir`` checked) in the order they were added,
-    then this run's. A report of the folder covers them all."""
+    then this run's, and the folder's prompt frame. A report of the folder covers them all."""
     path = out / SETTINGS
     if not path.exists():
         return settings
@@ -269,6 +299,7 @@ def with_recorded_cells(settings: EvalSettings, out: Path) -> EvalSettings:
         lambda name, record: Cell(name, make_config(EsampConfig, **record)),
     )
     merged.plain = gather({a.name: a for a in settings.plain}, theirs.get("plain", {}), PlainArm)
+    merged.prompts = theirs.get(PROMPTS, settings.prompts)
     return merged
 
 
@@ -416,6 +447,7 @@ def run_groups(
     arms: Sequence[str] | None = None,
     engine_config: EsampConfig | None = None,
     by_problem: bool = False,
+    frame: PromptFrame = CHAT,
 ) -> dict[tuple[str, str], dict]:
     """Generate, grade and record every (problem, arm) group of ``arms`` not yet in ``out``.
 
@@ -424,7 +456,8 @@ def run_groups(
     stopped run leaves whole problems done, and its report (which counts the problems every arm
     finished) covers them. Up to ``parallel`` groups run at once (the vLLM engine batches them;
     the reference engine steps them one after another). ``engine_config`` is the engine's own
-    ESamp settings, which the baseline's groups run on. Returns all records, old and new.
+    ESamp settings, which the baseline's groups run on. ``frame``: how each problem is put to the
+    model, the chat template by default (``esamp.eval.prompts``). Returns all records, old and new.
     """
     records = read_records(out)
     arms = list(arms if arms is not None else settings.arms)
@@ -438,10 +471,11 @@ def run_groups(
             while queue and len(running) < max(1, parallel):
                 problem, arm = queue.pop(0)
                 key = engine.start(
-                    problem.prompt,
-                    settings.sampling(problem.id, arm),
+                    frame.prompt(problem.prompt),
+                    frame.sampling(settings.sampling(problem.id, arm)),
                     settings.esamp_config(arm, engine_config).steering,
                     group=arm_group_key(problem, arm),
+                    chat=frame.chat,
                 )
                 running[key] = _Running(
                     problem, arm, [""] * settings.n, [None] * settings.n, [0] * settings.n, time.perf_counter()

@@ -54,6 +54,12 @@ CASES = [
     ("generate --mix", GEN + ["hi", "--mix", "loud"], "invalid choice: 'loud'"),
     ("generate -n four", GEN + ["hi", "-n", "four"], "invalid int value: 'four'"),
     ("generate --engine", GEN + ["hi", "--engine", "tpu"], "invalid choice: 'tpu'"),
+    (
+        "generate --stop ''",
+        GEN + ["hi", "--stop", "x", "--stop", ""],
+        "--stop='': value error, a stop string cannot be empty",
+    ),
+    ("generate --stop without text", GEN + ["hi", "--stop"], "expected one argument"),
     ("eval -n 0", EVAL + ["-n", "0", "--out", "{tmp}/e-n0"], "-n"),
     ("eval no task", ["esamp", "eval"], "--task"),
     ("eval unknown task", ["esamp", "eval", "--task", "nope"], "nope"),

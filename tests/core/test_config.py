@@ -21,6 +21,9 @@ def test_defaults_match_the_published_matrix():
         (SamplingConfig, "n", 65, ["n=65"]),
         (SamplingConfig, "top_p", 0.0, ["top_p=0.0", "> 0.0"]),
         (SamplingConfig, "min_p", 1.0, ["min_p=1.0", "< 1.0"]),
+        (SamplingConfig, "stop", ["\n", ""], ["stop.1=''", "a stop string cannot be empty", "e.g. a newline"]),
+        (SamplingConfig, "stop", 3, ["stop=3", "a valid list"]),
+        (SamplingConfig, "stop", [None], ["stop.0=None", "a valid string"]),
     ],
 )
 def test_errors_name_the_field_and_range(model, field, value, words):
@@ -30,6 +33,12 @@ def test_errors_name_the_field_and_range(model, field, value, words):
     for word in words:
         assert word in text
     assert "hint:" in text
+
+
+def test_stop_strings_default_to_none_and_one_string_is_a_list_of_one():
+    assert SamplingConfig().stop == [] and SamplingConfig.model_fields["stop"].default_factory is list
+    assert SamplingConfig(stop="\n\n").stop == ["\n\n"]
+    assert SamplingConfig(stop=["\n\n", "\nQuestion:"]).model_dump()["stop"] == ["\n\n", "\nQuestion:"]
 
 
 def test_unknown_field_is_rejected():

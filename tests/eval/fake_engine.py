@@ -22,6 +22,7 @@ HOTTER = ("7", "9", "11", "13", "17", "19", "23", "29")  # answers only hotter s
 
 class FakeEngine:
     name = "fake"
+    has_chat_template = True
 
     def __init__(self, choices=("1", "2", "3"), interrupt_at_step: int | None = None, esamp=None) -> None:
         self.choices = choices

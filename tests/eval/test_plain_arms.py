@@ -62,8 +62,8 @@ def test_plain_arms_sample_without_esamp_at_their_own_filters_on_the_shared_seed
     engine = FakeEngine()
     started = []
     real_start = engine.start
-    engine.start = lambda prompt, sampling, esamp=None, group=None: (
-        started.append((group, sampling, esamp)) or real_start(prompt, sampling, esamp, group)
+    engine.start = lambda prompt, sampling, esamp=None, group=None, chat=True: (
+        started.append((group, sampling, esamp)) or real_start(prompt, sampling, esamp, group, chat)
     )
     records = run_groups(PROBLEMS, engine, s, tmp_path, grade, measure)
     assert len(records) == 4 * len(PROBLEMS)

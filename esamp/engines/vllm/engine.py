@@ -221,8 +221,11 @@ class VllmEngine(RecordedEngine):
                 min_p=s.min_p,
                 stop_token_ids=sorted(self.stop_ids),
                 ignore_eos=self.ignore_eos,
+                # vLLM matches stop strings in its own text, so it decodes only for them; the
+                # events' text is this process's (``GroupStream`` cuts it at the same place).
+                stop=list(s.stop),
                 output_kind=RequestOutputKind.DELTA,
-                detokenize=False,
+                detokenize=bool(s.stop),
             )
             if steered:
                 # The group's settings go to prepare typed (nothing is encoded to be decoded again);

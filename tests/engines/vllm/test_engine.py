@@ -366,3 +366,40 @@ def test_drift_canary_runner_model_class_and_taps_in_use(engine):
     assert info["runner_class"] in ("GPUModelRunner", "CPUModelRunner"), info
     assert info["model_class"] == "EsampLlamaForCausalLM"
     assert tuple(info["taps"]) == (0, engine.num_layers - 1) and info["processor"]
+
+
+def test_stop_strings_end_samples_where_vllm_and_the_reference_engine_do(engine, reference):
+    """A stop string that spans two tokens ends a greedy sample at the same token on both engines,
+    with the same text (up to where the stop string begins) and finish reason "stop"; vLLM ends
+    the request itself (nothing of it is left running)."""
+    from esamp.engines.base import run
+
+    ref, _rows = reference
+    greedy = dict(n=2, temperature=0.0, max_tokens=24)
+
+    def texts(eng, **kw):
+        events = list(run(eng, PROMPT_A, sampling(**greedy, **kw), steer(beta=0.0)))
+        toks = [e for e in events if e.type == "token" and e.sample == 0]
+        done = {e.sample: e for e in events if e.type == "done"}
+        return [t.token_id for t in toks], "".join(t.text for t in toks), done
+
+    ids, full, _ = texts(engine)
+    ends = [len(engine.tokenizer.decode(ids[: i + 1], skip_special_tokens=True)) for i in range(len(ids))]
+    at = next(i for i in range(2, len(ids)) if ends[i] - ends[i - 1] >= 2)  # a token of two characters or more
+    stop = full[ends[at - 1] - 1 : ends[at - 1] + 1]  # the last character before it and its first
+    cut = full.find(stop)
+    assert 0 < cut < len(full), (full, stop)
+
+    seen = []
+    add = engine.engine.add_request
+    engine.engine.add_request = lambda rid, prompt, params: seen.append(params) or add(rid, prompt, params)
+    try:
+        v_ids, v_text, v_done = texts(engine, stop=[stop, "no such text"])
+    finally:
+        del engine.engine.add_request
+    r_ids, r_text, r_done = texts(ref, stop=[stop, "no such text"])
+    assert seen and all(p.stop == [stop, "no such text"] and not p.include_stop_str_in_output for p in seen)
+    assert not engine.engine.has_unfinished_requests()
+    assert v_text == r_text == full[:cut]
+    assert v_ids == r_ids == ids[: len(v_ids)] and v_done[0].tokens == len(v_ids) < len(ids)
+    assert {d.finish_reason for d in v_done.values()} == {d.finish_reason for d in r_done.values()} == {"stop"}
