@@ -6,8 +6,9 @@ tensor-parallel size runs the same groups, one plain and one steered, in one bat
 
 - every worker drew the same tokens (read from each worker mid-run), only rank 0 holds a bank and
   records, and every worker's slot ledger and counters are rank 0's;
-- every worker mixed the same logits, equal to TP = 1's up to rounding: a worker that mixed with
-  another ŷ would change its shard of d = W·ŷ, which the gather hands to every worker;
+- every worker mixed the same logits, equal to TP = 1's up to rounding for a group whose
+  Distiller does not train: a worker that mixed with another ŷ would change its shard of d = W·ŷ,
+  which the gather hands to every worker;
 - where vLLM's own outputs at TP = 1 and TP = 3 are equal (the plain group), the steered group's
   are equal too.
 
@@ -42,7 +43,7 @@ def _layout() -> tuple[int, str | None]:
 TP, MODEL = _layout()
 if TP == 0:
     pytest.skip("tensor parallelism on a GPU machine needs two GPUs (this one has one)", allow_module_level=True)
-TOKENS = 10
+TOKENS = 16
 MID = 6  # engine steps before every worker's draws are read (every request still running)
 PROMPT = "The sea is"
 
@@ -67,18 +68,27 @@ def _run(tp: int) -> dict:
         keys = {
             "plain": eng.start(ids, sampling, Steering(enabled=False)),
             "steered": eng.start(ids, sampling, Steering(beta=1.5)),
+            "frozen": eng.start(ids, sampling, Steering(beta=1.5, train=False)),  # its slot's initial Distiller
         }
         events, mid = [], None
+        drawn: set[tuple[str, int]] = set()  # (group, sample) with a token event
         while eng.has_unfinished():
-            events += eng.step()
-            if mid is None and eng.step_count >= MID:
+            step = eng.step()
+            events += step
+            drawn |= {(e.group, e.sample) for e in step if e.type == "token"}
+            # Mid-run, once every sample has drawn: the engine core, in its own process, starts
+            # each group as its requests reach it, so a later group may begin steps after the first.
+            if mid is None and eng.step_count >= MID and len(drawn) == 2 * len(keys):
                 mid = eng.workers("esamp_test_generated")
         tokens = {
             (kind, s): [e.token_id for e in events if e.type == "token" and e.group == key and e.sample == s]
             for kind, key in keys.items()
             for s in range(2)
         }
-        novelty = [e.novelty for e in events if e.type == "token" and e.group == keys["steered"]]
+        novelty = {  # per sample: its tokens' novelty in order (the last one's is never known)
+            s: [e.novelty for e in events if e.type == "token" and e.group == keys["steered"] and e.sample == s]
+            for s in range(2)
+        }
         kinds = {key: kind for kind, key in keys.items()}
         mixed = [{(kinds[g], s, i): v for g, s, i, v in worker} for worker in eng.workers("esamp_test_seen")]
         return dict(
@@ -125,7 +135,8 @@ def test_rank_0_owns_the_bank_and_every_worker_drew_the_same_tokens(runs):
     assert [i["owns_bank"] for i in info] == [True] + [False] * (TP - 1)
     assert {i["slots"] for i in info} == {4}
     mid = run["mid"]
-    assert len(mid[0]) == 4 and all(mid[0].values())  # both groups' requests, each with tokens drawn
+    assert mid is not None, "no step had every sample drawing while all still ran"
+    assert len(mid[0]) == 6 and all(mid[0].values())  # every group's requests, each with tokens drawn
     assert all(worker == mid[0] for worker in mid[1:]), mid  # the same draws on every worker
     drained = run["drained"]
     counters = [d["counters"] for d in drained]
@@ -134,27 +145,35 @@ def test_rank_0_owns_the_bank_and_every_worker_drew_the_same_tokens(runs):
         assert {c[key] for c in counters} == {counters[0][key]}, key
     assert counters[0]["train_steps"] > 0 and all(c["train_steps"] == 0 for c in counters[1:])
     assert all(d["steps"] == [] for d in drained[1:])  # records: rank 0's only
-    assert run["novelty"] and all(v is not None for v in run["novelty"][:-2])
+    novelty = run["novelty"]
+    assert all(novelty[s] and all(v is not None for v in novelty[s][:-1]) for s in novelty), novelty
 
 
 def test_every_worker_mixed_the_same_logits_and_tp_1_mixed_them_too(runs):
     """The draw's inputs: the largest mixed logits of every steered row of every step, and its
     Distiller logits d = W·ŷ over each third of the vocabulary. Equal on every worker (the same
-    gathered logits, the same plan); equal to TP = 1's up to float rounding, d's thirds included:
-    each worker computes one third of d from the ŷ it holds, so a worker that had not received
-    rank 0's ŷ would change its third (while the top logits, of frequent tokens with small ids,
-    may all lie in rank 0's)."""
+    gathered logits, the same plan), both steered groups'. Equal to TP = 1's up to float rounding,
+    d's thirds included, for the group whose Distiller does not train: each worker computes one
+    third of d from the ŷ it holds, so a worker that had not received rank 0's ŷ would change its
+    third (while the top logits, of frequent tokens with small ids, may all lie in rank 0's).
+
+    The training group is not compared with TP = 1: its ŷ at a step depends on how many updates
+    came before, and whether a group's two samples start in one engine step or two is decided by
+    the engine core's own process as the requests reach it (under load they split, and one Adam
+    step, about lr = 1e-3 on every parameter, moved d's thirds by 3% in a CI run)."""
     import math
 
     workers = runs[TP]["mixed"]
     assert workers[0] and all(w == workers[0] for w in workers[1:])
+    assert {kind for kind, _, _ in workers[0]} == {"steered", "frozen"}
     if 1 not in runs:
         return  # random weights drawn per shard (two GPUs): nothing to compare with TP = 1
-    one = runs[1]["mixed"][0]
-    assert workers[0].keys() == one.keys()
+    one = {key: v for key, v in runs[1]["mixed"][0].items() if key[0] == "frozen"}
+    many = {key: v for key, v in workers[0].items() if key[0] == "frozen"}
+    assert one and many.keys() == one.keys()
     for key, values in one.items():
-        for a, b in zip(values, workers[0][key]):
-            assert math.isclose(a, b, rel_tol=1e-3, abs_tol=1e-2), (key, values, workers[0][key])
+        for a, b in zip(values, many[key]):
+            assert math.isclose(a, b, rel_tol=1e-3, abs_tol=1e-2), (key, values, many[key])
 
 
 def test_steered_tokens_equal_tp_1_where_vllms_own_do(runs):
