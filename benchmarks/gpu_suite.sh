@@ -161,7 +161,7 @@ case "${1:-}" in
       # ENGINE_PROCESS=1: the engine core in a process of its own, as esamp bench runs it
       VLLM_ENABLE_V1_MULTIPROCESSING=0 timeout -s INT "${STEPS_SECONDS:-300}" python3 benchmarks/profile_steps.py \
         --side $side --model "$model" --workload "$w" --logits "${LOGITS:-flat}" --tensor-parallel-size "${TP:-1}" \
-        ${ENGINE_PROCESS:+--engine-process} --top 25 --out /tmp/steps 2>&1 | grep -v "$QUIET" | head -${STEPS_LINES:-30}
+        ${ENGINE_PROCESS:+--engine-process} ${STEPS:+--steps $STEPS} ${SKIP:+--skip $SKIP} --top 25 --out /tmp/steps 2>&1 | grep -v "$QUIET" | head -${STEPS_LINES:-30}
     done
     (cd /tmp/steps && tar -czf "$OUT/steps-${model//:/-}-$w-tp${TP:-1}.tar.gz" *.json)
     if [ -f /tmp/steps/steps-baseline-$w-${LOGITS:-flat}.json ] && [ -f /tmp/steps/steps-esamp-$w-${LOGITS:-flat}.json ]; then

@@ -36,6 +36,7 @@ and its gather, and where one rank waits for the other (its device idle).
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import glob
 import gzip
@@ -60,15 +61,76 @@ def _busy(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def step_periods(trace: dict) -> list[dict]:
+    """Engine step by engine step, from a trace with vLLM's host annotations (``execute_...``,
+    one per ``execute_model``; the traces of vLLM's profiler have them): each device event is
+    given to the step whose annotation was open, or last opened, when the host launched it (its
+    ``correlation`` with the launching runtime call). Per step: ``period_us`` from its first
+    device event to the next step's, ``main_us`` and ``other_us`` (busy time of the stream with
+    the most events, and of every other stream), ``gap_us`` (the main stream's wait between this
+    step's last event there and the next step's first event: the host was late by that much) and
+    ``host_ms`` (the annotation's length). The last step has no period. Empty without annotations.
+    """
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    marks = sorted(
+        float(e["ts"]) for e in events if e.get("cat") == "user_annotation" and e["name"].startswith("execute_")
+    )
+    host = {float(e["ts"]): float(e.get("dur", 0)) for e in events if e.get("cat") == "user_annotation"}
+    if not marks:
+        return []
+    launched = {
+        e["args"]["correlation"]: float(e["ts"])
+        for e in events
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
+    }
+    device = [e for e in events if e.get("cat") in DEVICE_CATS and e.get("args", {}).get("correlation") in launched]
+    if not device:
+        return []
+    streams = collections.Counter(e.get("tid") for e in device)
+    main = streams.most_common(1)[0][0]
+    per: list[list[dict]] = [[] for _ in marks]
+    for e in device:
+        at = launched[e["args"]["correlation"]]
+        i = bisect.bisect_right(marks, at) - 1
+        if i >= 0:
+            per[i].append(e)
+    rows = []
+    for i, evs in enumerate(per):
+        if not evs:
+            continue
+        spans = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), e.get("tid") == main) for e in evs]
+        on_main = [(s, f) for s, f, m in spans if m]
+        rows.append(
+            dict(
+                first=min(s for s, _, _ in spans),
+                main_end=max((f for _, f in on_main), default=None),
+                main_us=round(_busy(on_main), 1),
+                other_us=round(_busy([(s, f) for s, f, m in spans if not m]), 1),
+                host_ms=round(host.get(marks[i], 0.0) / 1e3, 3),
+            )
+        )
+    for row, nxt in zip(rows, rows[1:] + [None]):
+        row["period_us"] = round(nxt["first"] - row["first"], 1) if nxt else None
+        end = row.pop("main_end")
+        row["gap_us"] = round(max(0.0, nxt["first"] - end), 1) if nxt and end is not None else None
+    for row in rows:
+        row.pop("first")
+    return rows
+
+
 def summarize_trace(trace: dict, steps: int) -> dict:
-    """Device time per kernel and the window's busy share, from a Chrome trace of the profiler."""
-    device = [
-        e
-        for e in trace.get("traceEvents", [])
-        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
-    ]
+    """Device time per kernel and the window's busy share, from a Chrome trace of the profiler.
+    Per-step figures divide by the steps the trace holds where its host annotations tell
+    (``step_periods``: vLLM's profiler starts and stops between steps of its own choosing, so a
+    window asked for ``steps`` steps may hold one fewer), else by ``steps``."""
+    device = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") in DEVICE_CATS]
     if not device:
         return dict(window=None, kernels={})
+    periods = step_periods(trace)
+    steps = len(periods) or steps
     spans = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in device]
     start, end = min(s for s, _ in spans), max(e for _, e in spans)
     kernels: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
@@ -87,7 +149,36 @@ def summarize_trace(trace: dict, steps: int) -> dict:
             span_us_per_step=round((end - start) / steps, 1),
         ),
         kernels={k: [int(v[0]), round(v[1], 1)] for k, v in sorted(kernels.items(), key=lambda kv: -kv[1][1])},
+        periods=periods,
+        period=_period_medians(periods),
     )
+
+
+def _period_medians(rows: list[dict]) -> dict | None:
+    """The medians of ``step_periods``' columns over the steps that have a period."""
+    rows = [r for r in rows if r["period_us"] is not None]
+    if not rows:
+        return None
+    out = {k: round(statistics.median(r[k] for r in rows), 1) for k in ("period_us", "main_us", "other_us", "gap_us")}
+    return dict(out, host_ms=round(statistics.median(r["host_ms"] for r in rows), 3))
+
+
+def _load_trace(path: str) -> dict:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return json.load(f)
+
+
+def print_periods(paths: list[str]) -> int:
+    for path in paths:
+        rows = step_periods(_load_trace(path))
+        print(f"== {os.path.basename(path)}: {len(rows)} steps; medians {_period_medians(rows)}")
+        print(f"{'period us':>10} {'main us':>9} {'other us':>9} {'gap us':>8} {'host ms':>8}")
+        for r in rows:
+            period = "-" if r["period_us"] is None else f"{r['period_us']:.1f}"
+            gap = "-" if r["gap_us"] is None else f"{r['gap_us']:.1f}"
+            print(f"{period:>10} {r['main_us']:>9.1f} {r['other_us']:>9.1f} {gap:>8} {r['host_ms']:>8.3f}")
+    return 0
 
 
 def compare(base_path: str, esamp_path: str, top: int) -> int:
@@ -108,6 +199,13 @@ def _compare(base: dict, esamp: dict, top: int) -> int:
             f"device busy {w.get('busy_us_per_step', 0) / 1e3:.3f} ms/step, "
             f"idle {100 * w.get('idle_share', 0):.1f}% of the traced window"
         )
+        if side.get("period"):
+            p = side["period"]
+            print(
+                f"{'':>8}  per traced step (medians): period {p['period_us'] / 1e3:.3f} ms, main stream busy "
+                f"{p['main_us'] / 1e3:.3f} ms, other streams {p['other_us'] / 1e3:.3f} ms, main stream waiting for "
+                f"the host {p['gap_us'] / 1e3:.3f} ms, host execute_model {p['host_ms']:.3f} ms"
+            )
     nb, ne = base["window"]["steps"], esamp["window"]["steps"]
     names = set(base["kernels"]) | set(esamp["kernels"])
     rows = []
@@ -169,9 +267,14 @@ def main() -> int:
         help="vLLM's engine core in a process of its own, as esamp bench runs it (traced by vLLM's profiler)",
     )
     ap.add_argument("--compare", nargs=2, metavar=("BASE", "ESAMP"))
+    ap.add_argument(
+        "--periods", nargs="+", metavar="TRACE", help="print step_periods of traces (.json or .json.gz), step by step"
+    )
     args = ap.parse_args()
     if args.compare:
         return compare(*args.compare, args.top)
+    if args.periods:
+        return print_periods(args.periods)
     if args.engine_process:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # read when the engine starts, below
 
@@ -283,9 +386,7 @@ def main() -> int:
         )
         ranks = []
         for path in sorted(glob.glob(os.path.join(trace_dir, "*.json*"))):
-            opener = gzip.open if path.endswith(".gz") else open
-            with opener(path, "rt") as f:
-                trace = json.load(f)
+            trace = _load_trace(path)
             named = re.search(r"(?:tp|rank-)(\d+)", os.path.basename(path))  # vLLM's names: ...tpN... or ...rank-N...
             rank = int(named.group(1)) if named else len(ranks)
             ranks.append(dict(rank=rank, trace=os.path.basename(path), **summarize_trace(trace, args.steps)))
@@ -321,8 +422,11 @@ def main() -> int:
                 f"host_ms {c.get('host_ms')}, replay_host_ms {c.get('replay_host_ms')}, replay_steps "
                 f"{c.get('replay_steps')}, plan_builds {c.get('plan_builds')}"
             )
+        traced = (r["window"] or {}).get("steps") or args.steps
+        if r.get("period"):
+            print(f"   per step (medians over {traced} traced steps): {r['period']}")
         for name, (count, us) in list(r["kernels"].items())[: args.top]:
-            print(f"{us / args.steps:>9.1f} us/step {count / args.steps:>6.1f}x  {name[:100]}")
+            print(f"{us / traced:>9.1f} us/step {count / traced:>6.1f}x  {name[:100]}")
     engine.close()
     return 0
 

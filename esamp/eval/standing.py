@@ -15,14 +15,16 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from esamp.core.config import Steering
+from esamp.core.config import EsampConfig, Steering
 from esamp.engines.models import EMBEDDED_NAME
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 # model name (as the engine reports it) -> its frontier run, a folder under RESULTS
 FRONTIER_RUNS = {
     EMBEDDED_NAME: "eval-cpu-frontier/arith",
-    "gemma3-270m": "eval-gpu-frontier-gemma3-270m/arith",  # the packaged name (engines.models.PACKAGED)
+    # the packaged name (engines.models.PACKAGED); the run in the completion frame, which esamp eval
+    # gives a model without a chat template (the earlier folder measured continuations of the bare problem)
+    "gemma3-270m": "eval-gpu-frontier-gemma3-270m-framed/arith",
 }
 STEERING_KEYS = tuple(k for k in Steering.model_fields if k != "enabled")
 
@@ -100,9 +102,18 @@ def _interval(d: dict, key: str) -> str:
     return f"{d[key]:+.2f} [{d['low']:+.2f}, {d['high']:+.2f}]".replace("-", "−")
 
 
-def standing(model: str | None, steering: Steering, results: Path | None = None) -> Standing | None:
+def _differs(settings: dict, engine: dict) -> int:
+    """How many engine-wide settings of a cell differ from ``engine``'s."""
+    return sum(settings.get(k, v) != v for k, v in engine.items())
+
+
+def standing(
+    model: str | None, steering: Steering, results: Path | None = None, config: EsampConfig | None = None
+) -> Standing | None:
     """The committed run's figures for ``model`` and the cell with ``steering``'s settings, or
-    None (no run for the model, no such cell, no frontier, or no checkout)."""
+    None (no run for the model, no such cell, no frontier, or no checkout). Of cells that share the
+    steering, the one whose engine-wide settings (the Distiller's mode, rank, ...) are ``config``'s,
+    or the fewest apart from them (default: the engine's defaults)."""
     run = FRONTIER_RUNS.get(model or "")
     if run is None or not steering.enabled:
         return None
@@ -114,11 +125,13 @@ def standing(model: str | None, steering: Steering, results: Path | None = None)
     if not front or not front.get("gaps"):
         return None
     want = {k: getattr(steering, k) for k in STEERING_KEYS}
-    cell = next(
-        (name for name, c in report["cells"].items() if {k: c["settings"].get(k) for k in STEERING_KEYS} == want), None
-    )
-    if cell is None:
+    cells = [name for name, c in report["cells"].items() if {k: c["settings"].get(k) for k in STEERING_KEYS} == want]
+    if not cells:
         return None
+    # Cells may share a steering and differ in engine-wide settings (the Gemma run has the paper mix
+    # with a Distiller per group and with the shared one): the engine's own settings come first.
+    engine = (config or EsampConfig()).model_dump(exclude={"steering"})
+    cell = min(cells, key=lambda name: _differs(report["cells"][name]["settings"], engine))
     metric = next(iter(front["gaps"]))  # pass@1: the accuracy of one sample
     gap, vendi = front["gaps"][metric][cell], report["cells"][cell]["deltas"]["vendi"]
     if any(math.isnan(x) for x in (vendi["delta"], vendi["low"], vendi["high"])):

@@ -271,7 +271,8 @@ class MainScreen(KeysScreen):
         self.query_one(f"#{area}").focus()
 
     def action_help(self) -> None:
-        found = standing(self.record.engine.get("model"), self.steering.model_copy(update={"enabled": True}))
+        steering = self.steering.model_copy(update={"enabled": True})
+        found = standing(self.record.engine.get("model"), steering, config=self.options.esamp)
         self.app.push_screen(HelpScreen(self.BINDINGS, self.app.user_keymap, found.text() if found else None))
 
     def action_export(self) -> None:

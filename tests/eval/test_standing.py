@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from esamp.core.config import Steering
+from esamp.core.config import EsampConfig, Steering
 from esamp.engines.models import EMBEDDED_NAME, PACKAGED
 from esamp.eval import standing as standing_lib
 from esamp.eval.standing import FRONTIER_RUNS, RESULTS, standing
@@ -73,6 +73,30 @@ def test_a_cell_beyond_the_curve_is_not_compared_with_it(monkeypatch, tmp_path):
     assert "does at least as well" not in found.text()
 
 
+def test_of_cells_that_share_a_steering_the_engine_defaults_one_is_read(tmp_path, monkeypatch):
+    """The Gemma run has the paper mix with a Distiller per group and with the shared one: the
+    default steering reads the engine's default (bank), whichever cell the report lists first."""
+    write_report(tmp_path)
+    path = tmp_path / "m/arith/report.json"
+    report = json.loads(path.read_text())
+    bank = report["cells"].pop("beta=0.8,mix=paper")
+    bank["settings"]["distiller"] = "bank"
+    shared = {
+        "settings": {**bank["settings"], "distiller": "shared"},
+        "deltas": {"vendi": dict(bank["deltas"]["vendi"], delta=-0.5)},
+    }
+    report["cells"] = {"beta=0.8,mix=paper,distiller=shared": shared, "beta=0.8,mix=paper": bank}
+    gaps = report["frontier"]["gaps"]["pass@1"]
+    gaps["beta=0.8,mix=paper,distiller=shared"] = gaps["beta=0.8,mix=paper"]
+    path.write_text(json.dumps(report))
+    monkeypatch.setitem(FRONTIER_RUNS, "tiny", "m/arith")
+    found = standing("tiny", Steering(), results=tmp_path)
+    assert (found.cell, found.vendi["delta"]) == ("beta=0.8,mix=paper", -0.27)
+    # an engine with the shared Distiller (the dashboard passes its own settings) reads that cell
+    found = standing("tiny", Steering(), results=tmp_path, config=EsampConfig(distiller="shared"))
+    assert (found.cell, found.vendi["delta"]) == ("beta=0.8,mix=paper,distiller=shared", -0.5)
+
+
 def test_nothing_is_said_without_a_run_a_cell_or_a_file(model, tmp_path):
     assert standing("other", Steering(), results=model) is None
     assert standing("tiny", Steering(beta=1.2), results=model) is None  # no such cell
@@ -92,4 +116,17 @@ def test_each_model_with_a_committed_run_has_the_default_setting_in_it(name):
     report = json.loads(path.read_text())
     assert found.vendi == report["cells"][found.cell]["deltas"]["vendi"]
     assert found.gap == report["frontier"]["gaps"][found.metric][found.cell]
+    assert report["cells"][found.cell]["settings"].get("distiller", "bank") == "bank"
     assert standing_lib.RESULTS.name == "results"
+
+
+def test_gemma_reads_the_run_in_the_completion_frame():
+    """The earlier Gemma folder gave the base model the bare problem and measured continuations;
+    the dashboard's note reads the run that prompted it in esamp eval's completion frame."""
+    assert FRONTIER_RUNS["gemma3-270m"] == "eval-gpu-frontier-gemma3-270m-framed/arith"
+    path = RESULTS / FRONTIER_RUNS["gemma3-270m"] / "report.json"
+    if not path.exists():
+        pytest.skip("no committed frontier run here")
+    found = standing("gemma3-270m", Steering())
+    assert (found.task, found.problems, found.n, found.cell) == ("arith", 40, 8, "beta=0.8,mix=paper")
+    assert "completion frame" in (path.parent / "report.md").read_text(encoding="utf-8")

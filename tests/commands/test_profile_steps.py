@@ -1,0 +1,87 @@
+"""``benchmarks/profile_steps.py`` reading a trace step by step: each device event goes to the
+engine step whose host annotation launched it, and per-step figures divide by the steps the trace
+holds (vLLM's profiler may stop a step early)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "profile_steps.py"
+
+
+@pytest.fixture(scope="module")
+def profile_steps():
+    spec = importlib.util.spec_from_file_location("profile_steps", PATH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _trace(steps: list[dict]) -> dict:
+    """A trace of engine steps: per step the annotation's start and length, and its kernels as
+    (launched at, starts at, lasts, stream)."""
+    events, corr = [], 0
+    for step in steps:
+        events.append(
+            dict(
+                ph="X",
+                cat="user_annotation",
+                name="execute_context_0(0)_generation_8(8)",
+                ts=step["at"],
+                dur=step["host"],
+            )
+        )
+        for launch, start, dur, stream in step["kernels"]:
+            corr += 1
+            events.append(
+                dict(ph="X", cat="cuda_runtime", name="cudaLaunchKernel", ts=launch, dur=1, args=dict(correlation=corr))
+            )
+            events.append(
+                dict(
+                    ph="X", cat="kernel", name=f"k{stream}", tid=stream, ts=start, dur=dur, args=dict(correlation=corr)
+                )
+            )
+    return dict(traceEvents=events)
+
+
+TRACE = _trace(
+    [
+        # step 0: main stream 100..400 and 450..500, a side-stream kernel 300..420
+        dict(at=0, host=60, kernels=[(10, 100, 300, 7), (20, 300, 120, 21), (50, 450, 50, 7)]),
+        # step 1 starts 600: the main stream waited 100 us for it (its last kernel ended at 500)
+        dict(at=550, host=40, kernels=[(560, 600, 200, 7)]),
+        # step 2: the last, no period
+        dict(at=900, host=30, kernels=[(910, 950, 100, 7)]),
+    ]
+)
+
+
+def test_each_step_gets_the_kernels_its_host_launched(profile_steps):
+    rows = profile_steps.step_periods(TRACE)
+    assert [r["period_us"] for r in rows] == [500.0, 350.0, None]
+    assert [r["main_us"] for r in rows] == [350.0, 200.0, 100.0]
+    assert [r["other_us"] for r in rows] == [120.0, 0.0, 0.0]
+    assert [r["gap_us"] for r in rows] == [100.0, 150.0, None]
+    assert [r["host_ms"] for r in rows] == [0.06, 0.04, 0.03]
+    assert profile_steps._period_medians(rows) == dict(
+        period_us=425.0, main_us=275.0, other_us=60.0, gap_us=125.0, host_ms=0.05
+    )
+
+
+def test_per_step_figures_divide_by_the_steps_the_trace_holds(profile_steps):
+    summary = profile_steps.summarize_trace(TRACE, steps=8)  # asked for 8, the trace holds 3
+    assert summary["window"]["steps"] == 3
+    assert summary["window"]["busy_us_per_step"] == pytest.approx(
+        (320 + 50 + 200 + 100) / 3, abs=0.1
+    )  # the union of every stream
+    assert summary["period"]["period_us"] == 425.0
+
+
+def test_a_trace_without_annotations_keeps_the_asked_steps(profile_steps):
+    plain = dict(traceEvents=[e for e in TRACE["traceEvents"] if e["cat"] != "user_annotation"])
+    assert profile_steps.step_periods(plain) == []
+    summary = profile_steps.summarize_trace(plain, steps=8)
+    assert summary["window"]["steps"] == 8 and summary["period"] is None
