@@ -14,7 +14,10 @@
 #   bash benchmarks/gpu_suite.sh steps MODEL W [sides]  device time per steady step, kernel by kernel
 #                                                    (LOGITS=realistic for the rescaled head; TP=2 traces
 #                                                    both ranks with vLLM's profiler; ENGINE_PROCESS=1 puts
-#                                                    the engine core in its own process, as the bench)
+#                                                    the engine core in its own process, as the bench;
+#                                                    STEPS=N SKIP=K trace N steps after K, e.g. a whole
+#                                                    pass; MAX_SEQS=256 sizes the engines as a bench
+#                                                    that also runs 32xn8x256)
 #   bash benchmarks/gpu_suite.sh dashboard           the dashboard on the GPU: auto picks vLLM, the memory
 #                                                    chart's GPU series and a screenshot (test_e2e), and
 #                                                    ui_bench.py on qwen2.5-7b:dummy (8 samples, its CPU cost)
@@ -161,7 +164,7 @@ case "${1:-}" in
       # ENGINE_PROCESS=1: the engine core in a process of its own, as esamp bench runs it
       VLLM_ENABLE_V1_MULTIPROCESSING=0 timeout -s INT "${STEPS_SECONDS:-300}" python3 benchmarks/profile_steps.py \
         --side $side --model "$model" --workload "$w" --logits "${LOGITS:-flat}" --tensor-parallel-size "${TP:-1}" \
-        ${ENGINE_PROCESS:+--engine-process} ${STEPS:+--steps $STEPS} ${SKIP:+--skip $SKIP} --top 25 --out /tmp/steps 2>&1 | grep -v "$QUIET" | head -${STEPS_LINES:-30}
+        ${ENGINE_PROCESS:+--engine-process} ${STEPS:+--steps $STEPS} ${SKIP:+--skip $SKIP} ${MAX_SEQS:+--max-num-seqs $MAX_SEQS} --top 25 --out /tmp/steps 2>&1 | grep -v "$QUIET" | head -${STEPS_LINES:-30}
     done
     (cd /tmp/steps && tar -czf "$OUT/steps-${model//:/-}-$w-tp${TP:-1}.tar.gz" *.json)
     if [ -f /tmp/steps/steps-baseline-$w-${LOGITS:-flat}.json ] && [ -f /tmp/steps/steps-esamp-$w-${LOGITS:-flat}.json ]; then

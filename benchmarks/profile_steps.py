@@ -266,6 +266,13 @@ def main() -> int:
         action="store_true",
         help="vLLM's engine core in a process of its own, as esamp bench runs it (traced by vLLM's profiler)",
     )
+    ap.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="the engines' max_num_seqs (default: the workload's rows, at least 16; esamp bench sizes its engines "
+        "for its largest workload, e.g. 256 when 32xn8x256 runs beside fair)",
+    )
     ap.add_argument("--compare", nargs=2, metavar=("BASE", "ESAMP"))
     ap.add_argument(
         "--periods", nargs="+", metavar="TRACE", help="print step_periods of traces (.json or .json.gz), step by step"
@@ -313,7 +320,7 @@ def main() -> int:
         ignore_eos=True,
         max_model_len=2048,
         gpu_memory_utilization=0.42,
-        max_num_seqs=max(16, P * n),
+        max_num_seqs=args.max_num_seqs or max(16, P * n),
         tensor_parallel_size=tp,
         llm_kwargs=llm_kwargs,
     )

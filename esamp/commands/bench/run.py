@@ -421,9 +421,15 @@ def _workload(
     def show(r: dict) -> None:
         ttft = f", first token {r['ttft_ms_median']:.1f} ms" if r.get("ttft_ms_median") is not None else ""
         drains = f", {r['drains']} record fetches {r['drain_share']:.0%} of it" if r.get("drains") else ""
+        gc = (
+            f", engine gc {1e3 * r['gc_seconds']:.1f} ms in {r['gc_collections']}"
+            f" (longest {1e3 * r['gc_longest_s']:.1f})"
+            if r.get("gc_collections")
+            else ""
+        )
         _say(
             f"  {mode:>9} {name:>18} trial {r['trial']} {r['side']:>8}: {r['tok_s']:>10.1f} tok/s  "
-            f"(client cpu {r['client_cpu_share']:.0%}{ttft}{drains})"
+            f"(client cpu {r['client_cpu_share']:.0%}{ttft}{drains}{gc})"
         )
 
     earlier: list[dict] = []  # the attempts whose ratios spread past the target

@@ -23,6 +23,7 @@ def run_trial(engine, prompts, n: int, tokens: int, sampling_kw: dict, steering,
     if first is not None:
         first.clear()
     drains0, drain_s0 = getattr(engine, "drains", 0), getattr(engine, "drain_seconds", 0.0)
+    _engine_gc(engine, "start")  # between passes: the engine is idle, no step waits for it
     c0 = time.process_time()
     t0 = time.perf_counter()
     produced, losses, port_hits, cands = 0, [], 0, []
@@ -44,6 +45,7 @@ def run_trial(engine, prompts, n: int, tokens: int, sampling_kw: dict, steering,
     # the record fetches within the timed pass (not the closing one below)
     drains, drain_s = getattr(engine, "drains", 0) - drains0, getattr(engine, "drain_seconds", 0.0) - drain_s0
     engine.drain()  # release the groups' slots before the next pass
+    collected = _engine_gc(engine, "stop") or {}
     ttft = list(first) if first else []
     # client_cpu_share near 1: this process (event bookkeeping), not the engine, set the pace
     return dict(
@@ -61,7 +63,24 @@ def run_trial(engine, prompts, n: int, tokens: int, sampling_kw: dict, steering,
         port_hits=port_hits,
         candidates_mean=round(sum(cands) / len(cands), 2) if cands else 0.0,
         ttft_ms=[round(1e3 * t, 2) for t in ttft],
+        # the engine process's garbage collections in the pass: each pauses its steps
+        gc_collections=sum(g["collections"] for g in collected.values()),
+        gc_seconds=round(sum(g["seconds"] for g in collected.values()), 6),
+        gc_longest_s=round(max((g["longest"] for g in collected.values()), default=0.0), 6),
     )
+
+
+def _engine_gc(engine, action: str) -> dict | None:
+    """``esamp_gc`` of the bench's worker extension on the engine's first worker (the engine
+    core's process, or this one when vLLM's engine core runs in it); None where the engine has no
+    such worker (an engine other than vLLM's, or one started without the bench's extension)."""
+    workers = getattr(engine, "workers", None)
+    if workers is None:
+        return None
+    try:
+        return workers("esamp_gc", action)[0]
+    except Exception:  # noqa: BLE001 - a worker without the method: nothing is counted
+        return None
 
 
 def run_interleaved(
@@ -118,4 +137,7 @@ def combine(passes: list[dict]) -> dict:
         port_hits=sum(p["port_hits"] for p in passes),
         candidates_mean=round(statistics.mean(cands), 2) if cands else 0.0,
         ttft_ms_median=round(statistics.median(ttft), 2) if ttft else None,
+        gc_collections=sum(p.get("gc_collections", 0) for p in passes),
+        gc_seconds=round(sum(p.get("gc_seconds", 0.0) for p in passes), 6),
+        gc_longest_s=max((p.get("gc_longest_s", 0.0) for p in passes), default=0.0),
     )

@@ -92,3 +92,36 @@ class EsampBenchExtension(EsampWorkerExtension):
         stats.sort_stats("tottime").print_stats(top)
         stats.sort_stats("cumulative").print_stats(top)
         return text.getvalue()
+
+    def esamp_gc(self, action: str) -> dict | None:
+        """Python's garbage collections in this worker's process (the engine core's, with vLLM's
+        engine core in a process of its own), each a pause of every thread of it: ``"start"``
+        counts from now, ``"stop"`` returns, per generation, the collections, their seconds in all
+        and the longest, and stops counting."""
+        import gc
+        import time
+
+        if action not in ("start", "stop"):
+            raise ValueError(f"action must be 'start' or 'stop', not {action!r}")
+        old = getattr(self, "_esamp_gc", None)
+        if old is not None:
+            gc.callbacks.remove(old["callback"])
+            self._esamp_gc = None
+        if action == "stop":
+            return None if old is None else {str(g): dict(v) for g, v in old["seen"].items()}
+        seen: dict[int, dict] = {}
+        began: list[float] = []
+
+        def callback(phase: str, info: dict) -> None:
+            if phase == "start":
+                began.append(time.perf_counter())
+            elif began:
+                took = time.perf_counter() - began.pop()
+                g = seen.setdefault(info["generation"], dict(collections=0, seconds=0.0, longest=0.0))
+                g["collections"] += 1
+                g["seconds"] += took
+                g["longest"] = max(g["longest"], took)
+
+        gc.callbacks.append(callback)
+        self._esamp_gc = dict(callback=callback, seen=seen)
+        return None

@@ -76,6 +76,8 @@ def test_bench_runs_three_sides_and_writes_its_json(tmp_path):
         steered = t["side"] == "esamp"
         assert (t["port_hits"] > 0) == steered and (t["loss_count"] > 0) == steered, t
         assert (t["drains"] > 0) == steered and 0 <= t["drain_share"] < 1, t  # the record fetches, every pass's
+        # the engine process's garbage collections were counted on every side (the bench's extension)
+        assert t["gc_collections"] >= 0 and 0 <= t["gc_longest_s"] <= t["gc_seconds"], t
     assert "record fetches" in proc.stdout  # the trial lines of the ESamp side
     assert w["port_hits"] == [2 * 2 * 6 * rounds] * 2
 
