@@ -47,8 +47,6 @@ import statistics
 import sys
 import time
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-
 
 def _busy(intervals: list[tuple[float, float]]) -> float:
     """Length of the union of [start, end) intervals."""
@@ -278,6 +276,9 @@ def main() -> int:
         "--periods", nargs="+", metavar="TRACE", help="print step_periods of traces (.json or .json.gz), step by step"
     )
     args = ap.parse_args()
+    # vLLM's engine core in this process unless --engine-process (read when the engine starts; set
+    # here, not at import, so that a test importing this file's readers changes nothing)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if args.compare:
         return compare(*args.compare, args.top)
     if args.periods:

@@ -5,6 +5,7 @@ holds (vLLM's profiler may stop a step early)."""
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -14,9 +15,11 @@ PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "profile_steps.py"
 
 @pytest.fixture(scope="module")
 def profile_steps():
+    before = dict(os.environ)
     spec = importlib.util.spec_from_file_location("profile_steps", PATH)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    assert dict(os.environ) == before  # importing it sets nothing for the engines of later tests
     return module
 
 
