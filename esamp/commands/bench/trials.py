@@ -71,9 +71,10 @@ def run_trial(engine, prompts, n: int, tokens: int, sampling_kw: dict, steering,
 
 
 def _engine_gc(engine, action: str) -> dict | None:
-    """``esamp_gc`` of the bench's worker extension on the engine's first worker (the engine
-    core's process, or this one when vLLM's engine core runs in it); None where the engine has no
-    such worker (an engine other than vLLM's, or one started without the bench's extension)."""
+    """``esamp_gc`` of the bench's worker extension on the engine's first worker, in that worker's
+    process: the engine core's with one worker (or this process when vLLM's engine core runs in
+    it), TP rank 0's own under tensor parallelism. None where the engine has no such worker (an
+    engine other than vLLM's, or one started without the bench's extension)."""
     workers = getattr(engine, "workers", None)
     if workers is None:
         return None

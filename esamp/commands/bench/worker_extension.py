@@ -94,8 +94,8 @@ class EsampBenchExtension(EsampWorkerExtension):
         return text.getvalue()
 
     def esamp_gc(self, action: str) -> dict | None:
-        """Python's garbage collections in this worker's process (the engine core's, with vLLM's
-        engine core in a process of its own), each a pause of every thread of it: ``"start"``
+        """Python's garbage collections in this worker's process (the engine core's when it runs one
+        worker; a worker's own under tensor parallelism), each a pause of every thread of it: ``"start"``
         counts from now, ``"stop"`` returns, per generation, the collections, their seconds in all
         and the longest, and stops counting."""
         import gc
