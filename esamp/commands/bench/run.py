@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from esamp.commands.bench import calibrate, memory, provenance, vllm_log
-from esamp.commands.bench.trials import run_interleaved, run_trial
+from esamp.commands.bench.trials import run_interleaved, run_trial, size_rounds
 from esamp.commands.bench.workloads import (
     CPU_TRIALS,
     CPU_WORKLOADS,
@@ -22,7 +22,6 @@ from esamp.commands.bench.workloads import (
     SPREAD_TARGET,
     parse_workloads,
     prompts,
-    rounds_for,
     spread,
     workload_name,
 )
@@ -411,11 +410,7 @@ def _workload(
     trial_sides = [(side, eng, steering if on else off) for side, eng, on in sides]
     _say(f"  {mode:>9} {name:>18}: warming up")
     warm = [run_trial(eng, batch, n, min(L, 16), sampling_kw, st)["seconds"] for _, eng, st in trial_sides]
-    rounds = 1
-    if args.min_trial_seconds > 0 and warm[0] * L / min(L, 16) < 4 * args.min_trial_seconds:
-        # Maybe short (a first pass can be slow): one untimed full pass of the baseline sizes the trials.
-        one = run_trial(trial_sides[0][1], batch, n, L, sampling_kw, trial_sides[0][2])["seconds"]
-        rounds = rounds_for(one, args.min_trial_seconds)
+    rounds = size_rounds(trial_sides, batch, n, L, sampling_kw, args.min_trial_seconds, warm[0])
     _say(f"  {mode:>9} {name:>18}: {trials} trials of {rounds} pass{'es' if rounds > 1 else ''} per side")
 
     def show(r: dict) -> None:

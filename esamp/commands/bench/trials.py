@@ -12,6 +12,8 @@ from __future__ import annotations
 import statistics
 import time
 
+from esamp.commands.bench.workloads import rounds_for
+
 
 def run_trial(engine, prompts, n: int, tokens: int, sampling_kw: dict, steering, rounds: int = 1) -> dict:
     """Run every prompt as a group of n samples to ``tokens`` tokens, ``rounds`` times back to
@@ -82,6 +84,20 @@ def _engine_gc(engine, action: str) -> dict | None:
         return workers("esamp_gc", action)[0]
     except Exception:  # noqa: BLE001 - a worker without the method: nothing is counted
         return None
+
+
+def size_rounds(sides, prompts, n: int, tokens: int, sampling_kw: dict, min_seconds: float, warm_seconds: float) -> int:
+    """Passes per trial so that a trial lasts at least ``min_seconds`` (``rounds_for``), from one
+    untimed full pass on every side: the first side's time sizes the trials, and every side has
+    then run the workload once at full length before its first timed pass. A short warm-up pass's
+    time scaled up is no estimate of a full pass (its fixed costs, the prefill and a side's
+    first-time work, would be scaled too: at 7B, 32xn8x256's 16-token warm-up once took longer
+    than a quarter of 24 s, so its one-pass trials lasted 3.5 s where 6 were asked). Only a warm-up
+    that alone lasted 4 × ``min_seconds`` skips the full passes (one pass a trial)."""
+    if min_seconds <= 0 or warm_seconds >= 4 * min_seconds:
+        return 1
+    full = [run_trial(engine, prompts, n, tokens, sampling_kw, steering)["seconds"] for _, engine, steering in sides]
+    return rounds_for(full[0], min_seconds)
 
 
 def run_interleaved(

@@ -152,3 +152,48 @@ def test_realistic_calibration_matches_its_target():
     assert abs(got["candidates"] - 3.0) < 1.0 and len(got["factors"]) == 5000
     again = _simulate(torch.tensor(sigma), torch.tensor(got["factors"]), filters, 64, torch.Generator().manual_seed(7))
     assert abs(again[0] - got["candidates"]) < 1.0
+
+
+def test_trials_are_sized_from_a_full_pass_on_every_side(monkeypatch):
+    """A warm-up pass with a one-time cost said nothing of a full pass's length (the 7B 32xn8x256
+    case: one-pass trials of 3.5 s where 6 were asked): every side runs the workload once in full,
+    untimed, and the first side's time sizes the trials."""
+    from types import SimpleNamespace as NS
+
+    from esamp.commands.bench import trials
+    from esamp.core.config import Steering
+
+    clock = [0.0]  # the bench's clock, advanced by the engines below
+    monkeypatch.setattr(trials, "time", NS(perf_counter=lambda: clock[0], process_time=lambda: 0.0))
+
+    class Timed:
+        """A pass lasts 2 ms a token of its budget, plus 0.3 s the first time."""
+
+        def __init__(self):
+            self.passes, self.running = [], []
+
+        def start(self, prompt, sampling, steering):
+            self.running.append(sampling.max_tokens)
+
+        def has_unfinished(self):
+            return bool(self.running)
+
+        def step(self):
+            tokens = self.running.pop()
+            clock[0] += (0.3 if not self.passes else 0.0) + 0.002 * tokens
+            self.passes.append(tokens)
+            return [NS(type="done", tokens=tokens)]
+
+        def drain(self):
+            pass
+
+    a, b = Timed(), Timed()
+    sides = [("a", a, Steering()), ("b", b, Steering())]
+    warm = trials.run_trial(a, [[1]], 1, 16, {}, Steering())["seconds"]  # 16 tokens and the one-time cost
+    trials.run_trial(b, [[1]], 1, 16, {}, Steering())
+    assert warm == 0.332
+    # Scaled to 64 tokens the warm-up says 1.33 s, past 4 x 0.25 s; a full pass is 0.128 s: 2 passes a trial.
+    assert trials.size_rounds(sides, [[1]], 1, 64, {}, 0.25, warm) == 2
+    assert a.passes == [16, 64] and b.passes == [16, 64]  # every side ran it once in full
+    assert trials.size_rounds(sides, [[1]], 1, 64, {}, 0.0, warm) == 1 and a.passes == [16, 64]  # no minimum
+    assert trials.size_rounds(sides, [[1]], 1, 64, {}, 0.05, warm) == 1 and a.passes == [16, 64]  # warm-up 4x long
