@@ -341,11 +341,21 @@ def main() -> int:
     skip = args.skip or max(2, L // 3)
     inner = engine.engine.step
     walls: list[float] = []
-    state = dict(prof=None)
+    state = dict(prof=None, tracing=False)
+
+    def stop_tracing():
+        state["tracing"] = False
+        if by_vllm:
+            engine.llm.stop_profile()
+        elif state["prof"] is not None:
+            if cuda:
+                torch.cuda.synchronize()
+            state["prof"].__exit__(None, None, None)
 
     def traced_step():
         i = len(walls)
         if i == skip:
+            state["tracing"] = True
             if by_vllm:
                 engine.llm.start_profile(args.side)
             else:
@@ -357,17 +367,15 @@ def main() -> int:
         out = inner()
         walls.append(time.perf_counter() - t0)
         if i == skip + args.steps - 1:
-            if by_vllm:
-                engine.llm.stop_profile()
-            elif state["prof"] is not None:
-                if cuda:
-                    torch.cuda.synchronize()
-                state["prof"].__exit__(None, None, None)
+            stop_tracing()
         return out
 
     engine.engine.step = traced_step
     result = run_trial(engine, prompts, n, L, sampling_kw, es)
     engine.engine.step = inner
+    if state["tracing"]:  # --steps reached past the pass's end (e.g. a whole pass): the trace ends with it
+        stop_tracing()
+    traced = max(1, min(args.steps, len(walls) - skip))  # the steps traced (a trace without vLLM's marks)
     prof = state["prof"]
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"steps-{args.side}-{args.workload}-{args.logits}")
@@ -397,7 +405,7 @@ def main() -> int:
             trace = _load_trace(path)
             named = re.search(r"(?:tp|rank-)(\d+)", os.path.basename(path))  # vLLM's names: ...tpN... or ...rank-N...
             rank = int(named.group(1)) if named else len(ranks)
-            ranks.append(dict(rank=rank, trace=os.path.basename(path), **summarize_trace(trace, args.steps)))
+            ranks.append(dict(rank=rank, trace=os.path.basename(path), **summarize_trace(trace, traced)))
         ranks.sort(key=lambda r: r["rank"])
         for r in ranks:
             r["counters"] = per_rank[r["rank"]] if r["rank"] < len(per_rank) else {}
@@ -409,7 +417,7 @@ def main() -> int:
         prof.export_chrome_trace(trace_path)
         with open(trace_path) as f:
             trace = json.load(f)
-        summary.update(summarize_trace(trace, args.steps))
+        summary.update(summarize_trace(trace, traced))
         with open(trace_path, "rb") as f, gzip.open(trace_path + ".gz", "wb") as g:
             g.write(f.read())
         os.remove(trace_path)
