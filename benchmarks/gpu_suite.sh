@@ -170,6 +170,11 @@ case "${1:-}" in
         ${ENGINE_PROCESS:+--engine-process} ${STEPS:+--steps $STEPS} ${SKIP:+--skip $SKIP} ${MAX_SEQS:+--max-num-seqs $MAX_SEQS} --top 25 --out /tmp/steps 2>&1 | grep -v "$QUIET" | head -${STEPS_LINES:-30}
     done
     (cd /tmp/steps && tar -czf "$OUT/steps-${model//:/-}-$w-tp${TP:-1}.tar.gz" *.json)
+    # step by step, from vLLM's traces (the engine core in its own process or TP: vLLM's profiler wrote them)
+    for side in $sides; do
+      ls /tmp/steps/traces-$side-$w-tp${TP:-1}/*.json* >/dev/null 2>&1 && python3 benchmarks/profile_steps.py \
+        --periods /tmp/steps/traces-$side-$w-tp${TP:-1}/*.json* > "$OUT/periods-$side-$w-tp${TP:-1}.txt" 2>&1
+    done
     if [ -f /tmp/steps/steps-baseline-$w-${LOGITS:-flat}.json ] && [ -f /tmp/steps/steps-esamp-$w-${LOGITS:-flat}.json ]; then
       python3 benchmarks/profile_steps.py --compare /tmp/steps/steps-baseline-$w-${LOGITS:-flat}.json \
         /tmp/steps/steps-esamp-$w-${LOGITS:-flat}.json --top 25

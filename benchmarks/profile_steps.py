@@ -309,6 +309,8 @@ def main() -> int:
     trace_dir = os.path.abspath(os.path.join(args.out, f"traces-{args.side}-{args.workload}-tp{tp}"))
     if by_vllm:
         os.makedirs(trace_dir, exist_ok=True)
+        for old in glob.glob(os.path.join(trace_dir, "*.json*")):  # an earlier run's: every file here is read
+            os.remove(old)
         llm_kwargs["profiler_config"] = {
             "profiler": "torch",
             "torch_profiler_dir": trace_dir,
