@@ -4,6 +4,7 @@ import shutil
 
 import pytest
 import torch
+from suite_resume import resume_from  # tests/ is on the path, as for this file
 
 # Tests never reach a hub: a model id resolves from a cache the test builds, or from a local
 # stand-in hub (tests/engines/_fake_hub.py) that a test names with HF_ENDPOINT.
@@ -21,22 +22,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
         if no_vllm and "vllm" in item.keywords:
             item.add_marker(pytest.mark.skip(reason="needs vLLM installed"))
-
-
-def resume_from(config, items, start: str | None) -> None:
-    """Run ``items`` (in their order) from the first whose id starts with ``start``: a GPU suite
-    that a device call's time limit cut goes on where it stopped (``SUITE_FROM`` in
-    ``benchmarks/gpu_suite.sh``). The tests before it are deselected, as ``-k`` would."""
-    if not start:
-        return
-    at = next((i for i, item in enumerate(items) if item.nodeid.startswith(start)), None)
-    if at is None:
-        raise pytest.UsageError(
-            f"ESAMP_TEST_FROM={start}: no collected test's id starts so; give a test's id or its file's "
-            "path as pytest prints them (e.g. tests/engines/vllm/test_units.py)"
-        )
-    config.hook.pytest_deselected(items=items[:at])
-    del items[:at]
 
 
 @pytest.fixture(scope="session")

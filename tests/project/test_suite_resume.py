@@ -6,7 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace as NS
 
 import pytest
-from conftest import resume_from  # tests/ is on the path (tests/conftest.py)
+from suite_resume import resume_from  # tests/ is on the path (tests/conftest.py imports it too)
 
 
 def _items(*ids: str) -> list:
