@@ -73,12 +73,14 @@ def step_periods(trace: dict) -> list[dict]:
     ``host_ms`` (the annotation's length). The last step has no period. Empty without annotations.
     """
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
-    marks = sorted(
-        float(e["ts"]) for e in events if e.get("cat") == "user_annotation" and e["name"].startswith("execute_")
+    steps = sorted(
+        (float(e["ts"]), float(e.get("dur", 0)))
+        for e in events
+        if e.get("cat") == "user_annotation" and e["name"].startswith("execute_")
     )
-    host = {float(e["ts"]): float(e.get("dur", 0)) for e in events if e.get("cat") == "user_annotation"}
-    if not marks:
+    if not steps:
         return []
+    marks = [ts for ts, _ in steps]
     launched = {
         e["args"]["correlation"]: float(e["ts"])
         for e in events
@@ -107,7 +109,7 @@ def step_periods(trace: dict) -> list[dict]:
                 main_end=max((f for _, f in on_main), default=None),
                 main_us=round(_busy(on_main), 1),
                 other_us=round(_busy([(s, f) for s, f, m in spans if not m]), 1),
-                host_ms=round(host.get(marks[i], 0.0) / 1e3, 3),
+                host_ms=round(steps[i][1] / 1e3, 3),
             )
         )
     for row, nxt in zip(rows, rows[1:] + [None]):
@@ -169,7 +171,11 @@ def _load_trace(path: str) -> dict:
 
 def print_periods(paths: list[str]) -> int:
     for path in paths:
-        rows = step_periods(_load_trace(path))
+        try:
+            rows = step_periods(_load_trace(path))
+        except (OSError, ValueError) as exc:  # no such file, or not a trace (JSON, gzipped or not)
+            print(f"--periods {path}: not a readable trace ({exc}); give the .json or .json.gz a profiler wrote")
+            return 2
         print(f"== {os.path.basename(path)}: {len(rows)} steps; medians {_period_medians(rows)}")
         print(f"{'period us':>10} {'main us':>9} {'other us':>9} {'gap us':>8} {'host ms':>8}")
         for r in rows:
@@ -440,11 +446,11 @@ def main() -> int:
                 f"host_ms {c.get('host_ms')}, replay_host_ms {c.get('replay_host_ms')}, replay_steps "
                 f"{c.get('replay_steps')}, plan_builds {c.get('plan_builds')}"
             )
-        traced = (r["window"] or {}).get("steps") or args.steps
+        held = (r["window"] or {}).get("steps") or traced  # this rank's trace (vLLM's marks counted)
         if r.get("period"):
-            print(f"   per step (medians over {traced} traced steps): {r['period']}")
+            print(f"   per step (medians over {held} traced steps): {r['period']}")
         for name, (count, us) in list(r["kernels"].items())[: args.top]:
-            print(f"{us / traced:>9.1f} us/step {count / traced:>6.1f}x  {name[:100]}")
+            print(f"{us / held:>9.1f} us/step {count / held:>6.1f}x  {name[:100]}")
     engine.close()
     return 0
 

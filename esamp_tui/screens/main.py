@@ -96,7 +96,7 @@ class MainScreen(KeysScreen):
             "(p: back to this box · Esc: leave it so single-letter keys work)",
         )
         yield ErrorPanel(id="error")
-        yield Results(self.record, id="results")
+        yield Results(self.record, self.options.esamp, id="results")
         yield RunHistory(id="history")
         yield ChartStrip(self.memory_sampler, id="charts")
         yield StatusBar(id="status").data_bind(MainScreen.esamp_on, MainScreen.beta, MainScreen.mix, MainScreen.n)

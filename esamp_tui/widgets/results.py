@@ -14,6 +14,7 @@ from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.widgets import Static
 
+from esamp.core.config import EsampConfig
 from esamp.eval.standing import standing
 from esamp.events import DoneEvent, Event, TokenEvent
 from esamp_tui import diversity
@@ -34,9 +35,10 @@ class Results(VerticalScroll):
     Results > #placeholder { color: $text-muted; padding: 1 2; }
     """
 
-    def __init__(self, record: SessionRecord, id: str | None = None) -> None:
+    def __init__(self, record: SessionRecord, config: EsampConfig | None = None, id: str | None = None) -> None:
         super().__init__(id=id)
         self.record = record
+        self.config = config  # the engine's ESamp settings: which committed cell the compare row reads
         self.rows: dict[str, RunRow] = {}
 
     def compose(self) -> ComposeResult:
@@ -49,7 +51,8 @@ class Results(VerticalScroll):
         # for this model and setting, so a narrower ESamp row is no surprise (esamp.eval.standing).
         note = None
         if len(groups) > 1:
-            found = standing(self.record.engine.get("model"), next(g.steering for g in groups if g.esamp_on))
+            steering = next(g.steering for g in groups if g.esamp_on)
+            found = standing(self.record.engine.get("model"), steering, config=self.config)
             note = found.short() if found else None
         self.rows = {g.key: RunRow(g, note if g.esamp_on else None) for g in groups}
         self.mount_all(self.rows.values())

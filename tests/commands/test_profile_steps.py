@@ -88,3 +88,11 @@ def test_a_trace_without_annotations_keeps_the_asked_steps(profile_steps):
     assert profile_steps.step_periods(plain) == []
     summary = profile_steps.summarize_trace(plain, steps=8)
     assert summary["window"]["steps"] == 8 and summary["period"] is None
+
+
+def test_a_trace_that_cannot_be_read_is_named(profile_steps, tmp_path, capsys):
+    bad = tmp_path / "notes.json"
+    bad.write_text("not json")
+    for path in (str(tmp_path / "missing.json.gz"), str(bad)):
+        assert profile_steps.print_periods([path]) == 2
+        assert f"--periods {path}: not a readable trace" in capsys.readouterr().out

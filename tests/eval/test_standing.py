@@ -73,22 +73,28 @@ def test_a_cell_beyond_the_curve_is_not_compared_with_it(monkeypatch, tmp_path):
     assert "does at least as well" not in found.text()
 
 
-def test_of_cells_that_share_a_steering_the_engine_defaults_one_is_read(tmp_path, monkeypatch):
-    """The Gemma run has the paper mix with a Distiller per group and with the shared one: the
-    default steering reads the engine's default (bank), whichever cell the report lists first."""
-    write_report(tmp_path)
-    path = tmp_path / "m/arith/report.json"
+def add_shared_cell(results, vendi: float = -0.5) -> None:
+    """The report ``write_report`` wrote, with the paper cell twice, as the Gemma run has it: a
+    Distiller per group (``distiller: bank``) and the shared one (ΔVendi ``vendi``), listed first."""
+    path = results / "m/arith/report.json"
     report = json.loads(path.read_text())
     bank = report["cells"].pop("beta=0.8,mix=paper")
     bank["settings"]["distiller"] = "bank"
     shared = {
         "settings": {**bank["settings"], "distiller": "shared"},
-        "deltas": {"vendi": dict(bank["deltas"]["vendi"], delta=-0.5)},
+        "deltas": {"vendi": dict(bank["deltas"]["vendi"], delta=vendi)},
     }
     report["cells"] = {"beta=0.8,mix=paper,distiller=shared": shared, "beta=0.8,mix=paper": bank}
     gaps = report["frontier"]["gaps"]["pass@1"]
     gaps["beta=0.8,mix=paper,distiller=shared"] = gaps["beta=0.8,mix=paper"]
     path.write_text(json.dumps(report))
+
+
+def test_of_cells_that_share_a_steering_the_engine_defaults_one_is_read(tmp_path, monkeypatch):
+    """Of two cells with the same steering, the default settings read the engine's default (a
+    Distiller per group), whichever cell the report lists first."""
+    write_report(tmp_path)
+    add_shared_cell(tmp_path)
     monkeypatch.setitem(FRONTIER_RUNS, "tiny", "m/arith")
     found = standing("tiny", Steering(), results=tmp_path)
     assert (found.cell, found.vendi["delta"]) == ("beta=0.8,mix=paper", -0.27)
