@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import traceback
@@ -160,8 +161,15 @@ class ReachedModelLoading(BaseException):
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory) -> dict[str, str]:
+def files(tmp_path_factory):
+    """The bad inputs' files, and a model cache of their own (a case converts the embedded model
+    there: 260 MB, removed with the folder when the module is done)."""
     tmp = tmp_path_factory.mktemp("bad-inputs")
+    yield _write_files(tmp)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _write_files(tmp: Path) -> dict[str, str]:
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
