@@ -100,6 +100,8 @@ HIDDEN = "***"
 # what a printed command line shows for the secret: run, it makes a fresh one
 SECRET_SHELL = "\"$(python3 -c 'import secrets; print(secrets.token_hex(16))')\""
 NEUTRAL_GENERATION = {"repetition_penalty": 1.0}
+# vLLM's scheduling options: given any, the operator's scheduling stands on a CPU (_cpu_scheduling)
+SCHEDULING_FLAGS = ("--enable-chunked-prefill", "--no-enable-chunked-prefill", "--max-num-batched-tokens")
 
 # vLLM options esamp reads or sets, by every spelling vLLM accepts (names normalised to dashes)
 TP = ("--tensor-parallel-size", "-tp")
@@ -334,6 +336,7 @@ def build(args, passthrough: list[str]) -> Plan:
         and not _has(rest, "--" + k.replace("_", "-"))
     }
     command += launch.as_flags(engine)
+    command += _cpu_scheduling(rest, facts, cuda)
     drain = _value(rest, ("--shutdown-timeout",))
     if drain is None:
         # vLLM's default (0) kills the engine core before its worker, which owns shared memory,
@@ -395,6 +398,20 @@ def build(args, passthrough: list[str]) -> Plan:
             '--api-key guards every route but /health, /ping, /metrics and /esamp/metrics (docs/serving.md, "Security")'
         )
     return Plan(command, env, notes)
+
+
+def _cpu_scheduling(rest: list[str], facts, cuda: bool) -> list[str]:
+    """On a CPU, the library engine's scheduling (``launch.scheduling``: every prompt prefilled
+    whole, so that a client's ``seed`` cannot stop vLLM's engine core), for the server's context:
+    ``--max-model-len`` as given, else the model's own. Left to vLLM where the operator sets the
+    scheduling, or gives the context in another form ("32k")."""
+    from esamp.engines.vllm import launch
+
+    if cuda or any(_has(rest, f) for f in SCHEDULING_FLAGS):
+        return []
+    given = _value(rest, ("--max-model-len",))
+    context = int(given) if given is not None and given.isdigit() else None if given else facts.context_length
+    return launch.as_flags(launch.scheduling(context, cuda=False)) if context else []
 
 
 def _default_filters(model_dir: Path, source: str | None, overrides: dict) -> dict:

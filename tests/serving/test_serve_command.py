@@ -349,3 +349,36 @@ def test_keys_and_tokens_go_in_the_environment_never_on_a_command_line(capsys, m
     assert main(["serve", PRESET, "--dry-run", "--api-key", "k-one"]) == 0
     out = capsys.readouterr().out
     assert "k-one" not in out and "VLLM_API_KEY=***" in out and "put yours back" in out
+
+
+@pytest.mark.parametrize(
+    "given, whole, batched",
+    [
+        ((), True, ["32768"]),  # the model's context
+        (("--max-model-len", "2048"), True, ["4096"]),  # launch.CPU_STEP_TOKENS
+        (("--max-model-len", "32k"), False, []),  # vLLM's own reading of "32k": its scheduling too
+        (("--max-num-batched-tokens", "1000"), False, ["1000"]),  # the operator's
+        (("--enable-chunked-prefill",), False, []),
+    ],
+)
+def test_on_a_cpu_every_prompt_is_prefilled_whole_unless_the_operator_schedules(given, whole, batched, monkeypatch):
+    """A seeded request prefilled in parts stops vLLM's engine core on a CPU (``launch.scheduling``)."""
+    import esamp.platform.devices as devices
+
+    monkeypatch.setattr(devices, "cuda_available", lambda: False)
+    command = plan(PRESET, *given).command
+    assert ("--no-enable-chunked-prefill" in command) is whole
+    assert option(command, "--max-num-batched-tokens", many=True) == batched
+    monkeypatch.setattr(devices, "cuda_available", lambda: True)
+    assert "--no-enable-chunked-prefill" not in plan(PRESET, *given).command  # a GPU keeps vLLM's scheduling
+
+
+def test_engine_arguments_as_flags_turn_a_false_switch_off():
+    from esamp.engines.vllm.launch import as_flags
+
+    assert as_flags({"model": "m", "enforce_eager": True, "enable_chunked_prefill": False, "x": None, "n": 3}) == [
+        "--enforce-eager",
+        "--no-enable-chunked-prefill",
+        "--n",
+        "3",
+    ]

@@ -156,6 +156,7 @@ class VllmEngine(RecordedEngine):
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
             tensor_parallel_size=tensor_parallel_size,
+            **launch.scheduling(max_model_len, cuda=cuda),
         )
         if cuda:
             kwargs["gpu_memory_utilization"] = gpu_share(gpu_memory_utilization)

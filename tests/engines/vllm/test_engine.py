@@ -267,6 +267,22 @@ def test_abort_frees_the_slot(engine):
     assert state["free_slots"] == engine.esamp.slots
 
 
+def test_seeded_samples_whose_prompts_outgrow_one_step_all_finish(engine):
+    """16 seeded samples of a 300-token prompt: more prompt tokens than one engine step takes.
+    With chunked prefill vLLM would prefill them in parts and rewind each part's seeded generator,
+    which a CPU generator cannot do ("CPU Generator does not use offset": the engine core died);
+    on a CPU the engine prefills each prompt whole (``launch.scheduling``)."""
+    prompt = list(range(1000, 1300))
+    s = sampling(n=16, max_tokens=3, seed=7)
+    if not cuda():
+        sched = engine.engine.vllm_config.scheduler_config
+        assert not sched.enable_chunked_prefill and len(prompt) * s.n > sched.max_num_batched_tokens
+    keys, events = collect(engine, {0: [dict(prompt=prompt, sampling=s, chat=False)]})
+    done = [e for e in events if e.type == "done"]
+    assert len(done) == 16 and all(e.tokens == 3 for e in done)
+    assert engine.drain()["free_slots"] == engine.esamp.slots
+
+
 def test_bad_input_is_a_clear_error(engine):
     from esamp.errors import ConfigError, PromptError
 
