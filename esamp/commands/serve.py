@@ -100,8 +100,6 @@ HIDDEN = "***"
 # what a printed command line shows for the secret: run, it makes a fresh one
 SECRET_SHELL = "\"$(python3 -c 'import secrets; print(secrets.token_hex(16))')\""
 NEUTRAL_GENERATION = {"repetition_penalty": 1.0}
-# vLLM's scheduling options: given any, the operator's scheduling stands on a CPU (_cpu_scheduling)
-SCHEDULING_FLAGS = ("--enable-chunked-prefill", "--no-enable-chunked-prefill", "--max-num-batched-tokens")
 
 # vLLM options esamp reads or sets, by every spelling vLLM accepts (names normalised to dashes)
 TP = ("--tensor-parallel-size", "-tp")
@@ -407,7 +405,8 @@ def _cpu_scheduling(rest: list[str], facts, cuda: bool) -> list[str]:
     scheduling, or gives the context in another form ("32k")."""
     from esamp.engines.vllm import launch
 
-    if cuda or any(_has(rest, f) for f in SCHEDULING_FLAGS):
+    names = ["--" + key.replace("_", "-") for key in launch.SCHEDULING]  # and each switch's --no- form
+    if cuda or any(_has(rest, name) or _has(rest, "--no-" + name[2:]) for name in names):
         return []
     given = _value(rest, ("--max-model-len",))
     context = int(given) if given is not None and given.isdigit() else None if given else facts.context_length

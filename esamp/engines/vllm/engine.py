@@ -156,13 +156,14 @@ class VllmEngine(RecordedEngine):
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
             tensor_parallel_size=tensor_parallel_size,
-            **launch.scheduling(max_model_len, cuda=cuda),
         )
         if cuda:
             kwargs["gpu_memory_utilization"] = gpu_share(gpu_memory_utilization)
         if enforce_eager is not None:
             kwargs["enforce_eager"] = enforce_eager
         kwargs.update(llm_kwargs or {})
+        if not launch.SCHEDULING.intersection(llm_kwargs or {}):  # the caller's scheduling stands
+            kwargs.update(launch.scheduling(kwargs["max_model_len"], cuda=cuda))
         # ESamp's logits processor reaches this engine, and no other, through an entry point
         # only the processes of this engine see (plugin.processor_scope).
         scope = contextlib.nullcontext() if plain else plugin.processor_scope()

