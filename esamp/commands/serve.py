@@ -409,7 +409,9 @@ def _cpu_scheduling(rest: list[str], facts, cuda: bool) -> list[str]:
     if cuda or any(_has(rest, name) or _has(rest, "--no-" + name[2:]) for name in names):
         return []
     given = _value(rest, ("--max-model-len",))
-    context = int(given) if given is not None and given.isdigit() else None if given else facts.context_length
+    if given is not None and not given.isdigit():
+        return []
+    context = int(given) if given is not None else facts.context_length
     return launch.as_flags(launch.scheduling(context, cuda=False)) if context else []
 
 
