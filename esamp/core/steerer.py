@@ -22,7 +22,8 @@ to the reference:
   ``SideStream`` the step's update (``DistillerBank.learn``) is a second graph on a stream of its
   own, beside what follows the prediction; the bank makes the next reader of its parameters wait.
 - filter and mix: ``backends.triton_filter.filter_and_mix`` does both in four passes over the
-  logits (no sort of the vocabulary), on rows picked by index where they lie. It knows only the
+  logits (no sort of the vocabulary; two when no row's top-p is below 1), on rows picked by index
+  where they lie. It knows only the
   (a, b) form: a plan with entropy-matched rows (or top-k) takes the PyTorch path instead.
 """
 
@@ -74,8 +75,11 @@ class PlanBuffers:
         self.rows, self.units, self.width = rows, units, width
         self.cells = units * width
         self.device, self.scratch = torch.device(device), scratch
-        # long: units | gather | cell | row index | top-k ; float: weight | T | min-p | top-p | a | b | matched
-        self._long_spans = _spans(units=units, gather=self.cells, cell=self.cells, index=rows, top_k=rows)
+        # long: units | gather | cell | row of each cell | row index | top-k ;
+        # float: weight | T | min-p | top-p | a | b | matched
+        self._long_spans = _spans(
+            units=units, gather=self.cells, cell=self.cells, row_of=self.cells, index=rows, top_k=rows
+        )
         self._float_spans = _spans(
             weight=self.cells, temperature=rows, min_p=rows, top_p=rows, a=rows, b=rows, matched=rows
         )
@@ -94,7 +98,8 @@ class PlanBuffers:
 
     def write(self, longs: dict[str, list[int]], floats: dict[str, list[float]]) -> None:
         """Set every field: the named ones from their start, everything else to its idle value
-        (units: the scratch slot; gather: the zero row; weights 0: nothing trains)."""
+        (units: the scratch slot; gather: the zero row; row of each cell: none; weights 0:
+        nothing trains)."""
         for buffer, spans, values, dtype in (
             (self.longs, self._long_spans, longs, torch.long),
             (self.floats, self._float_spans, floats, torch.float32),
@@ -103,6 +108,7 @@ class PlanBuffers:
             if dtype == torch.long:
                 host[spans["units"] : spans["gather"]] = self.scratch
                 host[spans["gather"] : spans["cell"]] = self.rows
+                host[spans["row_of"] : spans["index"]] = -1
             for name, items in values.items():
                 host[spans[name] : spans[name] + len(items)] = torch.tensor(items, dtype=dtype)
             if self.device.type == "cuda":
@@ -136,6 +142,7 @@ class StepPlan:
     index: torch.Tensor | None = None  # [R] the engine's logits row of each row, when given
     matched: torch.Tensor | None = None  # [R] 1.0 where the row's mix matches plain entropy; None: no row
     trains: tuple[bool, ...] = ()  # per steered row: whether it trains the Distiller this step (host)
+    uses_top_p: bool = True  # some row's top-p is below 1 (False: the filter needs no top-p cut)
 
     @property
     def key(self) -> tuple:
@@ -147,7 +154,7 @@ class StepPlan:
         """What picks the filter-and-mix path beyond shapes (``Steerer.filter_and_mix``): rows with
         top-k take the constructor's filter, entropy-matched rows the PyTorch mix. A graph of that
         step is valid only for plans with the same ``mix_key``."""
-        return (self.top_k is not None, self.matched is not None)
+        return (self.top_k is not None, self.matched is not None, self.uses_top_p)
 
     def matched_rows(self, rows: int | None = None) -> torch.Tensor | None:
         """[rows, 1] bool of the first ``rows`` rows (all by default): those to entropy-match."""
@@ -195,6 +202,7 @@ class StepPlan:
             values["matched"] = matched
         top_k = [x.top_k for x in f]
         uses_top_k = any(k > 0 for k in top_k)
+        uses_top_p = any(x.top_p < 1 for x in f)
         if buffers is None:
             layout = RowLayout.from_slots(slots, trains, device=device) if s else None
             tensors = {k: torch.tensor(v, dtype=torch.float32).to(device) for k, v in values.items()}
@@ -206,6 +214,7 @@ class StepPlan:
                 top_k=torch.tensor(top_k, dtype=torch.long).to(device) if uses_top_k else None,
                 index=None if index is None else torch.tensor(list(index), dtype=torch.long).to(device),
                 trains=tuple(trains),
+                uses_top_p=uses_top_p,
             )
         longs: dict[str, list[int]] = {"top_k": top_k, "index": list(index) if index is not None else []}
         layout = None
@@ -222,7 +231,10 @@ class StepPlan:
                 sources=None if index is None else list(index[:s]),
             )
             longs.update(
-                units=host.units.tolist(), gather=host.gather.tolist(), cell=host.cell.tolist() + [0] * (U * W - s)
+                units=host.units.tolist(),
+                gather=host.gather.tolist(),
+                cell=host.cell.tolist() + [0] * (U * W - s),
+                row_of=host.row_of.tolist(),
             )
             values["weight"] = host.weight.tolist()
             layout = RowLayout(
@@ -230,6 +242,8 @@ class StepPlan:
                 buffers.view("gather", U * W),
                 buffers.view("cell", U * W),
                 buffers.view("weight", U * W),
+                buffers.view("row_of", U * W),
+                s,
                 W,
                 buffers.rows,
                 host.slots,
@@ -244,6 +258,7 @@ class StepPlan:
             top_k=buffers.view("top_k", n) if uses_top_k else None,
             index=buffers.view("index", n) if index is not None else None,
             trains=tuple(trains),
+            uses_top_p=uses_top_p,
         )
 
     @classmethod
@@ -268,6 +283,8 @@ class StepPlan:
             buffers.view("gather", cells),
             buffers.view("cell", cells),
             buffers.view("weight", cells),
+            buffers.view("row_of", cells),
+            0,
             width,
             buffers.rows,
             (),
@@ -326,23 +343,20 @@ class Steerer:
         """
 
         def evaluate(gx, gy):
-            prediction, errors, losses, batch = self.bank.evaluate(gx, gy, plan.layout, normalize)
-            if out_dtype is not None:
-                prediction = prediction.to(out_dtype)
-            return prediction, errors, losses, batch
+            return self.bank.evaluate(gx, gy, plan.layout, normalize, out_dtype)
 
-        self.bank.settle()  # the previous step's update first (``learn`` below)
+        self.bank.settle()  # the previous step's update first (below)
         key = (plan.key, out_dtype, x.data_ptr(), y.data_ptr(), x.stride(0), y.stride(0))
-        prediction, errors, losses, batch = self.graphs.run(key, evaluate, x, y)
-        if batch is not None and self.beside is not None:
+        prediction, errors, losses, update = self.graphs.run(key, evaluate, x, y)
+        if update is not None and self.beside is not None:
             # The update is not needed before the next step's prediction: it runs beside what
             # follows (the mix, the sampler, the model's next forward) instead of before it, as a
             # graph of its own where the prediction was one (its inputs then stay where they are).
-            learn_key = ("learn", plan.key) + tuple(t.data_ptr() for t in batch)
+            learn_key = ("learn", plan.key) + tuple(t.data_ptr() for t in update.reads)
             graphed = key in self.graphs.graphs
-            self.bank.updating(self.beside.run(learn_key, self.bank.learn, *batch, graphed=graphed))
-        elif batch is not None:
-            self.bank.learn(*batch)
+            self.bank.updating(self.beside.run(learn_key, update.run, *update.reads, graphed=graphed))
+        elif update is not None:
+            update.run(*update.reads)
         return prediction, errors, losses
 
     def prepare(
@@ -418,7 +432,9 @@ class Steerer:
         work = self._work
         if work is not None and (work.rows < plan.rows or work.vocab != logits.shape[1]):
             work = None  # (``reserve`` sizes it for the engine's batch)
-        return filter_and_mix(logits, plan.index, plan.temperature, plan.min_p, plan.top_p, plan.a, plan.b, d, work)
+        return filter_and_mix(
+            logits, plan.index, plan.temperature, plan.min_p, plan.top_p, plan.a, plan.b, d, work, plan.uses_top_p
+        )
 
     def reserve(self, rows: int, vocab: int, device: torch.device) -> None:
         """Keep the filter's working buffers for up to ``rows`` rows at fixed addresses (a GPU)."""

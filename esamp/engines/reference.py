@@ -111,7 +111,8 @@ class ReferenceEngine(EngineBase):
         cfg = self.model.config
         self.hidden = cfg.hidden_size
         self.context = int(getattr(cfg, "max_position_embeddings", 2048))
-        self.steerer = Steerer(bank_for(self.esamp, self.hidden, self.device))
+        # The plain PyTorch step on every device: this engine is the oracle the fused kernels are held to.
+        self.steerer = Steerer(bank_for(self.esamp, self.hidden, self.device, backend="torch"))
         self._joint: tuple[tuple, StepPlan] | None = None  # the shared Distiller's plan, by its groups' rows
         self.stop_ids = stop_token_ids(path, self.tokenizer)
         self.model_name, self.device_name = self.resolved.name, str(self.device)

@@ -97,12 +97,14 @@ def filter_and_mix(
     b: torch.Tensor,
     d: torch.Tensor | None,
     work: FilterWorkspace | None = None,
+    cut: bool = True,
 ) -> torch.Tensor:
     """``filter_and_mix_torch`` with the Triton kernels where they apply (a CUDA fp32 ``logits``).
 
     A fixed sequence of launches for a given row count, reading every per-row setting from device
-    tensors: it can be captured in a CUDA graph and replayed for other settings and rows. Returns
-    |C| per listed row (int32, ``work.counts``)."""
+    tensors: it can be captured in a CUDA graph and replayed for other settings and rows. With
+    ``cut`` False (no listed row's top-p is below 1) the top-p passes are left out: two launches,
+    the row maxima and the mix at the min-p floor. Returns |C| per listed row (int32, ``work.counts``)."""
     usable = (
         triton is not None
         and logits.is_cuda
@@ -112,7 +114,7 @@ def filter_and_mix(
     )
     if not usable:
         return filter_and_mix_torch(logits, rows, temperature, min_p, top_p, a, b, d)
-    return launch(logits, rows, temperature, min_p, top_p, a, b, d, work)
+    return launch(logits, rows, temperature, min_p, top_p, a, b, d, work, cut)
 
 
 def launch(
@@ -125,6 +127,7 @@ def launch(
     b: torch.Tensor,
     d: torch.Tensor | None,
     work: FilterWorkspace | None = None,
+    cut: bool = True,
 ) -> torch.Tensor:
     """The kernels, unconditionally (``filter_and_mix`` checks that they apply; tests run them in
     Triton's interpreter too)."""
@@ -140,18 +143,28 @@ def launch(
     row = (logits, rows, temperature, min_p, top_p, work.part_max, V, logits.stride(0), C)
     meta = dict(RANGE=RANGE, BLOCK=BLOCK, CHUNKS=triton.next_power_of_2(C), EDGE=EDGE, SPLIT=SPLIT)
     _max_kernel[grid](logits, rows, work.part_max, work.edge_count, work.counts, V, logits.stride(0), C, BLOCK=BLOCK)
-    _collect_kernel[grid](*row, work.edge, work.edge_count, work.cut, work.split, FIRST=True, **meta)
-    for stage in range(4):
-        _cut_kernel[(n,)](
-            *row, work.edge, work.edge_count, work.cut, work.split, work.partial, work.overflows, STAGE=stage, **meta
-        )
-        if stage < 2:
-            _split_kernel[grid](*row, work.cut, work.split, work.partial, **meta)
-        elif stage == 2:
-            _collect_kernel[grid](*row, work.edge, work.edge_count, work.cut, work.split, FIRST=False, **meta)
+    if cut:
+        _collect_kernel[grid](*row, work.edge, work.edge_count, work.cut, work.split, FIRST=True, **meta)
+        for stage in range(4):
+            _cut_kernel[(n,)](
+                *row,
+                work.edge,
+                work.edge_count,
+                work.cut,
+                work.split,
+                work.partial,
+                work.overflows,
+                STAGE=stage,
+                **meta,
+            )
+            if stage < 2:
+                _split_kernel[grid](*row, work.cut, work.split, work.partial, **meta)
+            elif stage == 2:
+                _collect_kernel[grid](*row, work.edge, work.edge_count, work.cut, work.split, FIRST=False, **meta)
     _mix_kernel[grid](
-        *row, work.cut, a, b, d_arg, d_stride, m, work.counts, BLOCK=BLOCK, CHUNKS=triton.next_power_of_2(C)
-    )
+        *row, work.cut, a, b, d_arg, d_stride, m, work.counts, RANGE,
+        CUT=cut, BLOCK=BLOCK, CHUNKS=triton.next_power_of_2(C),
+    )  # fmt: skip
     return work.counts[:n]
 
 
@@ -400,15 +413,23 @@ if triton is not None:
         d_stride,
         mixed,
         counts_ptr,
+        RANGE,
+        CUT: tl.constexpr,
         BLOCK: tl.constexpr,
         CHUNKS: tl.constexpr,
     ):
-        """z' = a·(z/T) − b·d on C (z at or above the row's cut), −∞ elsewhere; |C| per row."""
+        """z' = a·(z/T) − b·d on C (z at or above the row's cut, or its min-p floor without
+        ``CUT``), −∞ elsewhere; |C| per row."""
         i = tl.program_id(0)
         c = tl.program_id(1)
-        row = tl.load(rows_ptr + i).to(tl.int64)
-        temp = tl.load(t_ptr + i)
-        threshold = tl.load(cut_ptr + i * 6)
+        if CUT:
+            row = tl.load(rows_ptr + i).to(tl.int64)
+            temp = tl.load(t_ptr + i)
+            threshold = tl.load(cut_ptr + i * 6)
+        else:
+            row, temp, _, threshold, _, _ = _row_setup(
+                z_ptr, rows_ptr, t_ptr, min_p_ptr, top_p_ptr, part_ptr, i, chunks, RANGE, CHUNKS
+            )
         offs = c * BLOCK + tl.arange(0, BLOCK)
         inside = offs < V
         where = z_ptr + row * z_stride + offs

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from esamp.core.distiller import TapNorm, TapNorms
 from esamp.engines.vllm.exchange import exchange_for
 from esamp.engines.vllm.settings import engine_config
 
@@ -75,10 +76,10 @@ class _TapMixin:
             # Nothing to steer this step: not a kernel or a copy more than plain vLLM (the first
             # such step, before any request, captures the Distiller's graphs), unless an adapter
             # that learns its rows only later wants this step's taps kept.
-            exchange.warm_up(hidden_states[:, H:], src, tgt, self.esamp_tap_norms, head_dtype)
-            exchange.put_taps_late(hidden_states[:, H:], src, tgt, self.esamp_tap_norms, head_dtype)
+            exchange.warm_up(hidden_states[:, H:], src, tgt, self.esamp_normalize, head_dtype)
+            exchange.put_taps_late(hidden_states[:, H:], src, tgt, self.esamp_normalize, head_dtype)
             return super().compute_logits(hidden)
-        prediction = exchange.put_taps(plan, hidden_states[:, H:], src, tgt, self.esamp_tap_norms, head_dtype)
+        prediction = exchange.put_taps(plan, hidden_states[:, H:], src, tgt, self.esamp_normalize, head_dtype)
         if self._esamp_plain_head():
             # One GEMM over [h; ŷ]: the head's weights are read once for the logits and d = W·ŷ.
             both = super().compute_logits(torch.cat([hidden, prediction]))
@@ -89,6 +90,20 @@ class _TapMixin:
         head = self.esamp_lm_head()
         exchange.put_distiller_logits(plan, prediction.to(head.dtype) @ head[: logits.shape[-1]].t())
         return logits
+
+    @property
+    def esamp_normalize(self):
+        """How the Distiller step turns the taps into its x and y: the two input norms as
+        ``TapNorms`` (their weights and ε, which the fused kernels fold into their products) where
+        both are vLLM's RMSNorm or Gemma's, else the modules themselves (``esamp_tap_norms``)."""
+        norms = getattr(self, "_esamp_norms", None)
+        if norms is None:
+            layers = self.model.layers
+            src, tgt = self.esamp_taps
+            source, target = tap_norm(layers[src].input_layernorm), tap_norm(layers[tgt].input_layernorm)
+            norms = TapNorms(source, target) if source is not None and target is not None else self.esamp_tap_norms
+            self._esamp_norms = norms
+        return norms
 
     def esamp_tap_norms(self, source: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The two tapped residual rows through their layers' input norms: the Distiller's x and y."""
@@ -148,6 +163,22 @@ class _TapMixin:
 
 def _first(x):
     return x[0] if isinstance(x, tuple) else x
+
+
+def tap_norm(module) -> TapNorm | None:
+    """``module`` as a ``TapNorm`` when it is exactly vLLM's ``RMSNorm`` (offset 0) or
+    ``GemmaRMSNorm`` (offset 1) over the whole row; None for any other norm (the Distiller step
+    then calls the module)."""
+    from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
+
+    kind = type(module)
+    if (
+        kind not in (RMSNorm, GemmaRMSNorm)
+        or getattr(module, "variance_size_override", None) is not None
+        or not getattr(module, "has_weight", True)
+    ):
+        return None
+    return TapNorm(module.weight.data, float(module.variance_epsilon), 1.0 if kind is GemmaRMSNorm else 0.0)
 
 
 def _module_level(cls: type) -> type:

@@ -178,6 +178,8 @@ class EngineSteering:
         self.buffers = PlanBuffers(
             max_rows, units=units, width=width, device=self.device, scratch=self.slots.scratch if self.slots else 0
         )
+        if bank is not None:  # the fused step's workspace, sized before any step is captured
+            bank.reserve(max_rows + 1, self.buffers.cells)
         self.groups = Groups(self.slots)
         self.records = RecordStore(self.device) if retain_seconds is None else RecordStore(self.device, retain_seconds)
         self._taps: torch.Tensor | None = None  # [max_rows + 1, A·H] tapped rows (last row zero)

@@ -1,0 +1,126 @@
+"""The fused Distiller step (``esamp.core.backends.triton_distiller``) against the PyTorch step.
+
+Two banks of the same seed take the same steps on random layouts, one on the PyTorch path (the
+reference) and one on the kernels: slots joining and leaving, padded blocks, one row and many
+(more than one row block), rows that do not train, the shared Distiller, tap norms with either
+offset or none, Adam and SGD. Every step's ŷ, e and losses agree, and so do the parameters,
+Adam's moments and the step counts after it. The kernels run in Triton's interpreter on the CPU
+(exact fp32 products) and on a GPU (fp32-faithful products, then the default TF32 ones within
+the tolerance the README states).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from esamp.core.distiller import DistillerBank, RowLayout, TapNorm, TapNorms
+
+from _interpreter import in_tritons_interpreter
+
+CUDA = torch.cuda.is_available()
+
+
+def _steps(gen: torch.Generator, shared: bool):
+    """(slots of each row, which rows train, padding) of a sequence of steps."""
+    if shared:
+        return [([0] * 5, None, None), ([0] * 21, [i % 3 != 0 for i in range(21)], None), ([0], None, (2, 32))]
+    return [
+        ([0, 0, 1, 1, 1], None, None),  # two groups
+        ([2, 0, 2], [True, False, True], None),  # 1 left, 2 joined; a row that does not train
+        ([0] * 3 + [2] * 18, None, (4, 32)),  # more than one row block, padded units and width
+        ([1], None, None),  # one row
+        ([2, 1, 2, 1, 0], [False] * 5, None),  # nothing trains: ŷ and e only
+    ]
+
+
+def run_steps(device: str, precision: str, hidden: int = 200, rank: int = 8, seed: int = 0) -> dict:
+    """The largest differences between the two paths over every case (relative to each value's scale)."""
+    worst: dict[str, float] = {}
+
+    def note(name, got, want, scale=None):
+        got, want = got.detach().double().cpu(), want.detach().double().cpu()
+        assert torch.isfinite(got).all(), name
+        scale = want.abs().max().clamp(min=1e-6) if scale is None else scale
+        worst[name] = max(worst.get(name, 0.0), float((got - want).abs().max() / scale))
+
+    for shared in (False, True):
+        for optimizer in ("adam", "sgd"):
+            for offset, dtype in ((0.0, torch.bfloat16), (1.0, torch.float32), (None, torch.float32)):
+                gen = torch.Generator().manual_seed(seed)
+                banks = [
+                    DistillerBank(hidden, rank=rank, slots=3, lr=LR, optimizer=optimizer, device=device,
+                                  seed=seed, shared=shared, backend=backend)
+                    for backend in ("torch", "fused")
+                ]  # fmt: skip
+                banks[1].precision = precision
+                for b in banks:
+                    for group in ("a", "b", "c"):
+                        b.allocate(group)
+                norms = None
+                if offset is not None:
+                    w = (0.5 + torch.rand(hidden, generator=gen)).to(dtype).to(device)
+                    norms = TapNorms(TapNorm(w, 1e-6, offset), TapNorm(w.flip(0), 1e-5, offset))
+                for i, (slots, trains, pad) in enumerate(_steps(gen, shared)):
+                    if i == 3:  # group b leaves: its slot starts again from its initial weights
+                        for b in banks:
+                            b.free("b")
+                    R = len(slots)
+                    # the taps as the engine keeps them: x and y column blocks of one buffer, row R zero
+                    taps = (torch.randn(R + 1, 2 * hidden, generator=gen) * 3).to(dtype).to(device)
+                    taps[R:] = 0
+                    x, y = taps[:, :hidden], taps[:, hidden:]
+                    layout = RowLayout.from_slots(
+                        slots,
+                        trains,
+                        units=None if pad is None else (1 if shared else pad[0]),
+                        width=None if pad is None else pad[1],
+                        scratch=banks[0].scratch,
+                        device=device,
+                    )
+                    (p0, e0, l0), (p1, e1, l1) = (b.step(x, y, layout, norms) for b in banks)
+                    assert banks[1].fused(x, y, norms) and not banks[0].fused(x, y, norms)
+                    note("prediction", p1[:R], p0[:R])
+                    note("errors", e1[:R], e0[:R])
+                    if layout.training:
+                        note("losses", l1, l0)
+                    else:
+                        assert l0 is None and l1 is None
+                    s0, s1 = banks[0].store, banks[1].store
+                    assert torch.equal(s1.steps, s0.steps)
+                    # Adam moves a weight whose gradient is near 0 by about lr·m/√v: a rounding
+                    # difference there moves it by a share of lr (the split test sees the same).
+                    note("parameters / lr", s1.flat, s0.flat, LR)
+                    if optimizer == "adam":
+                        note("first moments", s1.flat_m, s0.flat_m)
+                        note("second moments", s1.flat_v, s0.flat_v)
+    return worst
+
+
+LR = 3e-3
+# The largest difference each check allows: relative to the value's scale, parameters in units of
+# lr. Exact products (the interpreter, "ieee" on a GPU) differ only in the order of their sums.
+EXACT = {"prediction": 2e-5, "errors": 2e-5, "losses": 2e-5, "parameters / lr": 0.05, "moments": 2e-5}
+TOLERANCE = {"ieee": EXACT, "tf32x3": EXACT}
+
+
+def check(device: str, precision: str) -> dict:
+    worst = run_steps(device, precision)
+    limits = TOLERANCE[precision]
+    bad = {k: v for k, v in worst.items() if v > limits[k.split()[-1] if k.endswith("moments") else k]}
+    assert not bad, (precision, worst)
+    return worst
+
+
+@pytest.mark.skipif(CUDA, reason="the kernels run on the GPU there")
+def test_the_fused_step_equals_the_pytorch_step_in_tritons_interpreter():
+    code = "import sys; sys.path.insert(0, 'tests/core'); import test_fused_distiller as t; t.check('cpu', 'ieee')"
+    done = in_tritons_interpreter(code, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("precision", sorted(TOLERANCE))
+def test_the_fused_step_equals_the_pytorch_step_on_a_gpu(precision):
+    check("cuda", precision)
