@@ -8,6 +8,8 @@
 #   bash benchmarks/gpu_suite.sh install             stage, assemble vLLM, install esamp (editable)
 #   bash benchmarks/gpu_suite.sh tests [reverse]     the GPU tests in file order (or reversed);
 #                                                    SUITE_FROM=tests/x.py goes on from there (a cut run)
+#   bash benchmarks/gpu_suite.sh kernels             the fused Distiller and filter kernels: GPU tests against the
+#                                                    PyTorch path, steering_micro.py, fused_learning.py
 #   bash benchmarks/gpu_suite.sh bench MODEL [args]  esamp bench on MODEL (BENCH_NAME=bench-7b-shared with
 #                                                    --distiller shared: the published runtime's shared Distiller)
 #   bash benchmarks/gpu_suite.sh before MODEL [args] esamp bench of the tree in .before/ (an older
@@ -72,7 +74,7 @@ PY
   cat "$OUT/versions.json"
 }
 
-GPU_TESTS="tests/core/test_backends.py tests/core/test_filter_kernels.py tests/core/test_steerer.py tests/core/test_distiller.py tests/engines/vllm tests/tui/test_e2e.py"
+GPU_TESTS="tests/core/test_backends.py tests/core/test_filter_kernels.py tests/core/test_fused_distiller.py tests/core/test_steerer.py tests/core/test_distiller.py tests/engines/vllm tests/tui/test_e2e.py"
 # The suite's engines share one GPU (the in-process ones keep their memory until the process ends).
 TEST_GPU_SHARE=0.12
 
@@ -99,6 +101,18 @@ case "${1:-}" in
     shift
     VLLM_ENABLE_V1_MULTIPROCESSING=0 python3 -m pytest "$@" -q -rs -p no:cacheprovider \
       --junitxml="$OUT/gpu-tests-some.xml" 2>&1 | tee "$OUT/gpu-tests-some.log" | grep -v "$QUIET" | tail -30 ;;
+  kernels)  # the fused kernels: their tests against the PyTorch path, the micro-benchmark, the learning comparison
+    install || exit 1
+    python3 -m pytest -q -rs -p no:cacheprovider tests/core/test_fused_distiller.py tests/core/test_filter_kernels.py \
+      tests/core/test_backends.py 2>&1 | tee "$OUT/kernel-tests.log" | grep -v "$QUIET" | tail -${KERNEL_TEST_LINES:-15}
+    # the tolerance table: the largest fused-minus-PyTorch differences per product precision
+    python3 -c "import sys, json; sys.path.insert(0, 'tests/core'); import test_fused_distiller as t; \
+print(json.dumps({p: t.run_steps('cuda', p) for p in ('ieee', 'tf32x3', 'tf32')}, indent=1))" > "$OUT/tolerance.json" \
+      2> "$OUT/tolerance.log"; tail -c 1500 "$OUT/tolerance.json"
+    timeout -s INT "${MICRO_SECONDS:-240}" python3 benchmarks/steering_micro.py --json "$OUT/micro.json" ${MICRO_ARGS:-} 2>&1 \
+      | grep -v "$QUIET" | tail -40
+    [ "${LEARNING:-1}" = 1 ] && timeout -s INT "${LEARNING_SECONDS:-240}" python3 benchmarks/fused_learning.py \
+      --model "$ESAMP_TEST_GGUF" --json "$OUT/fused-learning.json" 2>&1 | grep -v "$QUIET" | tail -6 ;;
   tests-alone)  # one file alone, in a fresh process (cold CUDA, cold cuBLAS)
     install || exit 1
     python3 -m pytest "${2:-tests/core/test_backends.py}" -q -rs -p no:cacheprovider 2>&1 | tail -5 ;;
@@ -177,7 +191,7 @@ case "${1:-}" in
     done
     if [ -f /tmp/steps/steps-baseline-$w-${LOGITS:-flat}.json ] && [ -f /tmp/steps/steps-esamp-$w-${LOGITS:-flat}.json ]; then
       python3 benchmarks/profile_steps.py --compare /tmp/steps/steps-baseline-$w-${LOGITS:-flat}.json \
-        /tmp/steps/steps-esamp-$w-${LOGITS:-flat}.json --top 25
+        /tmp/steps/steps-esamp-$w-${LOGITS:-flat}.json --top 25 --compare-json "$OUT/added-$w-tp${TP:-1}.json"
     fi ;;
   dashboard)
     install || exit 1

@@ -185,17 +185,25 @@ def print_periods(paths: list[str]) -> int:
     return 0
 
 
-def compare(base_path: str, esamp_path: str, top: int) -> int:
+def compare(base_path: str, esamp_path: str, top: int, out: str | None = None) -> int:
+    """Print what ESamp adds per step; with ``out``, also write it as JSON (``added_kernel_ms_per_step``,
+    ``added_launches_per_step`` and the kernels, per rank under tensor parallelism)."""
     base, esamp = (json.loads(open(p).read()) for p in (base_path, esamp_path))
     if base.get("ranks") and esamp.get("ranks"):  # tensor parallel: rank by rank
+        added = []
         for rank, (b, e) in enumerate(zip(base["ranks"], esamp["ranks"])):
             print(f"\n== rank {rank}")
-            _compare(dict(base, **b), dict(esamp, **e), top)
-        return 0
-    return _compare(base, esamp, top)
+            added.append(_compare(dict(base, **b), dict(esamp, **e), top))
+        result = dict(added[0], ranks=added)
+    else:
+        result = _compare(base, esamp, top)
+    if out:
+        with open(out, "w") as f:
+            json.dump(dict(result, base=base_path, esamp=esamp_path), f, indent=1)
+    return 0
 
 
-def _compare(base: dict, esamp: dict, top: int) -> int:
+def _compare(base: dict, esamp: dict, top: int) -> dict:
     for side in (base, esamp):
         w = side["window"] or {}
         print(
@@ -225,7 +233,13 @@ def _compare(base: dict, esamp: dict, top: int) -> int:
     print(f"{'Δ us/step':>10} {'Δ launches':>10}  kernel")
     for dt, dc, name in rows[:top]:
         print(f"{dt:>10.1f} {dc:>10.1f}  {name[:110]}")
-    return 0
+    return dict(
+        added_kernel_ms_per_step=round(sum(r[0] for r in rows) / 1e3, 4),
+        added_launches_per_step=round(sum(r[1] for r in rows), 1),
+        steps_traced={"baseline": nb, "esamp": ne},
+        periods={side["side"]: side.get("period") for side in (base, esamp)},
+        kernels=[dict(name=name, us_per_step=round(dt, 2), launches_per_step=round(dc, 2)) for dt, dc, name in rows],
+    )
 
 
 def main() -> int:
@@ -278,6 +292,7 @@ def main() -> int:
         "for its largest workload, e.g. 256 when 32xn8x256 runs beside fair)",
     )
     ap.add_argument("--compare", nargs=2, metavar=("BASE", "ESAMP"))
+    ap.add_argument("--compare-json", metavar="PATH", help="with --compare: also write what ESamp adds as JSON")
     ap.add_argument(
         "--periods", nargs="+", metavar="TRACE", help="print step_periods of traces (.json or .json.gz), step by step"
     )
@@ -286,7 +301,7 @@ def main() -> int:
     # here, not at import, so that a test importing this file's readers changes nothing)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if args.compare:
-        return compare(*args.compare, args.top)
+        return compare(*args.compare, args.top, args.compare_json)
     if args.periods:
         return print_periods(args.periods)
     if args.engine_process:

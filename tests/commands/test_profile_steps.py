@@ -96,3 +96,25 @@ def test_a_trace_that_cannot_be_read_is_named(profile_steps, tmp_path, capsys):
     for path in (str(tmp_path / "missing.json.gz"), str(bad)):
         assert profile_steps.print_periods([path]) == 2
         assert f"--periods {path}: not a readable trace" in capsys.readouterr().out
+
+
+def test_the_comparison_writes_what_esamp_adds_per_step(profile_steps, tmp_path, capsys):
+    """``--compare`` with ``--compare-json``: the added kernel time and launches per step (each side
+    divided by its own traced steps), as the README's trace figure reads them."""
+    import json
+
+    def summary(side, steps, kernels):
+        return dict(side=side, step_ms_median=8.0, window=dict(steps=steps, busy_us_per_step=1.0), kernels=kernels)
+
+    base = tmp_path / "base.json"
+    esamp = tmp_path / "esamp.json"
+    base.write_text(json.dumps(summary("baseline", 2, {"gemm": [2, 1000.0], "softmax": [2, 200.0]})))
+    esamp.write_text(json.dumps(summary("esamp", 4, {"gemm": [4, 2200.0], "distill": [8, 80.0]})))
+    out = tmp_path / "added.json"
+    assert profile_steps.compare(str(base), str(esamp), top=5, out=str(out)) == 0
+    added = json.loads(out.read_text())
+    # per step: gemm 550 − 500, softmax −100, distill +20 → −30 us; launches 1 − 1 − 1 + 2 = +1
+    assert added["added_kernel_ms_per_step"] == pytest.approx(-0.03)
+    assert added["added_launches_per_step"] == pytest.approx(1.0)
+    assert {k["name"] for k in added["kernels"]} == {"gemm", "softmax", "distill"}
+    assert "ESamp minus baseline" in capsys.readouterr().out

@@ -101,7 +101,10 @@ LR = 3e-3
 # The largest difference each check allows: relative to the value's scale, parameters in units of
 # lr. Exact products (the interpreter, "ieee" on a GPU) differ only in the order of their sums.
 EXACT = {"prediction": 2e-5, "errors": 2e-5, "losses": 2e-5, "parameters / lr": 0.05, "moments": 2e-5}
-TOLERANCE = {"ieee": EXACT, "tf32x3": EXACT}
+# TF32 products (the default on a GPU) round their inputs to 10-bit mantissas: about 1e-3 of each
+# product; Adam then moves a weight whose gradient is near 0 by up to a few lr either way.
+TF32 = {"prediction": 5e-3, "errors": 1e-2, "losses": 1e-2, "parameters / lr": 3.0, "moments": 3e-2}
+TOLERANCE = {"ieee": EXACT, "tf32x3": EXACT, "tf32": TF32}
 
 
 def check(device: str, precision: str) -> dict:

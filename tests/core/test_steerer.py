@@ -126,8 +126,8 @@ def test_entropy_matched_rows_take_the_pytorch_path_on_every_backend():
         SteeredRow(0, Steering(beta=0.8, mix="matched"), Filters(top_p=0.9, min_p=0.02)),
     ]
     plan = StepPlan.build(rows)
-    assert plan.matched.tolist() == [1.0, 0.0, 1.0] and plan.mix_key == (False, True)
-    assert StepPlan.build(rows[1:2]).matched is None and StepPlan.build(rows[1:2]).mix_key == (False, False)
+    assert plan.matched.tolist() == [1.0, 0.0, 1.0] and plan.mix_key == (False, True, True)
+    assert StepPlan.build(rows[1:2]).matched is None and StepPlan.build(rows[1:2]).mix_key == (False, False, True)
     x, z, W = torch.randn(3, H), torch.randn(3, V) * 3, torch.randn(V, H)
     pred = bank.predict(x, plan.layout)
     scaled = steerer.filter(plan, z.clone())

@@ -129,7 +129,10 @@ def evaluate(
     """ŷ [rows, H] in ``out_dtype`` (plan order), e [rows] and the loss of each unit [U] for the
     layout's cells, from tap rows ``x``, ``y`` (each [*, H], rows read through ``layout.gather``)
     and the slots' parameters in ``store`` (``FlatParameters``). ``norms``: the taps' RMSNorms
-    (``TapNorms``) or None (the taps are the Distiller's inputs); ``ln_eps``: the LayerNorm's ε."""
+    (``TapNorms``) or None (the taps are the Distiller's inputs); ``ln_eps``: the LayerNorm's ε.
+
+    W is not specialised: a step of any block shape runs the kernels the first step compiled, so
+    a CUDA graph of a new shape is captured without compiling (which a capture does not allow)."""
     U, W = layout.shape
     H, r = ws.hidden, ws.rank
     rp = rank_block(r)
@@ -259,7 +262,7 @@ if triton is not None:
             p = p - lr * g
         tl.store(p_ptr + where, p, mask=keep)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["W"])
     def _e1_kernel(
         x_ptr, x_stride, y_ptr, y_stride, gx_ptr, gx_offset, x_eps, gy_ptr, y_eps,
         flat_ptr, P, ag_at, b_at, steps_ptr,
@@ -328,7 +331,7 @@ if triton is not None:
             stats = tl.where(sc == 0, rho_x[:, None], tl.where(sc == 1, rho_y[:, None], 0.0))
             tl.store(stats_ptr + row[:, None] * 4 + sc, stats, mask=valid[:, None] & (sc < 2))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["W"])
     def _e2_kernel(
         gx_ptr, gx_offset, flat_ptr, P, B_at, units_ptr, row_of_ptr, W, H, r,
         xs_ptr, h_ptr, stats_ptr, normed_ptr, part_ptr, rows, width, arrivals_ptr, ln_eps,
@@ -394,7 +397,7 @@ if triton is not None:
             tl.store(stats_ptr + row * 4 + 2, mean, mask=valid)
             tl.store(stats_ptr + row * 4 + 3, 1.0 / tl.sqrt(m2 / H + ln_eps), mask=valid)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["W"])
     def _e3_kernel(
         y_ptr, y_stride, gy_ptr, gy_offset, flat_ptr, P, lw_at, lb_at,
         units_ptr, gather_ptr, weight_ptr, row_of_ptr, W, H,
@@ -457,7 +460,7 @@ if triton is not None:
                     loss += tl.sum(e * c, axis=0)
                 tl.store(loss_ptr + u, loss)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["W"])
     def _l1_kernel(
         flat_ptr, m_ptr, v_ptr, P, B_at, lw_at, lb_at, lr, beta1, beta2, eps,
         W, H, r, row_of_ptr, counts_ptr, slots_ptr, steps_ptr,
@@ -519,7 +522,7 @@ if triton is not None:
             _opt_step(flat_ptr, m_ptr, v_ptr, ln + lw_at, hm, dlw, lr, beta1, beta2, eps, step, ADAM)
             _opt_step(flat_ptr, m_ptr, v_ptr, ln + lb_at, hm, dlb, lr, beta1, beta2, eps, step, ADAM)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["W"])
     def _l2_kernel(
         flat_ptr, m_ptr, v_ptr, P, ag_at, b_at, steps_ptr, lr, beta1, beta2, eps,
         gx_ptr, gx_offset, W, H, r, row_of_ptr, counts_ptr, slots_ptr, unit_steps_ptr,
