@@ -211,8 +211,10 @@ print(json.dumps({p: t.run_steps('cuda', p, 1000) for p in ('ieee', 'tf32x3', 't
     (cd /tmp/steps && tar -czf "$OUT/steps-${model//:/-}-$w.tar.gz" *.json)
     for side in baseline esamp; do
       ls /tmp/steps/traces-$side-$w-tp1/*.json* >/dev/null 2>&1 && python3 benchmarks/profile_steps.py \
-        --periods /tmp/steps/traces-$side-$w-tp1/*.json* > "$OUT/periods-$side-$w.txt" 2>&1
+        --periods /tmp/steps/traces-$side-$w-tp1/*.json* > "$OUT/periods-$side-$w.txt" 2>&1 \
+        && python3 benchmarks/profile_steps.py --gaps /tmp/steps/traces-$side-$w-tp1/*.json* > "$OUT/gaps-$side-$w.txt" 2>&1
     done
+    head -8 "$OUT"/gaps-*-$w.txt
     python3 benchmarks/profile_steps.py --compare /tmp/steps/steps-baseline-$w-${LOGITS:-flat}.json \
       /tmp/steps/steps-esamp-$w-${LOGITS:-flat}.json --top 30 --compare-json "$OUT/added-$w.json" ;;
   dashboard)

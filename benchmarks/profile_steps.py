@@ -121,6 +121,49 @@ def step_periods(trace: dict) -> list[dict]:
     return rows
 
 
+def idle_gaps(trace: dict, min_us: float = 50.0) -> list[dict]:
+    """Where the main stream waits inside steps: every idle stretch of at least ``min_us`` between
+    two of its device events, with the events before and after it and, for the one after, when the
+    host launched it (``late_us``: launch time minus the stretch's start; positive when the host
+    was the one late) and with which runtime call. Grouped by (before, after, call): the count, the
+    summed idle and the median lateness."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    launches = {
+        e["args"]["correlation"]: (float(e["ts"]), e["name"])
+        for e in events
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
+    }
+    device = sorted(
+        (e for e in events if e.get("cat") in DEVICE_CATS and e.get("args", {}).get("correlation") in launches),
+        key=lambda e: float(e["ts"]),
+    )
+    if not device:
+        return []
+    main = collections.Counter(e.get("tid") for e in device).most_common(1)[0][0]
+    on_main = [e for e in device if e.get("tid") == main]
+    groups: dict[tuple, list[tuple[float, float]]] = collections.defaultdict(list)
+    end, before = None, None
+    for e in on_main:
+        start = float(e["ts"])
+        if end is not None and start - end >= min_us:
+            at, call = launches[e["args"]["correlation"]]
+            groups[(before["name"][:70], e["name"][:70], call)].append((start - end, at - end))
+        if end is None or start + float(e.get("dur", 0)) > end:
+            end, before = start + float(e.get("dur", 0)), e
+    rows = [
+        dict(
+            before=b,
+            after=a,
+            call=c,
+            count=len(v),
+            idle_us=round(sum(g for g, _ in v), 1),
+            late_us_median=round(statistics.median(late for _, late in v), 1),
+        )
+        for (b, a, c), v in groups.items()
+    ]
+    return sorted(rows, key=lambda r: -r["idle_us"])
+
+
 def summarize_trace(trace: dict, steps: int) -> dict:
     """Device time per kernel and the window's busy share, from a Chrome trace of the profiler.
     Per-step figures divide by the steps the trace holds where its host annotations tell
@@ -167,6 +210,22 @@ def _load_trace(path: str) -> dict:
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
         return json.load(f)
+
+
+def print_gaps(paths: list[str], top: int = 12) -> int:
+    """``idle_gaps`` of each trace: the main stream's longest waits and who launched late."""
+    for path in paths:
+        try:
+            rows = idle_gaps(_load_trace(path))
+        except (OSError, ValueError) as exc:
+            print(f"--gaps {path}: not a readable trace ({exc}); give the .json or .json.gz a profiler wrote")
+            return 2
+        print(f"== {os.path.basename(path)}: main-stream waits of 50 us or more, longest total first")
+        print(f"{'idle us':>10} {'count':>6} {'late us':>8}  before -> after (launched by)")
+        for r in rows[:top]:
+            where = f"{r['before']} -> {r['after']} ({r['call']})"
+            print(f"{r['idle_us']:>10.1f} {r['count']:>6} {r['late_us_median']:>8.1f}  {where}")
+    return 0
 
 
 def print_periods(paths: list[str]) -> int:
@@ -296,6 +355,9 @@ def main() -> int:
     ap.add_argument(
         "--periods", nargs="+", metavar="TRACE", help="print step_periods of traces (.json or .json.gz), step by step"
     )
+    ap.add_argument(
+        "--gaps", nargs="+", metavar="TRACE", help="print where the main stream of traces waits inside steps, and why"
+    )
     args = ap.parse_args()
     # vLLM's engine core in this process unless --engine-process (read when the engine starts; set
     # here, not at import, so that a test importing this file's readers changes nothing)
@@ -304,6 +366,8 @@ def main() -> int:
         return compare(*args.compare, args.top, args.compare_json)
     if args.periods:
         return print_periods(args.periods)
+    if args.gaps:
+        return print_gaps(args.gaps)
     if args.engine_process:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # read when the engine starts, below
 

@@ -124,7 +124,8 @@ class ReferenceEngine(EngineBase):
 
     def _admit(self, group: Group) -> _RefGroup:
         slot = self.bank.allocate(group.key) if group.steered else None  # BankFullError when full
-        g = _RefGroup(**vars(group), slot=slot)
+        # The draws' generator lives where the logits do (a CPU generator cannot draw on a GPU).
+        g = _RefGroup(**vars(group), slot=slot, generator=torch.Generator(device=self.device))
         s = g.sampling
         g.generator.manual_seed(s.seed if s.seed is not None else torch.seed())
         return g
@@ -217,10 +218,11 @@ class ReferenceEngine(EngineBase):
         else:
             if not first:
                 events += g.stream.novelties(g.alive, None)
-            scaled = iv.scale_logits(logits, torch.full((rows,), s.temperature)).expand(rows, -1)
-            mask = iv.candidate_mask(
-                scaled, torch.full((rows,), s.top_k), torch.full((rows,), s.top_p), torch.full((rows,), s.min_p)
-            )
+            def per_row(value):
+                return torch.full((rows,), value, device=logits.device)
+
+            scaled = iv.scale_logits(logits, per_row(s.temperature)).expand(rows, -1)
+            mask = iv.candidate_mask(scaled, per_row(s.top_k), per_row(s.top_p), per_row(s.min_p))
             final = iv.filtered_logits(scaled, mask)
         tokens = iv.sample(final, torch.full((rows,), s.temperature == 0), g.generator)
 

@@ -118,3 +118,14 @@ def test_the_comparison_writes_what_esamp_adds_per_step(profile_steps, tmp_path,
     assert added["added_launches_per_step"] == pytest.approx(1.0)
     assert {k["name"] for k in added["kernels"]} == {"gemm", "softmax", "distill"}
     assert "ESamp minus baseline" in capsys.readouterr().out
+
+
+def test_idle_gaps_name_the_late_launch(profile_steps):
+    """A wait of the main stream is put between the kernels around it, with how late the host launched the
+    second one; waits shorter than the threshold and other streams' kernels are left out."""
+    rows = profile_steps.idle_gaps(TRACE, min_us=40)
+    # main stream (tid 7): waits 400..450 (its next kernel launched at 50: 350 us early), 500..600 (launched
+    # at 560: 60 us late) and 800..950 (launched at 910: 110 us late)
+    got = {(r["before"], r["after"]): (r["count"], r["idle_us"], r["late_us_median"]) for r in rows}
+    assert got == {("k7", "k7"): (3, 50.0 + 100.0 + 150.0, 60.0)}
+    assert rows[0]["call"] == "cudaLaunchKernel"

@@ -99,11 +99,14 @@ def run_steps(device: str, precision: str, hidden: int = 200, rank: int = 8, see
 
 LR = 3e-3
 # The largest difference each check allows: relative to the value's scale, parameters in units of
-# lr. Exact products (the interpreter, "ieee" on a GPU) differ only in the order of their sums.
-EXACT = {"prediction": 2e-5, "errors": 2e-5, "losses": 2e-5, "parameters / lr": 0.05, "moments": 2e-5}
-# TF32 products (the default on a GPU) round their inputs to 10-bit mantissas: about 1e-3 of each
-# product; Adam then moves a weight whose gradient is near 0 by up to a few lr either way.
-TF32 = {"prediction": 5e-3, "errors": 1e-2, "losses": 1e-2, "parameters / lr": 3.0, "moments": 3e-2}
+# lr. Exact products (the interpreter, "ieee" on a GPU) differ only in the order of their sums
+# (measured at H 1000 on an H200: ŷ 1.7e-5, parameters 0.03 lr; tf32x3 ŷ 3.7e-5).
+EXACT = {"prediction": 1e-4, "errors": 2e-5, "losses": 2e-5, "parameters / lr": 0.1, "moments": 5e-5}
+# TF32 products (the default on a GPU) round their inputs to 10-bit mantissas (measured: ŷ 1.3e-2
+# of its scale, e 5e-4, losses 3e-5, moments 5e-3); Adam then moves a weight whose gradient is near
+# 0 by up to 2 lr either way. The learning it gives is the fp32 path's to 0.02%
+# (benchmarks/fused_learning.py).
+TF32 = {"prediction": 3e-2, "errors": 5e-3, "losses": 1e-3, "parameters / lr": 3.0, "moments": 2e-2}
 TOLERANCE = {"ieee": EXACT, "tf32x3": EXACT, "tf32": TF32}
 
 

