@@ -15,6 +15,17 @@ For the ESamp side the server's own counters (``/esamp/metrics``) are read aroun
 rows the Distiller steered per data-parallel rank and the bank-full count, so a trial that was not
 steered (or steered on one rank only) shows in the result.
 
+``--logits`` is ``esamp bench``'s (same default): ``flat`` measures the model as loaded (a dummy
+model's near-uniform logits, ESamp's worst case), ``realistic`` rescales the LM head first, as
+``esamp bench --logits realistic`` does (``esamp.commands.bench.calibrate``), so the served ratio
+is read on the head the in-process one is. Both servers then run with esamp bench's worker
+extension (``--worker-extension-cls``, its methods called by name) and ``VLLM_SERVER_DEV_MODE=1``,
+which gives vLLM's ``POST /collective_rpc``: the plain server's head spreads are read once, the
+calibration runs once (its scale refined on the ESamp server's probes, read through the client
+engine), and the same factors go to every worker of both servers (vLLM's data-parallel client
+sends a call to every rank). Each server's scaled head is read back and checked against the
+factors before any trial; attached servers get their loaded head back at the end.
+
     python benchmarks/serve_bench.py --model qwen2.5-7b:dummy --json out.json
     python benchmarks/serve_bench.py --model qwen2.5-7b:dummy --data-parallel-size 2 --json out-dp2.json
     python benchmarks/serve_bench.py --baseline-url http://127.0.0.1:8001 --esamp-url http://127.0.0.1:8000
@@ -30,6 +41,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import shlex
 import signal
@@ -38,6 +50,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -45,9 +58,14 @@ from urllib.parse import urlsplit
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 API_KEY_ENV = "ESAMP_API_KEY"
+DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"  # vLLM's development routes, /collective_rpc among them
+# A scaled head's spread per token may differ from σ·f by this share (bfloat16 rounds each weight).
+HEAD_TOLERANCE = 0.02
 
+from esamp.commands.bench import calibrate  # noqa: E402
 from esamp.commands.bench.provenance import commit, versions  # noqa: E402
-from esamp.commands.bench.workloads import parse_workload, prompts as make_prompts  # noqa: E402
+from esamp.commands.bench.run import DEFAULT_LOGITS, LOGITS  # noqa: E402
+from esamp.commands.bench.workloads import PRESETS, parse_workload, prompts as make_prompts  # noqa: E402
 from esamp.core.config import Filters  # noqa: E402
 from esamp.platform import http_client  # noqa: E402
 
@@ -62,6 +80,13 @@ def parse_args(argv=None):
     )
     p.add_argument("--trials", type=int, default=3, help="timed rounds (one trial per server each)")
     p.add_argument("--prompt-len", type=int, default=32, help="prompt length in tokens")
+    p.add_argument(
+        "--logits",
+        choices=LOGITS,
+        default=DEFAULT_LOGITS,
+        help="the LM head both servers sample from, as esamp bench's --logits: flat (as loaded) or "
+        "realistic (rescaled to a real model's candidate count and entropy) (default: %(default)s)",
+    )
     p.add_argument("--data-parallel-size", type=int, default=1, help="data-parallel ranks of each server")
     p.add_argument("--max-num-seqs", type=int, default=256, help="both servers; the ESamp one gets as many slots")
     p.add_argument("--max-model-len", type=int, default=2048)
@@ -151,13 +176,24 @@ def common_options(args, served_name: str) -> list[str]:
     return out + shlex.split(args.serve_args)
 
 
-def start_servers(args, log_dir: Path) -> tuple[Server, Server]:
+def head_options(args) -> list[str]:
+    """What both servers get for ``--logits realistic``: esamp bench's worker extension, whose
+    methods read and rescale the LM head (called through ``/collective_rpc``)."""
+    if args.logits != "realistic":
+        return []
+    from esamp.commands.bench.worker_extension import BENCH_EXTENSION  # imports torch: only when used
+
+    return ["--worker-extension-cls", BENCH_EXTENSION]
+
+
+def server_commands(args) -> tuple[list[str], list[str], dict]:
+    """(the plain server's command, the ESamp server's, the environment of both)."""
     from esamp.commands.serve import launcher  # the launcher esamp serve itself uses
     from esamp.engines.models import resolve
 
     resolved = resolve(args.model)
     name = resolved.name
-    common = common_options(args, name)
+    common = common_options(args, name) + head_options(args)
     model_dir = str(resolved.path if resolved.kind == "dummy" else resolved.hf_dir())
     plain = launcher(model_dir) + [*common, "--port", str(args.port)]
     if resolved.kind == "dummy":
@@ -167,6 +203,8 @@ def start_servers(args, log_dir: Path) -> tuple[Server, Server]:
     prefer_passive_wait()  # what esamp serve runs vLLM with; the plain server gets the same
     env = {k: v for k, v in os.environ.items() if k != "ESAMP_SERVE"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    if args.logits == "realistic":
+        env[DEV_MODE_ENV] = "1"
     from esamp.platform.devices import cuda_available
 
     if not cuda_available():
@@ -186,6 +224,11 @@ def start_servers(args, log_dir: Path) -> tuple[Server, Server]:
         str(args.port + 1),
         *shlex.split(args.esamp_args),
     ]
+    return plain, esamp, env
+
+
+def start_servers(args, log_dir: Path) -> tuple[Server, Server]:
+    plain, esamp, env = server_commands(args)
     # One after the other: each measures the GPU memory it may take while the other holds its own.
     baseline = Server("plain", f"http://127.0.0.1:{args.port}", plain, env, log_dir / "plain.log")
     baseline.wait(args.startup_timeout)
@@ -279,6 +322,83 @@ def served_model(url: str) -> str:
     return get_json(url + "/v1/models")["data"][0]["id"]
 
 
+# -- the realistic head ---------------------------------------------------------------------------
+
+
+class Workers:
+    """A server's vLLM workers, through vLLM's ``POST /collective_rpc`` (``VLLM_SERVER_DEV_MODE=1``):
+    a method of the worker extension by name, every worker's answer in rank order (those of the
+    first data-parallel rank; the call itself reaches every rank). ``workers`` is what
+    ``calibrate.head_sigma`` asks of an engine."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+
+    def workers(self, method: str, *args) -> list:
+        key = os.environ.get(API_KEY_ENV)
+        request = urllib.request.Request(
+            self.server.url + "/collective_rpc",
+            data=json.dumps({"method": method, "args": list(args)}).encode(),
+            headers={"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})},
+            method="POST",
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=600) as r:
+                body = r.read()
+        except urllib.error.HTTPError as err:
+            from esamp.commands.bench.worker_extension import BENCH_EXTENSION
+
+            raise RuntimeError(
+                f"the {self.server.name} server's /collective_rpc {method}: HTTP {err.code}: "
+                f"{err.read()[:300].decode(errors='replace')}\n--logits realistic needs both servers started with "
+                f"{DEV_MODE_ENV}=1 and --worker-extension-cls {BENCH_EXTENSION} (as this script starts them), "
+                "or --logits flat"
+            ) from None
+        return json.loads(body)["results"] if body else []
+
+    def scale_head(self, factors: list[float] | None) -> None:
+        """Every worker's LM head rows × ``factors`` (None: the head as loaded)."""
+        self.workers("esamp_scale_head", factors)
+
+
+def head_gap(expected: list[float], got: list[float]) -> float:
+    """The largest relative gap between a head's spreads and the expected ones (σ·f)."""
+    if len(got) != len(expected):
+        return math.inf
+    return max((abs(g - e) / e for e, g in zip(expected, got) if e > 0), default=0.0)
+
+
+def realistic_heads(baseline: Server, served: Server, prompt_len: int, vocab: int) -> dict:
+    """``--logits realistic``: one calibration (``calibrate.realistic_head``, as ``esamp bench``
+    runs it: the plain server's head spreads, the scale refined on the ESamp server), the factors
+    to both servers, each server's head read back and checked. The calibration, as a report carries
+    it (``heads``: each server's largest gap to the scaled spreads)."""
+    from esamp.engines.endpoint import EndpointEngine
+
+    filters = dict(PRESETS["default"]["sampling"])  # esamp's filters: what every trial sends
+    sigma = calibrate.head_sigma(Workers(baseline))
+    endpoint = EndpointEngine(served.url)
+    try:
+        factors, cal = calibrate.realistic_head(
+            sigma, filters, endpoint, endpoint.esamp.steering, prompt_len, vocab, scale=Workers(served).scale_head
+        )
+    finally:
+        endpoint.close()
+    expected = [s * f for s, f in zip(sigma, factors)]
+    cal["heads"] = {}
+    for server in (baseline, served):
+        Workers(server).scale_head(factors)
+        cal["heads"][server.name] = round(head_gap(expected, calibrate.head_sigma(Workers(server))), 5)
+    wrong = {name: gap for name, gap in cal["heads"].items() if not gap <= HEAD_TOLERANCE}
+    if wrong:
+        raise RuntimeError(
+            f"a server's LM head is not the scaled one (largest gap to σ·f: {wrong}, allowed "
+            f"{HEAD_TOLERANCE}): the servers would not sample from the same head"
+        )
+    print(calibrate.describe(cal), file=sys.stderr, flush=True)
+    return cal
+
+
 def device() -> str:
     try:
         import pynvml
@@ -306,16 +426,23 @@ def run(args) -> dict:
     else:
         baseline, served = start_servers(args, log_dir)
         started = [baseline, served]
+    scaled = []  # attached servers whose head this script rescaled: given back as loaded
     try:
         model = served_model(served.url)
         config = get_json(served.url + "/esamp/config")
         vocab = _vocab(args.model)
+        calibration = {}
+        if args.logits == "realistic":
+            scaled = [] if started else [baseline, served]
+            calibration = realistic_heads(baseline, served, args.prompt_len, vocab)
         result = {
             "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
             "commit": commit(),
             "device": device(),
             "versions": versions(),
             "model": args.model,
+            "logits": args.logits,
+            "calibration": calibration,
             "data_parallel_size": config["ranks"],
             "max_num_seqs": args.max_num_seqs,
             "esamp": config["esamp"],
@@ -386,6 +513,11 @@ def run(args) -> dict:
             )
         return result
     finally:
+        for server in scaled:
+            try:
+                Workers(server).scale_head(None)
+            except Exception as exc:  # noqa: BLE001 - the measurement stands; say what was left
+                print(f"the {server.name} server keeps the scaled head: {exc}", file=sys.stderr)
         for server in started:
             server.stop()
 
@@ -400,13 +532,20 @@ def _vocab(spec: str) -> int:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    result = run(args)
+    try:
+        result = run(args)
+    except RuntimeError as exc:  # a server that did not start or answer: its own words, no traceback
+        print(f"serve_bench.py: {exc}", file=sys.stderr)
+        return 1
+    print(f"{'logits':>9} {'workload':<12} {'plain tok/s':>12} {'esamp tok/s':>12} {'ratio':>7} {'(min..max)':>14}")
     for w in result["workloads"]:
         r = w["ratio"]
         print(
-            f"{w['name']:<12} plain {w['plain_tok_s']:>10.1f} tok/s  esamp {w['esamp_tok_s']:>10.1f} tok/s  "
-            f"ratio {r['median']:.3f} ({r['min']:.3f}..{r['max']:.3f})"
+            f"{result['logits']:>9} {w['name']:<12} {w['plain_tok_s']:>12.1f} {w['esamp_tok_s']:>12.1f} "
+            f"{r['median']:>7.3f} {r['min']:>6.3f}..{r['max']:<6.3f}"
         )
+    if result["calibration"]:
+        print(calibrate.describe(result["calibration"]))
     path = Path(
         args.json_path
         or ROOT

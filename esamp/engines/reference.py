@@ -218,6 +218,7 @@ class ReferenceEngine(EngineBase):
         else:
             if not first:
                 events += g.stream.novelties(g.alive, None)
+
             def per_row(value):
                 return torch.full((rows,), value, device=logits.device)
 

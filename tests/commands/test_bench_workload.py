@@ -54,23 +54,28 @@ class CountingEngine:
 
 
 def _run(sides, shape, trials: int, results: list[dict], **kw) -> None:
-    """``esamp bench``'s one workload (flat logits, the default preset) on these sides."""
+    """``esamp bench``'s one workload (flat logits, the default preset) on these sides; its report
+    row goes into ``results`` however it ends (the bench makes its rows when it writes the report)."""
     args = SimpleNamespace(prompt_len=4, min_trial_seconds=0.0)
-    bench_run._workload(
-        "flat",
-        "default",
-        shape,
-        sides,
-        {},
-        None,
-        SamplingConfig(seed=0),
-        EsampConfig(),
-        32_000,
-        args,
-        trials,
-        results,
-        **kw,
-    )
+    runs: list = []
+    try:
+        bench_run._workload(
+            "flat",
+            "default",
+            shape,
+            sides,
+            {},
+            None,
+            SamplingConfig(seed=0),
+            EsampConfig(),
+            32_000,
+            args,
+            trials,
+            runs,
+            **kw,
+        )
+    finally:
+        results[:] = [run.row() for run in runs]
 
 
 def _measure(stop_at: int, monkeypatch) -> list[dict]:
@@ -91,13 +96,17 @@ def test_an_interrupted_workload_keeps_its_finished_trials(monkeypatch):
     results = _measure(stop_at=6 + 2 * 6 + 3, monkeypatch=monkeypatch)
     (r,) = results
     assert r["interrupted"] is True and r["workload"] == "2x8"
+    assert (r["complete"], r["reported_round"], r["rounds_finished"], r["trials_finished"]) == (False, 1, 0, 2)
     assert sorted({t["trial"] for t in r["trials"]}) == [0, 1]
     assert {t["side"] for t in r["trials"]} == {"baseline", "floor", "esamp"}
     assert r["ratio_min"] == r["ratio_max"] == 1.0 and r["floor_ratio_median"] == 1.0
 
 
-def test_an_interrupt_before_any_trial_finished_reports_no_workload(monkeypatch):
-    assert _measure(stop_at=6 + 2, monkeypatch=monkeypatch) == []
+def test_an_interrupt_before_any_trial_finished_lists_the_workload_as_not_measured(monkeypatch):
+    (r,) = _measure(stop_at=6 + 2, monkeypatch=monkeypatch)
+    assert r["workload"] == "2x8" and r["measured"] is False and r["reached"] is True
+    assert (r["complete"], r["rounds_started"], r["rounds_finished"], r["trials_finished"]) == (False, 1, 0, 0)
+    assert "ratio_median" not in r
 
 
 def test_an_interrupted_bench_asks_the_engines_nothing_for_its_report():

@@ -43,7 +43,7 @@ def run_setup(tmp_path: Path, *args: str) -> list[str]:
     return done.stdout.splitlines()
 
 
-@pytest.mark.parametrize("args, phases", [((), 4), (("--dev",), 7)], ids=["app", "dev"])
+@pytest.mark.parametrize("args, phases", [((), 4), (("--dev",), 8)], ids=["app", "dev"])
 def test_every_phase_is_announced_before_it_runs(tmp_path, args, phases):
     lines = run_setup(tmp_path, *args)
     assert lines[0].startswith("Setting up esamp in .venv") and re.search(r"about \d+ (s|minutes?)$", lines[0])

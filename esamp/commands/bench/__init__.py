@@ -27,7 +27,8 @@ Output: a table on stdout and a JSON file with per-trial tok/s, the ESamp/baseli
 of the per-trial ratios, with min and max), time to first token per side, the Distiller's loss
 count and first/last loss, port hits, mean candidate count, the processor's host time per steady
 step and its start-up and plan costs, peak GPU memory of each engine, the calibration, device,
-versions and the exact command. Ctrl-C stops the bench and still writes what was measured.
+versions and the exact command. Ctrl-C or SIGTERM stops the bench and still writes what was
+measured, every workload with the rounds and trials it finished (``stop``, ``run.WorkloadRun``).
 vLLM's own output, from this process and its engine processes, goes to a log beside the JSON
 (``vllm_log``), so the terminal shows the bench's lines only.
 

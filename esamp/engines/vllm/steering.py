@@ -155,9 +155,10 @@ class EngineSteering:
                 graphs=GraphCache(
                     enabled=graphs and bank is not None, after=0, size=DISTILL_GRAPHS, in_place=True, shared_pool=True
                 ),
-                # On a GPU the Distiller's update runs beside the steps that follow it.
+                # On a GPU the Distiller's update runs beside the steps that follow it
+                # (ESAMP_UPDATE=inline: in line with the step, for measuring the two against each other).
                 beside=SideStream(GraphCache(enabled=graphs, after=0, size=DISTILL_GRAPHS, in_place=True))
-                if self.device.type == "cuda"
+                if self.device.type == "cuda" and os.environ.get("ESAMP_UPDATE", "beside") != "inline"
                 else None,
             )
             if bank is not None
