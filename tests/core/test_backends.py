@@ -216,3 +216,37 @@ def test_an_update_beside_the_stream_equals_the_update_in_line():
     for a, b in ((banks[1].store.flat, banks[0].store.flat), (banks[1].store.steps, banks[0].store.steps)):
         torch.testing.assert_close(a, b)
     assert steerers[1].beside.graphs.replays > 0 and not steerers[1].beside.graphs.failures
+
+
+FLAT_KERNEL_CHECK = """
+import copy, torch
+from esamp.core.backends import flat
+for optimizer in ('adam', 'sgd'):
+    store = flat.FlatParameters({'a': (5, 7), 'b': (3,)}, 3, torch.device('cpu'))
+    gen = torch.Generator().manual_seed(0)
+    store.initialise([{'a': torch.randn(5, 7, generator=gen), 'b': torch.randn(3, generator=gen)} for _ in range(4)])
+    ref = copy.deepcopy(store)
+    units, counts = torch.tensor([2, 0, 3]), torch.tensor([1.0, 2.0, 0.0])  # slot 3: the scratch, not trained
+    for _ in range(3):
+        grads = {k: torch.randn(3, *shape, generator=gen) for k, shape in store.shapes.items()}
+        ref.update(units, counts, grads, optimizer, 1e-2)  # the PyTorch arithmetic (a CPU tensor)
+        store.steps.index_add_(0, units, (counts > 0).float())
+        for name, grad in grads.items():
+            a, b = store.spans[name]
+            flat._update_kernel[(3, 1)](store.flat, store.flat_m, store.flat_v, store.steps, grad.contiguous(),
+                units, counts, store.flat.stride(0), a, b - a, 1e-2, *flat.ADAM_BETAS, flat.ADAM_EPS,
+                ADAM=optimizer == 'adam', BLOCK=64)
+    for mine, theirs in ((store.flat, ref.flat), (store.flat_m, ref.flat_m), (store.flat_v, ref.flat_v)):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-7)
+"""
+
+
+@pytest.mark.skipif(CUDA, reason="the kernel runs on the GPU there")
+def test_the_flat_optimizer_kernel_equals_its_pytorch_arithmetic_in_tritons_interpreter():
+    """The optimizer kernel a GPU runs (``backends.flat``, whose ``opt_step`` the fused Distiller
+    step calls too) does what the PyTorch update does, for Adam and SGD, leaving a slot with no
+    training rows alone."""
+    from _interpreter import in_tritons_interpreter
+
+    done = in_tritons_interpreter(FLAT_KERNEL_CHECK, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]

@@ -173,16 +173,23 @@ if triton is not None:
             inside = cols < n
             where = slot * row_stride + offset + cols
             g = tl.load(g_ptr + u.to(tl.int64) * n + cols, mask=inside, other=0.0)
-            p = tl.load(p_ptr + where, mask=inside, other=0.0)
-            if ADAM:
-                m = tl.load(m_ptr + where, mask=inside, other=0.0) * beta1 + (1.0 - beta1) * g
-                v = tl.load(v_ptr + where, mask=inside, other=0.0) * beta2 + (1.0 - beta2) * g * g
-                step = tl.load(steps_ptr + slot)
-                bias1 = 1.0 - tl.exp(step * tl.log(beta1))
-                bias2 = 1.0 - tl.exp(step * tl.log(beta2))
-                p = p - (lr / bias1) * m / (tl.sqrt(v) / tl.sqrt(bias2) + eps)
-                tl.store(m_ptr + where, m, mask=inside)
-                tl.store(v_ptr + where, v, mask=inside)
-            else:
-                p = p - lr * g
-            tl.store(p_ptr + where, p, mask=inside)
+            step = tl.load(steps_ptr + slot)
+            opt_step(p_ptr, m_ptr, v_ptr, where, inside, g, lr, beta1, beta2, eps, step, ADAM)
+
+    @triton.jit
+    def opt_step(p_ptr, m_ptr, v_ptr, where, keep, g, lr, beta1, beta2, eps, step, ADAM: tl.constexpr):
+        """The update of the elements ``where`` of the parameters and moments, with gradient ``g``:
+        Adam with bias correction at ``step`` (``torch.optim.Adam``'s arithmetic), or SGD. Every
+        optimizer kernel of the bank calls it (this one, and the fused Distiller step's)."""
+        p = tl.load(p_ptr + where, mask=keep, other=0.0)
+        if ADAM:
+            m = tl.load(m_ptr + where, mask=keep, other=0.0) * beta1 + (1.0 - beta1) * g
+            v = tl.load(v_ptr + where, mask=keep, other=0.0) * beta2 + (1.0 - beta2) * g * g
+            bias1 = 1.0 - tl.exp(step * tl.log(beta1))
+            bias2 = 1.0 - tl.exp(step * tl.log(beta2))
+            p = p - (lr / bias1) * m / (tl.sqrt(v) / tl.sqrt(bias2) + eps)
+            tl.store(m_ptr + where, m, mask=keep)
+            tl.store(v_ptr + where, v, mask=keep)
+        else:
+            p = p - lr * g
+        tl.store(p_ptr + where, p, mask=keep)

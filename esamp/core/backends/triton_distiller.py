@@ -23,7 +23,7 @@ and no extra launch reduces them. ``learn`` reads only the workspace that ``eval
 (the raw x rows, h, the statistics, n̂, r, c and a snapshot of the block's rows and slots), so it
 may run beside whatever follows, as long as the next ``evaluate`` waits for it (``settle``).
 
-The optimizer step is the one of ``backends.flat`` (Adam with per-slot step counts, or SGD), on
+The optimizer step is ``backends.flat``'s ``opt_step`` (Adam with per-slot step counts, or SGD), on
 each slice where its gradient is complete: no gradient is written to memory. Products run on the
 tensor cores with ``PRECISION`` (TF32 by default; ``ESAMP_DISTILLER_PRECISION=ieee`` or
 ``tf32x3`` for fp32-faithful products). One (U, W) shape is one fixed grid for every batch: a
@@ -226,6 +226,7 @@ def partial_slices(hidden: int) -> int:
 
 
 if triton is not None:
+    from esamp.core.backends.flat import opt_step
 
     @triton.jit
     def _cells(row_of_ptr, u, rb, W, BW: tl.constexpr):
@@ -272,22 +273,6 @@ if triton is not None:
         if HAS_NORM:
             return offset + tl.load(g_ptr + cols, mask=inside, other=0.0).to(tl.float32)
         return tl.full(cols.shape, 1.0, tl.float32)
-
-    @triton.jit
-    def _opt_step(p_ptr, m_ptr, v_ptr, where, keep, g, lr, beta1, beta2, eps, step, ADAM: tl.constexpr):
-        """``backends.flat``'s update on the elements ``where`` (Adam with bias correction at ``step``, or SGD)."""
-        p = tl.load(p_ptr + where, mask=keep, other=0.0)
-        if ADAM:
-            m = tl.load(m_ptr + where, mask=keep, other=0.0) * beta1 + (1.0 - beta1) * g
-            v = tl.load(v_ptr + where, mask=keep, other=0.0) * beta2 + (1.0 - beta2) * g * g
-            bias1 = 1.0 - tl.exp(step * tl.log(beta1))
-            bias2 = 1.0 - tl.exp(step * tl.log(beta2))
-            p = p - (lr / bias1) * m / (tl.sqrt(v) / tl.sqrt(bias2) + eps)
-            tl.store(m_ptr + where, m, mask=keep)
-            tl.store(v_ptr + where, v, mask=keep)
-        else:
-            p = p - lr * g
-        tl.store(p_ptr + where, p, mask=keep)
 
     @triton.jit
     def _ag_columns(RP: tl.constexpr, r):
@@ -558,10 +543,10 @@ if triton is not None:
                     tl.store(grads_ptr + row[:, None] * (2 * RP) + j[None, :], du * s * sig, mask=valid[:, None])
                     ds = du * p * sig * (1.0 + s * (1.0 - sig))
                     tl.store(grads_ptr + row[:, None] * (2 * RP) + RP + j[None, :], ds, mask=valid[:, None])
-            _opt_step(flat_ptr, m_ptr, v_ptr, B_where, B_keep, dB, lr, beta1, beta2, eps, step, ADAM)
+            opt_step(flat_ptr, m_ptr, v_ptr, B_where, B_keep, dB, lr, beta1, beta2, eps, step, ADAM)
             ln = slot * P + hn
-            _opt_step(flat_ptr, m_ptr, v_ptr, ln + lw_at, hm, dlw, lr, beta1, beta2, eps, step, ADAM)
-            _opt_step(flat_ptr, m_ptr, v_ptr, ln + lb_at, hm, dlb, lr, beta1, beta2, eps, step, ADAM)
+            opt_step(flat_ptr, m_ptr, v_ptr, ln + lw_at, hm, dlw, lr, beta1, beta2, eps, step, ADAM)
+            opt_step(flat_ptr, m_ptr, v_ptr, ln + lb_at, hm, dlb, lr, beta1, beta2, eps, step, ADAM)
 
     @triton.jit(do_not_specialize=["W"])
     def _l2_kernel(
@@ -597,11 +582,11 @@ if triton is not None:
                     db += tl.sum(g, axis=0)
             where = slot * P + ag_at + hk[:, None] * (2 * r) + col[None, :]
             keep = hm[:, None] & rank_col[None, :]
-            _opt_step(flat_ptr, m_ptr, v_ptr, where, keep, dAG, lr, beta1, beta2, eps, step, ADAM)
+            opt_step(flat_ptr, m_ptr, v_ptr, where, keep, dAG, lr, beta1, beta2, eps, step, ADAM)
             if k == 0:  # b's gradient: the ds half of db
                 c = tl.arange(0, 2 * RP)
                 b_keep = (c >= RP) & rank_col
-                _opt_step(
+                opt_step(
                     flat_ptr, m_ptr, v_ptr, slot * P + b_at + c - RP, b_keep, db, lr, beta1, beta2, eps, step, ADAM
                 )
                 tl.store(steps_ptr + slot, step)
