@@ -68,7 +68,7 @@ def main() -> int:
     from esamp.platform.devices import cuda_available
 
     cuda = cuda_available()
-    facts = launch.model_facts(resolve(args.model))
+    facts = launch.model_facts(resolve(args.model), cuda=cuda)
     engine = dict(facts.load, max_model_len=512, seed=0, **({} if cuda else {"enforce_eager": True}))
     work = dict(n=args.n, tokens=args.tokens, prompts=prompts(args.prompts, 16, facts.vocab_size, seed=1))
     base_env = dict(

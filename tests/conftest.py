@@ -9,6 +9,9 @@ from suite_resume import resume_from  # tests/ is on the path, as for this file
 # Tests never reach a hub: a model id resolves from a cache the test builds, or from a local
 # stand-in hub (tests/engines/_fake_hub.py) that a test names with HF_ENDPOINT.
 os.environ["HF_HUB_OFFLINE"] = "1"
+# The run's model cache (ESAMP_CACHE_DIR, else esamp's default), as it was before any test set one
+# of its own: where ``embedded_model`` converts the embedded model, once.
+RUN_CACHE = os.environ.get("ESAMP_CACHE_DIR")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -46,17 +49,30 @@ def embedded_gguf():
 
 
 @pytest.fixture(scope="session")
-def tiny_gemma3(tmp_path_factory, embedded_gguf):
+def embedded_model(embedded_gguf):
+    """The embedded model's HF directory, converted once into the run's model cache, where every
+    engine of the run finds it (a conversion takes about 30 s on 2 cores). A test with a model cache
+    of its own links this directory in (tests/commands/test_bad_inputs.py) rather than converting
+    again, unless a new conversion is its point (tests/engines/test_gguf_tokenizer.py)."""
+    from esamp.engines import models
+
+    with pytest.MonkeyPatch.context() as mp:  # the run's cache, whichever test asks first
+        if RUN_CACHE is None:
+            mp.delenv("ESAMP_CACHE_DIR", raising=False)
+        else:
+            mp.setenv("ESAMP_CACHE_DIR", RUN_CACHE)
+        return models.convert_gguf(embedded_gguf)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3(tmp_path_factory, embedded_model):
     """A random Gemma3ForCausalLM, two layers wide as a thumbnail, with the embedded tokenizer: the
     architecture of ``--model gemma3-270m`` for both engines' tests (tests/engines/test_gemma3.py,
     tests/engines/vllm/test_gemma3_vllm.py)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma3TextConfig
 
-    from esamp.engines import models
-
-    embedded = models.convert_gguf(embedded_gguf)  # its tokenizer is borrowed
     folder = tmp_path_factory.mktemp("gemma3")
-    tokenizer = AutoTokenizer.from_pretrained(embedded)
+    tokenizer = AutoTokenizer.from_pretrained(embedded_model)  # its tokenizer is borrowed
     config = Gemma3TextConfig(
         vocab_size=len(tokenizer),
         hidden_size=64,
@@ -81,17 +97,14 @@ def tiny_gemma3(tmp_path_factory, embedded_gguf):
 
 
 @pytest.fixture(scope="session")
-def tiny_llama(tmp_path_factory, embedded_gguf):
+def tiny_llama(tmp_path_factory, embedded_model):
     """A random LlamaForCausalLM two layers deep with the embedded tokenizer, saved as a hub
     repository holds one (safetensors, tokenizer, generation config): what a hub id resolves to
     in the hub tests (tests/engines/test_hub.py)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-    from esamp.engines import models
-
-    embedded = models.convert_gguf(embedded_gguf)  # its tokenizer is borrowed
     folder = tmp_path_factory.mktemp("tiny-llama")
-    tokenizer = AutoTokenizer.from_pretrained(embedded)
+    tokenizer = AutoTokenizer.from_pretrained(embedded_model)  # its tokenizer is borrowed
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=64,

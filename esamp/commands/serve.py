@@ -244,7 +244,7 @@ def build(args, passthrough: list[str]) -> Plan:
     notes: list[str] = []
     if resolved.kind == "gguf":
         notes.append(f"{resolved.path.name}: serving its bf16 Hugging Face directory (converted once, cached)")
-    facts = launch.model_facts(resolved)
+    facts = launch.model_facts(resolved, cuda=cuda)
     model_dir = facts.config_dir
     architecture = es.esamp_architecture(facts.architecture)
 

@@ -126,7 +126,7 @@ def bench(monkeypatch, tmp_path, capsys):
             return [("baseline", engines["baseline"], False), ("esamp", engines["esamp"], True)]
 
         status = bench_run._bench(args, plan, start, loaded, tmp_path / "bench.vllm.log")
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers put back
+        assert signal.getsignal(signal.SIGINT) is previous_int  # handlers put back
         assert signal.getsignal(signal.SIGTERM) is previous_term
         assert not list(tmp_path.glob("*.partial"))
         return status, json.loads(Path(plan.path).read_text()), capsys.readouterr().out, engines
@@ -136,6 +136,8 @@ def bench(monkeypatch, tmp_path, capsys):
         raise AssertionError("SIGTERM reached the test")
 
     previous_term = term
+    # as the run found it: Python's default, or SIG_IGN where the suite runs in a shell's background
+    previous_int = signal.getsignal(signal.SIGINT)
     saved = signal.signal(signal.SIGTERM, term)
     try:
         yield go
@@ -289,10 +291,11 @@ def test_a_failure_without_a_signal_is_no_interruption(bench, tmp_path):
         if (side, tokens, number) == ("esamp", 24, 2):
             raise RuntimeError("the engine core died")
 
+    before = signal.getsignal(signal.SIGINT)
     with pytest.raises(RuntimeError, match="engine core died"):
         bench(script)
     assert not (tmp_path / "bench.json").exists()
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is before  # put back
 
 
 def test_a_second_signal_after_the_grace_leaves_at_once(monkeypatch):

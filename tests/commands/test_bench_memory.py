@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from esamp.commands.bench import memory as bench
+from esamp.engines.vllm import launch
 from esamp.errors import EngineError
 
 GIB = 1024**3
@@ -14,6 +15,8 @@ GIB = 1024**3
 def _cache(tmp_path, monkeypatch):
     monkeypatch.setenv("ESAMP_CACHE_DIR", str(tmp_path))  # the presets write their config.json here
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    # a CPU with bf16 arithmetic (16-bit weights) unless a test says otherwise
+    monkeypatch.setattr(launch, "cpu_bf16", lambda cpuinfo=None: True)
 
 
 def _machine(monkeypatch, kind: str, total_gib: float, free_gib: float) -> None:
@@ -77,3 +80,15 @@ def test_a_gpu_share_smaller_than_the_weights(monkeypatch):
 def test_unknown_memory_lets_vllm_try(monkeypatch):
     monkeypatch.setattr(bench, "_memory_source", lambda: None)
     bench.check_memory("qwen2.5-7b:dummy", 3, 0.28)
+
+
+def test_a_cpu_without_bf16_arithmetic_counts_float32_weights(monkeypatch):
+    """vLLM loads float32 there (``launch.default_dtype``): the 0.5B preset's two engines and a
+    1 GiB KV cache each fit 12 GiB with 16-bit weights, not with float32 ones."""
+    _machine(monkeypatch, "ram", 16, 12)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    bench.check_memory("qwen2.5-0.5b:dummy", 2, 0.42, rows=256)
+    monkeypatch.setattr(launch, "cpu_bf16", lambda cpuinfo=None: False)
+    with pytest.raises(EngineError) as info:
+        bench.check_memory("qwen2.5-0.5b:dummy", 2, 0.42, rows=256)
+    assert "2 engines of qwen2.5-0.5b:dummy" in info.value.message

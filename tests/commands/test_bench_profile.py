@@ -71,3 +71,38 @@ def test_a_pass_reports_the_engine_processs_collections():
     engine.workers = lambda method, *args: [getattr(engine.worker, method)(*args)]
     counted = run_trial(engine, ["p"], 1, 1, {}, Steering())
     assert counted["gc_collections"] >= 1 and counted["gc_longest_s"] <= counted["gc_seconds"]
+
+
+def test_a_pass_whose_group_failed_stops_the_bench_with_the_groups_error():
+    """A group that fails ends with an error event and its samples aborted short: the pass would
+    count fewer tokens than its workload asks and read as a faster or slower side. It raises."""
+    from esamp.core.config import Steering
+    from esamp.errors import EngineError
+    from esamp.events import ErrorEvent
+
+    class Failing(_Engine):
+        def has_unfinished(self) -> bool:
+            return bool(self.started)
+
+        def step(self):
+            self.started.clear()
+            return [ErrorEvent(message="generation failed: boom", group="g", hint="the other groups keep running")]
+
+    with pytest.raises(EngineError, match="a bench pass failed: generation failed: boom"):
+        run_trial(Failing(), ["p"], 1, 1, {}, Steering())
+
+
+def test_a_pass_asks_every_group_to_run_past_its_stop_token():
+    """The bench counts a pass's tokens from its groups' done events: a group whose stream ended at
+    its stop token would count fewer than the engine decoded (the engine itself runs past it), so
+    each pass's groups ignore EOS as well."""
+    from esamp.core.config import Steering
+
+    seen = []
+
+    class Recording(_Engine):
+        def start(self, prompt, sampling, steering) -> None:
+            seen.append(sampling)
+
+    run_trial(Recording(), ["p", "q"], 2, 6, {"temperature": 0.8}, Steering())
+    assert [(s.ignore_eos, s.n, s.max_tokens, s.temperature) for s in seen] == [(True, 2, 6, 0.8)] * 2

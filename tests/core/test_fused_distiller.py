@@ -34,8 +34,23 @@ def _steps(gen: torch.Generator, shared: bool):
     ]
 
 
-def run_steps(device: str, precision: str, hidden: int = 200, rank: int = 8, seed: int = 0) -> dict:
-    """The largest differences between the two paths over every case (relative to each value's scale)."""
+NORMS = ((0.0, torch.bfloat16), (1.0, torch.float32), (None, torch.float32))  # tap norm offset, taps' dtype
+# Every (shared, optimizer, norms) case: on a GPU, where a case takes milliseconds.
+EVERY = [(shared, opt, norm) for shared in (False, True) for opt in ("adam", "sgd") for norm in NORMS]
+# A covering set for Triton's interpreter, where a case takes seconds: each pair of the Distiller's
+# mode and optimizer once, and each tap-norm variant (offset 0 in bf16, offset 1, none) in both modes.
+COVERING = [
+    (False, "adam", NORMS[0]),
+    (False, "sgd", NORMS[1]),
+    (False, "adam", NORMS[2]),
+    (True, "adam", NORMS[1]),
+    (True, "sgd", NORMS[0]),
+    (True, "sgd", NORMS[2]),
+]
+
+
+def run_steps(device: str, precision: str, hidden: int = 200, rank: int = 8, seed: int = 0, cases=tuple(EVERY)) -> dict:
+    """The largest differences between the two paths over ``cases`` (relative to each value's scale)."""
     worst: dict[str, float] = {}
 
     def note(name, got, want, scale=None):
@@ -44,56 +59,54 @@ def run_steps(device: str, precision: str, hidden: int = 200, rank: int = 8, see
         scale = want.abs().max().clamp(min=1e-6) if scale is None else scale
         worst[name] = max(worst.get(name, 0.0), float((got - want).abs().max() / scale))
 
-    for shared in (False, True):
-        for optimizer in ("adam", "sgd"):
-            for offset, dtype in ((0.0, torch.bfloat16), (1.0, torch.float32), (None, torch.float32)):
-                gen = torch.Generator().manual_seed(seed)
-                banks = [
-                    DistillerBank(hidden, rank=rank, slots=3, lr=LR, optimizer=optimizer, device=device,
-                                  seed=seed, shared=shared, backend=backend)
-                    for backend in ("torch", "fused")
-                ]  # fmt: skip
-                banks[1].precision = precision
+    for shared, optimizer, (offset, dtype) in cases:
+        gen = torch.Generator().manual_seed(seed)
+        banks = [
+            DistillerBank(hidden, rank=rank, slots=3, lr=LR, optimizer=optimizer, device=device,
+                          seed=seed, shared=shared, backend=backend)
+            for backend in ("torch", "fused")
+        ]  # fmt: skip
+        banks[1].precision = precision
+        for b in banks:
+            for group in ("a", "b", "c"):
+                b.allocate(group)
+        norms = None
+        if offset is not None:
+            w = (0.5 + torch.rand(hidden, generator=gen)).to(dtype).to(device)
+            norms = TapNorms(TapNorm(w, 1e-6, offset), TapNorm(w.flip(0), 1e-5, offset))
+        for i, (slots, trains, pad) in enumerate(_steps(gen, shared)):
+            if i == 3:  # group b leaves: its slot starts again from its initial weights
                 for b in banks:
-                    for group in ("a", "b", "c"):
-                        b.allocate(group)
-                norms = None
-                if offset is not None:
-                    w = (0.5 + torch.rand(hidden, generator=gen)).to(dtype).to(device)
-                    norms = TapNorms(TapNorm(w, 1e-6, offset), TapNorm(w.flip(0), 1e-5, offset))
-                for i, (slots, trains, pad) in enumerate(_steps(gen, shared)):
-                    if i == 3:  # group b leaves: its slot starts again from its initial weights
-                        for b in banks:
-                            b.free("b")
-                    R = len(slots)
-                    # the taps as the engine keeps them: x and y column blocks of one buffer, row R zero
-                    taps = (torch.randn(R + 1, 2 * hidden, generator=gen) * 3).to(dtype).to(device)
-                    taps[R:] = 0
-                    x, y = taps[:, :hidden], taps[:, hidden:]
-                    layout = RowLayout.from_slots(
-                        slots,
-                        trains,
-                        units=None if pad is None else (1 if shared else pad[0]),
-                        width=None if pad is None else pad[1],
-                        scratch=banks[0].scratch,
-                        device=device,
-                    )
-                    (p0, e0, l0), (p1, e1, l1) = (b.step(x, y, layout, norms) for b in banks)
-                    assert banks[1].fused(x, y, norms) and not banks[0].fused(x, y, norms)
-                    note("prediction", p1[:R], p0[:R])
-                    note("errors", e1[:R], e0[:R])
-                    if layout.training:
-                        note("losses", l1, l0)
-                    else:
-                        assert l0 is None and l1 is None
-                    s0, s1 = banks[0].store, banks[1].store
-                    assert torch.equal(s1.steps, s0.steps)
-                    # Adam moves a weight whose gradient is near 0 by about lr·m/√v: a rounding
-                    # difference there moves it by a share of lr (the split test sees the same).
-                    note("parameters / lr", s1.flat, s0.flat, LR)
-                    if optimizer == "adam":
-                        note("first moments", s1.flat_m, s0.flat_m)
-                        note("second moments", s1.flat_v, s0.flat_v)
+                    b.free("b")
+            R = len(slots)
+            # the taps as the engine keeps them: x and y column blocks of one buffer, row R zero
+            taps = (torch.randn(R + 1, 2 * hidden, generator=gen) * 3).to(dtype).to(device)
+            taps[R:] = 0
+            x, y = taps[:, :hidden], taps[:, hidden:]
+            layout = RowLayout.from_slots(
+                slots,
+                trains,
+                units=None if pad is None else (1 if shared else pad[0]),
+                width=None if pad is None else pad[1],
+                scratch=banks[0].scratch,
+                device=device,
+            )
+            (p0, e0, l0), (p1, e1, l1) = (b.step(x, y, layout, norms) for b in banks)
+            assert banks[1].fused(x, y, norms) and not banks[0].fused(x, y, norms)
+            note("prediction", p1[:R], p0[:R])
+            note("errors", e1[:R], e0[:R])
+            if layout.training:
+                note("losses", l1, l0)
+            else:
+                assert l0 is None and l1 is None
+            s0, s1 = banks[0].store, banks[1].store
+            assert torch.equal(s1.steps, s0.steps)
+            # Adam moves a weight whose gradient is near 0 by about lr·m/√v: a rounding
+            # difference there moves it by a share of lr (the split test sees the same).
+            note("parameters / lr", s1.flat, s0.flat, LR)
+            if optimizer == "adam":
+                note("first moments", s1.flat_m, s0.flat_m)
+                note("second moments", s1.flat_v, s0.flat_v)
     return worst
 
 
@@ -110,7 +123,7 @@ TF32 = {"prediction": 3e-2, "errors": 5e-3, "losses": 1e-3, "parameters / lr": 3
 TOLERANCE = {"ieee": EXACT, "tf32x3": EXACT, "tf32": TF32}
 
 
-def check(device: str, precision: str, hidden: int = 1000, tiles: dict | None = None) -> dict:
+def check(device: str, precision: str, hidden: int = 1000, tiles: dict | None = None, cases=tuple(EVERY)) -> dict:
     """``run_steps`` within ``TOLERANCE``; ``tiles`` sets the kernels' tile sizes for the run (smaller
     ones give a small ``hidden`` several slices, so every tail sums partials of several programs)."""
     from esamp.core.backends import triton_distiller as kernels
@@ -119,7 +132,7 @@ def check(device: str, precision: str, hidden: int = 1000, tiles: dict | None = 
     for name, value in (tiles or {}).items():
         setattr(kernels, name, value)
     try:
-        worst = run_steps(device, precision, hidden)
+        worst = run_steps(device, precision, hidden, cases=cases)
     finally:
         for name, value in saved.items():
             setattr(kernels, name, value)
@@ -129,12 +142,17 @@ def check(device: str, precision: str, hidden: int = 1000, tiles: dict | None = 
     return worst
 
 
+def test_the_interpreters_cases_cover_every_mode_optimizer_and_tap_norm():
+    assert {(shared, opt) for shared, opt, _ in COVERING} == {(shared, opt) for shared, opt, _ in EVERY}
+    assert {(shared, norm) for shared, _, norm in COVERING} == {(shared, norm) for shared, _, norm in EVERY}
+
+
 @pytest.mark.skipif(CUDA, reason="the kernels run on the GPU there")
 def test_the_fused_step_equals_the_pytorch_step_in_tritons_interpreter():
     # H 200 in slices of 16 (E1) and 32 (the others): 13 and 7 partials per tail, over two steps of KB
     code = (
         "import sys; sys.path.insert(0, 'tests/core'); import test_fused_distiller as t; "
-        "t.check('cpu', 'ieee', 200, dict(BK=16, SUBS=1, BH=32, KB=4))"
+        "t.check('cpu', 'ieee', 200, dict(BK=16, SUBS=1, BH=32, KB=4), t.COVERING)"
     )
     done = in_tritons_interpreter(code, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]

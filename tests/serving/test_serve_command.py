@@ -81,6 +81,17 @@ def test_the_plan_carries_esamp_and_passes_everything_else_through():
     assert drained.env["ESAMP_SERVE_DRAIN"] == "30"
 
 
+def test_the_served_dtype_is_the_library_engines_unless_the_operator_gives_one(monkeypatch):
+    """On a CPU without bf16 arithmetic a served engine loads float32, as the library engine does
+    (``launch.default_dtype``); an operator's ``--dtype`` is passed once, unchanged."""
+    from esamp.engines.vllm import launch
+
+    monkeypatch.setattr(launch, "cpu_bf16", lambda cpuinfo=None: False)
+    monkeypatch.setattr("esamp.platform.devices.cuda_available", lambda: False)
+    assert option(plan(PRESET).command, "--dtype") == "float32"
+    assert option(plan(PRESET, "--dtype", "bfloat16").command, "--dtype", many=True) == ["bfloat16"]
+
+
 def test_every_esamp_setting_has_a_flag():
     p = argparse.ArgumentParser()
     configure(p)

@@ -43,6 +43,14 @@ def _model_size(spec: str) -> tuple[int | None, int]:
     return weight_bytes(resolved), vocab
 
 
+def _as_loaded_on_a_cpu(weights: int) -> int:
+    """``weight_bytes`` counts 16-bit weights; vLLM loads them in ``launch.default_dtype`` (float32
+    on a CPU without bf16 arithmetic: twice the bytes)."""
+    from esamp.engines.vllm.launch import DTYPE_BYTES, default_dtype
+
+    return weights * DTYPE_BYTES[default_dtype(cuda=False)] // 2
+
+
 def _memory_source():
     """("gpu", total, free) for the GPU vLLM will use, ("ram", total, available) on a CPU, or
     None when it cannot be read."""
@@ -98,6 +106,8 @@ def check_memory(model: str, engines: int, share: float, rows: int = 256, tensor
     kind, total, available = source
     if kind == "gpu":
         weights //= max(1, tensor_parallel)
+    else:
+        weights = _as_loaded_on_a_cpu(weights)
     free = int(available * HEADROOM)
     where = "free GPU memory" if kind == "gpu" else "available RAM"
     need = memory_needed(weights, vocab, rows, engines, kind, total, share)
@@ -121,6 +131,8 @@ def check_memory(model: str, engines: int, share: float, rows: int = 256, tensor
         w, v = (weights, vocab) if spec == model else _model_size(spec)
         if w is None:
             continue
+        if spec != model and kind != "gpu":
+            w = _as_loaded_on_a_cpu(w)
         for n in (2, 3):
             n_share = share
             if kind == "gpu":  # the default share for n engines, or what the weights need

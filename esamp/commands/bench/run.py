@@ -310,10 +310,12 @@ def _bench(args, plan: Plan, start, loaded: list, log: Path) -> int:
     sides: list[tuple] = []
     runs: list[WorkloadRun] = []
     calibration: dict = {}
+    runners: dict[str, str | None] = {}
     stop = StopSignals().install()
     try:
         try:
             sides = start(loads)
+            runners.update(_runners(sides))
             steer = dict((side, eng) for side, eng, _ in sides)["esamp"]
             base = sides[0][1]
             vocab = 32000
@@ -372,6 +374,9 @@ def _bench(args, plan: Plan, start, loaded: list, log: Path) -> int:
             trials=plan.trials,
             prompt_len=args.prompt_len,
             load_seconds=loads,
+            # each side's model runner, as its engine reports it: on vLLM 0.25 and later a plain
+            # engine runs Model Runner V2 and an ESamp engine the V1 runner (docs/vllm.md)
+            runners=runners,
             calibration=calibration,
             peak_memory_bytes=peaks,
             esamp_counters=counters,
@@ -402,6 +407,18 @@ def _bench(args, plan: Plan, start, loaded: list, log: Path) -> int:
         return stop.status
     finally:
         stop.restore()
+
+
+def _runners(sides) -> dict[str, str | None]:
+    """Each side's model runner, "V1" or "MRV2" (``EsampWorkerExtension.esamp_info``), None where
+    its engine cannot say."""
+    out: dict[str, str | None] = {}
+    for side, engine, _ in sides:
+        try:
+            out[side] = engine.info().get("runner")
+        except Exception:  # noqa: BLE001 - an engine without the worker extension
+            out[side] = None
+    return out
 
 
 def _calibrate(base, steer, sides, given_filters, prompt_len, vocab, esamp) -> dict:
@@ -762,4 +779,8 @@ def _print_table(report: dict) -> None:
             )
         else:
             print(f"(interrupted{by} after every workload finished)")
-    print(f"device: {report['device']}; vllm {report['versions']['vllm']}, torch {report['versions']['torch']}")
+    runners = report.get("runners") or {}
+    print(
+        f"device: {report['device']}; vllm {report['versions']['vllm']}, torch {report['versions']['torch']}"
+        + ("; model runner: " + ", ".join(f"{side} {name or '?'}" for side, name in runners.items()) if runners else "")
+    )

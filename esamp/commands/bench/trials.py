@@ -19,8 +19,12 @@ def run_trial(engine, prompts, n: int, tokens: int, sampling_kw: dict, steering,
     """Run every prompt as a group of n samples to ``tokens`` tokens, ``rounds`` times back to
     back (each round starts when the last finished); time and count the whole."""
     from esamp.core.config import SamplingConfig
+    from esamp.errors import EngineError
 
-    sampling = SamplingConfig(n=n, max_tokens=tokens, **sampling_kw)
+    # ignore_eos here too, not only in the engine's own requests: a sample's stream that met its
+    # stop token would end there and count fewer tokens than the engine decoded (a real tokenizer
+    # on vLLM for the CPU samples it now and then)
+    sampling = SamplingConfig(n=n, max_tokens=tokens, ignore_eos=True, **sampling_kw)
     first = getattr(engine, "first_token_seconds", None)
     if first is not None:
         first.clear()
@@ -42,6 +46,8 @@ def run_trial(engine, prompts, n: int, tokens: int, sampling_kw: dict, steering,
                         losses.append(ev.loss)
                     if ev.port_hits:
                         cands.append(ev.candidates)
+                elif ev.type == "error":  # a group that failed would leave the pass short of tokens
+                    raise EngineError(f"a bench pass failed: {ev.message}", hint=ev.hint)
     seconds = time.perf_counter() - t0
     client = time.process_time() - c0
     # the record fetches within the timed pass (not the closing one below)

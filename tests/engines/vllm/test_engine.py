@@ -380,8 +380,13 @@ def test_drift_canary_runner_model_class_and_taps_in_use(engine):
     info = engine.info()
     assert info["runner_module"].startswith("vllm.v1.worker."), info
     assert info["runner_class"] in ("GPUModelRunner", "CPUModelRunner"), info
+    assert info["runner"] == ("MRV2" if info["runner_module"].startswith("vllm.v1.worker.gpu.") else "V1"), info
     assert info["model_class"] == "EsampLlamaForCausalLM"
     assert tuple(info["taps"]) == (0, engine.num_layers - 1) and info["processor"]
+    from esamp.engines.vllm import launch  # the dtype the machine calls for (float32 on a CPU without bf16)
+
+    dtype = engine.engine.vllm_config.model_config.dtype
+    assert dtype == getattr(torch, launch.default_dtype(cuda=cuda())), dtype
 
 
 def test_stop_strings_end_samples_where_vllm_and_the_reference_engine_do(engine, reference):

