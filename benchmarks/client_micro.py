@@ -143,7 +143,7 @@ def make_engine(plain: bool, tokenizer, fake: FakeVllm, context: int):
 
     engine = object.__new__(VllmEngine)
     super(VllmEngine, engine).__init__(EsampConfig(slots=64))
-    engine.plain, engine.ignore_eos = plain, True
+    engine.plain = plain
     engine._last_drain, engine._batches_since_drain = 0.0, 0
     engine.drains, engine.drain_seconds = 0, 0.0
     engine._channel, engine._channel_asked = None, True  # records through the fake's RPC
@@ -265,7 +265,7 @@ def main() -> int:
     P, n, L = args.prompts, args.n, args.tokens
     keys = [f"g{i}" for i in range(P)]
     batch = make_prompts(P, args.prompt_len, args.vocab, seed=P * 1000 + n * 10 + L)
-    sampling = SamplingConfig(n=n, max_tokens=L, **PRESETS["default"]["sampling"])
+    sampling = SamplingConfig(n=n, max_tokens=L, ignore_eos=True, **PRESETS["default"]["sampling"])
     steering = Steering(**PRESETS["default"]["steering"])
     schedule, records = build(keys, n, L, args.vocab, seed=1)
     gc.collect()

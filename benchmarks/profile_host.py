@@ -52,7 +52,6 @@ def main() -> int:
         model=args.model,
         esamp=esamp,
         plain=side == "baseline",
-        ignore_eos=True,
         max_model_len=2048,
         gpu_memory_utilization=0.42,
         max_num_seqs=max(16, P * n),

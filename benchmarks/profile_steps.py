@@ -405,7 +405,6 @@ def main() -> int:
         model=args.model,
         esamp=esamp,
         plain=args.side == "baseline",
-        ignore_eos=True,
         max_model_len=2048,
         gpu_memory_utilization=0.42,
         max_num_seqs=args.max_num_seqs or max(16, P * n),

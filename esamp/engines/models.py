@@ -401,7 +401,8 @@ def parameter_count(config: dict) -> int | None:
 
 
 def weight_bytes(resolved: ResolvedModel, bytes_per_weight: int = 2) -> int | None:
-    """Memory the model's weights take once loaded in 16-bit precision, or None if unknown."""
+    """Memory the model's weights take once loaded, ``bytes_per_weight`` bytes each (16-bit by
+    default; a checkpoint's file sizes where its parameters cannot be counted), or None if unknown."""
     if resolved.kind == "gguf":
         try:
             return gguf_parameters(resolved.path) * bytes_per_weight

@@ -29,9 +29,12 @@ def _gib(nbytes: float) -> str:
     return f"{nbytes / GIB:.1f} GiB"
 
 
-def _model_size(spec: str) -> tuple[int | None, int]:
-    """(weight bytes or None when unknown, vocabulary size) of a model spec, without loading it."""
+def _model_size(spec: str, kind: str) -> tuple[int | None, int]:
+    """(weight bytes or None when unknown, vocabulary size) of a model spec, without loading it:
+    its weights in the dtype vLLM loads them in on a ``kind`` ("gpu" or "ram") machine
+    (``launch.default_dtype``: float32 on a CPU without bf16 arithmetic)."""
     from esamp.engines.models import resolve, weight_bytes
+    from esamp.engines.vllm.launch import DTYPE_BYTES, default_dtype
 
     resolved = resolve(spec)
     vocab = 0
@@ -40,15 +43,7 @@ def _model_size(spec: str) -> tuple[int | None, int]:
             vocab = int(json.loads((resolved.path / "config.json").read_text()).get("vocab_size", 0))
         except (OSError, ValueError, TypeError):
             pass
-    return weight_bytes(resolved), vocab
-
-
-def _as_loaded_on_a_cpu(weights: int) -> int:
-    """``weight_bytes`` counts 16-bit weights; vLLM loads them in ``launch.default_dtype`` (float32
-    on a CPU without bf16 arithmetic: twice the bytes)."""
-    from esamp.engines.vllm.launch import DTYPE_BYTES, default_dtype
-
-    return weights * DTYPE_BYTES[default_dtype(cuda=False)] // 2
+    return weight_bytes(resolved, DTYPE_BYTES[default_dtype(cuda=kind == "gpu")]), vocab
 
 
 def _memory_source():
@@ -100,14 +95,14 @@ def check_memory(model: str, engines: int, share: float, rows: int = 256, tensor
     The message says what would fit, e.g. the 0.5B preset, or the run without ``--floor``.
     """
     source = _memory_source()
-    weights, vocab = _model_size(model)
-    if source is None or weights is None:
+    if source is None:
         return  # nothing to compare with: let vLLM try
     kind, total, available = source
+    weights, vocab = _model_size(model, kind)
+    if weights is None:
+        return
     if kind == "gpu":
         weights //= max(1, tensor_parallel)
-    else:
-        weights = _as_loaded_on_a_cpu(weights)
     free = int(available * HEADROOM)
     where = "free GPU memory" if kind == "gpu" else "available RAM"
     need = memory_needed(weights, vocab, rows, engines, kind, total, share)
@@ -128,11 +123,9 @@ def check_memory(model: str, engines: int, share: float, rows: int = 256, tensor
         )
     options = []  # (fits, need, what to type)
     for spec in dict.fromkeys((model, *PRESET_SUGGESTIONS)):
-        w, v = (weights, vocab) if spec == model else _model_size(spec)
+        w, v = (weights, vocab) if spec == model else _model_size(spec, kind)
         if w is None:
             continue
-        if spec != model and kind != "gpu":
-            w = _as_loaded_on_a_cpu(w)
         for n in (2, 3):
             n_share = share
             if kind == "gpu":  # the default share for n engines, or what the weights need

@@ -279,7 +279,6 @@ def _measure(args, plan: Plan, loaded: list, log: Path) -> int:
         model=model,
         max_model_len=args.max_model_len,
         gpu_memory_utilization=plan.share,
-        ignore_eos=True,
         max_num_seqs=max(plan.max_seqs, 16),
         enforce_eager=True if args.eager else None,
         tensor_parallel_size=args.tensor_parallel_size,

