@@ -12,6 +12,10 @@
 #                                                    PyTorch path, steering_micro.py, fused_learning.py
 #   bash benchmarks/gpu_suite.sh bench MODEL [args]  esamp bench on MODEL (BENCH_NAME=bench-7b-shared with
 #                                                    --distiller shared: the published runtime's shared Distiller)
+#   bash benchmarks/gpu_suite.sh host MODEL [args]   esamp bench on MODEL under py-spy (its wheel carried in
+#                                                    .device/): every process's Python stacks, sampled from
+#                                                    outside (the engines are not slowed), for host_stacks.py
+#                                                    (HOST_SECONDS bounds the bench; SIGINT, so its JSON is written)
 #   bash benchmarks/gpu_suite.sh before MODEL [args] esamp bench of the tree in .before/ (an older
 #                                                    commit), installed in place of this one
 #   bash benchmarks/gpu_suite.sh steps MODEL W [sides]  device time per steady step, kernel by kernel
@@ -126,6 +130,20 @@ print(json.dumps({p: t.run_steps('cuda', p, 1000) for p in ('ieee', 'tf32x3', 't
     python3 -m esamp bench --model "$model" --json "$OUT/$name.json" "$@" 2>&1 \
       | tee "$OUT/$name.log" | grep -v "$QUIET" | tail -40
     grep -h "Error\|Traceback" "$OUT/$name.log" | head -5 ;;
+  host)
+    install || exit 1
+    model=${2:-qwen2.5-7b:dummy}
+    shift 2
+    name=${BENCH_NAME:-host-${model//:/-}}
+    python3 -m pip install -q --no-deps --no-index --target /tmp/pyspy .device/py_spy-*.whl || exit 1
+    # py-spy starts the bench (a parent may read its children's memory) and follows its processes;
+    # --idle keeps the samples of threads that wait (the engine core waiting for its GPU).
+    /tmp/pyspy/bin/py-spy record --nonblocking --idle --threads --subprocesses -r "${HOST_RATE:-100}" -f raw \
+      -o "$OUT/$name-stacks.txt" -- timeout -s INT "${HOST_SECONDS:-86400}" \
+      python3 -m esamp bench --model "$model" --json "$OUT/$name.json" "$@" > "$OUT/$name.log" 2>&1
+    gzip -f "$OUT/$name-stacks.txt"
+    grep -v "$QUIET" "$OUT/$name.log" | tail -30
+    python3 benchmarks/host_stacks.py "$OUT/$name-stacks.txt.gz" | tee "$OUT/$name-stacks-summary.txt" | head -80 ;;
   before)
     vllm_site || exit 1
     [ -d .before ] || { echo "no .before/ tree"; exit 2; }
@@ -189,7 +207,9 @@ print(json.dumps({p: t.run_steps('cuda', p, 1000) for p in ('ieee', 'tf32x3', 't
     # step by step, from vLLM's traces (the engine core in its own process or TP: vLLM's profiler wrote them)
     for side in $sides; do
       ls /tmp/steps/traces-$side-$w-tp${TP:-1}/*.json* >/dev/null 2>&1 && python3 benchmarks/profile_steps.py \
-        --periods /tmp/steps/traces-$side-$w-tp${TP:-1}/*.json* > "$OUT/periods-$side-$w-tp${TP:-1}.txt" 2>&1
+        --periods /tmp/steps/traces-$side-$w-tp${TP:-1}/*.json* > "$OUT/periods-$side-$w-tp${TP:-1}.txt" 2>&1 \
+        && python3 benchmarks/profile_steps.py --gaps /tmp/steps/traces-$side-$w-tp${TP:-1}/*.json* \
+        > "$OUT/gaps-$side-$w-tp${TP:-1}.txt" 2>&1
     done
     if [ -f /tmp/steps/steps-baseline-$w-${LOGITS:-flat}.json ] && [ -f /tmp/steps/steps-esamp-$w-${LOGITS:-flat}.json ]; then
       python3 benchmarks/profile_steps.py --compare /tmp/steps/steps-baseline-$w-${LOGITS:-flat}.json \

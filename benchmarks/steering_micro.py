@@ -122,38 +122,69 @@ def _is_copy(name: str) -> bool:
 
 
 def filter_cases(args, out: list) -> None:
+    """The filter-and-mix with d given two ways, and what each costs beside vLLM's own head:
+    ``dense``: d from the LM head run on [h; ŷ] (a [2·rows, H]·[H, V] GEMM instead of the
+    [rows, H] one), then the mix reading d; ``factors``: vLLM's head on h only and d computed at
+    the candidates from ŷ and W (``intervention.HeadProduct``). ``added_us``: the GEMM's extra time
+    (dense) plus the filter-and-mix, over the head on h alone."""
     import torch
     import triton.testing
 
+    from esamp.core import intervention as iv
     from esamp.core.backends import triton_filter as tf
     from esamp.core.config import Filters
 
     dev = torch.device("cuda")
-    R, V = max(args.rows), args.vocab
+    R, V, H = max(args.rows), args.vocab, args.hidden
     work = tf.FilterWorkspace(R, V, dev)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    head = (torch.randn(V, H, device=dev, generator=gen) * H**-0.5).to(torch.bfloat16)
     for rows in args.rows:
+        h = torch.randn(rows, H, device=dev, generator=gen).to(torch.bfloat16)
+        yhat = torch.randn(rows, H, device=dev, generator=gen).to(torch.bfloat16)
+        both = torch.cat([h, yhat])
+        gemm = {
+            n: triton.testing.do_bench(lambda x=x: x @ head.t(), return_mode="median")
+            for n, x in (("h", h), ("h_yhat", both))
+        }
         for kind in ("realistic", "flat"):
-            gen = torch.Generator(device=dev).manual_seed(rows)
             scale = 0.05 if kind == "flat" else 12.0  # flat: near-uniform; realistic: a few candidates
             base = (torch.randn(rows, V, device=dev, generator=gen) * scale).to(torch.bfloat16).float()
-            d = torch.randn(rows, V, device=dev, generator=gen).to(torch.bfloat16)
             index = torch.arange(rows, device=dev)
             f = Filters()
             T, mp, tp = (torch.full((rows,), v, device=dev) for v in (f.temperature, f.min_p, f.top_p))
             a, b = torch.full((rows,), 1.8, device=dev), torch.full((rows,), 0.8, device=dev)
             z = base.clone()
-
-            def step(z=z, base=base, index=index, T=T, mp=mp, tp=tp, a=a, b=b, d=d):
-                z.copy_(base)
-                tf.launch(z, index, T, mp, tp, a, b, d, work)
-
             copy_ms = triton.testing.do_bench(lambda z=z, base=base: z.copy_(base), return_mode="median")
-            ms = triton.testing.do_bench(step, return_mode="median") - copy_ms
-            counts = tf.launch(base.clone(), index, T, mp, tp, a, b, d, work).float()
-            out.append(
-                dict(rows=rows, logits=kind, us=round(1e3 * ms, 1), mean_candidates=round(float(counts.mean()), 1))
-            )
-            print(f"filter+mix {kind:>9} rows {rows:>4}: {1e3 * ms:8.1f} us  (mean |C| {float(counts.mean()):.1f})")
+            for form, d in (("dense", (both @ head.t())[rows:]), ("factors", iv.HeadProduct(yhat, head))):
+                for cut in (True, False):
+
+                    def step(z=z, base=base, index=index, T=T, mp=mp, tp=tp, a=a, b=b, d=d, cut=cut):
+                        z.copy_(base)
+                        tf.launch(z, index, T, mp, tp, a, b, d, work, cut)
+
+                    ms = triton.testing.do_bench(step, return_mode="median") - copy_ms
+                    launches, _, _ = profile(step, 5)
+                    counts = tf.launch(base.clone(), index, T, mp, tp, a, b, d, work, cut).float()
+                    extra = gemm["h_yhat"] - gemm["h"] if form == "dense" else 0.0
+                    row = dict(
+                        rows=rows,
+                        logits=kind,
+                        d=form,
+                        top_p_passes=cut,
+                        us=round(1e3 * ms, 1),
+                        head_extra_us=round(1e3 * extra, 1),
+                        added_us=round(1e3 * (ms + extra), 1),
+                        launches=launches - 1,  # less the copy of the logits
+                        mean_candidates=round(float(counts.mean()), 1),
+                    )
+                    out.append(row)
+                    print(
+                        f"filter+mix {kind:>9} rows {rows:>4} d {form:<7} top-p passes {cut!s:<5}: {row['us']:8.1f} us "
+                        f"+ head {row['head_extra_us']:6.1f} = {row['added_us']:8.1f} us, {row['launches']} launches "
+                        f"(mean |C| {row['mean_candidates']})",
+                        flush=True,
+                    )
 
 
 def main() -> int:
@@ -162,7 +193,12 @@ def main() -> int:
     ap.add_argument("--vocab", type=int, default=152064)
     ap.add_argument("--rank", type=int, default=64)
     ap.add_argument("--slots", type=int, default=64)
-    ap.add_argument("--blocks", nargs="+", default=["8x16", "32x8", "16x1", "1x128"], help="UxW Distiller blocks")
+    ap.add_argument(
+        "--blocks",
+        nargs="*",
+        default=["8x16", "32x8", "16x1", "1x128"],
+        help="UxW Distiller blocks (none: no Distiller case)",
+    )
     ap.add_argument("--distiller", nargs="+", default=["torch", "fused"], choices=["torch", "fused"])
     ap.add_argument("--precision", nargs="+", default=["tf32"], help="the fused kernels' products")
     ap.add_argument("--update", nargs="+", default=["beside", "inline"], choices=["beside", "inline"])

@@ -14,6 +14,7 @@ on C bit for bit, so sampling equals plain sampling. Rows of an entropy-matched 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -103,6 +104,33 @@ def distiller_logits_at(
     if bias is not None:
         d = d + bias[ids].float()
     return d
+
+
+@dataclass(frozen=True)
+class HeadProduct:
+    """The Distiller logits d = W·ŷ kept as their two factors: ŷ [M, H] (``prediction``) and the LM
+    head's dense weight W [V', H] (``head``; V' ≥ V, rows past the vocabulary are never read).
+
+    The fused filter computes d only at each mixed row's candidates (a few tokens under min-p, not
+    the V of a full product: ``backends.triton_filter``); every other path takes ``dense``, the
+    product the LM head itself would give."""
+
+    prediction: torch.Tensor
+    head: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """[M, V'] of the dense product (M: the mixed rows)."""
+        return (self.prediction.shape[0], self.head.shape[0])
+
+    def dense(self, vocab: int) -> torch.Tensor:
+        """d [M, vocab] in the head's dtype."""
+        return self.prediction.to(self.head.dtype) @ self.head[:vocab].t()
+
+
+def dense_logits(d: torch.Tensor | HeadProduct | None, vocab: int) -> torch.Tensor | None:
+    """``d`` as a [M, vocab] tensor (a ``HeadProduct`` multiplied out; a tensor or None as given)."""
+    return d.dense(vocab) if isinstance(d, HeadProduct) else d
 
 
 def mix_coefficients(rows: Sequence[tuple[str, float]]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -410,14 +410,18 @@ class Steerer:
             matched=plan.matched_rows(),
         ), counts
 
-    def filter_and_mix(self, plan: StepPlan, logits: torch.Tensor, d: torch.Tensor | None) -> torch.Tensor:
+    def filter_and_mix(
+        self, plan: StepPlan, logits: torch.Tensor, d: torch.Tensor | iv.HeadProduct | None
+    ) -> torch.Tensor:
         """Filter and mix the plan's rows of the engine's ``logits`` in place (rows ``plan.index``);
-        ``d`` holds the Distiller logits of the plan's first ``d.shape[0]`` rows, the rest are only
-        filtered. Returns |C| per row. Rows with top-k take the filter given to the constructor;
-        plans with entropy-matched rows take this PyTorch path too (the fused kernel knows only
-        the (a, b) form), which matches at the candidates after one host read of the widest row's
-        |C| (``intervention.match_entropy_rows``): slower, for measuring."""
+        ``d`` holds the Distiller logits of the plan's first ``d.shape[0]`` rows (or ŷ and the LM
+        head, ``intervention.HeadProduct``: the fused kernels then compute d at the candidates
+        only), the rest are only filtered. Returns |C| per row. Rows with top-k take the filter
+        given to the constructor; plans with entropy-matched rows take this PyTorch path too (the
+        fused kernel knows only the (a, b) form), which matches at the candidates after one host
+        read of the widest row's |C| (``intervention.match_entropy_rows``): slower, for measuring."""
         if plan.top_k is not None or plan.matched is not None or not FUSED_FILTER:
+            d = iv.dense_logits(d, logits.shape[1])
             scaled = self.filter(plan, logits.index_select(0, plan.index))
             counts = torch.isfinite(scaled).sum(dim=-1).to(torch.int32)
             if d is not None and d.shape[0]:
@@ -442,17 +446,23 @@ class Steerer:
             self._work = FilterWorkspace(rows, vocab, torch.device(device))
             self._overflows_seen = torch.zeros(1, dtype=torch.int32).pin_memory()
 
-    def warm_filter(self, vocab: int, device: torch.device, d_dtype: torch.dtype) -> None:
-        """Run the filter-and-mix once on a dummy row, so its kernels are compiled before the first
-        request (a GPU compiles Triton kernels on first use: seconds, not to be paid by a user)."""
+    def warm_filter(self, vocab: int, device: torch.device, d_dtype: torch.dtype, hidden: int | None = None) -> None:
+        """Run the filter-and-mix on a dummy row in every form the steps use (with and without the
+        top-p passes; d as a tensor, and as ŷ with a head ``hidden`` wide), so that its kernels are
+        compiled before the first request (a GPU compiles Triton kernels on first use: seconds,
+        not to be paid by a user)."""
         if self._work is None:
             return
-        z = torch.zeros(1, vocab, device=device)
-        d = torch.zeros(1, vocab, device=device, dtype=d_dtype)
-        one = torch.ones(1, device=device)
-        filter_and_mix(
-            z, torch.zeros(1, dtype=torch.long, device=device), one, 0.1 * one, 0.9 * one, one, 0 * one, d, self._work
-        )
+        row, one = torch.zeros(1, dtype=torch.long, device=device), torch.ones(1, device=device)
+        ds: list = [torch.zeros(1, vocab, device=device, dtype=d_dtype)]
+        if hidden:
+            yhat = torch.zeros(1, hidden, device=device, dtype=d_dtype)
+            ds.append(iv.HeadProduct(yhat, torch.zeros(1, hidden, device=device, dtype=d_dtype)))
+        for d in ds:
+            for cut in (True, False):  # with and without the top-p passes
+                z = torch.full((1, vocab), float("-inf"), device=device)
+                z[0, 0] = 0.0  # one candidate, token 0 (the dummy head's one row)
+                filter_and_mix(z, row, one, 0.1 * one, 0.9 * one, one, 0 * one, d, self._work, cut)
 
     @property
     def filter_overflows(self) -> int:

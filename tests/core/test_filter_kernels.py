@@ -99,6 +99,47 @@ def check_kernels(device: str, seeds=range(12), short_seeds=(0, 2)) -> None:
     assert int(counts[0]) == 9_000 and int(work.overflows[0]) == 1
 
 
+def check_head_product(device: str, vocab: int = 700, hidden: int = 40) -> None:
+    """d given as its factors (``HeadProduct``: ŷ and the LM head) gives what the full product
+    gives, computed at each row's candidates: rows with at most ``CANDIDATES`` of them, rows with
+    more (min-p and top-p off over a vocabulary wider than that: the tiled product), filtered-only
+    rows and a row with a cut; the padded head's extra rows are never read. β = 0 stays plain."""
+    gen = torch.Generator().manual_seed(7)
+    rows = 7
+    logits = torch.randn(rows + 2, vocab, generator=gen) * 3
+    index = torch.randperm(rows + 2, generator=gen)[:rows]
+    T = 0.5 + torch.rand(rows, generator=gen)
+    min_p = torch.tensor([0.05, 0.0, 0.1, 0.0, 0.02, 0.05, 0.0])
+    top_p = torch.tensor([1.0, 1.0, 0.9, 1.0, 1.0, 1.0, 0.8])
+    a, b = 1 + torch.rand(rows, generator=gen), torch.rand(rows, generator=gen)
+    head = torch.randn(vocab + 5, hidden, generator=gen).to(torch.bfloat16)
+    head[vocab:] = float("nan")  # padding rows: reading one would spoil a row
+    yhat = torch.randn(5, hidden, generator=gen).to(torch.bfloat16)  # rows 0-4 mixed, 5-6 only filtered
+    dense = yhat.float() @ head[:vocab].float().t()
+    want = logits.clone()
+    want_counts = tf.filter_and_mix_torch(want, index, T, min_p, top_p, a, b, dense)
+    assert int(want_counts[1]) > tf.CANDIDATES and int(want_counts[0]) <= tf.CANDIDATES  # both paths run
+    dev = [t.to(device) for t in (index, T, min_p, top_p, a, b)]
+    got = logits.clone().to(device)
+    product = iv.HeadProduct(yhat.to(device), head.to(device))
+    counts = tf.launch(got, *dev, product, tf.FilterWorkspace(rows, vocab, torch.device(device)))
+    got = got.cpu()
+    assert torch.equal(counts.cpu(), want_counts)
+    assert torch.equal(torch.isfinite(got), torch.isfinite(want))
+    kept = torch.isfinite(want)
+    torch.testing.assert_close(got[kept], want[kept], rtol=1e-5, atol=1e-4)
+    # the PyTorch twin multiplies the factors out: the LM head's own product, in its dtype
+    twin = logits.clone()
+    tf.filter_and_mix_torch(twin, index, T, min_p, top_p, a, b, iv.HeadProduct(yhat, head))
+    torch.testing.assert_close(twin[kept], want[kept], rtol=2e-2, atol=5e-2)
+    # β = 0 (a = 1, b = 0): the filtered row of plain sampling, bit for bit
+    plain, mixed = logits.clone().to(device), logits.clone().to(device)
+    tf.launch(plain, *dev[:4], dev[4], dev[5], None)
+    one, zero = torch.ones(rows, device=device), torch.zeros(rows, device=device)
+    tf.launch(mixed, *dev[:4], one, zero, product)
+    assert torch.equal(mixed, plain)
+
+
 def test_torch_twin_is_the_core_filter_and_mix():
     """Listed rows are filtered (z/T on C) and the first ones mixed (a·z̃ − b·d); others untouched."""
     logits, index, T, m, p, a, b, d = _case(1)
@@ -119,6 +160,20 @@ def test_torch_twin_is_the_core_filter_and_mix():
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def test_kernels_equal_the_reference_on_a_gpu():
     check_kernels("cuda")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_distiller_logits_at_the_candidates_equal_the_full_product_on_a_gpu():
+    check_head_product("cuda")
+    check_head_product("cuda", vocab=152_064, hidden=3584)  # the 7B shapes
+
+
+@pytest.mark.skipif(CUDA, reason="the kernels run on the GPU there")
+def test_distiller_logits_at_the_candidates_equal_the_full_product_in_tritons_interpreter():
+    code = "import sys; sys.path.insert(0, 'tests/core'); import test_filter_kernels as t; t.check_head_product('cpu')"
+    done = in_tritons_interpreter(code, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 @pytest.mark.skipif(CUDA, reason="the kernels run on the GPU there")

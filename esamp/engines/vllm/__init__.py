@@ -2,7 +2,7 @@
 
 - ``model``: out-of-tree model classes (Llama, Qwen2) whose ``forward`` appends vLLM's own
   auxiliary (EAGLE-3) taps to the final hidden state, and whose eager ``compute_logits`` hands the
-  tapped rows to the engine's step exchange and runs the LM head once on ``[h; ŷ]``.
+  tapped rows to the engine's step exchange and hands back d = W·ŷ as ŷ and the head's weight.
 - ``exchange``: the per-step meeting point of the model and the live logits-processor adapter.
 - ``steering``: ESamp in one engine (the Distiller bank, plans, the step, records, counters), built
   by ``make_steering``.

@@ -8,7 +8,7 @@ sampler's logits. The exchange is the one object both hold; per step:
 1. model: ``begin(rows)``: the live adapter's plan for this step's logits rows, or None (nothing
    to steer: the model runs its plain head);
 2. model: ``put_taps(plan, ...)``: the Distiller step on the steered rows' taps; the model then
-   runs its LM head once on ``[h; ŷ]`` and hands back d with ``put_distiller_logits``;
+   hands back d = W·ŷ (or ŷ and its head's weight) with ``put_distiller_logits``;
 3. adapter: ``take(plan)``: what the model put for this plan. A put for another plan is an error
    (``StepMismatch``): vLLM called the seam in an order the exchange does not know, and steering
    the wrong rows must never pass silently. Nothing put (a model class without taps) returns None.
@@ -16,7 +16,7 @@ sampler's logits. The exchange is the one object both hold; per step:
 An adapter that learns the step's rows only in ``apply`` (Model Runner V2 gives the row order to
 its processors only then) attaches as ``late``: ``begin`` then has no plan, the model keeps every
 row's taps with ``put_taps_late``, and the adapter runs the Distiller step from them with
-``distill_late(plan)``, d coming from a second product with the model's LM head.
+``distill_late(plan)``, d coming from the model's LM head as its factors (``HeadProduct``).
 
 Both sides find their engine's exchange with ``exchange_for(vllm_config)`` (keyed by the
 configuration object vLLM hands all of them), and each keeps it alive while it lives; the registry
@@ -32,6 +32,7 @@ from collections.abc import Callable
 
 import torch
 
+from esamp.core.intervention import HeadProduct
 from esamp.engines.vllm.steering import BatchPlan, EngineSteering, Handoff
 
 _EXCHANGES: dict[int, tuple] = {}  # id(vllm_config) → (weak reference to it, weak reference to its exchange)
@@ -127,8 +128,8 @@ class StepExchange:
         self.taps_put += 1
         return handoff.prediction[: plan.steered]
 
-    def put_distiller_logits(self, plan: BatchPlan, d: torch.Tensor) -> None:
-        """d = W·ŷ [steered, V] for ``plan``'s steered rows."""
+    def put_distiller_logits(self, plan: BatchPlan, d: torch.Tensor | HeadProduct) -> None:
+        """d = W·ŷ [steered, V] for ``plan``'s steered rows, or its two factors."""
         if self._handoff is None or self._handoff.plan is not plan:
             raise StepMismatch("Distiller logits arrived for a step whose taps did not")
         self._handoff.d = d
@@ -162,7 +163,7 @@ class StepExchange:
             return None
         handoff = self.steering.distill(plan, *taps)
         head = model.esamp_lm_head()
-        handoff.d = handoff.prediction[: plan.steered].to(head.dtype) @ head[: self.steering.vocab].t()
+        handoff.d = HeadProduct(handoff.prediction[: plan.steered], head)  # d at the candidates (``HeadProduct``)
         return handoff
 
     # -- the adapter's side ------------------------------------------------------------------

@@ -16,9 +16,13 @@ CUDA graphs (a forward hook would not fire under graph replay). The runner then 
 per scheduled request, in logits-row order, and calls ``compute_logits`` eagerly. That asks the
 engine's ``StepExchange`` for this step's plan; with nothing to steer it runs vLLM's own head on
 the first H columns (a view) and does nothing else. Otherwise it hands the tap columns to the
-exchange, which runs the Distiller step (the norms inside it) and returns ŷ; the LM head then runs
-once on ``[h; ŷ]``: the first rows are the logits, the rest are the Distiller logits d = W·ŷ,
-handed back to the exchange for the mix. One GEMM reads the head's weights once for both.
+exchange, which runs the Distiller step (the norms inside it) and returns ŷ. vLLM's own head then
+makes the logits from h, exactly as without ESamp, and the Distiller logits d = W·ŷ go back to
+the exchange as their two factors (``intervention.HeadProduct``): the fused filter computes d
+only at each row's candidates, a few tokens under min-p, where a [rows, V] product would cost
+the step a second pass over the head's weights on the tensor cores. Where this worker holds no
+dense weight (a quantised head; one vocabulary shard under tensor parallelism) the head runs
+once on ``[h; ŷ]``: the first rows are the logits, the rest are d.
 A call with plain H-wide rows (a model built without taps) passes straight through.
 """
 
@@ -27,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from esamp.core.distiller import TapNorm, TapNorms
+from esamp.core.intervention import HeadProduct
 from esamp.engines.vllm.exchange import exchange_for
 from esamp.engines.vllm.settings import engine_config
 
@@ -80,8 +85,15 @@ class _TapMixin:
             exchange.put_taps_late(hidden_states[:, H:], src, tgt, self.esamp_normalize, head_dtype)
             return super().compute_logits(hidden)
         prediction = exchange.put_taps(plan, hidden_states[:, H:], src, tgt, self.esamp_normalize, head_dtype)
+        weight = self.esamp_dense_weight()
+        if weight is not None and self._esamp_plain_head():
+            # vLLM's own head on h, and d = W·ŷ left as its factors: the filter computes d only at
+            # each row's candidates (a few under min-p) instead of a second [rows, V] product.
+            exchange.put_distiller_logits(plan, HeadProduct(prediction, weight))
+            return super().compute_logits(hidden)
         if self._esamp_plain_head():
-            # One GEMM over [h; ŷ]: the head's weights are read once for the logits and d = W·ŷ.
+            # No dense weight here (a quantised head, or one vocabulary shard per worker): one GEMM
+            # over [h; ŷ] reads the head's weights once for the logits and d = W·ŷ.
             both = super().compute_logits(torch.cat([hidden, prediction]))
             exchange.put_distiller_logits(plan, both[rows:])
             return both[:rows]
@@ -130,6 +142,20 @@ class _TapMixin:
 
     # -- what the processor needs from the model ----------------------------------------------
 
+    def esamp_dense_weight(self) -> torch.Tensor | None:
+        """The LM head's own [V', H] weight when this worker holds all of it unquantised, else None."""
+        weight = getattr(self.lm_head, "weight", None)
+        if (
+            not self.esamp_head_sharded
+            and isinstance(weight, torch.Tensor)
+            and weight.dim() == 2
+            and weight.shape[1] == self.esamp_hidden
+            and weight.dtype.is_floating_point
+            and weight.dtype.itemsize >= 2
+        ):
+            return weight
+        return None
+
     def esamp_lm_head(self) -> torch.Tensor:
         """The LM head as a dense [V, H] matrix (vocab padding included, never read past V).
 
@@ -138,17 +164,10 @@ class _TapMixin:
         is materialised once by running the head (gathered) on the H unit vectors, which gives W^T
         exactly.
         """
-        weight = getattr(self.lm_head, "weight", None)
-        H = self.esamp_hidden
-        if (
-            not self.esamp_head_sharded
-            and isinstance(weight, torch.Tensor)
-            and weight.dim() == 2
-            and weight.shape[1] == H
-            and weight.dtype.is_floating_point
-            and weight.dtype.itemsize >= 2
-        ):
+        weight = self.esamp_dense_weight()
+        if weight is not None:
             return weight
+        H = self.esamp_hidden
         cached = getattr(self, "_esamp_dense_head", None)
         if cached is None:
             param = next(self.parameters())

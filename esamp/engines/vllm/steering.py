@@ -34,6 +34,7 @@ import torch
 from esamp.core.backends.graphs import GraphCache, SideStream
 from esamp.core.config import EsampConfig, SamplingConfig, Steering, bound
 from esamp.core.distiller import DistillerBank, SlotLedger, bank_for, ledger_for
+from esamp.core.intervention import HeadProduct
 from esamp.core.steerer import PlanBuffers, SteeredRow, Steerer, StepPlan, bucket, reference_filter
 from esamp.engines.vllm import hooks, settings as es
 from esamp.engines.vllm.rows import Groups, RequestRow
@@ -69,6 +70,7 @@ class BatchPlan:
     members: list[RequestRow]  # the steered rows, in plan order
     groups: list[str]  # per steered row (what its records say)
     samples: list[int]
+    outputs: list  # per steered row, its request's live list of generated ids (its length: the row's position)
     unit_groups: list[tuple[str, ...]]  # per Distiller unit, the groups whose loss it is (none: no training)
     recorded: set[str] | None  # groups whose records are kept (None: every group's)
 
@@ -87,7 +89,8 @@ class Handoff:
     losses: torch.Tensor | None  # per Distiller unit
     replayed: bool  # the Distiller step was a graph replay
     host_seconds: float
-    d: torch.Tensor | None = field(default=None)  # [steered, V] Distiller logits from the LM head
+    # [steered, V] Distiller logits from the LM head, or ŷ and the head's weight (d at the candidates)
+    d: torch.Tensor | HeadProduct | None = field(default=None)
 
 
 try:  # the top-k/top-p functions vLLM's sampler calls (a drift canary holds them to the core's)
@@ -97,6 +100,13 @@ try:  # the top-k/top-p functions vLLM's sampler calls (a drift canary holds the
     )
 except ImportError:  # pragma: no cover - depends on the installed vLLM
     vllm_top_k_top_p = vllm_top_k_top_p_cpu = None
+
+
+def _addresses(d: torch.Tensor | HeadProduct) -> tuple[int, ...]:
+    """Where a captured filter-and-mix reads ``d`` (its graph's key)."""
+    if isinstance(d, HeadProduct):
+        return (d.prediction.data_ptr(), d.prediction.stride(0), d.head.data_ptr(), d.head.stride(0))
+    return (d.data_ptr(), d.stride(0))
 
 
 def vllm_filter(scaled: torch.Tensor, plan: StepPlan) -> torch.Tensor:
@@ -184,6 +194,7 @@ class EngineSteering:
         self.groups = Groups(self.slots)
         self.records = RecordStore(self.device) if retain_seconds is None else RecordStore(self.device, retain_seconds)
         self._taps: torch.Tensor | None = None  # [max_rows + 1, A·H] tapped rows (last row zero)
+        self._tap_views: tuple | None = None  # (what they view, (x, y)) of ``_views``
         self._shared: torch.Tensor | None = None  # [max_rows, H] ŷ received from TP rank 0
         self._prepared = False
         self._last_expire = time.monotonic()
@@ -233,6 +244,7 @@ class EngineSteering:
             members=members,
             groups=[r.group for r in members],
             samples=[r.sample for r in members],
+            outputs=[r.output_ids for r in members],
             unit_groups=unit_groups,
             recorded=None if self.record_all else {r.group for r in members if r.records},
         )
@@ -249,8 +261,11 @@ class EngineSteering:
         return self._taps
 
     def _views(self, taps: torch.Tensor, source: int, target: int) -> tuple[torch.Tensor, torch.Tensor]:
-        H = self.hidden
-        return taps[:, source * H : (source + 1) * H], taps[:, target * H : (target + 1) * H]
+        key = (taps.data_ptr(), taps.shape, source, target)
+        if self._tap_views is None or self._tap_views[0] != key:  # the same two views every step
+            H = self.hidden
+            self._tap_views = (key, (taps[:, source * H : (source + 1) * H], taps[:, target * H : (target + 1) * H]))
+        return self._tap_views[1]
 
     def prepare(self, aux: torch.Tensor, source: int, target: int, normalize, head_dtype: torch.dtype) -> None:
         """Capture the Distiller step of every bucketed shape up to the batch's rows, before any
@@ -259,7 +274,7 @@ class EngineSteering:
             return
         if self.bank is None:  # a tensor-parallel worker without the bank: only the filter to warm
             self._prepared = True
-            self.steerer.warm_filter(self.vocab, self.device, head_dtype)
+            self.steerer.warm_filter(self.vocab, self.device, head_dtype, self.hidden)
             return
         if not self.steerer.graphs.enabled:
             return
@@ -271,7 +286,7 @@ class EngineSteering:
             self.buffers.write({}, {})  # every unit the scratch slot, nothing trains
         self.steerer.distill(plans[0], x, y, normalize, head_dtype)  # warms the capture stream
         self.counters["graphs_prepared"] = self.steerer.prepare(plans, x, y, normalize, head_dtype)
-        self.steerer.warm_filter(self.vocab, self.device, head_dtype)
+        self.steerer.warm_filter(self.vocab, self.device, head_dtype, self.hidden)
         self.counters["prepare_ms"] = round(1e3 * (time.perf_counter() - t0), 1)
 
     def keep_taps(self, aux: torch.Tensor) -> bool:
@@ -331,9 +346,7 @@ class EngineSteering:
         inputs = tuple(t for t in (logits, d, err, loss) if t is not None)
         # What the captured kernels read: every other input is a fixed buffer of the plan's.
         key = (step.rows, s if steered else 0, step.key, step.mix_key, logits.shape[0], logits.data_ptr()) + (
-            (d.data_ptr(), d.stride(0), reported and err.data_ptr(), loss is not None and loss.data_ptr())
-            if steered
-            else ()
+            (*_addresses(d), reported and err.data_ptr(), loss is not None and loss.data_ptr()) if steered else ()
         )
 
         def run(logits, *rest):
@@ -357,7 +370,7 @@ class EngineSteering:
                 self.step_no,
                 plan.groups,
                 plan.samples,
-                [len(r.output_ids) for r in plan.members],
+                list(map(len, plan.outputs)),
                 packed,
                 plan.unit_groups if loss is not None else [],
                 keep=plan.recorded,

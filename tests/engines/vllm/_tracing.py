@@ -8,6 +8,7 @@ share: ``traced()`` to keep the steps of a block, ``collect`` to run groups to t
 
 from __future__ import annotations
 
+from esamp.core.intervention import dense_logits
 from esamp.engines.vllm.steering import EngineSteering
 from esamp.engines.vllm.v1 import V1Adapter
 
@@ -53,7 +54,7 @@ class TracingSteering(EngineSteering):
                     trace,
                     logits=raw,
                     steered=out.index_select(0, index).clone(),
-                    distiller_logits=handoff.d.float().clone(),
+                    distiller_logits=dense_logits(handoff.d, self.vocab).float().clone(),
                 )
             )
         return out
