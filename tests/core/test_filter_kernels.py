@@ -127,11 +127,13 @@ def check_head_product(device: str, vocab: int = 700, hidden: int = 40) -> None:
     assert torch.equal(counts.cpu(), want_counts)
     assert torch.equal(torch.isfinite(got), torch.isfinite(want))
     kept = torch.isfinite(want)
-    torch.testing.assert_close(got[kept], want[kept], rtol=1e-5, atol=1e-4)
+    # fp32 sums over H in another order than the reference's product: a few ulps of the largest b·d
+    scale = float((dense.abs().amax(-1) * b[: dense.shape[0]]).max())
+    torch.testing.assert_close(got[kept], want[kept], rtol=1e-5, atol=1e-4 + 1e-5 * scale)
     # the PyTorch twin multiplies the factors out: the LM head's own product, in its dtype
     twin = logits.clone()
     tf.filter_and_mix_torch(twin, index, T, min_p, top_p, a, b, iv.HeadProduct(yhat, head))
-    torch.testing.assert_close(twin[kept], want[kept], rtol=2e-2, atol=5e-2)
+    torch.testing.assert_close(twin[kept], want[kept], rtol=2e-2, atol=5e-2 + 1e-2 * scale)  # d rounded to bf16
     # β = 0 (a = 1, b = 0): the filtered row of plain sampling, bit for bit
     plain, mixed = logits.clone().to(device), logits.clone().to(device)
     tf.launch(plain, *dev[:4], dev[4], dev[5], None)

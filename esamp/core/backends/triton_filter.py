@@ -50,8 +50,18 @@ EDGE = 1024  # survivors collected and sorted exactly
 SPLIT = 64  # thresholds per narrowing pass
 CANDIDATES = 256  # a mixed row's candidates whose d is computed one by one (more: the tiled product)
 BC = 16  # candidates per program (``_candidate_d_kernel``)
-BV, BM = 128, 32  # vocabulary rows and mixed rows per program of the tiled product (``_overflow_d_kernel``)
+# Vocabulary rows and mixed rows per program of the tiled product (``_overflow_d_kernel``): up to 128
+# mixed rows in one program, so the head's weights are read once for them (twice at 256 rows).
+BV, BM = 128, 128
 RANGE = 40.0  # without min-p, tokens more than RANGE below the max in z̃ (mass < e^-40 each) count as dropped
+
+
+def few_candidates(min_p: float, top_k: int) -> bool:
+    """Whether a row's filters keep its candidates few enough for d at the candidates (d given as
+    ``HeadProduct``) to cost less than the full product: min-p on (a peaked row then keeps a
+    handful; a flat one may keep more, which the tiled product serves) or a top-k within
+    ``CANDIDATES``. Without either every token may be a candidate, and the full product wins."""
+    return min_p > 0.0 or 0 < top_k <= CANDIDATES
 
 
 def filter_and_mix_torch(
@@ -198,9 +208,10 @@ def launch(
             logits, rows, b, work.counts, work.candidates, head, head.stride(0), y, y.stride(0), H, logits.stride(0),
             CAP=CANDIDATES, BC=BC, BH=min(256, triton.next_power_of_2(H)),
         )  # fmt: skip
-        _overflow_d_kernel[(triton.cdiv(V, BV), triton.cdiv(m, BM))](
+        bm = min(BM, max(16, triton.next_power_of_2(m)))
+        _overflow_d_kernel[(triton.cdiv(V, BV), triton.cdiv(m, bm))](
             logits, rows, b, work.counts, head, head.stride(0), y, y.stride(0), H, V, logits.stride(0), m,
-            CAP=CANDIDATES, BV=BV, BM=BM, BH=64,
+            CAP=CANDIDATES, BV=BV, BM=bm, BH=64, num_warps=8,
             # A 16-bit head multiplies in its own dtype; an fp32 one (and Triton's interpreter, whose
             # 16-bit products are not right) in fp32 with three TF32 passes, which keep its bits.
             F32=head.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
@@ -489,9 +500,10 @@ if triton is not None:
                 # then bit for bit the filtered row of plain sampling
                 out = tl.load(a_ptr + i) * out - tl.load(b_ptr + i) * d
         tl.store(where, tl.where(kept, out, float("-inf")), mask=inside)
-        start = tl.atomic_add(counts_ptr + i, tl.sum(kept.to(tl.int32), axis=0))
+        n = tl.sum(kept.to(tl.int32), axis=0)
+        start = tl.atomic_add(counts_ptr + i, n)
         if SPARSE:
-            if i < mixed:
+            if (i < mixed) & (n > 0):  # (most chunks of a peaked row keep nothing)
                 slot = start + tl.cumsum(kept.to(tl.int32), axis=0) - 1
                 tl.store(cand_ptr + i.to(tl.int64) * CAP + slot, offs, mask=kept & (slot < CAP))
 

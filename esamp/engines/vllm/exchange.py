@@ -163,7 +163,8 @@ class StepExchange:
             return None
         handoff = self.steering.distill(plan, *taps)
         head = model.esamp_lm_head()
-        handoff.d = HeadProduct(handoff.prediction[: plan.steered], head)  # d at the candidates (``HeadProduct``)
+        product = HeadProduct(handoff.prediction[: plan.steered], head)  # d at the candidates
+        handoff.d = product if plan.few_candidates else product.dense(self.steering.vocab)
         return handoff
 
     # -- the adapter's side ------------------------------------------------------------------

@@ -21,8 +21,9 @@ makes the logits from h, exactly as without ESamp, and the Distiller logits d = 
 the exchange as their two factors (``intervention.HeadProduct``): the fused filter computes d
 only at each row's candidates, a few tokens under min-p, where a [rows, V] product would cost
 the step a second pass over the head's weights on the tensor cores. Where this worker holds no
-dense weight (a quantised head; one vocabulary shard under tensor parallelism) the head runs
-once on ``[h; ŷ]``: the first rows are the logits, the rest are d.
+dense weight (a quantised head; one vocabulary shard under tensor parallelism), or a steered row's
+filters leave every token a candidate (no min-p, no top-k: ``triton_filter.few_candidates``), the
+head runs once on ``[h; ŷ]``: the first rows are the logits, the rest are d.
 A call with plain H-wide rows (a model built without taps) passes straight through.
 """
 
@@ -85,7 +86,7 @@ class _TapMixin:
             exchange.put_taps_late(hidden_states[:, H:], src, tgt, self.esamp_normalize, head_dtype)
             return super().compute_logits(hidden)
         prediction = exchange.put_taps(plan, hidden_states[:, H:], src, tgt, self.esamp_normalize, head_dtype)
-        weight = self.esamp_dense_weight()
+        weight = self.esamp_dense_weight() if plan.few_candidates else None
         if weight is not None and self._esamp_plain_head():
             # vLLM's own head on h, and d = W·ŷ left as its factors: the filter computes d only at
             # each row's candidates (a few under min-p) instead of a second [rows, V] product.

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from esamp.core.backends.graphs import GraphCache, SideStream
+from esamp.core.backends.triton_filter import few_candidates
 from esamp.core.config import EsampConfig, SamplingConfig, Steering, bound
 from esamp.core.distiller import DistillerBank, SlotLedger, bank_for, ledger_for
 from esamp.core.intervention import HeadProduct
@@ -73,6 +74,7 @@ class BatchPlan:
     outputs: list  # per steered row, its request's live list of generated ids (its length: the row's position)
     unit_groups: list[tuple[str, ...]]  # per Distiller unit, the groups whose loss it is (none: no training)
     recorded: set[str] | None  # groups whose records are kept (None: every group's)
+    few_candidates: bool = True  # every steered row's filters bound its candidates: d at the candidates
 
     @property
     def steered(self) -> int:
@@ -247,6 +249,7 @@ class EngineSteering:
             outputs=[r.output_ids for r in members],
             unit_groups=unit_groups,
             recorded=None if self.record_all else {r.group for r in members if r.records},
+            few_candidates=all(few_candidates(r.filters.min_p, r.filters.top_k) for r in members),
         )
         self.counters["plan_builds"] += 1
         self.plan_seconds += time.perf_counter() - t0

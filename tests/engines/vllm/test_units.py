@@ -686,3 +686,41 @@ def test_an_hf_models_dtype_is_float32_on_a_cpu_without_bf16_arithmetic(monkeypa
         assert launch.model_facts(preset, cuda=False).load["dtype"] == cpu_dtype
         assert launch.model_facts(preset, cuda=True).load["dtype"] == "bfloat16"
         assert launch.model_facts(preset, cuda=False, dtype="float16").load["dtype"] == "float16"
+
+
+def test_d_comes_as_its_factors_only_where_the_filters_keep_few_candidates():
+    """A plan leaves d = W·ŷ as ŷ and the head (computed at the candidates) only when every steered
+    row has min-p or a top-k within the candidates the kernels list one by one; a row with neither
+    (every token may be a candidate) makes the step take the full product. Both forms of d give
+    the same mixed logits."""
+    from esamp.core.backends.triton_filter import CANDIDATES
+    from esamp.core.config import EsampConfig
+    from esamp.engines.vllm.rows import RequestRow
+    from esamp.engines.vllm.steering import EngineSteering
+
+    H, V = 16, 48
+    steering = EngineSteering(EsampConfig(slots=4, rank=4), hidden=H, vocab=V, max_rows=8, device=torch.device("cpu"))
+
+    def rows(**filters):
+        return {
+            i: RequestRow("g", i, Steering(beta=0.8), Filters(temperature=1.0, **filters), [0] * i, records=True, n=2)
+            for i in range(2)
+        }
+
+    assert steering.plan(rows(min_p=0.1), 2).few_candidates
+    assert steering.plan(rows(min_p=0.0, top_k=40), 2).few_candidates
+    assert not steering.plan(rows(min_p=0.0, top_k=CANDIDATES + 1), 2).few_candidates
+    assert not steering.plan(rows(min_p=0.0, top_k=0, top_p=0.9), 2).few_candidates
+
+    torch.manual_seed(0)
+    plan = steering.plan(rows(min_p=0.05, top_p=0.9), 2)
+    head = torch.randn(V + 3, H)  # a padded vocabulary: rows past V are never read
+    assert steering.keep_taps(torch.randn(2, 2 * H))
+    handoff = steering.distill(plan, 0, 1, None, torch.float32)
+    logits = torch.randn(2, V) * 3
+    outs = []
+    for d in (iv.HeadProduct(handoff.prediction[:2], head), handoff.prediction[:2] @ head[:V].t()):
+        handoff.d = d
+        outs.append(steering.apply(plan, logits.clone(), handoff))
+    torch.testing.assert_close(outs[0], outs[1])
+    assert torch.isfinite(outs[0]).any() and not torch.equal(outs[0], logits)
