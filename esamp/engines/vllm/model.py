@@ -17,7 +17,7 @@ per scheduled request, in logits-row order, and calls ``compute_logits`` eagerly
 engine's ``StepExchange`` for this step's plan; with nothing to steer it runs vLLM's own head on
 the first H columns (a view) and does nothing else. Otherwise it hands the tap columns to the
 exchange, which runs the Distiller step (the norms inside it) and returns ŷ. vLLM's own head then
-makes the logits from h, exactly as without ESamp, and the Distiller logits d = W·ŷ go back to
+makes the logits from h, the product it runs without ESamp, and the Distiller logits d = W·ŷ go back to
 the exchange as their two factors (``intervention.HeadProduct``): the fused filter computes d
 only at each row's candidates, a few tokens under min-p, where a [rows, V] product would cost
 the step a second pass over the head's weights on the tensor cores. Where this worker holds no
