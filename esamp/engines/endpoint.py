@@ -22,7 +22,8 @@ sample the server could not steer, once the sample ended and every record has be
 
 Text comes from the server (its detokenizer, as every OpenAI client sees it); token ids from
 ``return_token_ids``. When the server merges several tokens into one streamed chunk (a client that
-reads slowly), the chunk's text goes with its last token. Prompts are tokenised by the server
+reads slowly), the chunk's text goes with its last token, or with the one before when the last is
+the stop token that ended the sample (never shown). Prompts are tokenised by the server
 (``/tokenize``, with the chat template unless ``chat=False``); a model served without a
 tokenizer (the dummy presets) takes token ids.
 
@@ -81,6 +82,14 @@ class _ServerText:
             self.texts += [""] * (count - 1) + [text]
         elif text and len(self.texts) > self.read:  # text the server held back, now released
             self.texts[-1] += text
+
+    def stopped(self) -> None:
+        """The last token is a stop token, which is never shown: text the server sent with it (a
+        chunk that merged the sample's last tokens with it) goes to the token before it, unread
+        until the stop token's step is fed."""
+        if len(self.texts) >= 2 and self.texts[-1] and len(self.texts) - 2 >= self.read:
+            self.texts[-2] += self.texts[-1]
+            self.texts[-1] = ""
 
     def push(self, token_id: int) -> str:
         text = self.texts[self.read] if self.read < len(self.texts) else ""
@@ -417,6 +426,7 @@ class EndpointEngine(RecordedEngine):
                     # the library engines, not shown. Stop tokens end a sample, so it is the last.
                     if finish == "stop" and (stop is None or isinstance(stop, int)) and g.arrived[sample]:
                         g.stream.stop_ids = g.stream.stop_ids | {g.arrived[sample][-1]}
+                        g.stream.detok[sample].stopped()
             elif kind == "error":
                 failed[key] = rest[0]
             elif kind == "closed":

@@ -37,6 +37,7 @@ class Script:
         self.unreachable = False  # the rank holding the records does not answer
         self.name_groups = True  # False: a server that does not say a request's group
         self.api_key: str | None = None
+        self.chunks: list[dict] = CHUNKS  # what the stream sends, choice by choice
 
 
 def make_handler(script: Script):
@@ -117,7 +118,7 @@ def make_handler(script: Script):
             chunks = (
                 [{"error": {"message": script.stream_error}}]
                 if script.stream_error
-                else [{"choices": [c]} for c in CHUNKS]
+                else [{"choices": [c]} for c in script.chunks]
             )
             for chunk in chunks:
                 self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
@@ -189,6 +190,22 @@ def test_chunks_and_records_become_the_library_engines_events(fake, steered):
         mine = [e for e in events if getattr(e, "sample", None) == sample]
         assert [e.index for e in mine if e.type == "token"] == sorted(e.index for e in mine if e.type == "token")
         assert mine[-1].type == "done"
+
+
+def test_text_sent_with_the_stop_token_is_shown_with_the_token_before_it(fake):
+    """A chunk that merges a sample's last tokens with the stop token that ended it (a client that
+    read slowly) carries their text with the stop token, which is never shown: the text goes with
+    the last token shown, nothing lost (a plain group: a steered one's text takes the same path)."""
+    fake.chunks = [
+        {"index": 0, "token_ids": [10], "text": "a"},
+        {"index": 0, "token_ids": [11, 12, 2], "text": "bcd", "finish_reason": "stop", "stop_reason": None},
+    ]
+    engine = create_engine("server", url=fake.url)
+    key = engine.start("Hi", SamplingConfig(n=1, max_tokens=10), Steering(enabled=False))
+    events = events_of(engine, key)
+    tokens = [(e.index, e.token_id, e.text) for e in events if e.type == "token"]
+    assert tokens == [(0, 10, "a"), (1, 11, ""), (2, 12, "bcd")]
+    assert [(e.finish_reason, e.tokens) for e in events if e.type == "done"] == [("stop", 3)]
 
 
 def test_prompts_as_text_or_token_ids(fake):
