@@ -29,6 +29,8 @@ class TensorParallelProbe(EsampWorkerExtension):
         sample and generation index."""
         import torch
 
+        from esamp.core.intervention import dense_logits
+
         steering = self._esamp_exchange().steering
         seen = self._esamp_seen = []
         apply = steering.apply
@@ -38,7 +40,7 @@ class TensorParallelProbe(EsampWorkerExtension):
             s = plan.steered
             if s:
                 top = out.index_select(0, plan.step.index[:s]).float().topk(5, dim=-1).values
-                d = handoff.d[:s, : steering.vocab].float()
+                d = dense_logits(handoff.d, steering.vocab)[:s, : steering.vocab].float()
                 thirds = [part.sum(-1, keepdim=True) for part in d.chunk(3, dim=-1)]
                 values = torch.cat([top, *thirds], dim=-1).tolist()
                 seen.extend((m.group, m.sample, len(m.output_ids), v) for m, v in zip(plan.members, values))
