@@ -28,11 +28,13 @@ nothing; a request reads the engine's ESamp counters and its lock-protected reco
 
 from __future__ import annotations
 
+import errno
 import hmac
 import json
 import logging
 import os
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
 
@@ -43,6 +45,10 @@ CHANNEL_SECRET_ENV = "ESAMP_CHANNEL_SECRET"  # set by ``esamp serve``: the side 
 SECRET_HEADER = "X-Esamp-Channel-Secret"
 MAX_GROUPS = 256  # groups one read may name
 MAX_GROUP_KEY = 128  # characters of one group key (the server's own ids are 26)
+# Seconds a rank keeps trying its port while something else holds it: ``esamp serve`` found the
+# port free before vLLM started, and a short-lived socket (a probe, a client's connection) may
+# hold it for a moment when the rank binds.
+BIND_WAIT = 10.0
 
 # Counter name in the engine's metrics → (Prometheus name, type, help). Written once: the API server's
 # aggregate uses these names too.
@@ -92,7 +98,13 @@ class Channel:
                         403, json.dumps({"error": "this channel answers only its own API server"}), "application/json"
                     )
                     return
-                url = urlparse(self.path)
+                try:
+                    self._answer(urlparse(self.path))
+                except Exception as exc:  # the engine's state could not be read: say so, keep serving
+                    log.exception("ESamp side channel of rank %d: %s failed", channel.rank, self.path.split("?")[0])
+                    self._send(500, json.dumps({"error": f"{type(exc).__name__}: {exc}"}), "application/json")
+
+            def _answer(self, url) -> None:
                 if url.path == "/metrics":
                     self._send(200, prometheus(steering.metrics(), channel.rank), "text/plain; version=0.0.4")
                 elif url.path == "/records":
@@ -124,7 +136,7 @@ class Channel:
             def log_message(self, *args) -> None:  # requests are not worth a log line each
                 pass
 
-        self.server = ThreadingHTTPServer((host, port), Handler)
+        self.server = _bind(host, port, Handler)
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, name=f"esamp-channel-{rank}", daemon=True)
         self.thread.start()
@@ -133,6 +145,19 @@ class Channel:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def _bind(host: str, port: int, handler) -> ThreadingHTTPServer:
+    """The channel's HTTP server on ``host:port``, trying again for ``BIND_WAIT`` seconds while the
+    port is in use (``OSError`` after that, or at once for any other reason)."""
+    deadline = time.monotonic() + BIND_WAIT
+    while True:
+        try:
+            return ThreadingHTTPServer((host, port), handler)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.2)
 
 
 def read_groups(values: list[str] | None) -> set[str] | str:
@@ -169,6 +194,14 @@ def start(steering, settings: dict, vllm_config) -> Channel | None:
         return None
     try:
         return Channel(steering, settings.get("host", HOST), int(port) + rank, rank, secret)
-    except OSError as exc:  # taken (another worker of this rank serves it), or not allowed
-        log.warning("ESamp side channel of rank %d not started on port %s: %s", rank, int(port) + rank, exc)
+    except OSError as exc:  # held by another process for BIND_WAIT seconds, or not allowed
+        log.error(
+            "ESamp side channel of rank %d not started on %s:%d: %s. This rank's records and counters "
+            "cannot be read (/esamp/records lists it as unreachable, esamp_channel_up is 0); restart "
+            "the server (esamp serve --channel-port PORT picks the ports)",
+            rank,
+            settings.get("host", HOST),
+            int(port) + rank,
+            exc,
+        )
         return None

@@ -270,6 +270,7 @@ class EsampMiddleware:
         self._releasing: list[str] = []  # groups whose slots are to be freed
         self._release_task: asyncio.Task | None = None
         self.routes: dict[str, list[str]] | None = None  # the server's POST routes by kind (routes.classify)
+        self._unanswered: dict[int, str] = {}  # rank → why its side channel did not answer (logged once)
 
     async def __call__(self, scope, receive, send) -> None:
         kind = scope["type"]
@@ -557,7 +558,23 @@ class EsampMiddleware:
                 return exc
 
         got = await asyncio.gather(*(one(host, port) for _, host, port in info.channels()))
-        return {rank: result for (rank, _, _), result in zip(info.channels(), got)}
+        out = {rank: result for (rank, _, _), result in zip(info.channels(), got)}
+        for (rank, host, port), result in zip(info.channels(), got):
+            self._heard(rank, f"{host}:{port}", result)
+        return out
+
+    def _heard(self, rank: int, where: str, result) -> None:
+        """Log a rank's side channel going silent (and why) or answering again, once per change."""
+        why = None
+        if isinstance(result, Exception):
+            why = f"{type(result).__name__}: {result}"
+        elif result[0] >= 500:
+            why = f"status {result[0]}: {result[1][:200].decode(errors='replace')}"
+        if why is None and self._unanswered.pop(rank, None) is not None:
+            log.info("ESamp side channel of rank %d on %s answers again", rank, where)
+        elif why is not None and self._unanswered.get(rank) != why:
+            self._unanswered[rank] = why
+            log.warning("ESamp side channel of rank %d on %s did not answer (%s)", rank, where, why)
 
     async def _metrics(self, scope, send, info: ServerInfo) -> None:
         got = await self._gather(info, "/metrics")

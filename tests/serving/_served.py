@@ -18,6 +18,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT = 300.0  # a cold start on a busy 2-core machine
+RUNNING: list[Served] = []  # the servers up now: a failing test's report shows their logs (conftest.py)
+# The log lines a failing test's report keeps from a server's start (``Served.excerpt``).
+NOTEWORTHY = ("esamp serve:", "side channel", "ERROR", "WARNING", "Traceback", "Error")
 
 
 def free_port() -> int:
@@ -91,6 +94,16 @@ class Served:
     def post(self, path: str, body: dict | bytes, key: str | None = "") -> tuple[int, bytes]:
         return self.request("POST", path, body, key=key)[:2]
 
+    def excerpt(self, notes: int = 60, lines: int = 30) -> str:
+        """What a failing test's report shows of this server's log: its ESamp lines, warnings and
+        errors from the start (a side channel that did not start says so there), then its last lines."""
+        try:
+            text = self.log.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        marked = [line for line in text[:-lines] if any(word in line for word in NOTEWORTHY)]
+        return "\n".join(line[:400] for line in [*marked[:notes], "...", *text[-lines:]])
+
     def tail(self, lines: int = 40) -> str:
         try:
             return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
@@ -133,10 +146,12 @@ def started(tmp_path_factory, runs: list[list[str]], api_key: str | None = None,
     try:
         for args in runs:
             servers.append(Served(args, tmp_path_factory.mktemp("serve") / "server.log", api_key, env))
+            RUNNING.append(servers[-1])
         yield [server.wait() for server in servers]
     finally:
         for server in servers:
             server.stop()
+            RUNNING.remove(server)
 
 
 def take_records(server, group: str, timeout: float = 10.0) -> list[tuple]:

@@ -15,7 +15,18 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
-from _served import serve  # noqa: E402
+from _served import RUNNING, serve  # noqa: E402
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failing serving test's report carries the logs of the servers that were up (what a server
+    said about its side channels or its engine is otherwise lost with its temporary folder)."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        for server in RUNNING:
+            report.sections.append((f"esamp serve on {server.url}: its log", server.excerpt()))
 
 
 @pytest.fixture(scope="module")

@@ -221,6 +221,74 @@ def test_records_come_from_every_rank_once(ranks):
     assert json.loads(body)["unreachable"] == [0]  # the client knows it has not seen everything
 
 
+def test_a_rank_whose_channel_goes_silent_is_logged_once_with_why_and_again_when_it_answers(ranks, caplog):
+    port, channels = ranks
+    app = FakeVllm(2, port)
+    middleware = EsampMiddleware(app)
+    caplog.set_level("INFO", logger="esamp.serving.middleware")
+    run(call(middleware, app, "GET", "/esamp/metrics"))
+    assert not caplog.records  # every rank answered: nothing to say
+    channels[1].close()
+    for _ in range(3):
+        run(call(middleware, app, "GET", "/esamp/metrics"))
+    silent = [r.getMessage() for r in caplog.records]
+    assert len(silent) == 1 and f"rank 1 on 127.0.0.1:{port + 1} did not answer" in silent[0]
+    assert "Error" in silent[0]  # why: the connection was refused
+    channels[1] = Channel(FakeProcessor(1, {}), "127.0.0.1", port + 1, 1, SECRET)
+    run(call(middleware, app, "GET", "/esamp/metrics"))
+    assert "rank 1" in caplog.records[-1].getMessage() and "answers again" in caplog.records[-1].getMessage()
+
+
+class FailingProcessor(FakeProcessor):
+    def metrics(self) -> dict:
+        raise RuntimeError("the counters could not be read")
+
+
+def test_a_channel_whose_engine_state_cannot_be_read_answers_500_and_keeps_serving(caplog):
+    port = free_ports(1)
+    channel = Channel(FailingProcessor(0, {"g0": 0.1}), "127.0.0.1", port, 0, SECRET)
+    try:
+        caplog.set_level("ERROR", logger="esamp.serving.channel")
+        status, body = channel_get(port, "/metrics", SECRET)
+        assert status == 500 and "the counters could not be read" in json.loads(body)["error"]
+        assert any("/metrics failed" in r.getMessage() for r in caplog.records)  # with its traceback
+        status, body = channel_get(port, "/records?group=g0", SECRET)  # the next request is served
+        assert status == 200 and json.loads(body)["steps"][0]["rows"][0][0] == "g0"
+    finally:
+        channel.close()
+
+
+def test_a_channel_waits_for_a_port_held_a_moment_and_says_what_to_do_when_it_stays_held(monkeypatch, caplog):
+    import socket
+    import threading
+
+    from esamp.serving import channel
+
+    port = free_ports(1)
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", port))
+    holder.listen()
+    threading.Timer(0.5, holder.close).start()  # a socket that lets go of the port soon after the rank starts
+    config = SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_index=0))
+    started = channel.start(FakeProcessor(0, {}), {"port": port}, config)
+    try:
+        assert started is not None and channel_get(port, "/metrics", SECRET)[0] == 200
+    finally:
+        started.close()
+    held = socket.socket()
+    held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # the connection just served may linger
+    held.bind(("127.0.0.1", port))
+    held.listen()
+    monkeypatch.setattr(channel, "BIND_WAIT", 0.3)
+    caplog.set_level("ERROR", logger="esamp.serving.channel")
+    try:
+        assert channel.start(FakeProcessor(0, {}), {"port": port}, config) is None
+    finally:
+        held.close()
+    said = caplog.records[-1].getMessage()
+    assert f"rank 0 not started on 127.0.0.1:{port}" in said and "--channel-port" in said
+
+
 def channel_get(port: int, path: str, secret: str | None) -> tuple[int, bytes]:
     request = urllib.request.Request(
         f"http://127.0.0.1:{port}{path}", headers={SECRET_HEADER: secret} if secret is not None else {}
