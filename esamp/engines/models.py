@@ -487,12 +487,9 @@ def _gguf_cache_key(path: Path) -> str:
 
 
 def convert_gguf(path: Path, progress: Progress | None = None) -> Path:
-    """Dequantise a GGUF to a bf16 HF directory once; later calls return the cached directory.
-
-    transformers refuses ``save_pretrained`` on a GGUF-loaded model, so the dequantised state dict
-    is copied into a fresh model of the same config and that one is saved. The directory is
-    written under a temporary name and renamed, so an interrupted conversion leaves nothing behind.
-    """
+    """Dequantise a GGUF to a bf16 HF directory once (``dequantise``); later calls return the
+    cached directory. The directory is written under a temporary name and renamed, so an
+    interrupted conversion leaves nothing behind."""
     out = cache_dir() / "models" / _gguf_cache_key(path)
     if (out / "config.json").is_file():
         return out
@@ -505,6 +502,34 @@ def convert_gguf(path: Path, progress: Progress | None = None) -> Path:
                 stage="convert", text=f"converting {path.name} once to a cached model directory (the first start only)"
             )
         )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".partial-"))
+    os.chmod(tmp, 0o755)
+    try:
+        dequantise(path, tmp)
+        (tmp / "esamp_source.json").write_text(json.dumps({"gguf": str(path.resolve())}))
+        try:
+            os.replace(tmp, out)
+        except OSError:
+            # Another process (a second esamp, a server beside the dashboard) converted the same
+            # file meanwhile and renamed its directory first: the same bytes, so use that one.
+            if not (out / "config.json").is_file():
+                raise
+            return out
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    _drop_older_conversions(path, out)
+    return out
+
+
+def dequantise(path: Path, into: Path) -> None:
+    """Write the GGUF ``path`` into the folder ``into`` as a bf16 Hugging Face model: its weights
+    dequantised, its config, its tokenizer (repaired where transformers saves it wrong:
+    ``gguf_tokenizer``). ``convert_gguf`` does the caching around it.
+
+    transformers refuses ``save_pretrained`` on a GGUF-loaded model, so the dequantised state dict
+    is copied into a fresh model of the same config and that one is saved."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -532,28 +557,10 @@ def convert_gguf(path: Path, progress: Progress | None = None) -> Path:
     del loaded
     fresh = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     fresh.load_state_dict(state, strict=False)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".partial-"))
-    os.chmod(tmp, 0o755)
-    try:
-        fresh.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        vocab = gguf_tokenizer.GgufVocab.from_header(gguf_metadata(path, gguf_tokenizer.HEADER_KEYS))
-        gguf_tokenizer.repair(tmp, path, vocab)
-        (tmp / "esamp_source.json").write_text(json.dumps({"gguf": str(path.resolve())}))
-        try:
-            os.replace(tmp, out)
-        except OSError:
-            # Another process (a second esamp, a server beside the dashboard) converted the same
-            # file meanwhile and renamed its directory first: the same bytes, so use that one.
-            if not (out / "config.json").is_file():
-                raise
-            return out
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    _drop_older_conversions(path, out)
-    return out
+    fresh.save_pretrained(into)
+    tok.save_pretrained(into)
+    vocab = gguf_tokenizer.GgufVocab.from_header(gguf_metadata(path, gguf_tokenizer.HEADER_KEYS))
+    gguf_tokenizer.repair(into, path, vocab)
 
 
 def _drop_older_conversions(path: Path, kept: Path) -> None:

@@ -153,7 +153,18 @@ def test_a_new_converter_redoes_older_conversions(tmp_path, monkeypatch):
     assert models._gguf_cache_key(gguf) != key
 
 
-def test_a_new_conversion_drops_the_older_ones_of_the_same_file(tmp_path, monkeypatch, embedded_gguf):
+@pytest.fixture
+def quick_dequantise(monkeypatch):
+    """The cache's bookkeeping around a conversion, without transformers' 20 s of dequantising (a
+    real conversion runs once per test run: the ``embedded_model`` fixture's)."""
+
+    def written(path: Path, into: Path) -> None:
+        (into / "config.json").write_text(json.dumps({"from": path.name}))
+
+    monkeypatch.setattr(models, "dequantise", written)
+
+
+def test_a_new_conversion_drops_the_older_ones_of_the_same_file(tmp_path, monkeypatch, embedded_gguf, quick_dequantise):
     """Directories converted from the same GGUF by an older esamp go once the new one exists, and
     those of a GGUF that is gone (a deleted virtual environment's); those of other files that are
     still there, and anything without esamp's source note, stay."""
@@ -179,7 +190,9 @@ def test_a_new_conversion_drops_the_older_ones_of_the_same_file(tmp_path, monkey
     assert not older.exists() and not orphan.exists() and other.exists() and mine.exists()
 
 
-def test_two_processes_converting_one_gguf_at_once_both_get_the_cached_model(tmp_path, monkeypatch, embedded_gguf):
+def test_two_processes_converting_one_gguf_at_once_both_get_the_cached_model(
+    tmp_path, monkeypatch, embedded_gguf, quick_dequantise
+):
     """Two esamp processes started together (seen on the GPU: two test runs) both convert; the one
     that renames second finds the other's directory in place and uses it, leaving no partial."""
     monkeypatch.setenv("ESAMP_CACHE_DIR", str(tmp_path))

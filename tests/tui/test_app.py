@@ -13,7 +13,7 @@ from textual.widgets._footer import FooterKey
 
 from esamp.core.config import update_config
 from esamp.events import ErrorEvent, event_from_dict
-from esamp_tui.options import BETA_STEP
+from esamp_tui.options import BETA_RANGE, BETA_STEP
 from esamp_tui.screens.export import ExportScreen
 from esamp_tui.widgets.error_panel import ErrorPanel
 from esamp_tui.widgets.run_row import RunRow
@@ -166,9 +166,12 @@ async def test_beta_samples_and_mix_reach_the_next_run(make_app):
         assert len(screen.results.rows["r2-on"].panes) == 3 and len(group.samples) == 3
         # The worker steered with the unsharpened mix: the scripted engine writes "un" for it.
         assert screen.results.rows["r2-on"].panes[0].text == expected_text(True, 3, "unsharpened")
-        for _ in range(200):  # β is clamped to the range the core allows
-            await pilot.press("plus")
-        assert screen.beta == 10.0
+        screen.beta = BETA_RANGE[1] - BETA_STEP / 2  # β is clamped to the range the core allows
+        await pilot.press("plus", "plus")
+        assert screen.beta == BETA_RANGE[1] == 10.0
+        screen.beta = BETA_RANGE[0] + BETA_STEP / 2
+        await pilot.press("minus", "minus")
+        assert screen.beta == BETA_RANGE[0] == 0.0
 
 
 async def test_abort_ends_the_running_samples_and_marks_the_history(make_app):
