@@ -1,6 +1,7 @@
 import importlib.util
 import os
 import shutil
+import sys
 
 import pytest
 import torch
@@ -25,6 +26,30 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
         if no_vllm and "vllm" in item.keywords:
             item.add_marker(pytest.mark.skip(reason="needs vLLM installed"))
+
+
+def pytest_collection_finish(session):
+    """Start the selected tests' Triton-interpreter checks in the background (tests/core/_interpreter.py):
+    single-threaded runs of up to half a minute each that would otherwise run one after another."""
+    if session.config.option.collectonly:
+        return
+    early = []
+    for item in session.items:
+        code = getattr(getattr(item, "module", None), "INTERPRETER_RUNS", {}).get(item.originalname)
+        skipped = item.get_closest_marker("skip") or any(m.args and m.args[0] for m in item.iter_markers("skipif"))
+        if code and not skipped:
+            early.append(code)
+    if early:
+        import _interpreter  # tests/core, on the path once its modules are collected
+
+        for code in early:
+            _interpreter.start_early(code)
+
+
+def pytest_sessionfinish(session):
+    interpreter = sys.modules.get("_interpreter")
+    if interpreter is not None:
+        interpreter.stop_early_runs()
 
 
 @pytest.fixture(scope="session")

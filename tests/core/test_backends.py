@@ -241,6 +241,12 @@ for optimizer in ('adam', 'sgd'):
 """
 
 
+# Started early by the run (tests/core/_interpreter.py).
+INTERPRETER_RUNS = {
+    "test_the_flat_optimizer_kernel_equals_its_pytorch_arithmetic_in_tritons_interpreter": FLAT_KERNEL_CHECK
+}
+
+
 @pytest.mark.skipif(CUDA, reason="the kernel runs on the GPU there")
 def test_the_flat_optimizer_kernel_equals_its_pytorch_arithmetic_in_tritons_interpreter():
     """The optimizer kernel a GPU runs (``backends.flat``, whose ``opt_step`` the fused Distiller

@@ -185,15 +185,27 @@ INTERPRETED = (
 )
 
 
+# The interpreter runs of this module, started early by the run (tests/core/_interpreter.py):
+# continuous, tied and flat logits on rows of two blocks, the short path on tied ones; and d as its
+# factors on both of its paths.
+INTERPRETER_RUNS = {
+    "test_kernels_equal_the_reference_in_tritons_interpreter": INTERPRETED
+    + "t.check_kernels('cpu', (0, 2, 5), short_seeds=(2,), vocab=5_000)",
+    "test_distiller_logits_at_the_candidates_equal_the_full_product_in_tritons_interpreter": INTERPRETED
+    + "t.check_head_product('cpu')",
+}
+
+
 @pytest.mark.skipif(CUDA, reason="the kernels run on the GPU there")
 def test_distiller_logits_at_the_candidates_equal_the_full_product_in_tritons_interpreter():
-    done = in_tritons_interpreter(INTERPRETED + "t.check_head_product('cpu')", timeout=600)
+    code = INTERPRETER_RUNS["test_distiller_logits_at_the_candidates_equal_the_full_product_in_tritons_interpreter"]
+    done = in_tritons_interpreter(code, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
 
 
 @pytest.mark.skipif(CUDA, reason="the kernels run on the GPU there")
 def test_kernels_equal_the_reference_in_tritons_interpreter():
-    # continuous, tied and flat logits; the short path on tied ones; rows of two blocks
-    code = INTERPRETED + "t.check_kernels('cpu', (0, 2, 5), short_seeds=(2,), vocab=5_000)"
-    done = in_tritons_interpreter(code, timeout=900)
+    done = in_tritons_interpreter(
+        INTERPRETER_RUNS["test_kernels_equal_the_reference_in_tritons_interpreter"], timeout=900
+    )
     assert done.returncode == 0, done.stderr[-3000:]

@@ -147,15 +147,21 @@ def test_the_interpreters_cases_cover_every_mode_optimizer_and_tap_norm():
     assert {(shared, norm) for shared, _, norm in COVERING} == {(shared, norm) for shared, _, norm in EVERY}
 
 
-@pytest.mark.skipif(CUDA, reason="the kernels run on the GPU there")
-def test_the_fused_step_equals_the_pytorch_step_in_tritons_interpreter():
-    # H 200 in slices of 32 (E1) and 64 (the others): 7 and 4 partials per tail, summed two at a
-    # time (KB 2: every tail takes several steps, E1's last one partial). Every program the
-    # interpreter runs costs Python time: these tiles take half as long as slices of 16 and 32.
-    code = (
+# The interpreter run of this module, started early by the run (tests/core/_interpreter.py). H 200
+# in slices of 32 (E1) and 64 (the others): 7 and 4 partials per tail, summed two at a time (KB 2:
+# every tail takes several steps, E1's last one partial). Every program the interpreter runs costs
+# Python time: these tiles take half as long as slices of 16 and 32.
+INTERPRETER_RUNS = {
+    "test_the_fused_step_equals_the_pytorch_step_in_tritons_interpreter": (
         "import sys; sys.path.insert(0, 'tests/core'); import test_fused_distiller as t; "
         "t.check('cpu', 'ieee', 200, dict(BK=32, SUBS=1, BH=64, KB=2), t.COVERING)"
     )
+}
+
+
+@pytest.mark.skipif(CUDA, reason="the kernels run on the GPU there")
+def test_the_fused_step_equals_the_pytorch_step_in_tritons_interpreter():
+    code = INTERPRETER_RUNS["test_the_fused_step_equals_the_pytorch_step_in_tritons_interpreter"]
     done = in_tritons_interpreter(code, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
 
