@@ -31,19 +31,14 @@ def pytest_collection_modifyitems(config, items):
 def pytest_collection_finish(session):
     """Start the selected tests' Triton-interpreter checks in the background (tests/core/_interpreter.py):
     single-threaded runs of up to half a minute each that would otherwise run one after another."""
-    if session.config.option.collectonly:
+    interpreter = sys.modules.get("_interpreter")  # imported by the tests/core modules that have runs
+    if interpreter is None or session.config.option.collectonly:
         return
-    early = []
     for item in session.items:
-        code = getattr(getattr(item, "module", None), "INTERPRETER_RUNS", {}).get(item.originalname)
+        code = getattr(getattr(item, "module", None), interpreter.RUNS, {}).get(item.originalname)
         skipped = item.get_closest_marker("skip") or any(m.args and m.args[0] for m in item.iter_markers("skipif"))
         if code and not skipped:
-            early.append(code)
-    if early:
-        import _interpreter  # tests/core, on the path once its modules are collected
-
-        for code in early:
-            _interpreter.start_early(code)
+            interpreter.start_early(code)
 
 
 def pytest_sessionfinish(session):

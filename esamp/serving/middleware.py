@@ -557,11 +557,11 @@ class EsampMiddleware:
             except (TimeoutError, OSError, ValueError) as exc:
                 return exc
 
-        got = await asyncio.gather(*(one(host, port) for _, host, port in info.channels()))
-        out = {rank: result for (rank, _, _), result in zip(info.channels(), got)}
-        for (rank, host, port), result in zip(info.channels(), got):
+        channels = info.channels()
+        got = await asyncio.gather(*(one(host, port) for _, host, port in channels))
+        for (rank, host, port), result in zip(channels, got):
             self._heard(rank, f"{host}:{port}", result)
-        return out
+        return {rank: result for (rank, _, _), result in zip(channels, got)}
 
     def _heard(self, rank: int, where: str, result) -> None:
         """Log a rank's side channel going silent (and why) or answering again, once per change."""

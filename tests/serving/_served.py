@@ -97,18 +97,18 @@ class Served:
     def excerpt(self, notes: int = 60, lines: int = 30) -> str:
         """What a failing test's report shows of this server's log: its ESamp lines, warnings and
         errors from the start (a side channel that did not start says so there), then its last lines."""
-        try:
-            text = self.log.read_text(errors="replace").splitlines()
-        except OSError:
-            return "(no log)"
+        text = self._log_lines()
         marked = [line for line in text[:-lines] if any(word in line for word in NOTEWORTHY)]
         return "\n".join(line[:400] for line in [*marked[:notes], "...", *text[-lines:]])
 
     def tail(self, lines: int = 40) -> str:
+        return "\n".join(self._log_lines()[-lines:])
+
+    def _log_lines(self) -> list[str]:
         try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+            return self.log.read_text(errors="replace").splitlines()
         except OSError:
-            return "(no log)"
+            return ["(no log)"]
 
     def stop(self) -> None:
         if self.proc.poll() is None:
