@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import sys
 from collections.abc import Callable, Iterable
 from functools import partial
 from pathlib import Path
 
 from textual.app import App, SystemCommand
 from textual.binding import Binding
+from textual.driver import Driver
 from textual.screen import Screen
 from textual.theme import BUILTIN_THEMES
 
@@ -68,6 +70,19 @@ class EsampApp(App):
         for name in BUILTIN_THEMES:
             if name not in {t.name for t in themes}:
                 self.unregister_theme(name)
+
+    def get_driver_class(self) -> type[Driver]:
+        """Textual's driver for this platform, or on Linux and macOS the one that survives the
+        terminal going away (``esamp_tui.driver``)."""
+        driver = super().get_driver_class()
+        if sys.platform != "win32":
+            from textual.drivers.linux_driver import LinuxDriver
+
+            if driver is LinuxDriver:  # not one that TEXTUAL_DRIVER names
+                from esamp_tui.driver import TerminalDriver
+
+                return TerminalDriver
+        return driver
 
     def get_theme_variable_defaults(self) -> dict[str, str]:
         return dict(HEAT_DEFAULTS)
