@@ -49,7 +49,9 @@ What it adds, and why (docs/serving.md):
 
 Before anything is loaded, the API port is tried (``check_listen``): a port in use, a privileged
 port or an address this machine does not have is a clear error (exit status 2), not vLLM's
-traceback after the model has loaded.
+traceback after the model has loaded. On Linux the API port and the side channels' ports (those
+esamp serve picks) stay held from then on until vLLM binds them, so nothing else on the machine
+is handed them meanwhile (``esamp.serving.channel.hold_ports``).
 
 Tensor parallelism (``--tensor-parallel-size N``) runs as vLLM runs it: TP rank 0 of each engine
 owns the Distiller and shares ŷ with the other workers (``esamp.engines.vllm.tp``), and vLLM's
@@ -84,7 +86,7 @@ from esamp.engines.vllm.launch import EXTENSION
 from esamp.engines.vllm.settings import SERVE_ENV
 from esamp.errors import ConfigError, EngineError
 from esamp.serving import MIDDLEWARE, plugin as serving_plugin
-from esamp.serving.channel import CHANNEL_SECRET_ENV, HOST as CHANNEL_HOST
+from esamp.serving.channel import CHANNEL_SECRET_ENV, HOST as CHANNEL_HOST, PortHold, hold_ports
 from esamp.serving.middleware import API_KEY_ENV, DRAIN_ENV, KEYS_ENV
 
 HELP = "serve a model with ESamp behind vLLM's OpenAI-compatible API (vLLM's options pass through)"
@@ -151,6 +153,7 @@ class Plan:
     command: list[str]
     env: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    held: PortHold | None = None  # the side channels' ports, held until vLLM's ranks bind them
 
     def shell(self) -> str:
         """The command as one shell line: the channel secret as an expression that makes a fresh
@@ -192,9 +195,10 @@ def take_secrets(tokens: list[str]) -> tuple[list[str], str | None, list[str]]:
 
 def run(args) -> int:
     passthrough = list(getattr(args, "passthrough", []))
+    api = None  # the API port, held from here until vLLM's server listens on it (check_listen)
     if not args.dry_run and _value(passthrough, ("--uds",)) is None:
         port = _value(passthrough, ("--port",)) or str(DEFAULT_PORT)
-        check_listen(_value(passthrough, ("--host",)) or DEFAULT_HOST, _int(port, "--port"))
+        api = check_listen(_value(passthrough, ("--host",)) or DEFAULT_HOST, _int(port, "--port"))
     plan = build(args, passthrough)
     if args.dry_run:
         for note in plan.notes:
@@ -210,6 +214,10 @@ def run(args) -> int:
         print(f"esamp serve: {note}", file=sys.stderr)
     print(f"esamp serve: {plan.shell()}", file=sys.stderr, flush=True)
     sys.stdout.flush()
+    if plan.held is not None:
+        plan.held.keep_across_exec()
+    if api is not None:
+        os.set_inheritable(api.fileno(), True)
     os.execvpe(plan.command[0], plan.command, {**os.environ, **plan.env})
     return 0  # not reached
 
@@ -251,7 +259,13 @@ def build(args, passthrough: list[str]) -> Plan:
     ranks = _int(_value(rest, DP) or "1", DP[0])
     if ranks < 1:
         raise ConfigError(f"--data-parallel-size={ranks}: must be at least 1", hint="e.g. --data-parallel-size 2")
-    channel_port = args.channel_port if args.channel_port is not None else free_ports(ranks, CHANNEL_HOST)
+    held = None  # the ports picked here are held until the server ends (esamp.serving.channel)
+    if args.channel_port is None:
+        try:
+            held = hold_ports(ranks, CHANNEL_HOST)
+        except OSError as exc:
+            raise EngineError(f"{exc.strerror or exc}", hint="pass --channel-port PORT") from None
+    channel_port = held.base if held is not None else args.channel_port
     if not 0 < channel_port <= 65535 - ranks + 1:
         raise ConfigError(
             f"--channel-port={channel_port}: rank ports {channel_port}..{channel_port + ranks - 1} "
@@ -402,7 +416,7 @@ def build(args, passthrough: list[str]) -> Plan:
         notes.append(
             '--api-key guards every route but /health, /ping, /metrics and /esamp/metrics (docs/serving.md, "Security")'
         )
-    return Plan(command, env, notes)
+    return Plan(command, env, notes, held)
 
 
 def _cpu_scheduling(rest: list[str], facts, cuda: bool) -> list[str]:
@@ -598,9 +612,15 @@ def _loopback(host: str) -> bool:
         return False
 
 
-def check_listen(host: str, port: int) -> None:
+def check_listen(host: str, port: int) -> socket.socket | None:
     """Whether vLLM's server can listen on ``host:port``, tried now (as vLLM binds: with
-    SO_REUSEADDR), before any model is loaded. A ``ConfigError`` that says what to do if not."""
+    SO_REUSEADDR), before any model is loaded. A ``ConfigError`` that says what to do if not.
+
+    Returns the socket that tried, still bound: kept across the ``exec`` it holds the port until
+    vLLM, which binds it the same way, listens there beside it (vLLM binds before it loads the
+    model, but after importing itself, seconds later); meanwhile nothing on the machine is handed
+    the port by a ``bind`` to port 0 or an outgoing connection (``esamp.serving.channel.hold_ports``
+    says why). It never listens. Off Linux the port is let go at once (None)."""
     if not 0 < port <= 65535:
         raise ConfigError(f"--port {port}: not a port (1 to 65535)", hint="e.g. --port 8000")
     try:
@@ -611,47 +631,32 @@ def check_listen(host: str, port: int) -> None:
             hint="use --host 127.0.0.1 (this machine only) or --host 0.0.0.0 (every interface)",
         ) from None
     family, kind, proto, _, address = infos[0]
-    with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(address)
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                raise ConfigError(
-                    f"port {port} on {host} is in use by another program",
-                    hint=f"choose another --port, or stop what listens there (ss -ltnp 'sport = :{port}' names it)",
-                ) from None
-            if exc.errno in (errno.EACCES, errno.EPERM):
-                raise ConfigError(
-                    f"port {port} is a privileged port (below 1024): this user may not listen on it",
-                    hint="choose --port 1024 or above (e.g. --port 8000), or put a reverse proxy on "
-                    f"port {port} in front of it",
-                ) from None
-            if exc.errno == errno.EADDRNOTAVAIL:
-                raise ConfigError(
-                    f"--host {host}: not an address of this machine",
-                    hint="use --host 127.0.0.1 (this machine only) or --host 0.0.0.0 (every interface)",
-                ) from None
+    probe = socket.socket(family, kind, proto)
+    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        probe.bind(address)
+    except OSError as exc:
+        probe.close()
+        if exc.errno == errno.EADDRINUSE:
             raise ConfigError(
-                f"cannot listen on {host}:{port}: {exc.strerror or exc}", hint="choose another --host or --port"
+                f"port {port} on {host} is in use by another program",
+                hint=f"choose another --port, or stop what listens there (ss -ltnp 'sport = :{port}' names it)",
             ) from None
-
-
-def free_ports(count: int, host: str = CHANNEL_HOST, tries: int = 50) -> int:
-    """A port P such that P .. P+count-1 are free on ``host`` now (the ranks bind them soon after)."""
-    for _ in range(tries):
-        with socket.socket() as probe:
-            probe.bind((host, 0))
-            base = probe.getsockname()[1]
-        if base + count - 1 <= 65535 and all(_free(host, base + i) for i in range(count)):
-            return base
-    raise EngineError(f"found no {count} consecutive free ports on {host}", hint="pass --channel-port PORT")
-
-
-def _free(host: str, port: int) -> bool:
-    with socket.socket() as probe:
-        try:
-            probe.bind((host, port))
-            return True
-        except OSError:
-            return False
+        if exc.errno in (errno.EACCES, errno.EPERM):
+            raise ConfigError(
+                f"port {port} is a privileged port (below 1024): this user may not listen on it",
+                hint="choose --port 1024 or above (e.g. --port 8000), or put a reverse proxy on "
+                f"port {port} in front of it",
+            ) from None
+        if exc.errno == errno.EADDRNOTAVAIL:
+            raise ConfigError(
+                f"--host {host}: not an address of this machine",
+                hint="use --host 127.0.0.1 (this machine only) or --host 0.0.0.0 (every interface)",
+            ) from None
+        raise ConfigError(
+            f"cannot listen on {host}:{port}: {exc.strerror or exc}", hint="choose another --host or --port"
+        ) from None
+    if not sys.platform.startswith("linux"):  # elsewhere vLLM could not bind beside it
+        probe.close()
+        return None
+    return probe

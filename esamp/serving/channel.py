@@ -24,6 +24,12 @@ reads each rank's channel and shows them together.
 The thread sleeps in ``select`` until a request comes, so an idle channel costs the engine
 nothing; a request reads the engine's ESamp counters and its lock-protected record store
 (``EngineSteering.metrics`` and ``drain``).
+
+The ports are held from the moment ``esamp serve`` picks them (``hold_ports``) until its server
+ends: a rank binds its port tens of seconds later, once vLLM has loaded, and a port that is only
+found free in the kernel's ephemeral range can be handed meanwhile to any ``bind(("", 0))`` on
+the machine (vLLM's own ``get_open_port``, for one, whose socket then listens for the engine's
+life). Held, nothing else can take it, and the rank's channel still binds beside the holder.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ import hmac
 import json
 import logging
 import os
+import socket
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -45,9 +53,10 @@ CHANNEL_SECRET_ENV = "ESAMP_CHANNEL_SECRET"  # set by ``esamp serve``: the side 
 SECRET_HEADER = "X-Esamp-Channel-Secret"
 MAX_GROUPS = 256  # groups one read may name
 MAX_GROUP_KEY = 128  # characters of one group key (the server's own ids are 26)
-# Seconds a rank keeps trying its port while something else holds it: ``esamp serve`` found the
-# port free before vLLM started, and a short-lived socket (a probe, a client's connection) may
-# hold it for a moment when the rank binds.
+# Seconds a rank keeps trying its port while something else holds it: a port given with
+# ``--channel-port`` (or any port off Linux) is only found free before vLLM starts, not held
+# (``hold_ports``), and a short-lived socket (a probe, a client's connection) may hold it for a
+# moment when the rank binds.
 BIND_WAIT = 10.0
 
 # Counter name in the engine's metrics → (Prometheus name, type, help). Written once: the API server's
@@ -158,6 +167,66 @@ def _bind(host: str, port: int, handler) -> ThreadingHTTPServer:
             if exc.errno != errno.EADDRINUSE or time.monotonic() >= deadline:
                 raise
             time.sleep(0.2)
+
+
+class PortHold:
+    """Ports ``base`` .. ``base + count - 1`` on ``host``, each bound by a socket of this process
+    that never listens (``hold_ports``)."""
+
+    def __init__(self, base: int, sockets: list[socket.socket]) -> None:
+        self.base = base
+        self.sockets = sockets
+
+    def keep_across_exec(self) -> None:
+        """Let the process that ``exec`` makes of this one (vLLM's API server) go on holding them;
+        the engine cores it spawns do not inherit them, and need not."""
+        for held in self.sockets:
+            os.set_inheritable(held.fileno(), True)
+
+    def close(self) -> None:
+        for held in self.sockets:
+            held.close()
+        self.sockets = []
+
+
+def hold_ports(count: int, host: str = HOST, tries: int = 50) -> PortHold:
+    """``count`` consecutive free ports on ``host``, held by this process until ``close`` (or its
+    end, or its ``exec``'s end: ``PortHold.keep_across_exec``).
+
+    Each is bound without ``SO_REUSEADDR``, so a port anything else has bound, listens on or has a
+    connection on is refused; then ``SO_REUSEADDR`` is set on the holder. On Linux a listener that
+    also sets it (the channel's ``ThreadingHTTPServer`` does) may then bind and listen beside it,
+    since the holder never listens, while every other socket on the machine is kept off the port:
+    an explicit bind without the flag conflicts, and neither ``bind`` to port 0 nor an outgoing
+    connection picks a port that is bound explicitly. Elsewhere a held port would refuse the
+    channel too, so the ports are only found free and let go, as before."""
+    for _ in range(tries):
+        first = socket.socket()
+        try:
+            first.bind((host, 0))
+        except OSError:
+            first.close()
+            raise
+        base = first.getsockname()[1]
+        sockets = [first]
+        try:
+            for i in range(1, count):
+                if base + i > 65535:
+                    raise OSError(errno.EADDRNOTAVAIL, "past the last port")
+                held = socket.socket()
+                sockets.append(held)
+                held.bind((host, base + i))
+        except OSError:
+            for held in sockets:
+                held.close()
+            continue
+        hold = PortHold(base, sockets)
+        if not sys.platform.startswith("linux"):
+            hold.close()
+        for held in hold.sockets:
+            held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        return hold
+    raise OSError(errno.EADDRINUSE, f"found no {count} consecutive free ports on {host}")
 
 
 def read_groups(values: list[str] | None) -> set[str] | str:

@@ -6,7 +6,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,17 +15,13 @@ from pathlib import Path
 
 import pytest
 
+from esamp.serving.channel import hold_ports
+
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT = 300.0  # a cold start on a busy 2-core machine
 RUNNING: list[Served] = []  # the servers up now: a failing test's report shows their logs (conftest.py)
 # The log lines a failing test's report keeps from a server's start (``Served.excerpt``).
 NOTEWORTHY = ("esamp serve:", "side channel", "ERROR", "WARNING", "Traceback", "Error")
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 class Served:
@@ -35,7 +30,11 @@ class Served:
     top of this process's)."""
 
     def __init__(self, args: list[str], log: Path, api_key: str | None = None, env: dict | None = None) -> None:
-        self.port = free_port()
+        # The API port is held from here until the server stops (vLLM binds it beside the hold,
+        # some seconds into its start): found free and let go, any bind to port 0 on the machine
+        # (another server's, vLLM's own get_open_port) could be handed it meanwhile.
+        self.held = hold_ports(1)
+        self.port = self.held.base
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         self.api_key = api_key
@@ -118,6 +117,7 @@ class Served:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
+        self.held.close()
 
 
 def serve(tmp_path_factory, args: list[str], api_key: str | None = None):

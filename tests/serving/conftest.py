@@ -15,6 +15,8 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
+from esamp.serving.channel import hold_ports  # noqa: E402
+
 from _served import RUNNING, serve  # noqa: E402
 
 
@@ -33,3 +35,20 @@ def pytest_runtest_makereport(item, call):
 def served(tmp_path_factory):
     """The embedded model behind ``esamp serve`` (8 slots), for one test module."""
     yield from serve(tmp_path_factory, ["--slots", "8", "--max-model-len", "1024"])
+
+
+@pytest.fixture
+def held_port():
+    """``held_port(count)``: the first of ``count`` consecutive ports held for this test
+    (``esamp.serving.channel.hold_ports``, as esamp serve holds its channels' ports): a channel the
+    test starts binds beside the hold, and nothing else on the machine is handed them meanwhile,
+    not even between a channel's close and its restart."""
+    holds = []
+
+    def take(count: int = 1) -> int:
+        holds.append(hold_ports(count))
+        return holds[-1].base
+
+    yield take
+    for hold in holds:
+        hold.close()

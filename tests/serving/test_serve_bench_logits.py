@@ -13,7 +13,6 @@ import argparse
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ import pytest
 from esamp.commands.bench import calibrate
 from esamp.commands.bench.run import DEFAULT_LOGITS, LOGITS
 from esamp.commands.bench.worker_extension import BENCH_EXTENSION
+from esamp.serving.channel import hold_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 PATH = ROOT / "benchmarks" / "serve_bench.py"
@@ -168,21 +168,6 @@ def test_a_server_whose_head_did_not_take_the_factors_stops_the_bench(serve_benc
 # -- end to end: both servers on the embedded model ------------------------------------------------
 
 
-def two_free_ports() -> int:
-    """A port P with P and P + 1 free (serve_bench's two servers)."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port + 1))
-                return port
-            except OSError:
-                continue
-    pytest.fail("no two consecutive free ports")
-
-
 @pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.scale  # a plain vLLM server and esamp serve at once
@@ -198,6 +183,9 @@ def test_serve_bench_realistic_scales_both_started_servers(tmp_path):
     out = tmp_path / "bench.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1"}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # each server's engine core as vLLM runs it
+    # serve_bench's two servers listen on P and P + 1, the second a minute after the first: both
+    # held until the run ends (each binds beside the hold), so nothing else is handed them meanwhile
+    ports = hold_ports(2)
     done = subprocess.run(
         [
             sys.executable,
@@ -215,7 +203,7 @@ def test_serve_bench_realistic_scales_both_started_servers(tmp_path):
             "--max-model-len",
             "512",
             "--port",
-            str(two_free_ports()),
+            str(ports.base),
             "--startup-timeout",
             "400",
             "--log-dir",
@@ -228,6 +216,7 @@ def test_serve_bench_realistic_scales_both_started_servers(tmp_path):
         env=env,
         timeout=900,
     )
+    ports.close()
     logs = "".join(p.read_text(errors="replace")[-3000:] for p in sorted((tmp_path / "logs").glob("*.log")))
     assert done.returncode == 0, done.stderr[-3000:] + logs
     result = json.loads(out.read_text())

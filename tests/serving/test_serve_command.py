@@ -276,6 +276,27 @@ def test_the_dry_run_line_makes_its_own_secret():
     assert len(made) == 32 and int(made, 16) >= 0
 
 
+def test_the_plan_holds_the_channel_ports_it_picked_and_lets_them_pass_to_vllm():
+    """esamp serve picks the side channels' ports and holds them (esamp.serving.channel.hold_ports)
+    through its exec into vLLM's server, until the ranks bind them; a --channel-port given is the
+    operator's and is not held."""
+    import os
+    import socket
+    import sys
+
+    p = plan(PRESET, "--data-parallel-size", "2")
+    extra = json.loads(option(p.command, "--additional-config"))
+    assert p.held is not None and extra["esamp_server"]["port"] == p.held.base
+    if sys.platform.startswith("linux"):
+        assert [s.getsockname()[1] for s in p.held.sockets] == [p.held.base, p.held.base + 1]
+        with socket.socket() as other, pytest.raises(OSError):
+            other.bind(("127.0.0.1", p.held.base + 1))
+        p.held.keep_across_exec()
+        assert all(os.get_inheritable(s.fileno()) for s in p.held.sockets)
+    p.held.close()
+    assert plan(PRESET, "--channel-port", "20000").held is None
+
+
 def test_a_busy_or_privileged_port_is_refused_before_anything_loads(monkeypatch):
     import errno
     import socket

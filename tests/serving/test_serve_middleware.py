@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import urllib.error
 import urllib.request
 from types import SimpleNamespace
 
 import pytest
 
-from esamp.commands.serve import free_ports
 from esamp.core import payload as pl
 from esamp.core.config import EsampConfig
 from esamp.engines.vllm import settings as es
@@ -173,8 +173,8 @@ def run(coro):
 
 
 @pytest.fixture
-def ranks():
-    port = free_ports(2)
+def ranks(held_port):
+    port = held_port(2)
     channels = [Channel(FakeProcessor(r, {f"g{r}": 0.1 * (r + 1)}), "127.0.0.1", port + r, r, SECRET) for r in range(2)]
     yield port, channels
     for c in channels:
@@ -244,8 +244,8 @@ class FailingProcessor(FakeProcessor):
         raise RuntimeError("the counters could not be read")
 
 
-def test_a_channel_whose_engine_state_cannot_be_read_answers_500_and_keeps_serving(caplog):
-    port = free_ports(1)
+def test_a_channel_whose_engine_state_cannot_be_read_answers_500_and_keeps_serving(caplog, held_port):
+    port = held_port()
     channel = Channel(FailingProcessor(0, {"g0": 0.1}), "127.0.0.1", port, 0, SECRET)
     try:
         caplog.set_level("ERROR", logger="esamp.serving.channel")
@@ -258,14 +258,17 @@ def test_a_channel_whose_engine_state_cannot_be_read_answers_500_and_keeps_servi
         channel.close()
 
 
-def test_a_channel_waits_for_a_port_held_a_moment_and_says_what_to_do_when_it_stays_held(monkeypatch, caplog):
+def test_a_channel_waits_for_a_port_held_a_moment_and_says_what_to_do_when_it_stays_held(
+    monkeypatch, caplog, held_port
+):
     import socket
     import threading
 
     from esamp.serving import channel
 
-    port = free_ports(1)
+    port = held_port()
     holder = socket.socket()
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a listener beside the hold, as a rank's
     holder.bind(("127.0.0.1", port))
     holder.listen()
     threading.Timer(0.5, holder.close).start()  # a socket that lets go of the port soon after the rank starts
@@ -287,6 +290,32 @@ def test_a_channel_waits_for_a_port_held_a_moment_and_says_what_to_do_when_it_st
         held.close()
     said = caplog.records[-1].getMessage()
     assert f"rank 0 not started on 127.0.0.1:{port}" in said and "--channel-port" in said
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ports are held on Linux only")
+def test_held_ports_are_nobody_elses_until_their_ranks_bind_them(held_port):
+    """What esamp serve holds from its start (its API port and the channels' ports: a rank binds
+    its port tens of seconds later) is refused to every other socket on the machine, explicit
+    binds and binds to port 0 alike, and a rank's channel still binds and answers beside it."""
+    import socket
+
+    port = held_port(2)
+    for taken in (port, port + 1):
+        for address in ("127.0.0.1", ""):
+            with socket.socket() as other, pytest.raises(OSError):
+                other.bind((address, taken))
+    picked = set()
+    for _ in range(20000):  # found free and let go, a port is handed to one such bind in ~14,000
+        with socket.socket() as other:
+            other.bind(("127.0.0.1", 0))
+            picked.add(other.getsockname()[1])
+    assert not picked & {port, port + 1}
+    channels = [Channel(FakeProcessor(r, {f"g{r}": 0.1}), "127.0.0.1", port + r, r, SECRET) for r in range(2)]
+    try:
+        assert [channel_get(port + r, "/metrics", SECRET)[0] for r in range(2)] == [200, 200]
+    finally:
+        for c in channels:
+            c.close()
 
 
 def channel_get(port: int, path: str, secret: str | None) -> tuple[int, bytes]:
@@ -317,7 +346,7 @@ def test_a_side_channel_answers_only_its_api_server_and_only_for_named_groups(ra
 
     monkeypatch.delenv(CHANNEL_SECRET_ENV)  # without the secret in its environment: no channel
     config = SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_index=0))
-    assert channel.start(FakeProcessor(0, {}), {"port": free_ports(1)}, config) is None
+    assert channel.start(FakeProcessor(0, {}), {"port": port + 2}, config) is None  # never bound
     app = FakeVllm(1, port)
     status, body = run(call(EsampMiddleware(app), app, "GET", "/esamp/metrics"))
     assert status == 503 and CHANNEL_SECRET_ENV in json.loads(body)["error"]["message"]

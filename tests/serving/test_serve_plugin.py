@@ -15,7 +15,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from esamp.commands.serve import free_ports
 from esamp.engines.vllm import plugin as engine_plugin
 from esamp.serving import plugin
 from esamp.serving.channel import CHANNEL_SECRET_ENV, SECRET_HEADER
@@ -70,12 +69,12 @@ def _config(port: int | None) -> SimpleNamespace:
 
 
 @pytest.mark.parametrize("owner", [True, False], ids=["owns-the-bank", "tp-worker"])
-def test_a_served_engine_has_its_channel_on_the_worker_that_owns_the_bank(monkeypatch, owner):
+def test_a_served_engine_has_its_channel_on_the_worker_that_owns_the_bank(monkeypatch, owner, held_port):
     monkeypatch.setenv(CHANNEL_SECRET_ENV, "s")
     monkeypatch.setattr(plugin, "CHANNELS", [])
     waits = []
     monkeypatch.setattr(plugin, "worker_waits_for_engine_core", lambda: waits.append(1))
-    port = free_ports(1)
+    port = held_port()
     plugin.serve_engine(Steering(owner), _config(port))
     assert waits == [1]  # every worker of a served engine puts off a stop signal
     assert len(plugin.CHANNELS) == (1 if owner else 0)
