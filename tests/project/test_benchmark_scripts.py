@@ -134,6 +134,11 @@ def test_the_shell_scripts_say_their_usage(tmp_path):
     assert suite.returncode == 2 and "usage:" in suite.stdout, suite
     kit = subprocess.run(["bash", "benchmarks/kit_add.sh"], cwd=ROOT, capture_output=True, text=True)
     assert kit.returncode == 2 and "usage:" in kit.stderr, kit
+    for script in ("gpu_kit.sh", "gpu_stage.sh"):  # an unknown option: the usage, nothing built or staged
+        run = subprocess.run(
+            ["bash", str(BENCH / script), "--no-such-option"], cwd=tmp_path, capture_output=True, text=True
+        )
+        assert run.returncode == 2 and "usage:" in run.stderr, (script, run)
 
 
 @pytest.mark.parametrize("name", MATRIX_FILES)

@@ -221,8 +221,10 @@ class VllmEngine(RecordedEngine):
                 top_p=s.top_p,
                 top_k=s.top_k,
                 min_p=s.min_p,
-                stop_token_ids=sorted(self.stop_ids),
-                ignore_eos=s.ignore_eos,  # the group's, as its stream (``GroupStream``) reads it
+                # The group's ignore_eos, as its stream (``GroupStream``) reads it; vLLM stops on a
+                # listed stop token whatever ignore_eos says, so a group that ignores EOS lists none.
+                stop_token_ids=[] if s.ignore_eos else sorted(self.stop_ids),
+                ignore_eos=s.ignore_eos,
                 # vLLM matches stop strings in its own text, so it decodes only for them; the
                 # events' text is this process's (``GroupStream`` cuts it at the same place).
                 stop=list(s.stop),

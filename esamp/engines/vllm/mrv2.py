@@ -13,9 +13,9 @@ One job, as the V1 adapter's: turn MRV2's bookkeeping into ESamp rows and its ``
   ``apply``, which has the order, runs the Distiller step on the steered rows
   (``distill_late``) and gets d = W·ŷ as ŷ and the model's LM head (``HeadProduct``), then
   filters and mixes. The plan is rebuilt only when the row → slot order or a slot changed.
-- No host list of generated ids: a stand-in whose length is the generation index,
-  ``seq_lens_upper_bound_np[row] - prompt_len[slot]`` (exact without speculative decoding, which
-  ESamp refuses; 0 during a partial prefill, as V1's empty list).
+- No host list of generated ids: every steered row's generation index comes from one array
+  operation a step, ``seq_lens_upper_bound_np[row] - prompt_len[slot]`` (exact without speculative
+  decoding, which ESamp refuses; 0 during a partial prefill, as V1's empty list).
 - ``apply`` runs before vLLM's temperature, min-p and top-k/top-p, as in V1 for a processor that
   moves the argmax; ``settings.prepare`` handed vLLM neutral filters and ESamp applies the
   request's own inside ``apply``.
@@ -45,16 +45,14 @@ except ImportError as exc:  # pragma: no cover - depends on the installed vLLM
 
 
 class _Generated:
-    """Stands in for V1's live list of a request's generated ids: only its length is read, the
-    generation index of the token sampled this step (set by the adapter before each step)."""
+    """Stands in for V1's live list of a request's generated ids, as the request's identity
+    (``Groups.sample_of``): MRV2 keeps no such list, and the adapter hands ``EngineSteering.apply``
+    every steered row's generation index at once."""
 
-    __slots__ = ("index",)
-
-    def __init__(self) -> None:
-        self.index = 0
+    __slots__ = ()
 
     def __len__(self) -> int:
-        return self.index
+        return 0
 
 
 def refusal(vllm_config) -> str | None:
@@ -95,6 +93,7 @@ class Mrv2Adapter(LogitsProcessor):
         self._plan: BatchPlan | None = None
         self._rows: dict[int, RequestRow] = {}  # this plan's rows by logits row
         self._order: np.ndarray | None = None  # the row → slot order the plan was built for
+        self._member_rows = self._member_slots = np.zeros(0, dtype=np.intp)  # the plan's steered rows, their slots
         self.exchange = exchange_for(vllm_config)
         self.steering = self.exchange.attach_adapter(
             self, lambda: make_steering(vllm_config, torch.device(req_states.device), self.steering_class), late=True
@@ -145,13 +144,17 @@ class Mrv2Adapter(LogitsProcessor):
             self._rows = {i: row for i, slot in enumerate(order.tolist()) if (row := self.slots.get(slot)) is not None}
             self._plan = self.steering.plan(self._rows, logits.shape[0]) if self._rows else None
             self._order = order.copy()
+            if self._plan is not None:
+                self._member_rows = np.asarray(self._plan.member_rows, dtype=np.intp)
+                self._member_slots = order[self._member_rows]
         plan = self._plan
         if plan is None:
             return logits  # no request of ours in this batch
-        generated = ctx.seq_lens_upper_bound_np[: len(order)] - self.req_states.prompt_len.np[order]
-        for index, row in self._rows.items():
-            row.output_ids.index = max(0, int(generated[index]))
-        return self.steering.apply(plan, logits, self.exchange.distill_late(plan))
+        # Each steered row's generation index, in one array operation (a batch holds hundreds of rows).
+        generated = np.maximum(
+            ctx.seq_lens_upper_bound_np[self._member_rows] - self.req_states.prompt_len.np[self._member_slots], 0
+        ).tolist()
+        return self.steering.apply(plan, logits, self.exchange.distill_late(plan), generated)
 
     def forget(self, group: str) -> None:
         """``group`` is over (its client said so): drop its rows (``EngineSteering.release`` calls

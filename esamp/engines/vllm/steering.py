@@ -69,6 +69,7 @@ class BatchPlan:
     rows: int  # logits rows of the step
     step: StepPlan
     members: list[RequestRow]  # the steered rows, in plan order
+    member_rows: list[int]  # per steered row, its logits row
     groups: list[str]  # per steered row (what its records say)
     samples: list[int]
     outputs: list  # per steered row, its request's live list of generated ids (its length: the row's position)
@@ -244,6 +245,7 @@ class EngineSteering:
             rows=n_logits,
             step=plan,
             members=members,
+            member_rows=[i for i, _, _ in steered],
             groups=[r.group for r in members],
             samples=[r.sample for r in members],
             outputs=[r.output_ids for r in members],
@@ -331,10 +333,14 @@ class EngineSteering:
                 self._shared = torch.empty(self.max_rows, self.hidden, dtype=dtype, device=self.device)
         return self._shared
 
-    def apply(self, plan: BatchPlan, logits: torch.Tensor, handoff: Handoff | None) -> torch.Tensor:
+    def apply(
+        self, plan: BatchPlan, logits: torch.Tensor, handoff: Handoff | None, generated: list[int] | None = None
+    ) -> torch.Tensor:
         """Filter every planned row of ``logits`` and mix the steered ones, in place; one step
         record (on the worker that owns the bank). ``handoff`` None: no taps reached this step, so
-        nothing is steered (filters stay exact; counted)."""
+        nothing is steered (filters stay exact; counted). ``generated``: per steered row, the
+        tokens its request had generated before this step, where the adapter has them as one
+        array (else the length of each row's ``output_ids``)."""
         t0 = time.perf_counter()
         self.step_no += 1
         step, s = plan.step, plan.steered
@@ -373,7 +379,7 @@ class EngineSteering:
                 self.step_no,
                 plan.groups,
                 plan.samples,
-                list(map(len, plan.outputs)),
+                list(map(len, plan.outputs)) if generated is None else generated,
                 packed,
                 plan.unit_groups if loss is not None else [],
                 keep=plan.recorded,

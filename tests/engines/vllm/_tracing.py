@@ -1,14 +1,21 @@
 """A logits processor that records what every steered step saw and did (tests only).
 
-It subclasses the production adapter with a steering subclass, so the hot path stays free of test
+It subclasses the production adapters with a steering subclass, so the hot path stays free of test
 hooks; an engine built with ``llm_kwargs={"logits_processors": [TRACER]}`` runs it instead of the
-plain one (the adapter built last is the live one). Below it, what the tests of such an engine
-share: ``traced()`` to keep the steps of a block, ``collect`` to run groups to their end.
+plain one (the adapter built last is the live one). Like ``entry.EsampLogitsProcessor`` it is a
+class of both vLLM interfaces that builds the adapter of the runner that loads it: the V1 runner's
+or Model Runner V2's (whose loader refuses a class of the V1 interface alone, so that every
+engine of these tests failed to start on a GPU with vLLM 0.33, where MRV2 is the default). Below
+it, what the tests of such an engine share: ``traced()`` to keep the steps of a block,
+``collect`` to run groups to their end.
 """
 
 from __future__ import annotations
 
+import functools
+
 from esamp.core.intervention import dense_logits
+from esamp.engines.vllm.entry import EsampLogitsProcessor, runner_of
 from esamp.engines.vllm.steering import EngineSteering
 from esamp.engines.vllm.v1 import V1Adapter
 
@@ -31,7 +38,7 @@ class TracingSteering(EngineSteering):
             losses = {g: v for owners, v in zip(plan.unit_groups, handoff.losses.tolist()) for g in owners}
         m = plan.members
         self._trace = dict(
-            meta=[(r.group, r.sample, len(r.output_ids)) for r in m],
+            meta=[(r.group, r.sample) for r in m],  # with each row's generation index in ``apply``
             filters=[r.filters for r in m],
             steering=[r.steering for r in m],
             source=x.float().clone(),
@@ -43,15 +50,17 @@ class TracingSteering(EngineSteering):
         )
         return handoff
 
-    def apply(self, plan, logits, handoff):
+    def apply(self, plan, logits, handoff, generated=None):
         trace, self._trace = self._trace, None
         index = plan.step.index[: plan.steered]
         raw = logits.index_select(0, index).clone() if trace is not None else None
-        out = super().apply(plan, logits, handoff)
+        out = super().apply(plan, logits, handoff, generated)
         if trace is not None and handoff is not None and handoff.d is not None:
+            at = list(map(len, plan.outputs)) if generated is None else generated
             self.traces.append(
                 dict(
                     trace,
+                    meta=[(g, sample, k) for (g, sample), k in zip(trace["meta"], at)],
                     logits=raw,
                     steered=out.index_select(0, index).clone(),
                     distiller_logits=dense_logits(handoff.d, self.vocab).float().clone(),
@@ -60,7 +69,7 @@ class TracingSteering(EngineSteering):
         return out
 
 
-class TracingProcessor(V1Adapter):
+class _Tracing:
     steering_class = TracingSteering
 
     def __init__(self, *args, **kwargs) -> None:
@@ -70,6 +79,28 @@ class TracingProcessor(V1Adapter):
             self.steering.__class__ = TracingSteering
 
 
+class TracingV1(_Tracing, V1Adapter):
+    pass
+
+
+@functools.cache
+def _tracing_mrv2():
+    from esamp.engines.vllm.mrv2 import Mrv2Adapter  # vLLM >= 0.31
+
+    class TracingMrv2(_Tracing, Mrv2Adapter):
+        pass
+
+    return TracingMrv2
+
+
+class TracingProcessor(EsampLogitsProcessor):
+    """What vLLM's loaders build for ``TRACER``: the tracing adapter of the runner that asks."""
+
+    def __new__(cls, vllm_config, *args, **kwargs):
+        adapter = _tracing_mrv2() if runner_of(args) == "mrv2" else TracingV1
+        return adapter(vllm_config, *args, **kwargs)
+
+
 # -- driving a traced engine in this process ---------------------------------------------------
 
 
@@ -77,7 +108,7 @@ def exchange():
     """The exchange of the module's engine (in this process: the tests run the engine core here)."""
     from esamp.engines.vllm.exchange import live_exchanges
 
-    found = [x for x in live_exchanges() if type(x.adapter).__name__ == "TracingProcessor"]
+    found = [x for x in live_exchanges() if isinstance(x.adapter, _Tracing)]
     assert found, "the ESamp logits processor is not in this process"
     return found[-1]
 

@@ -286,12 +286,15 @@ def test_seeded_samples_whose_prompts_outgrow_one_step_all_finish(engine):
 def test_a_groups_ignore_eos_reaches_vllms_requests_and_its_own_stream(engine, monkeypatch):
     """One setting, read in both places: vLLM decodes past the stop token exactly when the group's
     stream does not end there (a stream that stopped while vLLM decoded on counted short: the
-    bench's failure on CI)."""
+    bench's failure on CI). vLLM stops on any token of ``stop_token_ids`` whatever ``ignore_eos``
+    says, so a group that ignores EOS lists none (the bench still came up short when a sample drew
+    the model's EOS, which stood in that list)."""
     sent = []
     add = engine.engine.add_request
 
     def recording(request_id, prompt, params, *args, **kwargs):
         sent.append(params.ignore_eos)
+        assert (not params.stop_token_ids) is params.ignore_eos, params.stop_token_ids
         return add(request_id, prompt, params, *args, **kwargs)
 
     monkeypatch.setattr(engine.engine, "add_request", recording)
@@ -304,6 +307,25 @@ def test_a_groups_ignore_eos_reaches_vllms_requests_and_its_own_stream(engine, m
         while engine.has_unfinished():
             engine.step()
     assert engine.drain()["free_slots"] == engine.esamp.slots
+
+
+def test_a_group_that_ignores_eos_runs_its_whole_budget_when_every_token_is_eos(engine, monkeypatch):
+    """The root of the bench's short passes, made certain: every sample draws the model's EOS at
+    every step (a logit bias on it), and a group that ignores EOS still gets every token of its
+    budget, EOS each time, from vLLM and from its own stream alike."""
+    eos = min(engine.stop_ids)
+    add = engine.engine.add_request
+
+    def biased(request_id, prompt, params, *args, **kwargs):
+        params.logit_bias = {eos: 100.0}
+        return add(request_id, prompt, params, *args, **kwargs)
+
+    monkeypatch.setattr(engine.engine, "add_request", biased)
+    s = sampling(n=2, max_tokens=6, ignore_eos=True)
+    keys, events = collect(engine, {0: [dict(prompt=PROMPT_A, sampling=s, steering=steer(enabled=False))]})
+    for sample in range(2):
+        assert tokens_of(events, keys[0], sample) == [eos] * 6
+    assert {e.tokens for e in events if e.type == "done"} == {6}
 
 
 def test_bad_input_is_a_clear_error(engine):
