@@ -68,7 +68,8 @@ unpack "$TMP"/vllm-$V-*.whl
 if [ "$LINE" = torch214 ]; then
   echo "torch 2.14.0+cu130 and Triton 3.8.0 (unpacked; Triton without its Blackwell tools and static libraries)"
   fetch "$TMP" torch==2.14.0 triton==3.8.0
-  unpack "$TMP"/torch-2.14.0-*.whl -x 'torch/bin/*'
+  # (torch/bin's protoc is for building; torch_shm_manager stays: `import torch` looks for it)
+  unpack "$TMP"/torch-2.14.0-*.whl -x 'torch/bin/protoc*'
   unpack "$TMP"/triton-3.8.0-*.whl -x 'triton/backends/nvidia/lib/cupti-blackwell/*' \
     'triton/backends/nvidia/bin/ptxas-blackwell' '*.a' 'triton/instrumentation/*'
   echo "vLLM 0.33's import-time and server wheels the image lacks, and the ones it must have newer"

@@ -55,3 +55,25 @@ def test_unread_records_are_bounded(monkeypatch):
         _push(store, step, ["a", "b"])
     out, _ = store.take()
     assert [r["step"] for r in out] == [2, 3, 4] and store.dropped == 4
+
+
+def test_readers_get_plain_values_and_the_store_keeps_its_rows_unconverted():
+    """A ready record keeps the device's values as one array (nothing converted row by row in the
+    engine's process, where a reader's thread competes with the steps for the interpreter);
+    readers get Python floats and ints, in rows and in columns alike."""
+    import numpy as np
+
+    store = RecordStore(torch.device("cpu"))
+    groups = ["a", "b"] * 64
+    _push(store, 1, groups)
+    store.collect()
+    kept = store._ready[0]["cols"]
+    assert isinstance(kept[3], np.ndarray) and isinstance(kept[4], np.ndarray)
+    (rec,), _ = store.take(columns=True)
+    cols = rec["columns"]
+    assert cols["errors"] == [i / 4 for i in range(128)] and cols["candidates"] == [3] * 128
+    assert all(type(v) is float for v in cols["errors"]) and all(type(c) is int for c in cols["candidates"])
+    _push(store, 2, groups, keep={"b"})
+    (rec,), _ = store.take({"b"})
+    assert rec["rows"] == [("b", i, 2, i / 4, 3) for i in range(1, 128, 2)]
+    assert all(type(r[3]) is float and type(r[4]) is int for r in rec["rows"])

@@ -299,8 +299,7 @@ class VllmEngine(RecordedEngine):
         else:
             if release:  # every worker's ledger frees the groups (the channel is rank 0's)
                 self.engine.collective_rpc("esamp_release", args=(release,))
-            channel.send(None)
-            out = channel.recv()
+            out = records_channel.receive(channel)
         self.drains += 1
         self.drain_seconds += time.perf_counter() - t0
         self.counters = out.get("counters", {})

@@ -75,6 +75,7 @@ class StepExchange:
         self._model = None  # weak reference to the tap model
         self._handoff: Handoff | None = None
         self._late_taps = None  # (source, target, normalize, head dtype) of the taps kept this step
+        self._head = None  # the model's LM head as a dense [V, H] matrix, once asked (``distill_late``)
         self.late = False  # the live adapter learns its rows only in apply
         self.taps_put = 0  # compute_logits calls that delivered taps
 
@@ -100,6 +101,7 @@ class StepExchange:
 
     def attach_model(self, model) -> None:
         self._model = weakref.ref(model)
+        self._head = None
 
     @property
     def model(self):
@@ -162,7 +164,9 @@ class StepExchange:
         if taps is None or model is None or not plan.steered:
             return None
         handoff = self.steering.distill(plan, *taps)
-        head = model.esamp_lm_head()
+        if self._head is None:
+            self._head = model.esamp_lm_head()  # the same tensor every step (weights change in place)
+        head = self._head
         product = HeadProduct(handoff.prediction[: plan.steered], head)  # d at the candidates
         handoff.d = product if plan.few_candidates else product.dense(self.steering.vocab)
         return handoff

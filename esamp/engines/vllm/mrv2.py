@@ -92,8 +92,9 @@ class Mrv2Adapter(LogitsProcessor):
         self.slots: dict[int, RequestRow] = {}  # slot → its request's row (ESamp requests only)
         self._plan: BatchPlan | None = None
         self._rows: dict[int, RequestRow] = {}  # this plan's rows by logits row
-        self._order: np.ndarray | None = None  # the row → slot order the plan was built for
-        self._member_rows = self._member_slots = np.zeros(0, dtype=np.intp)  # the plan's steered rows, their slots
+        self._order: bytes | None = None  # the row → slot order the plan was built for (its bytes)
+        self._member_rows = np.zeros(0, dtype=np.intp)  # the plan's steered rows
+        self._member_prompts = np.zeros(0, dtype=np.int64)  # their requests' prompt lengths
         self.exchange = exchange_for(vllm_config)
         self.steering = self.exchange.attach_adapter(
             self, lambda: make_steering(vllm_config, torch.device(req_states.device), self.steering_class), late=True
@@ -140,20 +141,21 @@ class Mrv2Adapter(LogitsProcessor):
                 f"ESamp: {logits.shape[0]} logits rows for {len(order)} requests; ESamp needs one "
                 "row per request (no speculative decoding)"
             )
-        if self._order is None or not np.array_equal(self._order, order):
+        key = order.tobytes()  # (a byte string compares in one call; the order is a few hundred ints)
+        if key != self._order:
             self._rows = {i: row for i, slot in enumerate(order.tolist()) if (row := self.slots.get(slot)) is not None}
             self._plan = self.steering.plan(self._rows, logits.shape[0]) if self._rows else None
-            self._order = order.copy()
+            self._order = key
             if self._plan is not None:
                 self._member_rows = np.asarray(self._plan.member_rows, dtype=np.intp)
-                self._member_slots = order[self._member_rows]
+                # a slot's prompt length stays while its request does (a new request rebuilds the plan)
+                self._member_prompts = self.req_states.prompt_len.np[order[self._member_rows]].astype(np.int64)
         plan = self._plan
         if plan is None:
             return logits  # no request of ours in this batch
-        # Each steered row's generation index, in one array operation (a batch holds hundreds of rows).
-        generated = np.maximum(
-            ctx.seq_lens_upper_bound_np[self._member_rows] - self.req_states.prompt_len.np[self._member_slots], 0
-        ).tolist()
+        # Each steered row's generation index, in one array operation (a batch holds hundreds of
+        # rows); the step's record keeps the array (``RecordStore``: readers get lists).
+        generated = np.maximum(ctx.seq_lens_upper_bound_np[self._member_rows] - self._member_prompts, 0)
         return self.steering.apply(plan, logits, self.exchange.distill_late(plan), generated)
 
     def forget(self, group: str) -> None:

@@ -20,13 +20,16 @@ import threading
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener
 
+from esamp.engines.vllm.step_records import plain_columns
+
 log = logging.getLogger(__name__)
 
 
 class RecordsServer:
-    """Serves ``steering.drain(groups=None, columns=True)`` to its engine's connection, one request
-    at a time: a request is ``None``, the answer the drain's dict. When that connection closes the
-    server closes too (a later ask starts a new one)."""
+    """Serves ``steering.drain(groups=None, columns=True, plain=False)`` to its engine's connection,
+    one request at a time: a request is ``None``, the answer the drain's dict (``receive`` on the
+    reader's side makes its columns plain lists). When that connection closes the server closes
+    too (a later ask starts a new one)."""
 
     def __init__(self, steering) -> None:
         self.steering = steering
@@ -52,7 +55,9 @@ class RecordsServer:
                     conn.recv()
                 except (EOFError, OSError):
                     break  # the client closed: its engine is shutting down
-                conn.send(self.steering.drain((), None, True))
+                # The numbers go as arrays (a copy each when pickled) and become lists in the
+                # reader's process: this thread shares the engine's interpreter with its steps.
+                conn.send(self.steering.drain((), None, True, plain=False))
         self.close()
 
     def close(self) -> None:
@@ -69,6 +74,15 @@ def server_for(steering) -> RecordsServer:
     if steering.records_server is None:
         steering.records_server = RecordsServer(steering)
     return steering.records_server
+
+
+def receive(conn: Connection) -> dict:
+    """One fetch's answer, its records' columns as ``steering.drain(columns=True)`` gives them."""
+    conn.send(None)
+    out = conn.recv()
+    for rec in out["steps"]:
+        rec["columns"] = plain_columns(rec["columns"])
+    return out
 
 
 def connect(answer) -> Connection | None:

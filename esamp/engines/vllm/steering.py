@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -43,7 +44,11 @@ from esamp.engines.vllm.step_records import RecordStore
 from esamp.engines.vllm.tp import ALONE, TensorParallel, tensor_parallel
 
 DISTILL_GRAPHS = 64  # captured Distiller shapes kept (every bucketed shape of a 256-row batch is 39)
-APPLY_GRAPHS = 4  # captured filter-and-mix steps kept
+# Captured filter-and-mix steps kept. A key names the sampler's logits buffer and the plan's shape,
+# so a run through several batch shapes holds more than a few: esamp bench's three workloads on
+# MRV2 captured 26 with 4 kept (vLLM 0.33, one H200), each capture on a step's path. They share
+# one memory pool (below), so more kept graphs cost no more device memory than the largest.
+APPLY_GRAPHS = 16
 EXPIRE_EVERY = 1.0  # seconds between checks for records nobody read
 # Counters operators read (``metrics``), all present from the start: a reader on another thread
 # copies the dict while the engine counts, which is safe only while it never grows.
@@ -334,7 +339,11 @@ class EngineSteering:
         return self._shared
 
     def apply(
-        self, plan: BatchPlan, logits: torch.Tensor, handoff: Handoff | None, generated: list[int] | None = None
+        self,
+        plan: BatchPlan,
+        logits: torch.Tensor,
+        handoff: Handoff | None,
+        generated: Sequence[int] | None = None,
     ) -> torch.Tensor:
         """Filter every planned row of ``logits`` and mix the steered ones, in place; one step
         record (on the worker that owns the bank). ``handoff`` None: no taps reached this step, so
@@ -407,12 +416,12 @@ class EngineSteering:
             return True
         return False
 
-    def drain(self, release=(), groups: set[str] | None = None, columns: bool = False) -> dict:
-        """Finished step records (of ``groups``, or all; rows as columns with ``columns``) and
-        counters; frees released groups."""
+    def drain(self, release=(), groups: set[str] | None = None, columns: bool = False, plain: bool = True) -> dict:
+        """Finished step records (of ``groups``, or all; rows as columns with ``columns``, their
+        numbers as arrays unless ``plain``: ``RecordStore.take``) and counters; frees released groups."""
         for group in release:
             self.release(group)
-        steps, pending = self.records.take(groups, columns)
+        steps, pending = self.records.take(groups, columns, plain)
         self.records.expire(self.groups.live)
         slots = self.slots
         return {

@@ -21,6 +21,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 RETAIN_SECONDS = 300.0
@@ -94,22 +95,24 @@ class RecordStore:
 
     def _collect(self) -> None:
         """Turn records whose copies have finished into plain step records (under the lock).
-        A ready record keeps its rows as columns (group, sample, generated, error, candidates):
-        lists of plain values are cheap to keep, filter and send."""
+        A ready record keeps its rows as columns (group, sample, generated, error, candidates),
+        the two the device sent as one array: nothing here is done row by row, since this runs in
+        the engine's process, on a step's path or in a reader's thread beside it (whose Python
+        work the engine's steps wait for); readers get plain lists (``_public``)."""
         while self._in_flight and (self._in_flight[0].event is None or self._in_flight[0].event.query()):
             s = self._in_flight.popleft()
             n = len(s.groups)
-            values = s.packed.tolist()
+            values = s.packed.numpy().copy()  # its pinned buffer goes back to be copied into again
             if s.event is not None:
                 self._buffers[s.packed.numel()].append(s.packed)
                 self._events.append(s.event)
-            loss = {g: v for owner, v in zip(s.loss_groups, values[2 * n :]) for g in _owners(owner)}
+            loss = {g: v for owner, v in zip(s.loss_groups, values[2 * n :].tolist()) for g in _owners(owner)}
             if loss:
                 mean = sum(loss.values()) / len(loss)
                 self.loss = mean if self.loss is None else 0.9 * self.loss + 0.1 * mean
             if s.keep is not None and not s.keep:
                 continue  # nobody asked for this step's rows
-            cols = (s.groups, s.samples, s.generated, values[:n], [int(c) for c in values[n : 2 * n]])
+            cols = (s.groups, s.samples, s.generated, values[:n], values[n : 2 * n])
             if s.keep is not None:
                 cols = _select(cols, s.keep.__contains__)
                 loss = {g: v for g, v in loss.items() if g in s.keep}
@@ -121,11 +124,12 @@ class RecordStore:
         with self._lock:
             self._collect()
 
-    def take(self, groups: set[str] | None = None, columns: bool = False) -> tuple[list[dict], int]:
+    def take(self, groups: set[str] | None = None, columns: bool = False, plain: bool = True) -> tuple[list[dict], int]:
         """(finished step records, how many are still copying). With ``groups``, only their rows
         and losses are taken; everything else stays for its own reader. A record's rows come as
         ``rows`` [(group, sample, generated, error, candidates), ...], or with ``columns`` as
-        ``columns`` (the five lists)."""
+        ``columns`` (the five lists; with ``plain`` False the numbers stay arrays, for a reader in
+        another process, which turns them into lists there: ``plain_columns``)."""
         with self._lock:
             self._collect()
             pending = len(self._in_flight)
@@ -143,7 +147,7 @@ class RecordStore:
                     if rest[0] or rest_loss:
                         keep.append({**rec, "cols": rest, "loss": rest_loss})
                 self._ready = keep
-        return [_public(rec, columns) for rec in out], pending
+        return [_public(rec, columns, plain) for rec in out], pending
 
     def expire(self, live: set[str], now: float | None = None) -> None:
         """Drop records of groups no longer ``live`` that nobody read for ``retain_seconds``."""
@@ -169,22 +173,45 @@ def _owners(owner: LossOwner) -> tuple[str, ...]:
     return (owner,) if isinstance(owner, str) else tuple(owner)
 
 
-def _select(cols: tuple[list, ...], keep) -> tuple[list, ...]:
+def _select(cols: tuple, keep) -> tuple:
     """The columns' rows whose group ``keep(group)`` accepts."""
     picked = [i for i, g in enumerate(cols[0]) if keep(g)]
     if len(picked) == len(cols[0]):
         return cols
-    return tuple([c[i] for i in picked] for c in cols)
+    return tuple(c[picked] if isinstance(c, np.ndarray) else [c[i] for i in picked] for c in cols)
 
 
 COLUMNS = ("groups", "samples", "generated", "errors", "candidates")
 
 
-def _public(rec: dict, columns: bool) -> dict:
+def _arrays(cols: tuple) -> tuple:
+    """A ready record's columns with its numbers as arrays (candidate counts as integers: exact in
+    the float32 they came in, a vocabulary being under 2²⁴)."""
+    groups, samples, generated, errors, candidates = cols
+    if isinstance(candidates, np.ndarray):
+        candidates = candidates.astype(np.int64)
+    return groups, samples, generated, errors, candidates
+
+
+def _plain(cols: tuple) -> tuple[list, ...]:
+    """Columns as lists of plain Python values (floats, ints)."""
+    return tuple(c.tolist() if isinstance(c, np.ndarray) else c for c in cols)
+
+
+def plain_columns(columns: dict) -> dict:
+    """A record's named columns as ``take(columns=True)`` gives them, from the arrays a reader in
+    another process received (``take(..., plain=False)``)."""
+    return dict(zip(COLUMNS, _plain(tuple(columns[name] for name in COLUMNS))))
+
+
+def _public(rec: dict, columns: bool, plain: bool = True) -> dict:
     """A ready record as readers get it: rows, or named columns."""
     out = {"step": rec["step"], "time": rec["time"], "loss": rec["loss"]}
+    cols = _arrays(rec["cols"])
+    if plain or not columns:
+        cols = _plain(cols)
     if columns:
-        out["columns"] = dict(zip(COLUMNS, rec["cols"]))
+        out["columns"] = dict(zip(COLUMNS, cols))
     else:
-        out["rows"] = list(zip(*rec["cols"]))
+        out["rows"] = list(zip(*cols))
     return out

@@ -19,8 +19,8 @@ class FakeSteering:
         self.calls: list[tuple] = []
         self.threads: set[str] = set()
 
-    def drain(self, release=(), groups=None, columns=False) -> dict:
-        self.calls.append((tuple(release), groups, columns))
+    def drain(self, release=(), groups=None, columns=False, plain=True) -> dict:
+        self.calls.append((tuple(release), groups, columns, plain))
         self.threads.add(threading.current_thread().name)
         return {"steps": [{"step": len(self.calls)}], "pending": 0, "counters": {}, "free_slots": 3, "groups": []}
 
@@ -33,9 +33,10 @@ def test_fetches_come_from_the_workers_thread_and_release_nothing():
     for step in (1, 2, 3):
         conn.send(None)
         assert conn.recv()["steps"] == [{"step": step}]
-    # every fetch: all groups' records, as columns; a release never goes this way (every TP
-    # worker's ledger must free a group: that stays a collective_rpc)
-    assert steering.calls == [((), None, True)] * 3
+    # every fetch: all groups' records, as columns of arrays (lists are made on the reader's
+    # side); a release never goes this way (every TP worker's ledger must free a group: that
+    # stays a collective_rpc)
+    assert steering.calls == [((), None, True, False)] * 3
     assert steering.threads == {"esamp-records-reader"}
     conn.close()  # the engine closes: the server lets go of the steering (an in-process engine's bank)
     for _ in range(200):
@@ -61,3 +62,38 @@ def test_no_channel_means_the_rpc_path():
     (the engine then fetches through ``collective_rpc``, as before)."""
     assert records_channel.connect(None) is None
     assert records_channel.connect(("/nonexistent/esamp-records", b"k" * 32)) is None
+
+
+def test_the_reader_gets_the_records_as_the_rpc_path_gives_them():
+    """The channel sends a record's numbers as arrays (pickled as one copy each, so the worker's
+    thread does little while the engine steps) and ``receive`` hands the reader plain lists, the
+    same values ``collective_rpc``'s drain gives."""
+    import torch
+
+    from esamp.engines.vllm.step_records import RecordStore
+
+    class Steering:
+        records_server = None
+
+        def __init__(self) -> None:
+            self.records = RecordStore(torch.device("cpu"))
+
+        def drain(self, release=(), groups=None, columns=False, plain=True) -> dict:
+            steps, pending = self.records.take(groups, columns, plain)
+            return {"steps": steps, "pending": pending}
+
+    steering = Steering()
+    packed = RecordStore.pack(torch.tensor([0.25, 0.5]), torch.tensor([3, 7]), torch.tensor([1.5]))
+    steering.records.push(4, ["g", "g"], [0, 1], [5, 5], packed, ["g"])
+    server = records_channel.server_for(steering)
+    conn = records_channel.connect((server.address, server.key))
+    (rec,) = records_channel.receive(conn)["steps"]
+    assert rec["columns"] == {
+        "groups": ["g", "g"],
+        "samples": [0, 1],
+        "generated": [5, 5],
+        "errors": [0.25, 0.5],
+        "candidates": [3, 7],
+    }
+    assert all(type(c) is int for c in rec["columns"]["candidates"]) and rec["loss"] == {"g": 1.5}
+    conn.close()
