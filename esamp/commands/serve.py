@@ -55,8 +55,9 @@ is handed them meanwhile (``esamp.serving.channel.hold_ports``).
 
 Tensor parallelism (``--tensor-parallel-size N``) runs as vLLM runs it: TP rank 0 of each engine
 owns the Distiller and shares ŷ with the other workers (``esamp.engines.vllm.tp``), and vLLM's
-V1 runner is asked for (``VLLM_USE_V2_MODEL_RUNNER=0``: ESamp's Model Runner V2 adapter does not
-run under tensor parallelism).
+V1 runner is asked for (``VLLM_USE_V2_MODEL_RUNNER=0``, the runner ESamp's tensor parallelism has run
+on with GPUs; its Model Runner V2 adapter steers there too when the operator sets the variable to 1,
+tested through vLLM's interface classes only).
 
 Refused with a reason: pipeline parallelism (the taps and the logits must be in one process),
 speculative decoding (vLLM takes no custom logits processor with it), and multi-node data

@@ -142,17 +142,13 @@ class StepExchange:
             self.steering.prepare(aux, source, target, normalize, head_dtype)
 
     def put_taps_late(self, aux: torch.Tensor, source: int, target: int, normalize, head_dtype: torch.dtype) -> None:
-        """For a late adapter with rows to steer: keep every logits row's taps for its ``apply``."""
-        adapter = self.adapter
-        if (
-            not self.late
-            or adapter is None
-            or self.steering is None
-            or self.steering.bank is None
-            or not adapter.has_rows()
-        ):
-            return
-        if self.steering.keep_taps(aux):
+        """For a late adapter with rows to steer: keep every logits row's taps for its ``apply``
+        (a tensor-parallel worker without the bank keeps none, and notes that they came: it
+        receives ŷ from rank 0 in the same step)."""
+        adapter, steering = self.adapter, self.steering
+        if not self.late or adapter is None or steering is None or steering.slots is None or not adapter.has_rows():
+            return  # (no slots: an engine without ESamp, which steers nothing)
+        if steering.keep_taps(aux):
             self._late_taps = (source, target, normalize, head_dtype)
             self.taps_put += 1
 
@@ -163,9 +159,11 @@ class StepExchange:
         model = self.model
         if taps is None or model is None or not plan.steered:
             return None
-        handoff = self.steering.distill(plan, *taps)
+        handoff = self.steering.distill(plan, *taps)  # (under tensor parallelism: ŷ from rank 0)
         if self._head is None:
-            self._head = model.esamp_lm_head()  # the same tensor every step (weights change in place)
+            # The same tensor every step (weights change in place). A worker holding one shard of
+            # the head gathers it whole here, at the same step on every worker.
+            self._head = model.esamp_lm_head()
         head = self._head
         product = HeadProduct(handoff.prediction[: plan.steered], head)  # d at the candidates
         handoff.d = product if plan.few_candidates else product.dense(self.steering.vocab)

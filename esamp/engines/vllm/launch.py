@@ -200,8 +200,10 @@ def spawns(tensor_parallel_size: int, workers_env: dict[str, str], environ=os.en
 
 def parallel_env(tensor_parallel_size: int, *, cuda: bool, environ=os.environ) -> dict[str, str]:
     """What vLLM needs in its environment for ``tensor_parallel_size`` workers, unless the
-    environment says otherwise: the V1 runner (ESamp's Model Runner V2 adapter refuses tensor
-    parallelism: ``mrv2.refusal``); on a CPU each worker's share of esamp's default KV cache
+    environment says otherwise: the V1 runner, on which ESamp's tensor parallelism has run on GPUs
+    (its Model Runner V2 adapter steers under tensor parallelism too, with ``RUNNER_ENV=1``: tested
+    through vLLM's interface classes, not yet on several GPUs; docs/vllm.md); on a CPU each
+    worker's share of esamp's default KV cache
     (vLLM gives every worker the whole ``VLLM_CPU_KVCACHE_SPACE``; another value is taken as
     given, per worker) and, without thread pinning, each worker's share of the cores as its
     OpenMP threads (each would otherwise start a thread per core)."""

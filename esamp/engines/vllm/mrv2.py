@@ -20,6 +20,12 @@ One job, as the V1 adapter's: turn MRV2's bookkeeping into ESamp rows and its ``
   moves the argmax; ``settings.prepare`` handed vLLM neutral filters and ESamp applies the
   request's own inside ``apply``.
 
+Under tensor parallelism every worker runs this adapter on the same rows, as on the V1 runner
+(``esamp.engines.vllm.tp``): rank 0 runs the Distiller step in ``apply`` and broadcasts ŷ, every
+other worker receives it, and each computes d from the whole LM head, which a worker holding one
+vocabulary shard gathers once (``esamp_lm_head``: [V, H] more memory per worker), so every worker
+filters and mixes identical inputs.
+
 Inert when another adapter of the engine is the live one (``StepExchange.is_live``), and for
 requests without ESamp settings: ``add_request`` answers False, so vLLM skips every processor for
 a batch of such requests.
@@ -34,7 +40,6 @@ import torch
 
 from esamp.engines.vllm import settings as es
 from esamp.engines.vllm.exchange import exchange_for
-from esamp.engines.vllm.launch import RUNNER_ENV
 from esamp.engines.vllm.rows import RequestRow, request_row
 from esamp.engines.vllm.steering import BatchPlan, EngineSteering, make_steering
 
@@ -64,13 +69,6 @@ def refusal(vllm_config) -> str | None:
             "step): start the engine without a speculative config"
         )
     parallel = getattr(vllm_config, "parallel_config", None)
-    if int(getattr(parallel, "tensor_parallel_size", 1) or 1) > 1:
-        # The late path computes d from the LM head's weight, which is one vocabulary shard per
-        # worker under tensor parallelism; the V1 runner's joint GEMM gathers it (docs/vllm.md).
-        return (
-            "ESamp runs under tensor parallelism on vLLM's V1 runner only, not on Model Runner V2: "
-            f"start the engine with {RUNNER_ENV}=0"
-        )
     if getattr(parallel, "enable_batch_sharded_sampling", False):
         return (
             "ESamp does not run with batch-sharded sampling (it bypasses the ESamp model's "

@@ -320,7 +320,6 @@ def test_an_engine_without_esamp_filters_esamp_requests_like_the_v1_adapter():
     [
         ({"speculative_config": SimpleNamespace(num_speculative_tokens=2)}, "speculative decoding"),
         ({"parallel_config": SimpleNamespace(enable_batch_sharded_sampling=True)}, "batch-sharded sampling"),
-        ({"parallel_config": SimpleNamespace(tensor_parallel_size=2)}, "VLLM_USE_V2_MODEL_RUNNER=0"),
     ],
 )
 def test_mrv2_adapter_refuses_engines_it_cannot_steer(engine, words):
@@ -397,3 +396,62 @@ def test_the_tracing_processor_the_tests_name_loads_under_both_runners_loaders()
         v1 = v1_class(_config(), torch.device("cpu"), False)
     assert isinstance(v2, Mrv2Adapter) and isinstance(v2, _Tracing) and isinstance(v2.steering, TracingSteering)
     assert isinstance(v1, V1Adapter) and isinstance(v1, _Tracing) and isinstance(v1.steering, TracingSteering)
+
+
+def test_under_tensor_parallelism_every_mrv2_worker_mixes_what_one_worker_mixes(monkeypatch):
+    """Two workers of one tensor-parallel engine on Model Runner V2, each with its own adapter,
+    beside a one-worker engine on the same steps (rows reordered, a slot recycled): rank 0 runs
+    the Distiller in ``apply`` and broadcasts ŷ, rank 1 receives it with no bank of its own, and
+    both mix exactly what the one worker mixes (d from the whole head, which a worker holding one
+    shard gathers once: the stand-in model gives it whole). Records are rank 0's only."""
+    from esamp.engines.vllm import steering as st
+    from esamp.engines.vllm.tp import TensorParallel
+
+    from _vllm_helpers import Wire
+
+    head = torch.randn(V, H, generator=torch.Generator().manual_seed(3))
+    wire = Wire()
+    workers = []
+    for rank in (0, 1):
+        monkeypatch.setattr(st, "tensor_parallel", lambda config, rank=rank: TensorParallel(rank, 2, wire.end(rank)))
+        with torch.inference_mode():
+            workers.append(_Mrv2Engine(_config(), head))
+    monkeypatch.undo()
+    with torch.inference_mode():
+        alone = _Mrv2Engine(_config(), head)
+    owner, follower = (w.adapter.steering for w in workers)
+    assert owner.bank is not None and follower.bank is None and follower.slots is not None
+
+    requests = {
+        "a0": _request("ga", 0, 2, temperature=0.7, top_p=0.9),
+        "a1": _request("ga", 1, 2, temperature=0.7, top_p=0.9),
+        "b0": _request("gb", 0, 1, temperature=1.0, min_p=0.1),
+        "c0": _request("gc", 0, 1, temperature=0.9, top_k=7),
+    }
+    prompt = {"a0": 5, "a1": 5, "b0": 3, "c0": 4}
+    steps = [
+        (["b0", "a1", "a0"], {"a0": 2, "a1": 0, "b0": 1}),
+        (["a0", "b0", "a1"], {}),
+        (["c0", "a1", "a0"], {"c0": 1}),  # c0 takes the slot b0 left
+        (["a0", "c0", "a1"], {}),
+    ]
+    slot_of: dict[str, int] = {}
+    made = {n: 0 for n in requests}
+    gen = torch.Generator().manual_seed(0)
+    for order, arrivals in steps:
+        for name, slot in arrivals.items():
+            slot_of[name] = slot
+            assert all(e.add(slot, requests[name], prompt[name]) for e in (*workers, alone))
+        aux = {n: torch.randn(2 * H, generator=gen) for n in requests}
+        raw = {n: 3 * torch.randn(V, generator=gen) for n in requests}
+        seq_lens = {n: prompt[n] + made[n] for n in requests}
+        with torch.inference_mode():  # rank 0 first: its broadcast is on the wire for rank 1
+            got = [e.step(order, slot_of, seq_lens, aux, raw) for e in (*workers, alone)]
+        assert torch.equal(got[0], got[2]) and torch.equal(got[1], got[2])
+        assert not torch.equal(got[2], torch.stack([raw[n] for n in order]))  # steered
+        for name in order:
+            made[name] += 1
+    ref = alone.adapter.steering
+    assert owner.counters["port_hits"] == follower.counters["port_hits"] == ref.counters["port_hits"] > 0
+    assert _records(owner) == _records(ref) and follower.drain()["steps"] == []
+    assert follower.counters["train_steps"] == 0 < owner.counters["train_steps"]
