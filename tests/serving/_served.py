@@ -22,6 +22,12 @@ START_TIMEOUT = 300.0  # a cold start on a busy 2-core machine
 RUNNING: list[Served] = []  # the servers up now: a failing test's report shows their logs (conftest.py)
 # The log lines a failing test's report keeps from a server's start (``Served.excerpt``).
 NOTEWORTHY = ("esamp serve:", "side channel", "ERROR", "WARNING", "Traceback", "Error")
+# The dtype of the module whose served samples must equal the library engine's token for token
+# (test_serve_live.py). On a CPU with bf16 arithmetic both would run bf16 (launch.default_dtype), and
+# a bf16 forward gives another rounding for another batch: the served engine batches the n child
+# requests as the frontend delivers them, the library engine all at once, so a near-tie drew
+# another token on some runs there. In float32 the two differ far below any tie.
+EXACT_DTYPE = "float32"
 
 
 class Served:

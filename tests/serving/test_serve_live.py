@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from _served import take_records
+from _served import EXACT_DTYPE, take_records
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -204,6 +204,10 @@ def library():
         model=str(resolve(None).hf_dir()),
         esamp=EsampConfig(slots=8),
         max_model_len=1024,
+        # The served engine's batch size (--slots 8) and dtype: the Distiller's blocks are padded to
+        # the batch size, and blocks of another size sum in another order (_served.EXACT_DTYPE).
+        max_num_seqs=8,
+        dtype=EXACT_DTYPE,
         llm_kwargs={"enable_prefix_caching": False},
     )
     yield engine
