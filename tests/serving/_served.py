@@ -28,6 +28,7 @@ NOTEWORTHY = ("esamp serve:", "side channel", "ERROR", "WARNING", "Traceback", "
 # requests as the frontend delivers them, the library engine all at once, so a near-tie drew
 # another token on some runs there. In float32 the two differ far below any tie.
 EXACT_DTYPE = "float32"
+SLOTS = 8  # the module servers' --slots, and so their batch size (--max-num-seqs)
 
 
 class Served:

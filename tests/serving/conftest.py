@@ -17,7 +17,7 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 from esamp.serving.channel import hold_ports  # noqa: E402
 
-from _served import EXACT_DTYPE, RUNNING, serve  # noqa: E402
+from _served import EXACT_DTYPE, RUNNING, SLOTS, serve  # noqa: E402
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -33,8 +33,8 @@ def pytest_runtest_makereport(item, call):
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """The embedded model behind ``esamp serve`` (8 slots, float32: ``EXACT_DTYPE``), for one test module."""
-    yield from serve(tmp_path_factory, ["--slots", "8", "--max-model-len", "1024", "--dtype", EXACT_DTYPE])
+    """The embedded model behind ``esamp serve`` (``SLOTS`` slots, ``EXACT_DTYPE``), for one test module."""
+    yield from serve(tmp_path_factory, ["--slots", str(SLOTS), "--max-model-len", "1024", "--dtype", EXACT_DTYPE])
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from _served import EXACT_DTYPE, take_records
+from _served import EXACT_DTYPE, SLOTS, take_records
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -177,10 +177,10 @@ def test_metrics_are_prometheus_text_labelled_by_rank(server):
         assert [s.labels for s in families[name].samples if not s.name.endswith("_created")] == [{"rank": "0"}]
     assert families["esamp_channel_up"].samples[0].value == 1
     slots = sum(families[n].samples[0].value for n in ("esamp_slots_free", "esamp_slots_in_use"))
-    assert slots == 8
+    assert slots == SLOTS
     status, body = server.get("/esamp/config")
     config = json.loads(body)
-    assert config["ranks"] == 1 and config["esamp"]["slots"] == 8 and config["model"] == MODEL
+    assert config["ranks"] == 1 and config["esamp"]["slots"] == SLOTS and config["model"] == MODEL
 
 
 def test_esamp_routes_say_what_they_take(server):
@@ -202,11 +202,11 @@ def library():
 
     engine = VllmEngine(
         model=str(resolve(None).hf_dir()),
-        esamp=EsampConfig(slots=8),
+        esamp=EsampConfig(slots=SLOTS),
         max_model_len=1024,
-        # The served engine's batch size (--slots 8) and dtype: the Distiller's blocks are padded to
+        # The served engine's batch size (--slots) and dtype: the Distiller's blocks are padded to
         # the batch size, and blocks of another size sum in another order (_served.EXACT_DTYPE).
-        max_num_seqs=8,
+        max_num_seqs=SLOTS,
         dtype=EXACT_DTYPE,
         llm_kwargs={"enable_prefix_caching": False},
     )
