@@ -33,6 +33,7 @@ a batch of such requests.
 
 from __future__ import annotations
 
+import time
 import weakref
 
 import numpy as np
@@ -133,6 +134,7 @@ class Mrv2Adapter(LogitsProcessor):
     def apply(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
         if not self.slots or not self.exchange.is_live(self):
             return logits
+        started = time.perf_counter()
         order = ctx.idx_mapping_np
         if logits.shape[0] != len(order):  # refused at start (``refusal``); never steer rows we cannot place
             raise RuntimeError(
@@ -154,7 +156,7 @@ class Mrv2Adapter(LogitsProcessor):
         # Each steered row's generation index, in one array operation (a batch holds hundreds of
         # rows); the step's record keeps the array (``RecordStore``: readers get lists).
         generated = np.maximum(ctx.seq_lens_upper_bound_np[self._member_rows] - self._member_prompts, 0)
-        return self.steering.apply(plan, logits, self.exchange.distill_late(plan), generated)
+        return self.steering.apply(plan, logits, self.exchange.distill_late(plan), generated, started)
 
     def forget(self, group: str) -> None:
         """``group`` is over (its client said so): drop its rows (``EngineSteering.release`` calls

@@ -50,6 +50,10 @@ DISTILL_GRAPHS = 64  # captured Distiller shapes kept (every bucketed shape of a
 # one memory pool (below), so more kept graphs cost no more device memory than the largest.
 APPLY_GRAPHS = 16
 EXPIRE_EVERY = 1.0  # seconds between checks for records nobody read
+# A step whose host time passes SLOW_STEP_S is kept, with where its time went, among the last
+# SLOW_STEPS_KEPT such steps (``metrics()["slow_steps"]``): what a steady step's mean hides.
+SLOW_STEP_S = 0.002
+SLOW_STEPS_KEPT = 32
 # Counters operators read (``metrics``), all present from the start: a reader on another thread
 # copies the dict while the engine counts, which is safe only while it never grows.
 COUNTERS = (
@@ -157,6 +161,9 @@ class EngineSteering:
         self.step_no = 0
         self.counters: collections.Counter = collections.Counter(dict.fromkeys(COUNTERS, 0))
         self.host_seconds = self.replay_seconds = self.plan_seconds = 0.0
+        self._plan_spent = 0.0  # host time of the plan built for the coming ``apply`` (0: none)
+        self.slow_steps: collections.deque[dict] = collections.deque(maxlen=SLOW_STEPS_KEPT)
+        self._born = time.monotonic()
         graphs = self.device.type == "cuda" and os.environ.get("ESAMP_CUDA_GRAPHS", "1") != "0"
         bank = None
         self.slots: SlotLedger | None = None  # the bank's slots, or a ledger of them (a worker without it)
@@ -259,7 +266,9 @@ class EngineSteering:
             few_candidates=all(few_candidates(r.filters.min_p, r.filters.top_k) for r in members),
         )
         self.counters["plan_builds"] += 1
-        self.plan_seconds += time.perf_counter() - t0
+        spent = time.perf_counter() - t0
+        self.plan_seconds += spent
+        self._plan_spent += spent
         return out
 
     # -- the step ----------------------------------------------------------------------------
@@ -344,12 +353,15 @@ class EngineSteering:
         logits: torch.Tensor,
         handoff: Handoff | None,
         generated: Sequence[int] | None = None,
+        started: float | None = None,
     ) -> torch.Tensor:
         """Filter every planned row of ``logits`` and mix the steered ones, in place; one step
         record (on the worker that owns the bank). ``handoff`` None: no taps reached this step, so
         nothing is steered (filters stay exact; counted). ``generated``: per steered row, the
         tokens its request had generated before this step, where the adapter has them as one
-        array (else the length of each row's ``output_ids``)."""
+        array (else the length of each row's ``output_ids``). ``started``: when the adapter's
+        ``apply`` began (``time.perf_counter``), for an adapter that plans and runs the Distiller
+        step inside it: the step's host time is then the whole of its ``apply``."""
         t0 = time.perf_counter()
         self.step_no += 1
         step, s = plan.step, plan.steered
@@ -374,11 +386,14 @@ class EngineSteering:
                 return counts
             return RecordStore.pack(rest[1][:s], counts[:s], rest[2] if loss is not None else None)
 
-        replays = self.apply_graphs.replays
+        graphs = self.apply_graphs
+        replays, captures = graphs.replays, graphs.captures
+        t_mix = time.perf_counter()
         if step.matched is not None:  # the matched mix reads its rows' widest |C| on the host: no graph
             packed = run(*inputs)
         else:
-            packed = self.apply_graphs.run(key, run, *inputs)
+            packed = graphs.run(key, run, *inputs)
+        t_records = time.perf_counter()
         if steered:
             self.counters["port_hits"] += s
             if loss is not None:
@@ -397,11 +412,39 @@ class EngineSteering:
         if now - self._last_expire > EXPIRE_EVERY:
             self._last_expire = now
             self.records.expire(self.groups.live)
-        spent = time.perf_counter() - t0
-        self.host_seconds += spent
-        if steered and handoff.replayed and self.apply_graphs.replays > replays:
-            self.replay_seconds += spent + handoff.host_seconds  # a steady step's host cost
+        end = time.perf_counter()
+        distilled = handoff.host_seconds if handoff is not None else 0.0
+        if started is None:  # the Distiller step ran earlier in the step (and counted itself)
+            self.host_seconds += end - t0
+            whole = end - t0 + distilled
+        else:  # all of the adapter's apply: its bookkeeping, the plan, the Distiller step, this
+            whole = end - started
+            self.host_seconds += whole - distilled
+        plan_spent, self._plan_spent = self._plan_spent, 0.0
+        mix = "eager"
+        if graphs.replays > replays:
+            mix = "replay"
+        elif graphs.captures > captures:
+            mix = "capture"
+        if steered and handoff.replayed and mix == "replay":
+            self.replay_seconds += whole  # a steady step's host cost
             self.counters["replay_steps"] += 1
+        if whole > SLOW_STEP_S:
+            self.slow_steps.append(
+                dict(
+                    step=self.step_no,
+                    at_s=round(time.monotonic() - self._born, 3),
+                    rows=step.rows,
+                    steered=s if steered else 0,
+                    mix=mix,
+                    distiller="replay" if steered and handoff.replayed else "eager" if steered else "none",
+                    host_ms=round(1e3 * whole, 3),
+                    plan_ms=round(1e3 * plan_spent, 3),
+                    distill_ms=round(1e3 * distilled, 3),
+                    mix_ms=round(1e3 * (t_records - t_mix), 3),
+                    records_ms=round(1e3 * (end - t_records), 3),
+                )
+            )
         return logits
 
     # -- groups and results ------------------------------------------------------------------
@@ -452,11 +495,14 @@ class EngineSteering:
             apply_graph_replays=self.apply_graphs.replays,
             apply_graph_failures=self.apply_graphs.failures,
             apply_graph_captures=self.apply_graphs.captures,
+            apply_graph_eager=self.apply_graphs.eager,
+            apply_capture_ms=round(1e3 * self.apply_graphs.capture_seconds, 1),
             filter_overflows=self.steerer.filter_overflows,
             records_dropped=self.records.dropped,
             host_ms=round(1e3 * self.host_seconds, 1),
             replay_host_ms=round(1e3 * self.replay_seconds, 1),
             plan_ms=round(1e3 * self.plan_seconds, 1),
+            slow_steps=list(self.slow_steps),
         )
 
 

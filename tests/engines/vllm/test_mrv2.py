@@ -279,6 +279,43 @@ def test_the_plan_is_rebuilt_only_when_the_row_order_or_a_slot_changes():
     assert steering.counters["plan_builds"] == 4 and steering.counters["taps_missing"] == 0
 
 
+def test_a_slow_step_is_kept_with_where_its_host_time_went(monkeypatch):
+    """The MRV2 adapter's whole ``apply`` is the step's host time (its bookkeeping, the plan, the
+    Distiller step, the filter and mix, the record), and a step past ``SLOW_STEP_S`` is kept in
+    ``metrics()["slow_steps"]`` split into those parts, the plan only on the step that built one."""
+    from esamp.engines.vllm import steering as st
+
+    monkeypatch.setattr(st, "SLOW_STEP_S", 0.0)  # every step is "slow": each is kept
+    head = torch.randn(V, H, generator=torch.Generator().manual_seed(1))
+    engine = _Mrv2Engine(_config(), head)
+    steering = engine.adapter.steering
+    requests = {"a0": _request("ga", 0, 1), "b0": _request("gb", 0, 1)}
+    slot_of = {"a0": 2, "b0": 6}
+    for name, slot in slot_of.items():
+        engine.add(slot, requests[name], 3)
+    gen = torch.Generator().manual_seed(0)
+    for lens in (3, 4, 5):
+        aux = {n: torch.randn(2 * H, generator=gen) for n in requests}
+        raw = {n: torch.randn(V, generator=gen) for n in requests}
+        with torch.inference_mode():
+            engine.step(["a0", "b0"], slot_of, dict.fromkeys(requests, lens), aux, raw)
+    metrics = steering.metrics()
+    slow = metrics["slow_steps"]
+    assert [s["step"] for s in slow] == [1, 2, 3]
+    assert [s["plan_ms"] > 0 for s in slow] == [True, False, False]  # one plan, built for the first step
+    for s in slow:
+        assert (s["rows"], s["steered"], s["mix"], s["distiller"]) == (2, 2, "eager", "eager")  # a CPU: no graphs
+        assert s["host_ms"] >= s["plan_ms"] + s["distill_ms"] + s["mix_ms"] + s["records_ms"] - 1e-3
+        assert s["distill_ms"] > 0 and s["mix_ms"] > 0
+    # the host time counted is every step's whole apply (within the rounding of each to 1 µs)
+    assert metrics["host_ms"] == pytest.approx(sum(s["host_ms"] for s in slow), abs=0.1)
+    assert metrics["host_ms"] >= metrics["plan_ms"]
+    monkeypatch.setattr(st, "SLOW_STEP_S", 10.0)
+    with torch.inference_mode():
+        engine.step(["a0", "b0"], slot_of, dict.fromkeys(requests, 6), aux, raw)
+    assert len(steering.metrics()["slow_steps"]) == 3  # a fast step is not kept
+
+
 def test_mrv2_adapter_skips_plain_requests_and_only_the_live_adapter_works():
     from vllm import SamplingParams
 
