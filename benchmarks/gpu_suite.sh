@@ -145,7 +145,8 @@ print(json.dumps({p: t.run_steps('cuda', p, 1000) for p in ('ieee', 'tf32x3', 't
       python3 -m esamp bench --model "$model" --json "$OUT/$name.json" "$@" > "$OUT/$name.log" 2>&1
     gzip -f "$OUT/$name-stacks.txt"
     grep -v "$QUIET" "$OUT/$name.log" | tail -30
-    python3 benchmarks/host_stacks.py "$OUT/$name-stacks.txt.gz" | tee "$OUT/$name-stacks-summary.txt" | head -80 ;;
+    python3 benchmarks/host_stacks.py "$OUT/$name-stacks.txt.gz" > "$OUT/$name-stacks-summary.txt"
+    head -80 "$OUT/$name-stacks-summary.txt" ;;
   before)
     vllm_site || exit 1
     [ -d .before ] || { echo "no .before/ tree"; exit 2; }
@@ -203,7 +204,9 @@ print(json.dumps({p: t.run_steps('cuda', p, 1000) for p in ('ieee', 'tf32x3', 't
       # ENGINE_PROCESS=1: the engine core in a process of its own, as esamp bench runs it
       VLLM_ENABLE_V1_MULTIPROCESSING=0 timeout -s INT "${STEPS_SECONDS:-300}" python3 benchmarks/profile_steps.py \
         --side $side --model "$model" --workload "$w" --logits "${LOGITS:-flat}" --tensor-parallel-size "${TP:-1}" \
-        ${ENGINE_PROCESS:+--engine-process} ${STEPS:+--steps $STEPS} ${SKIP:+--skip $SKIP} ${MAX_SEQS:+--max-num-seqs $MAX_SEQS} --top 25 --out /tmp/steps 2>&1 | grep -v "$QUIET" | head -${STEPS_LINES:-30}
+        ${ENGINE_PROCESS:+--engine-process} ${STEPS:+--steps $STEPS} ${SKIP:+--skip $SKIP} ${MAX_SEQS:+--max-num-seqs $MAX_SEQS} --top 25 --out /tmp/steps > "$OUT/steps-$side-$w.log" 2>&1
+      # the log is read once it is whole: a reader that stops early (head) would end the profile with SIGPIPE
+      grep -v "$QUIET" "$OUT/steps-$side-$w.log" | tail -${STEPS_LINES:-30}
     done
     (cd /tmp/steps && tar -czf "$OUT/steps-${model//:/-}-$w-tp${TP:-1}.tar.gz" *.json)
     # step by step, from vLLM's traces (the engine core in its own process or TP: vLLM's profiler wrote them)
