@@ -433,6 +433,16 @@ class DistillerBank(SlotLedger):
             return kernels.triton is not None and self.rank <= kernels.MAX_RANK
         return kernels.usable(self.rank, x, y, self._store.flat)
 
+    def outputs(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Where the fused step leaves what ``evaluate`` returns views of, whole and at fixed
+        addresses: ŷ [rows, H] in ``dtype``, e [rows] and the units' losses [cells] (a reader
+        captured once serves every later step, whatever its block). None before the first fused
+        step in ``dtype`` (and on the PyTorch path, whose outputs are new tensors every step)."""
+        ws = self._workspace
+        if ws is None or not ws.has_output(dtype):
+            return None
+        return ws.output(dtype), ws.errors, ws.losses
+
     def _workspace_for(self, layout: RowLayout, tap_dtype: torch.dtype) -> kernels.Workspace:
         rows = max(layout.rows + 1, self._reserved[0])
         cells = max(layout.units.numel() * layout.width, self._reserved[1])

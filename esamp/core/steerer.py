@@ -37,7 +37,7 @@ import torch
 
 from esamp.core import intervention as iv
 from esamp.core.backends.graphs import GraphCache, SideStream
-from esamp.core.backends.triton_filter import FilterWorkspace, filter_and_mix
+from esamp.core.backends.triton_filter import FilterWorkspace, LogitsAt, filter_and_mix, launch
 from esamp.core.backends.triton_mix import mix_and_count
 from esamp.core.config import Filters, Steering
 from esamp.core.distiller import DistillerBank, RowLayout
@@ -75,13 +75,22 @@ class PlanBuffers:
         self.rows, self.units, self.width = rows, units, width
         self.cells = units * width
         self.device, self.scratch = torch.device(device), scratch
-        # long: units | gather | cell | row of each cell | row index | top-k ;
+        # Per-row fields are as long as the bucket of ``rows``: a launch captured for a bucket reads
+        # them up to its end (``padded``), past a plan's rows (index -1 there: no row).
+        per_row = bucket(rows)
+        # long: units | gather | cell | row of each cell | row index | top-k | mixed rows ;
         # float: weight | T | min-p | top-p | a | b | matched
         self._long_spans = _spans(
-            units=units, gather=self.cells, cell=self.cells, row_of=self.cells, index=rows, top_k=rows
+            units=units, gather=self.cells, cell=self.cells, row_of=self.cells, index=per_row, top_k=per_row, mixed=1
         )
         self._float_spans = _spans(
-            weight=self.cells, temperature=rows, min_p=rows, top_p=rows, a=rows, b=rows, matched=rows
+            weight=self.cells,
+            temperature=per_row,
+            min_p=per_row,
+            top_p=per_row,
+            a=per_row,
+            b=per_row,
+            matched=per_row,
         )
         with torch.inference_mode(False):
             self.longs = torch.zeros(self._long_spans["_end"], dtype=torch.long, device=self.device)
@@ -96,10 +105,14 @@ class PlanBuffers:
             return self.longs[self._long_spans[name] :][:size]
         return self.floats[self._float_spans[name] :][:size]
 
+    def padded(self, name: str, rows: int) -> torch.Tensor:
+        """A per-row field's first ``bucket(rows)`` entries: a plan's rows, then idle ones."""
+        return self.view(name, bucket(rows))
+
     def write(self, longs: dict[str, list[int]], floats: dict[str, list[float]]) -> None:
         """Set every field: the named ones from their start, everything else to its idle value
-        (units: the scratch slot; gather: the zero row; row of each cell: none; weights 0:
-        nothing trains)."""
+        (units: the scratch slot; gather: the zero row; row of each cell: none; row index: -1,
+        no row; weights 0: nothing trains; mixed rows: 0)."""
         for buffer, spans, values, dtype in (
             (self.longs, self._long_spans, longs, torch.long),
             (self.floats, self._float_spans, floats, torch.float32),
@@ -109,6 +122,7 @@ class PlanBuffers:
                 host[spans["units"] : spans["gather"]] = self.scratch
                 host[spans["gather"] : spans["cell"]] = self.rows
                 host[spans["row_of"] : spans["index"]] = -1
+                host[spans["index"] : spans["top_k"]] = -1
             for name, items in values.items():
                 host[spans[name] : spans[name] + len(items)] = torch.tensor(items, dtype=dtype)
             if self.device.type == "cuda":
@@ -216,7 +230,7 @@ class StepPlan:
                 trains=tuple(trains),
                 uses_top_p=uses_top_p,
             )
-        longs: dict[str, list[int]] = {"top_k": top_k, "index": list(index) if index is not None else []}
+        longs: dict[str, list[int]] = {"top_k": top_k, "index": list(index) if index is not None else [], "mixed": [s]}
         layout = None
         if s:
             U, W = RowLayout.from_slots(slots, trains).shape
@@ -438,6 +452,37 @@ class Steerer:
             work = None  # (``reserve`` sizes it for the engine's batch)
         return filter_and_mix(
             logits, plan.index, plan.temperature, plan.min_p, plan.top_p, plan.a, plan.b, d, work, plan.uses_top_p
+        )
+
+    def filter_and_mix_padded(
+        self,
+        buffers: PlanBuffers,
+        rows: int,
+        logits: LogitsAt,
+        d: iv.HeadProduct | None,
+        dense: bool = False,
+        cut: bool = True,
+    ) -> torch.Tensor:
+        """``filter_and_mix`` on the fused kernels in the form one CUDA graph serves for every plan
+        of up to ``bucket(rows)`` rows and for logits at any address: each field read from
+        ``buffers`` over the whole bucket (rows past the plan's are idle: index -1), the logits
+        through ``logits`` (their address on the device), the count of mixed rows from the plan's
+        buffer, and ``d`` as ŷ over the bucket and the LM head (``dense``: multiplied out first, for
+        rows whose candidates may be every token). Returns |C| for each of the bucket's rows."""
+        if d is not None and dense:
+            d = d.dense(logits.vocab)
+        return launch(
+            logits,
+            buffers.padded("index", rows),
+            buffers.padded("temperature", rows),
+            buffers.padded("min_p", rows),
+            buffers.padded("top_p", rows),
+            buffers.padded("a", rows),
+            buffers.padded("b", rows),
+            d,
+            self._work,
+            cut,
+            mixed=buffers.view("mixed", 1),
         )
 
     def reserve(self, rows: int, vocab: int, device: torch.device) -> None:

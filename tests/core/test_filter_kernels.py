@@ -145,6 +145,48 @@ def check_head_product(device: str, vocab: int = 700, hidden: int = 40) -> None:
     assert torch.equal(mixed, plain)
 
 
+def check_captured_form(device: str, vocab: int = 5_000, hidden: int = 40) -> None:
+    """The form a captured launch replays (``launch`` with ``LogitsAt``, rows padded with -1 and
+    a device count of mixed rows) changes exactly what the direct launch changes, with and without
+    the top-p passes (flat rows too, which narrow their cut), d dense and as its factors: padding
+    rows are never read (their settings would poison a row), every row outside the listed ones is
+    left alone, and the padding's counts are 0."""
+    gen = torch.Generator().manual_seed(11)
+    for cut, sparse, flat in ((True, True, False), (True, True, True), (False, True, False), (True, False, False)):
+        logits, index, T, m, p, a, b, _ = _case(4 if cut else 1, vocab=vocab, flat=flat)
+        if not cut:
+            p = torch.ones_like(p)
+        n, k, pad = index.numel(), 3, 5
+        head = torch.randn(vocab + 3, hidden, generator=gen).to(torch.bfloat16)
+        yhat = torch.randn(n + pad, hidden, generator=gen).to(torch.bfloat16)  # rows past k: never read
+        direct = iv.HeadProduct(yhat[:k], head) if sparse else (yhat[:k].float() @ head[:vocab].float().t())
+        padded = iv.HeadProduct(yhat, head) if sparse else (yhat.float() @ head[:vocab].float().t())
+        want = logits.clone().to(device)
+        args = [t.to(device) for t in (index, T, m, p, a, b)]
+        want_counts = tf.launch(want, *args, _to(direct, device), cut=cut).clone()
+        junk = torch.full((pad,), float("nan"))
+        rows = torch.cat([index, torch.full((pad,), -1)])
+        settings = [torch.cat([t, junk]) for t in (T, m, p, a, b)]
+        got = logits.clone().to(device)
+        address = torch.tensor([got.data_ptr()], dtype=torch.long, device=device)
+        work = tf.FilterWorkspace(n + pad, vocab, torch.device(device))
+        counts = tf.launch(
+            tf.LogitsAt(address, vocab, got.stride(0)),
+            rows.to(device),
+            *[t.to(device) for t in settings],
+            _to(padded, device),
+            work,
+            cut=cut,
+            mixed=torch.tensor([k], dtype=torch.int32, device=device),
+        ).cpu()
+        assert torch.equal(got.cpu(), want.cpu()), (cut, sparse, flat)
+        assert torch.equal(counts[:n], want_counts.cpu()) and not counts[n:].any(), (cut, sparse, flat)
+
+
+def _to(d, device: str):
+    return iv.HeadProduct(d.prediction.to(device), d.head.to(device)) if isinstance(d, iv.HeadProduct) else d.to(device)
+
+
 def test_torch_twin_is_the_core_filter_and_mix():
     """Listed rows are filtered (z/T on C) and the first ones mixed (a·z̃ − b·d); others untouched."""
     logits, index, T, m, p, a, b, d = _case(1)
@@ -165,6 +207,13 @@ def test_torch_twin_is_the_core_filter_and_mix():
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def test_kernels_equal_the_reference_on_a_gpu():
     check_kernels("cuda")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_the_captured_form_equals_the_direct_launch_on_a_gpu():
+    check_captured_form("cuda")
+    check_captured_form("cuda", vocab=152_064, hidden=3584)  # the 7B shapes
 
 
 @pytest.mark.cuda
@@ -193,7 +242,16 @@ INTERPRETER_RUNS = {
     + "t.check_kernels('cpu', (0, 2, 5), short_seeds=(2,), vocab=5_000)",
     "test_distiller_logits_at_the_candidates_equal_the_full_product_in_tritons_interpreter": INTERPRETED
     + "t.check_head_product('cpu')",
+    "test_the_captured_form_equals_the_direct_launch_in_tritons_interpreter": INTERPRETED
+    + "t.check_captured_form('cpu')",
 }
+
+
+@pytest.mark.skipif(CUDA, reason="the kernels run on the GPU there")
+def test_the_captured_form_equals_the_direct_launch_in_tritons_interpreter():
+    code = INTERPRETER_RUNS["test_the_captured_form_equals_the_direct_launch_in_tritons_interpreter"]
+    done = in_tritons_interpreter(code, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 @pytest.mark.skipif(CUDA, reason="the kernels run on the GPU there")

@@ -382,6 +382,7 @@ def _bench(args, plan: Plan, start, loaded: list, log: Path) -> int:
             host_ms_per_steady_step=round(counters["replay_host_ms"] / counters["replay_steps"], 4)
             if counters.get("replay_steps")
             else None,
+            host_split_per_steady_step=steady_split(counters),
             workloads=rows,
             interrupted=interrupted,
             signal=stop.name if interrupted else None,
@@ -406,6 +407,17 @@ def _bench(args, plan: Plan, start, loaded: list, log: Path) -> int:
         return stop.status
     finally:
         stop.restore()
+
+
+def steady_split(counters: dict) -> dict[str, float] | None:
+    """Where ESamp's host time of a steady step went, in ms a step: the Distiller step, the filter
+    and mix, the record, and the rest (the adapter's bookkeeping); None before any steady step."""
+    steps = counters.get("replay_steps")
+    if not steps or "replay_distill_ms" not in counters:
+        return None
+    parts = {name: counters[f"replay_{name}_ms"] for name in ("distill", "mix", "records")}
+    parts["rest"] = counters["replay_host_ms"] - sum(parts.values())
+    return {name: round(ms / steps, 4) for name, ms in parts.items()}
 
 
 def _runners(sides) -> dict[str, str | None]:
@@ -768,7 +780,10 @@ def _print_table(report: dict) -> None:
             "or raise --min-trial-seconds or --trials"
         )
     if report.get("host_ms_per_steady_step") is not None:
-        print(f"processor host time per steady step: {report['host_ms_per_steady_step']} ms")
+        split = report.get("host_split_per_steady_step") or {}
+        where = ", ".join(f"{part} {ms}" for part, ms in split.items())
+        steady = report["host_ms_per_steady_step"]
+        print(f"processor host time per steady step: {steady} ms" + (f" ({where})" if where else ""))
     if report.get("interrupted"):
         by = f" by {report['signal']}" if report.get("signal") else ""
         if any(r.get("complete") is False for r in rows):

@@ -120,6 +120,23 @@ class GraphCache:
         if seen <= self.after or not self._warm:
             self.eager += 1
             return self._on_stream(fn, inputs)
+        graph = self._capture(key, fn, inputs)
+        if graph is None:
+            return fn(*inputs)
+        return graph.replay(inputs)
+
+    def prepare(self, key: Hashable, fn: Callable, *inputs: torch.Tensor) -> bool:
+        """Capture ``key`` now, before its first step: one eager call (it compiles what ``fn``
+        launches, which a capture cannot, and warms the capture stream), then the capture. False
+        when graphs are off or the capture failed (graphs then stay off, as in ``run``)."""
+        if not self.enabled:
+            return False
+        if key in self.graphs:
+            return True
+        self._on_stream(fn, inputs)
+        return self._capture(key, fn, inputs) is not None
+
+    def _capture(self, key: Hashable, fn: Callable, inputs: tuple) -> _Graph | None:
         while len(self.graphs) >= self.size:
             self.graphs.popitem(last=False)  # the least recently used graph and its memory go
         t0 = time.perf_counter()
@@ -134,12 +151,12 @@ class GraphCache:
             self.graphs.clear()
             self.failures += 1
             log.warning("ESamp: capturing a step as a CUDA graph failed (%s); continuing without graphs", exc)
-            return fn(*inputs)
+            return None
         self.capture_seconds += time.perf_counter() - t0
         self.graphs[key] = graph
         self._seen.pop(key, None)
         self.captures += 1
-        return graph.replay(inputs)
+        return graph
 
     @property
     def stream(self) -> torch.cuda.Stream:
@@ -170,22 +187,32 @@ class SideStream:
     def __init__(self, graphs: GraphCache) -> None:
         self.graphs = graphs
         self._stream: torch.cuda.Stream | None = None
+        # Two events, reused (a step's host time is a few driver calls; creating two events a step
+        # was two more): ``queued`` orders the side stream after the current one, ``done`` marks the
+        # end of the latest call. Recording an event again affects no wait already queued on it,
+        # and every call is queued on the same side stream after the previous one, so a reader
+        # that waits for the latest ``done`` waits for all of them.
+        self._queued: torch.cuda.Event | None = None
+        self._done: torch.cuda.Event | None = None
 
     def run(self, key: Hashable, fn: Callable, *inputs: torch.Tensor, graphed: bool = True) -> torch.cuda.Event:
         """``fn(*inputs)`` beside the current stream, replayed from a graph unless ``graphed`` is
         False (inputs at new addresses every call, e.g. from a step that is not a graph itself:
-        one capture per call would cost more than it saves)."""
+        one capture per call would cost more than it saves). Returns the event of its end, valid
+        until the next call (the next call records it again)."""
         if self._stream is None:
             self._stream = torch.cuda.Stream()
+            self._queued, self._done = torch.cuda.Event(), torch.cuda.Event()
         stream = self._stream
-        stream.wait_stream(torch.cuda.current_stream())
+        self._queued.record()  # on the current stream
+        stream.wait_event(self._queued)
         with torch.cuda.stream(stream):
             if graphed:
                 self.graphs.run(key, fn, *inputs)
             else:
                 fn(*inputs)
-            done = stream.record_event()
+            self._done.record()
         if not graphed:  # (a graph's inputs are buffers that live as long as it)
             for t in inputs:
                 t.record_stream(stream)  # an eager input's memory is not reused before this reads it
-        return done
+        return self._done

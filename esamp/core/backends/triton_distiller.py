@@ -124,6 +124,9 @@ class Workspace:
             self._outputs[dtype] = torch.empty(self.rows, self.hidden, device=self.x.device, dtype=dtype)
         return self._outputs[dtype]
 
+    def has_output(self, dtype: torch.dtype) -> bool:
+        return dtype in self._outputs
+
 
 def usable(rank: int, *tensors: torch.Tensor) -> bool:
     """Whether the kernels can run on these tensors (a CUDA GPU with Triton, rank ≤ ``MAX_RANK``)."""

@@ -34,6 +34,7 @@ hold the kernels to.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -109,6 +110,19 @@ class FilterWorkspace:
         self.counts = torch.zeros(rows, **i32)
         self.overflows = torch.zeros(1, **i32)
         self.candidates = torch.zeros(rows, CANDIDATES, **i32)  # a mixed row's candidate token ids
+        self.mixed = torch.zeros(1, **i32)  # rows mixed by a launch given no count of its own
+
+
+@dataclass(frozen=True)
+class LogitsAt:
+    """Where a step's fp32 logits are, for kernels that read the address on the device:
+    ``address`` is an int64 [1] device tensor holding it, ``vocab`` the row length, ``stride`` the
+    elements between rows. A CUDA graph of the kernels captured with it serves logits at any
+    address: its owner writes the address before each replay, after the work that made them."""
+
+    address: torch.Tensor
+    vocab: int
+    stride: int
 
 
 def filter_and_mix(
@@ -153,7 +167,7 @@ def _contiguous_rows(d: torch.Tensor | iv.HeadProduct) -> bool:
 
 
 def launch(
-    logits: torch.Tensor,
+    logits: torch.Tensor | LogitsAt,
     rows: torch.Tensor,
     temperature: torch.Tensor,
     min_p: torch.Tensor,
@@ -163,58 +177,72 @@ def launch(
     d: torch.Tensor | iv.HeadProduct | None,
     work: FilterWorkspace | None = None,
     cut: bool = True,
+    mixed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The kernels, unconditionally (``filter_and_mix`` checks that they apply; tests run them in
-    Triton's interpreter too)."""
+    Triton's interpreter too).
+
+    Two more forms than ``filter_and_mix`` takes, for a launch captured once and replayed on other
+    steps (``esamp.engines.vllm.steering``): ``logits`` as ``LogitsAt`` (the address read on the
+    device), ``rows`` padded with negative entries (rows no pass touches: the grid is the padded
+    size), and ``mixed``, a [1] device integer: how many of the first rows are mixed (by default
+    ``d``'s rows, written into the workspace); ``d`` then needs no more rows than that, but the
+    launch covers all of its rows."""
     n = rows.numel()
-    V = logits.shape[1]
+    if isinstance(logits, LogitsAt):
+        z, V, z_stride, device, indirect = logits.address, logits.vocab, logits.stride, logits.address.device, True
+    else:
+        z, V, z_stride, device, indirect = logits, logits.shape[1], logits.stride(0), logits.device, False
     if work is None or work.rows < n or work.vocab != V:
-        work = FilterWorkspace(n, V, logits.device)
+        work = FilterWorkspace(n, V, device)
+    if mixed is None:
+        mixed = work.mixed
+        mixed.fill_(0 if d is None else d.shape[0])
     C = work.chunks
     grid = (n, C)
     m = 0 if d is None else d.shape[0]
     sparse = isinstance(d, iv.HeadProduct)
-    d_arg = logits if d is None or sparse else d
+    d_arg = work.part_max if d is None or sparse else d  # (never read: no row is mixed, or d is sparse)
     d_stride = 0 if d is None or sparse else d.stride(0)
-    row = (logits, rows, temperature, min_p, top_p, work.part_max, V, logits.stride(0), C)
-    meta = dict(RANGE=RANGE, BLOCK=BLOCK, CHUNKS=triton.next_power_of_2(C), EDGE=EDGE, SPLIT=SPLIT)
-    _max_kernel[grid](logits, rows, work.part_max, work.edge_count, work.counts, V, logits.stride(0), C, BLOCK=BLOCK)
+    row = (rows, temperature, min_p, top_p, work.part_max)
+    meta = dict(RANGE=RANGE, BLOCK=BLOCK, CHUNKS=triton.next_power_of_2(C), EDGE=EDGE, SPLIT=SPLIT, INDIRECT=indirect)
+    stage = dict(RANGE=RANGE, CHUNKS=triton.next_power_of_2(C), EDGE=EDGE, SPLIT=SPLIT)
+    _max_kernel[grid](
+        z, rows, work.part_max, work.edge_count, work.counts, V, z_stride, C, BLOCK=BLOCK, INDIRECT=indirect
+    )
     if cut:
-        _collect_kernel[grid](*row, work.edge, work.edge_count, work.cut, work.split, FIRST=True, **meta)
-        for stage in range(4):
+        _collect_kernel[grid](
+            z, *row, V, z_stride, C, work.edge, work.edge_count, work.cut, work.split, FIRST=True, **meta
+        )
+        for step in range(4):
             _cut_kernel[(n,)](
-                *row,
-                work.edge,
-                work.edge_count,
-                work.cut,
-                work.split,
-                work.partial,
-                work.overflows,
-                STAGE=stage,
-                **meta,
-            )
-            if stage < 2:
-                _split_kernel[grid](*row, work.cut, work.split, work.partial, **meta)
-            elif stage == 2:
-                _collect_kernel[grid](*row, work.edge, work.edge_count, work.cut, work.split, FIRST=False, **meta)
+                *row, C, work.edge, work.edge_count, work.cut, work.split, work.partial, work.overflows,
+                STAGE=step, **stage,
+            )  # fmt: skip
+            if step < 2:
+                _split_kernel[grid](z, *row, V, z_stride, C, work.cut, work.split, work.partial, **meta)
+            elif step == 2:
+                _collect_kernel[grid](
+                    z, *row, V, z_stride, C, work.edge, work.edge_count, work.cut, work.split, FIRST=False, **meta
+                )
     _mix_kernel[grid](
-        *row, work.cut, a, b, d_arg, d_stride, m, work.counts, work.candidates, RANGE,
-        CUT=cut, SPARSE=sparse, CAP=CANDIDATES, BLOCK=BLOCK, CHUNKS=triton.next_power_of_2(C),
+        z, *row, V, z_stride, C, work.cut, a, b, d_arg, d_stride, mixed, work.counts, work.candidates, RANGE,
+        CUT=cut, SPARSE=sparse, CAP=CANDIDATES, BLOCK=BLOCK, CHUNKS=triton.next_power_of_2(C), INDIRECT=indirect,
     )  # fmt: skip
     if sparse and m:
         head, y = d.head, d.prediction
         H = head.shape[1]
         _candidate_d_kernel[(m, CANDIDATES // BC)](
-            logits, rows, b, work.counts, work.candidates, head, head.stride(0), y, y.stride(0), H, logits.stride(0),
-            CAP=CANDIDATES, BC=BC, BH=min(256, triton.next_power_of_2(H)),
+            z, rows, b, work.counts, work.candidates, mixed, head, head.stride(0), y, y.stride(0), H, z_stride,
+            CAP=CANDIDATES, BC=BC, BH=min(256, triton.next_power_of_2(H)), INDIRECT=indirect,
         )  # fmt: skip
         bm = min(BM, max(16, triton.next_power_of_2(m)))
         _overflow_d_kernel[(triton.cdiv(V, BV), triton.cdiv(m, bm))](
-            logits, rows, b, work.counts, head, head.stride(0), y, y.stride(0), H, V, logits.stride(0), m,
+            z, rows, b, work.counts, mixed, head, head.stride(0), y, y.stride(0), H, V, z_stride, m,
             CAP=CANDIDATES, BV=BV, BM=bm, BH=64, num_warps=8,
             # A 16-bit head multiplies in its own dtype; an fp32 one (and Triton's interpreter, whose
             # 16-bit products are not right) in fp32 with three TF32 passes, which keep its bits.
-            F32=head.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
+            F32=head.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1", INDIRECT=indirect,
         )  # fmt: skip
     return work.counts[:n]
 
@@ -222,9 +250,19 @@ def launch(
 if triton is not None:
 
     @triton.jit
-    def _row_setup(z_ptr, rows_ptr, t_ptr, min_p_ptr, top_p_ptr, part_ptr, i, chunks, RANGE, CHUNKS: tl.constexpr):
-        """Row i's logits row, T, max z, min-p floor (z units; −∞ when off), top-p, and the lowest
-        logit whose mass the cut considers (the floor, or RANGE below the max in z̃)."""
+    def _logits(z_ptr, INDIRECT: tl.constexpr):
+        """The logits' base pointer: ``z_ptr`` itself, or (``INDIRECT``) the fp32 address held in
+        the int64 ``z_ptr`` points to (``LogitsAt``: a captured launch then serves any address)."""
+        if INDIRECT:
+            return tl.load(z_ptr).to(tl.pointer_type(tl.float32))
+        else:
+            return z_ptr
+
+    @triton.jit
+    def _row_setup(rows_ptr, t_ptr, min_p_ptr, top_p_ptr, part_ptr, i, chunks, RANGE, CHUNKS: tl.constexpr):
+        """Row i's logits row (< 0: a padding row, which no pass touches), T, max z, min-p floor
+        (z units; −∞ when off), top-p, and the lowest logit whose mass the cut considers (the
+        floor, or RANGE below the max in z̃)."""
         row = tl.load(rows_ptr + i).to(tl.int64)
         temp = tl.load(t_ptr + i)
         parts = tl.load(
@@ -238,17 +276,22 @@ if triton is not None:
         return row, temp, zmax, floor, low, top_p
 
     @triton.jit(do_not_specialize=["V", "z_stride", "chunks"])
-    def _max_kernel(z_ptr, rows_ptr, part_ptr, edge_count_ptr, counts_ptr, V, z_stride, chunks, BLOCK: tl.constexpr):
-        """Chunk maxima; clears the row's counters."""
+    def _max_kernel(
+        z_ptr, rows_ptr, part_ptr, edge_count_ptr, counts_ptr, V, z_stride, chunks,
+        BLOCK: tl.constexpr, INDIRECT: tl.constexpr,
+    ):  # fmt: skip
+        """Chunk maxima; clears the row's counters (a padding row's too: they are its record)."""
         i = tl.program_id(0)
         c = tl.program_id(1)
         if c == 0:
             tl.store(edge_count_ptr + i, 0)
             tl.store(counts_ptr + i, 0)
         row = tl.load(rows_ptr + i).to(tl.int64)
-        offs = c * BLOCK + tl.arange(0, BLOCK)
-        z = tl.load(z_ptr + row * z_stride + offs, mask=offs < V, other=float("-inf"))
-        tl.store(part_ptr + i * chunks + c, tl.max(z, axis=0))
+        if row >= 0:
+            z_base = _logits(z_ptr, INDIRECT)
+            offs = c * BLOCK + tl.arange(0, BLOCK)
+            z = tl.load(z_base + row * z_stride + offs, mask=offs < V, other=float("-inf"))
+            tl.store(part_ptr + i * chunks + c, tl.max(z, axis=0))
 
     @triton.jit(do_not_specialize=["V", "z_stride", "chunks"])
     def _collect_kernel(
@@ -271,19 +314,21 @@ if triton is not None:
         CHUNKS: tl.constexpr,
         EDGE: tl.constexpr,
         SPLIT: tl.constexpr,
+        INDIRECT: tl.constexpr,
     ):
         """Collect the logits of a row's survivors (FIRST) or of those in its narrowed interval."""
         i = tl.program_id(0)
         c = tl.program_id(1)
         row, temp, zmax, floor, low, top_p = _row_setup(
-            z_ptr, rows_ptr, t_ptr, min_p_ptr, top_p_ptr, part_ptr, i, chunks, RANGE, CHUNKS
+            rows_ptr, t_ptr, min_p_ptr, top_p_ptr, part_ptr, i, chunks, RANGE, CHUNKS
         )
-        go = top_p < 1.0
+        go = (top_p < 1.0) & (row >= 0)
         if not FIRST:
-            go = tl.load(split_ptr + i) != 0
+            go = (tl.load(split_ptr + i) != 0) & (row >= 0)
         if go:
+            z_base = _logits(z_ptr, INDIRECT)
             offs = c * BLOCK + tl.arange(0, BLOCK)
-            z = tl.load(z_ptr + row * z_stride + offs, mask=offs < V, other=float("-inf"))
+            z = tl.load(z_base + row * z_stride + offs, mask=offs < V, other=float("-inf"))
             take = (z >= floor) & (z > float("-inf")) & (offs < V)
             if not FIRST:
                 take = take & (z >= tl.load(cut_ptr + i * 6 + 1)) & (z < tl.load(cut_ptr + i * 6 + 2))
@@ -304,16 +349,13 @@ if triton is not None:
         dropped = below + tl.cumsum(mass, axis=0) <= budget
         return tl.min(tl.where(dropped | (k >= count), float("inf"), values), axis=0)
 
-    @triton.jit(do_not_specialize=["V", "z_stride", "chunks"])
+    @triton.jit(do_not_specialize=["chunks"])
     def _cut_kernel(
-        z_ptr,
         rows_ptr,
         t_ptr,
         min_p_ptr,
         top_p_ptr,
         part_ptr,
-        V,
-        z_stride,
         chunks,
         edge_ptr,
         edge_count_ptr,
@@ -323,19 +365,21 @@ if triton is not None:
         overflow_ptr,
         RANGE,
         STAGE: tl.constexpr,
-        BLOCK: tl.constexpr,
         CHUNKS: tl.constexpr,
         EDGE: tl.constexpr,
         SPLIT: tl.constexpr,
     ):
         """One program per row: place the cut (stage 0 from the survivors, stages 1 and 2 from the
-        split passes' masses, stage 3 from the narrowed interval's survivors)."""
+        split passes' masses, stage 3 from the narrowed interval's survivors). Reads no logits."""
         i = tl.program_id(0)
         row, temp, zmax, floor, low, top_p = _row_setup(
-            z_ptr, rows_ptr, t_ptr, min_p_ptr, top_p_ptr, part_ptr, i, chunks, RANGE, CHUNKS
+            rows_ptr, t_ptr, min_p_ptr, top_p_ptr, part_ptr, i, chunks, RANGE, CHUNKS
         )
         cut = cut_ptr + i * 6  # threshold, lo, hi, below, total, above
-        if STAGE == 0:
+        if row < 0:  # a padding row: nothing to cut, nothing to narrow
+            if STAGE == 0:
+                tl.store(split_ptr + i, 0)
+        elif STAGE == 0:
             count = tl.load(edge_count_ptr + i)
             if top_p >= 1.0:
                 tl.store(cut, floor)
@@ -423,15 +467,18 @@ if triton is not None:
         CHUNKS: tl.constexpr,
         EDGE: tl.constexpr,
         SPLIT: tl.constexpr,
+        INDIRECT: tl.constexpr,
     ):
         """Per chunk, the survivors' mass at or above each of SPLIT thresholds spread over the
-        row's current interval [lo, hi] (rows whose cut is being narrowed)."""
+        row's current interval [lo, hi] (rows whose cut is being narrowed; never a padding row:
+        ``_cut_kernel`` clears their flag)."""
         i = tl.program_id(0)
         c = tl.program_id(1)
         if tl.load(split_ptr + i) != 0:
             row, temp, zmax, floor, low, top_p = _row_setup(
-                z_ptr, rows_ptr, t_ptr, min_p_ptr, top_p_ptr, part_ptr, i, chunks, RANGE, CHUNKS
+                rows_ptr, t_ptr, min_p_ptr, top_p_ptr, part_ptr, i, chunks, RANGE, CHUNKS
             )
+            z_base = _logits(z_ptr, INDIRECT)
             lo = tl.load(cut_ptr + i * 6 + 1)
             hi = tl.load(cut_ptr + i * 6 + 2)
             k = tl.arange(0, SPLIT)
@@ -439,14 +486,14 @@ if triton is not None:
             acc = tl.zeros([SPLIT], dtype=tl.float32)
             for sub in range(0, BLOCK, 256):
                 offs = c * BLOCK + sub + tl.arange(0, 256)
-                z = tl.load(z_ptr + row * z_stride + offs, mask=offs < V, other=float("-inf"))
+                z = tl.load(z_base + row * z_stride + offs, mask=offs < V, other=float("-inf"))
                 alive = (z >= floor) & (z > float("-inf"))
                 mass = tl.where(alive, tl.exp((z - zmax) / temp), 0.0)
                 above = z[:, None] >= thresholds[None, :]
                 acc += tl.sum(tl.where(above, mass[:, None], 0.0), axis=0)
             tl.store(partial_ptr + (i * chunks + c) * SPLIT + k, acc)
 
-    @triton.jit(do_not_specialize=["V", "z_stride", "chunks", "d_stride", "mixed"])
+    @triton.jit(do_not_specialize=["V", "z_stride", "chunks", "d_stride"])
     def _mix_kernel(
         z_ptr,
         rows_ptr,
@@ -462,7 +509,7 @@ if triton is not None:
         b_ptr,
         d_ptr,
         d_stride,
-        mixed,
+        mixed_ptr,
         counts_ptr,
         cand_ptr,
         RANGE,
@@ -471,10 +518,12 @@ if triton is not None:
         CAP: tl.constexpr,
         BLOCK: tl.constexpr,
         CHUNKS: tl.constexpr,
+        INDIRECT: tl.constexpr,
     ):
         """z' = a·(z/T) − b·d on C (z at or above the row's cut, or its min-p floor without
-        ``CUT``), −∞ elsewhere; |C| per row. ``SPARSE``: no d here: a·(z/T) on C, and a mixed
-        row's first CAP candidates listed (in no set order) for the launches that subtract b·d."""
+        ``CUT``), −∞ elsewhere; |C| per row. The first ``*mixed_ptr`` rows are mixed, the rest only
+        filtered. ``SPARSE``: no d here: a·(z/T) on C, and a mixed row's first CAP candidates listed
+        (in no set order) for the launches that subtract b·d."""
         i = tl.program_id(0)
         c = tl.program_id(1)
         if CUT:
@@ -483,29 +532,31 @@ if triton is not None:
             threshold = tl.load(cut_ptr + i * 6)
         else:
             row, temp, _, threshold, _, _ = _row_setup(
-                z_ptr, rows_ptr, t_ptr, min_p_ptr, top_p_ptr, part_ptr, i, chunks, RANGE, CHUNKS
+                rows_ptr, t_ptr, min_p_ptr, top_p_ptr, part_ptr, i, chunks, RANGE, CHUNKS
             )
-        offs = c * BLOCK + tl.arange(0, BLOCK)
-        inside = offs < V
-        where = z_ptr + row * z_stride + offs
-        z = tl.load(where, mask=inside, other=float("-inf"))
-        kept = (z >= threshold) & (z > float("-inf")) & inside
-        out = z / temp
-        if i < mixed:
+        if row >= 0:
+            mixed = i < tl.load(mixed_ptr)
+            offs = c * BLOCK + tl.arange(0, BLOCK)
+            inside = offs < V
+            where = _logits(z_ptr, INDIRECT) + row * z_stride + offs
+            z = tl.load(where, mask=inside, other=float("-inf"))
+            kept = (z >= threshold) & (z > float("-inf")) & inside
+            out = z / temp
+            if mixed:
+                if SPARSE:
+                    out = tl.load(a_ptr + i) * out
+                else:
+                    d = tl.load(d_ptr + i.to(tl.int64) * d_stride + offs, mask=kept, other=0.0).to(tl.float32)
+                    # a·(z/T), as the reference computes it: at β = 0 (a = 1, b·d = ±0) a mixed row is
+                    # then bit for bit the filtered row of plain sampling
+                    out = tl.load(a_ptr + i) * out - tl.load(b_ptr + i) * d
+            tl.store(where, tl.where(kept, out, float("-inf")), mask=inside)
+            n = tl.sum(kept.to(tl.int32), axis=0)
+            start = tl.atomic_add(counts_ptr + i, n)
             if SPARSE:
-                out = tl.load(a_ptr + i) * out
-            else:
-                d = tl.load(d_ptr + i.to(tl.int64) * d_stride + offs, mask=kept, other=0.0).to(tl.float32)
-                # a·(z/T), as the reference computes it: at β = 0 (a = 1, b·d = ±0) a mixed row is
-                # then bit for bit the filtered row of plain sampling
-                out = tl.load(a_ptr + i) * out - tl.load(b_ptr + i) * d
-        tl.store(where, tl.where(kept, out, float("-inf")), mask=inside)
-        n = tl.sum(kept.to(tl.int32), axis=0)
-        start = tl.atomic_add(counts_ptr + i, n)
-        if SPARSE:
-            if (i < mixed) & (n > 0):  # (most chunks of a peaked row keep nothing)
-                slot = start + tl.cumsum(kept.to(tl.int32), axis=0) - 1
-                tl.store(cand_ptr + i.to(tl.int64) * CAP + slot, offs, mask=kept & (slot < CAP))
+                if mixed & (n > 0):  # (most chunks of a peaked row keep nothing)
+                    slot = start + tl.cumsum(kept.to(tl.int32), axis=0) - 1
+                    tl.store(cand_ptr + i.to(tl.int64) * CAP + slot, offs, mask=kept & (slot < CAP))
 
     @triton.jit(do_not_specialize=["w_stride", "y_stride", "H", "z_stride"])
     def _candidate_d_kernel(
@@ -514,6 +565,7 @@ if triton is not None:
         b_ptr,
         counts_ptr,
         cand_ptr,
+        mixed_ptr,
         w_ptr,
         w_stride,
         y_ptr,
@@ -523,13 +575,14 @@ if triton is not None:
         CAP: tl.constexpr,
         BC: tl.constexpr,
         BH: tl.constexpr,
+        INDIRECT: tl.constexpr,
     ):
         """z' −= b·d at BC of mixed row i's listed candidates, d_c = W[c]·ŷ_i (fp32 sums), for rows
         with at most CAP candidates (the others take ``_overflow_d_kernel``)."""
         i = tl.program_id(0)
         p = tl.program_id(1)
         count = tl.load(counts_ptr + i)
-        if (count <= CAP) & (p * BC < count):
+        if (i < tl.load(mixed_ptr)) & (count <= CAP) & (p * BC < count):
             j = p * BC + tl.arange(0, BC)
             valid = j < count
             cols = tl.load(cand_ptr + i.to(tl.int64) * CAP + j, mask=valid, other=0).to(tl.int64)
@@ -542,16 +595,17 @@ if triton is not None:
                 w = tl.load(at, mask=valid[:, None] & inside[None, :], other=0.0)
                 acc += tl.sum(w.to(tl.float32) * y[None, :], axis=1)
             row = tl.load(rows_ptr + i).to(tl.int64)
-            where = z_ptr + row * z_stride + cols
+            where = _logits(z_ptr, INDIRECT) + row * z_stride + cols
             z = tl.load(where, mask=valid, other=0.0)
             tl.store(where, z - tl.load(b_ptr + i) * acc, mask=valid)
 
-    @triton.jit(do_not_specialize=["w_stride", "y_stride", "H", "V", "z_stride", "mixed"])
+    @triton.jit(do_not_specialize=["w_stride", "y_stride", "H", "V", "z_stride", "listed_rows"])
     def _overflow_d_kernel(
         z_ptr,
         rows_ptr,
         b_ptr,
         counts_ptr,
+        mixed_ptr,
         w_ptr,
         w_stride,
         y_ptr,
@@ -559,19 +613,20 @@ if triton is not None:
         H,
         V,
         z_stride,
-        mixed,
+        listed_rows,
         CAP: tl.constexpr,
         BV: tl.constexpr,
         BM: tl.constexpr,
         BH: tl.constexpr,
         F32: tl.constexpr,
+        INDIRECT: tl.constexpr,
     ):
         """z' −= b·d on C of the mixed rows with more than CAP candidates: d = W·ŷ for BV tokens
         and BM rows (tensor cores, fp32 sums); a program none of whose rows overflowed returns
         after reading their counts."""
         t = tl.program_id(0)
         ii = tl.program_id(1) * BM + tl.arange(0, BM)
-        listed = ii < mixed
+        listed = (ii < listed_rows) & (ii < tl.load(mixed_ptr))
         over = listed & (tl.load(counts_ptr + ii, mask=listed, other=0) > CAP)
         if tl.sum(over.to(tl.int32), axis=0) > 0:
             cols = t * BV + tl.arange(0, BV)
@@ -595,7 +650,7 @@ if triton is not None:
                 else:
                     acc = tl.dot(w, y.to(w.dtype), acc)
             rows = tl.load(rows_ptr + ii, mask=over, other=0).to(tl.int64)
-            where = z_ptr + rows[None, :] * z_stride + cols[:, None]
+            where = _logits(z_ptr, INDIRECT) + rows[None, :] * z_stride + cols[:, None]
             hit = inside[:, None] & over[None, :]
             z = tl.load(where, mask=hit, other=float("-inf"))
             b = tl.load(b_ptr + ii, mask=over, other=0.0)

@@ -137,9 +137,26 @@ class StepExchange:
         self._handoff.d = d
 
     def warm_up(self, aux: torch.Tensor, source: int, target: int, normalize, head_dtype: torch.dtype) -> None:
-        """A plain step before any request (vLLM's start-up): capture the Distiller's graphs."""
-        if self.steering is not None and self.steering.slots is not None:
-            self.steering.prepare(aux, source, target, normalize, head_dtype)
+        """A plain step before any request (vLLM's start-up): capture the Distiller's graphs and the
+        filter-and-mix's (those read the LM head where this worker holds it whole)."""
+        steering = self.steering  # (called on every plain step: once prepared, nothing more)
+        if steering is not None and steering.slots is not None and steering.unprepared:
+            steering.prepare(aux, source, target, normalize, head_dtype, self._prepared_head())
+
+    def _prepared_head(self) -> torch.Tensor | None:
+        """The LM head the filter-and-mix's graphs are captured with before any request: the dense
+        weight where the model has one; for a late adapter also a head it must materialise (a
+        quantised one: its first steered step would, ``distill_late``). None under tensor
+        parallelism without the whole head (gathering it is a collective, left to the step)."""
+        model = self.model
+        if model is None:
+            return None
+        weight = model.esamp_dense_weight()
+        if weight is not None or not self.late or getattr(model, "esamp_head_sharded", False):
+            return weight
+        if self._head is None:
+            self._head = model.esamp_lm_head()
+        return self._head
 
     def put_taps_late(self, aux: torch.Tensor, source: int, target: int, normalize, head_dtype: torch.dtype) -> None:
         """For a late adapter with rows to steer: keep every logits row's taps for its ``apply``
@@ -164,9 +181,9 @@ class StepExchange:
             # The same tensor every step (weights change in place). A worker holding one shard of
             # the head gathers it whole here, at the same step on every worker.
             self._head = model.esamp_lm_head()
-        head = self._head
-        product = HeadProduct(handoff.prediction[: plan.steered], head)  # d at the candidates
-        handoff.d = product if plan.few_candidates else product.dense(self.steering.vocab)
+        # d as its factors: the steering computes it at the candidates, or multiplies it out for
+        # rows whose candidates may be every token (``plan.few_candidates``)
+        handoff.d = HeadProduct(handoff.prediction[: plan.steered], self._head)
         return handoff
 
     # -- the adapter's side ------------------------------------------------------------------

@@ -56,6 +56,8 @@ class _TapMixin:
             self.esamp_taps = (src, tgt)
             self.esamp_aux_layers = tuple(sorted({src, tgt}))  # the order vLLM returns them in
             self.set_aux_hidden_state_layers(self.esamp_aux_layers)
+            # which H-wide block of the tap columns is the source and which the target
+            self.esamp_tap_blocks = (self.esamp_aux_layers.index(src), self.esamp_aux_layers.index(tgt))
         self.esamp_exchange = exchange_for(vllm_config)
         self.esamp_exchange.attach_model(self)
 
@@ -76,16 +78,17 @@ class _TapMixin:
             hidden = hidden.contiguous()  # vLLM's CPU GEMMs want contiguous rows
         exchange = self.esamp_exchange
         plan = exchange.begin(rows)
-        src, tgt = (self.esamp_aux_layers.index(layer) for layer in self.esamp_taps)
+        src, tgt = self.esamp_tap_blocks
         head_dtype = self.esamp_head_dtype(hidden)
+        aux, normalize = hidden_states[:, H:], self.esamp_normalize
         if plan is None:
             # Nothing to steer this step: not a kernel or a copy more than plain vLLM (the first
             # such step, before any request, captures the Distiller's graphs), unless an adapter
             # that learns its rows only later wants this step's taps kept.
-            exchange.warm_up(hidden_states[:, H:], src, tgt, self.esamp_normalize, head_dtype)
-            exchange.put_taps_late(hidden_states[:, H:], src, tgt, self.esamp_normalize, head_dtype)
+            exchange.warm_up(aux, src, tgt, normalize, head_dtype)
+            exchange.put_taps_late(aux, src, tgt, normalize, head_dtype)
             return super().compute_logits(hidden)
-        prediction = exchange.put_taps(plan, hidden_states[:, H:], src, tgt, self.esamp_normalize, head_dtype)
+        prediction = exchange.put_taps(plan, aux, src, tgt, normalize, head_dtype)
         weight = self.esamp_dense_weight() if plan.few_candidates else None
         if weight is not None and self._esamp_plain_head():
             # vLLM's own head on h, and d = W·ŷ left as its factors: the filter computes d only at

@@ -33,11 +33,11 @@ from dataclasses import dataclass, field
 import torch
 
 from esamp.core.backends.graphs import GraphCache, SideStream
-from esamp.core.backends.triton_filter import few_candidates
+from esamp.core.backends.triton_filter import LogitsAt, few_candidates
 from esamp.core.config import EsampConfig, SamplingConfig, Steering, bound
 from esamp.core.distiller import DistillerBank, SlotLedger, bank_for, ledger_for
 from esamp.core.intervention import HeadProduct
-from esamp.core.steerer import PlanBuffers, SteeredRow, Steerer, StepPlan, bucket, reference_filter
+from esamp.core.steerer import FUSED_FILTER, PlanBuffers, SteeredRow, Steerer, StepPlan, bucket, reference_filter
 from esamp.engines.vllm import hooks, settings as es
 from esamp.engines.vllm.rows import Groups, RequestRow
 from esamp.engines.vllm.step_records import RecordStore
@@ -49,6 +49,7 @@ DISTILL_GRAPHS = 64  # captured Distiller shapes kept (every bucketed shape of a
 # MRV2 captured 26 with 4 kept (vLLM 0.33, one H200), each capture on a step's path. They share
 # one memory pool (below), so more kept graphs cost no more device memory than the largest.
 APPLY_GRAPHS = 16
+PADDED_GRAPHS = 64  # ≥ every padded step's key: 9 buckets of rows × top-p or not × three forms of d at 256 rows
 EXPIRE_EVERY = 1.0  # seconds between checks for records nobody read
 # A step whose host time passes SLOW_STEP_S is kept, with where its time went, among the last
 # SLOW_STEPS_KEPT such steps (``metrics()["slow_steps"]``): what a steady step's mean hides.
@@ -67,6 +68,7 @@ COUNTERS = (
     "slots_released",
     "slots_freed",
     "graphs_prepared",
+    "padded_prepared",
     "prepare_ms",
 )
 
@@ -85,6 +87,7 @@ class BatchPlan:
     unit_groups: list[tuple[str, ...]]  # per Distiller unit, the groups whose loss it is (none: no training)
     recorded: set[str] | None  # groups whose records are kept (None: every group's)
     few_candidates: bool = True  # every steered row's filters bound its candidates: d at the candidates
+    padded: tuple | None = None  # its padded step's graph key, call and inputs' addresses (``_padded_step``)
 
     @property
     def steered(self) -> int:
@@ -161,6 +164,7 @@ class EngineSteering:
         self.step_no = 0
         self.counters: collections.Counter = collections.Counter(dict.fromkeys(COUNTERS, 0))
         self.host_seconds = self.replay_seconds = self.plan_seconds = 0.0
+        self.replay_split = [0.0, 0.0, 0.0]  # of replay_seconds: Distiller step, filter and mix, record
         self._plan_spent = 0.0  # host time of the plan built for the coming ``apply`` (0: none)
         self.slow_steps: collections.deque[dict] = collections.deque(maxlen=SLOW_STEPS_KEPT)
         self._born = time.monotonic()
@@ -195,7 +199,14 @@ class EngineSteering:
         # graph's, not the sum. Safe: they replay one after another on one stream, and a step's
         # output (its record values) is copied out before the next replay.
         self.apply_graphs = GraphCache(enabled=graphs, after=1, size=APPLY_GRAPHS, in_place=True, shared_pool=True)
-        self.steerer.reserve(max_rows, vocab, self.device)
+        # The padded steps' graphs (``_padded_step``): one per bucket of rows and form, every one the
+        # engine may need captured before its first request (``prepare``), none evicted.
+        self.padded_graphs = GraphCache(enabled=graphs, after=1, size=PADDED_GRAPHS, in_place=True, shared_pool=True)
+        self._address = torch.zeros(1, dtype=torch.long, device=self.device)  # the logits' address, for them
+        self._logits_address: int | None = None  # what ``_address`` holds
+        self._logits_ats: dict[tuple[int, int], LogitsAt] = {}
+        self.row_bucket = bucket(max_rows)  # the largest padded step's rows
+        self.steerer.reserve(self.row_bucket, vocab, self.device)
         if self.slots is not None and self.slots.shared:  # one unit: every steered row of the batch
             units, width = 1, bucket(max_rows)
         else:  # a unit per group, as wide as a group's samples
@@ -204,8 +215,8 @@ class EngineSteering:
         self.buffers = PlanBuffers(
             max_rows, units=units, width=width, device=self.device, scratch=self.slots.scratch if self.slots else 0
         )
-        if bank is not None:  # the fused step's workspace, sized before any step is captured
-            bank.reserve(max_rows + 1, self.buffers.cells)
+        if bank is not None:  # the fused step's workspace, sized before any step is captured (the padded
+            bank.reserve(self.row_bucket + 1, self.buffers.cells)  # steps read its outputs over a bucket)
         self.groups = Groups(self.slots)
         self.records = RecordStore(self.device) if retain_seconds is None else RecordStore(self.device, retain_seconds)
         self._taps: torch.Tensor | None = None  # [max_rows + 1, A·H] tapped rows (last row zero)
@@ -286,27 +297,72 @@ class EngineSteering:
             self._tap_views = (key, (taps[:, source * H : (source + 1) * H], taps[:, target * H : (target + 1) * H]))
         return self._tap_views[1]
 
-    def prepare(self, aux: torch.Tensor, source: int, target: int, normalize, head_dtype: torch.dtype) -> None:
-        """Capture the Distiller step of every bucketed shape up to the batch's rows, before any
-        request (``aux``: any [rows, A·H] tap columns, for their width and dtype)."""
+    @property
+    def unprepared(self) -> bool:
+        """Whether ``prepare`` has work left (on a GPU, before its first call that captured)."""
+        return not self._prepared and self.device.type == "cuda"
+
+    def prepare(
+        self,
+        aux: torch.Tensor,
+        source: int,
+        target: int,
+        normalize,
+        head_dtype: torch.dtype,
+        head: torch.Tensor | None = None,
+    ) -> None:
+        """Before any request: capture the Distiller step of every bucketed shape up to the batch's
+        rows, compile the filter's kernels, and capture the padded filter-and-mix step of every
+        bucket of rows (``aux``: any [rows, A·H] tap columns, for their width and dtype; ``head``:
+        the model's dense [V, H] LM head, where it has one)."""
         if self._prepared or self.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
             return
+        t0 = time.perf_counter()
         if self.bank is None:  # a tensor-parallel worker without the bank: only the filter to warm
             self._prepared = True
             self.steerer.warm_filter(self.vocab, self.device, head_dtype, self.hidden)
+            self.counters["padded_prepared"] = self._prepare_padded(head, head_dtype)
+            self.counters["prepare_ms"] = round(1e3 * (time.perf_counter() - t0), 1)
             return
         if not self.steerer.graphs.enabled:
             return
         self._prepared = True
         x, y = self._views(self._tap_buffer(aux), source, target)
         plans = StepPlan.shapes(self.buffers, bucket(self.max_rows))
-        t0 = time.perf_counter()
         with torch.inference_mode(False):
             self.buffers.write({}, {})  # every unit the scratch slot, nothing trains
         self.steerer.distill(plans[0], x, y, normalize, head_dtype)  # warms the capture stream
         self.counters["graphs_prepared"] = self.steerer.prepare(plans, x, y, normalize, head_dtype)
         self.steerer.warm_filter(self.vocab, self.device, head_dtype, self.hidden)
+        self.counters["padded_prepared"] = self._prepare_padded(head, head_dtype)
         self.counters["prepare_ms"] = round(1e3 * (time.perf_counter() - t0), 1)
+
+    def _prepare_padded(self, head: torch.Tensor | None, head_dtype: torch.dtype) -> int:
+        """Capture the padded step (``_padded_step``) of every bucket of rows, with and without the
+        top-p passes, with d at the candidates and with no row mixed, on the idle plan buffers
+        (every row index -1: the eager call before each capture touches no logits). Returns the
+        graphs captured."""
+        graphs = self.padded_graphs
+        if head is None or not graphs.enabled or not FUSED_FILTER:
+            return 0
+        if self.bank is None:
+            steered = (HeadProduct(self._shared_buffer(head_dtype), head), None, None)
+        else:
+            outputs = self.bank.outputs(head_dtype)
+            if outputs is None:  # the Distiller step runs on the PyTorch path: its outputs move
+                return 0
+            prediction, errors, losses = outputs
+            steered = (HeadProduct(prediction, head), errors, losses)
+        at = self._logits_at(self.vocab, self.vocab)  # (vLLM's sampler hands over contiguous rows)
+        made, rows = 0, 1
+        while rows <= self.row_bucket:
+            for cut in (False, True):
+                for inputs in (steered, (None, None, None)):
+                    product, errors = inputs[0], inputs[1]
+                    key = self._padded_key(rows, cut, False, at, product, errors, errors is not None)
+                    made += graphs.prepare(key, self._padded_fn(rows, cut, False, at, inputs))
+            rows *= 2
+        return made
 
     def keep_taps(self, aux: torch.Tensor) -> bool:
         """Keep every logits row's tap columns (``aux``: [rows, A·H]) where the Distiller step reads
@@ -373,26 +429,15 @@ class EngineSteering:
         else:
             d, err, loss = handoff.d, handoff.errors, handoff.losses
         reported = err is not None  # the worker that owns the bank keeps the records
-        inputs = tuple(t for t in (logits, d, err, loss) if t is not None)
-        # What the captured kernels read: every other input is a fixed buffer of the plan's.
-        key = (step.rows, s if steered else 0, step.key, step.mix_key, logits.shape[0], logits.data_ptr()) + (
-            (*_addresses(d), reported and err.data_ptr(), loss is not None and loss.data_ptr()) if steered else ()
-        )
-
-        def run(logits, *rest):
-            d_ = rest[0] if steered else None
-            counts = self.steerer.filter_and_mix(step, logits, d_)
-            if not reported:
-                return counts
-            return RecordStore.pack(rest[1][:s], counts[:s], rest[2] if loss is not None else None)
-
-        graphs = self.apply_graphs
-        replays, captures = graphs.replays, graphs.captures
+        before = (self.padded_graphs.replays, self.padded_graphs.captures)
+        before += (self.apply_graphs.replays, self.apply_graphs.captures)
         t_mix = time.perf_counter()
-        if step.matched is not None:  # the matched mix reads its rows' widest |C| on the host: no graph
-            packed = run(*inputs)
+        width = None  # the record's layout: errors and counts as long as the plan's steered rows
+        packed = self._padded_step(plan, logits, d, err, reported)
+        if packed is not None:
+            width = bucket(step.rows)  # ... or as long as the bucket the padded step covers
         else:
-            packed = graphs.run(key, run, *inputs)
+            packed = self._general_step(plan, logits, d, err, loss, steered, reported)
         t_records = time.perf_counter()
         if steered:
             self.counters["port_hits"] += s
@@ -407,6 +452,7 @@ class EngineSteering:
                 packed,
                 plan.unit_groups if loss is not None else [],
                 keep=plan.recorded,
+                width=width,
             )
         now = time.monotonic()
         if now - self._last_expire > EXPIRE_EVERY:
@@ -421,13 +467,19 @@ class EngineSteering:
             whole = end - started
             self.host_seconds += whole - distilled
         plan_spent, self._plan_spent = self._plan_spent, 0.0
+        after = (self.padded_graphs.replays, self.padded_graphs.captures)
+        after += (self.apply_graphs.replays, self.apply_graphs.captures)
         mix = "eager"
-        if graphs.replays > replays:
+        if after[0] > before[0] or after[2] > before[2]:
             mix = "replay"
-        elif graphs.captures > captures:
+        elif after[1] > before[1] or after[3] > before[3]:
             mix = "capture"
         if steered and handoff.replayed and mix == "replay":
-            self.replay_seconds += whole  # a steady step's host cost
+            self.replay_seconds += whole  # a steady step's host cost, and where it went:
+            split = self.replay_split  # the Distiller step, the filter and mix, the record, the rest
+            split[0] += distilled
+            split[1] += t_records - t_mix
+            split[2] += end - t_records
             self.counters["replay_steps"] += 1
         if whole > SLOW_STEP_S:
             self.slow_steps.append(
@@ -437,6 +489,7 @@ class EngineSteering:
                     rows=step.rows,
                     steered=s if steered else 0,
                     mix=mix,
+                    padded=width is not None,
                     distiller="replay" if steered and handoff.replayed else "eager" if steered else "none",
                     host_ms=round(1e3 * whole, 3),
                     plan_ms=round(1e3 * plan_spent, 3),
@@ -446,6 +499,122 @@ class EngineSteering:
                 )
             )
         return logits
+
+    def _padded_step(self, plan: BatchPlan, logits: torch.Tensor, d, err, reported: bool) -> torch.Tensor | None:
+        """The filter and mix as one replay of a graph captured for the plan's bucket of rows, read
+        where every step's inputs are (``Steerer.filter_and_mix_padded``): the logits' address goes
+        to the device when it moved (one small write), nothing else does. Returns the step's packed
+        record values (counts alone on a worker that keeps no records), or None where this form
+        does not apply: graphs off, a plan with top-k or an entropy-matched mix, d not at the
+        Distiller's fixed outputs (the PyTorch Distiller; a dense d from the model's own head)."""
+        graphs, step = self.padded_graphs, plan.step
+        if not (
+            graphs.enabled
+            and FUSED_FILTER
+            and step.top_k is None
+            and step.matched is None
+            and logits.device == self.device
+            and logits.dtype == torch.float32
+            and logits.stride(1) == 1
+            and (d is not None or not plan.steered)  # (the plan's buffer counts its steered rows as mixed)
+        ):
+            return None
+        # What this plan's padded step reads, worked out at its first step and checked after: the
+        # same plan steps with d and the records' values where its first step had them.
+        where = (
+            None if d is None else d.prediction.data_ptr(),
+            None if err is None else err.data_ptr(),
+            logits.shape[1],
+            logits.stride(0),
+        )
+        known = plan.padded
+        if known is None or known[2] != where:
+            inputs = self._fixed_inputs(d, err, logits.shape[1], bucket(step.rows))
+            if inputs is None:
+                return None
+            at = self._logits_at(logits.shape[1], logits.stride(0))
+            dense = not plan.few_candidates
+            key = self._padded_key(step.rows, step.uses_top_p, dense, at, inputs[0], inputs[1], reported)
+            known = plan.padded = (key, self._padded_fn(step.rows, step.uses_top_p, dense, at, inputs), where)
+        address = logits.data_ptr()
+        if address != self._logits_address:
+            self._address.fill_(address)  # (queued behind the work that made the logits, as the replay is)
+            self._logits_address = address
+        return graphs.run(known[0], known[1])
+
+    def _padded_key(self, rows: int, cut: bool, dense: bool, at: LogitsAt, product, errors, reported: bool) -> tuple:
+        """What a padded step's graph reads besides the plan's fixed buffers: its shapes and forms,
+        and where d, the records' values and the logits' address are."""
+        where = () if product is None else (product.prediction.data_ptr(), product.head.data_ptr())
+        if reported:
+            where += (errors.data_ptr(),)
+        return (bucket(rows), cut, dense and product is not None, at.vocab, at.stride, at.address.data_ptr()) + where
+
+    def _padded_fn(self, rows: int, cut: bool, dense: bool, at: LogitsAt, inputs: tuple):
+        """The padded step of plans of ``rows`` rows (any in its bucket): what its graph captures."""
+        product, errors, losses = inputs
+        R, units = bucket(rows), self.buffers.units
+
+        def run():
+            d = None if product is None else HeadProduct(product.prediction[:R], product.head)
+            counts = self.steerer.filter_and_mix_padded(self.buffers, R, at, d, dense, cut)
+            if errors is None:
+                return counts
+            return RecordStore.pack(errors[:R], counts, losses[:units])
+
+        return run
+
+    def _fixed_inputs(self, d, err, vocab: int, rows: int) -> tuple | None:
+        """(d as ŷ's whole buffer and the LM head, the Distiller's whole errors and losses) at the
+        fixed addresses every step leaves them at, or None where this step's are elsewhere. No d:
+        (None, None, None)."""
+        if d is None:
+            return None, None, None
+        if not isinstance(d, HeadProduct) or d.head.shape[0] < vocab:
+            return None
+        if self.bank is None:  # a tensor-parallel worker without the bank: ŷ as rank 0 sent it
+            whole = self._shared
+            if whole is None or d.prediction.data_ptr() != whole.data_ptr():
+                return None
+            return HeadProduct(whole, d.head), None, None
+        outputs = self.bank.outputs(d.prediction.dtype)
+        if outputs is None:
+            return None
+        prediction, errors, losses = outputs
+        if d.prediction.data_ptr() != prediction.data_ptr() or err.data_ptr() != errors.data_ptr():
+            return None
+        if errors.numel() < rows or losses.numel() < self.buffers.units:  # (``reserve`` makes them so)
+            return None
+        return HeadProduct(prediction, d.head), errors, losses
+
+    def _logits_at(self, vocab: int, stride: int) -> LogitsAt:
+        at = self._logits_ats.get((vocab, stride))
+        if at is None:
+            at = self._logits_ats[(vocab, stride)] = LogitsAt(self._address, vocab, stride)
+        return at
+
+    def _general_step(self, plan: BatchPlan, logits: torch.Tensor, d, err, loss, steered: bool, reported: bool):
+        """The filter and mix of any plan (``Steerer.filter_and_mix``), replayed from a graph of the
+        plan's exact shape and of the addresses it reads (the logits' among them), or eager."""
+        step, s = plan.step, plan.steered
+        if isinstance(d, HeadProduct) and not plan.few_candidates:
+            d = d.dense(self.vocab)  # candidates may be every token: one product beats one per candidate
+        inputs = tuple(t for t in (logits, d, err, loss) if t is not None)
+        # What the captured kernels read: every other input is a fixed buffer of the plan's.
+        key = (step.rows, s if steered else 0, step.key, step.mix_key, logits.shape[0], logits.data_ptr()) + (
+            (*_addresses(d), reported and err.data_ptr(), loss is not None and loss.data_ptr()) if steered else ()
+        )
+
+        def run(logits, *rest):
+            d_ = rest[0] if steered else None
+            counts = self.steerer.filter_and_mix(step, logits, d_)
+            if not reported:
+                return counts
+            return RecordStore.pack(rest[1][:s], counts[:s], rest[2] if loss is not None else None)
+
+        if step.matched is not None:  # the matched mix reads its rows' widest |C| on the host: no graph
+            return run(*inputs)
+        return self.apply_graphs.run(key, run, *inputs)
 
     # -- groups and results ------------------------------------------------------------------
 
@@ -501,6 +670,12 @@ class EngineSteering:
             records_dropped=self.records.dropped,
             host_ms=round(1e3 * self.host_seconds, 1),
             replay_host_ms=round(1e3 * self.replay_seconds, 1),
+            replay_distill_ms=round(1e3 * self.replay_split[0], 1),
+            replay_mix_ms=round(1e3 * self.replay_split[1], 1),
+            replay_records_ms=round(1e3 * self.replay_split[2], 1),
+            padded_graph_replays=self.padded_graphs.replays,
+            padded_graph_captures=self.padded_graphs.captures,
+            padded_graph_eager=self.padded_graphs.eager,
             plan_ms=round(1e3 * self.plan_seconds, 1),
             slow_steps=list(self.slow_steps),
         )

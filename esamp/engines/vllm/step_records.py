@@ -38,9 +38,10 @@ class _Step:
     generated: list[int]  # tokens each row's request had generated before this step
     loss_groups: list[LossOwner]  # per packed loss, whose it is (``push``)
     keep: set[str] | None  # groups whose rows are kept (None: all)
-    packed: torch.Tensor  # host: errors [n] | candidates [n] | losses [len(loss_groups)]
+    packed: torch.Tensor  # host: errors [width] | candidates [width] | losses [len(loss_groups)]
     event: object  # CUDA event of the copy, or None (already on the host)
     time: float
+    width: int  # where the candidate counts start (≥ the rows: a padded step packs its whole bucket)
 
 
 class RecordStore:
@@ -73,12 +74,15 @@ class RecordStore:
         packed: torch.Tensor,
         loss_groups: list[LossOwner],
         keep: set[str] | None = None,
+        width: int | None = None,
     ) -> None:
         """Queue one step's record (of the ``keep`` groups' rows, or all) from its ``pack``ed
         values; ``loss_groups``: per packed loss, the group whose loss it is, several groups (the
         shared Distiller's one loss is each training group's), or None (a unit that did not
-        train). The values' copy to the host starts now (a replayed graph's output is read before
-        the next replay overwrites it: the copy is queued on the same stream)."""
+        train); ``width``: how many errors and counts were packed, where that is more than the
+        rows (the first of each are the rows'). The values' copy to the host starts now (a
+        replayed graph's output is read before the next replay overwrites it: the copy is queued
+        on the same stream)."""
         event = None
         if self.device.type == "cuda":
             free = self._buffers[packed.numel()]
@@ -88,7 +92,18 @@ class RecordStore:
             event.record()
         with self._lock:
             self._in_flight.append(
-                _Step(step, groups, samples, generated, loss_groups, keep, packed, event, time.monotonic())
+                _Step(
+                    step,
+                    groups,
+                    samples,
+                    generated,
+                    loss_groups,
+                    keep,
+                    packed,
+                    event,
+                    time.monotonic(),
+                    len(groups) if width is None else width,
+                )
             )
             if len(self._in_flight) > COLLECT_AFTER:
                 self._collect()  # nobody is reading (a server): keep what waits bounded
@@ -101,18 +116,18 @@ class RecordStore:
         work the engine's steps wait for); readers get plain lists (``_public``)."""
         while self._in_flight and (self._in_flight[0].event is None or self._in_flight[0].event.query()):
             s = self._in_flight.popleft()
-            n = len(s.groups)
+            n, w = len(s.groups), s.width
             values = s.packed.numpy().copy()  # its pinned buffer goes back to be copied into again
             if s.event is not None:
                 self._buffers[s.packed.numel()].append(s.packed)
                 self._events.append(s.event)
-            loss = {g: v for owner, v in zip(s.loss_groups, values[2 * n :].tolist()) for g in _owners(owner)}
+            loss = {g: v for owner, v in zip(s.loss_groups, values[2 * w :].tolist()) for g in _owners(owner)}
             if loss:
                 mean = sum(loss.values()) / len(loss)
                 self.loss = mean if self.loss is None else 0.9 * self.loss + 0.1 * mean
             if s.keep is not None and not s.keep:
                 continue  # nobody asked for this step's rows
-            cols = (s.groups, s.samples, s.generated, values[:n], values[n : 2 * n])
+            cols = (s.groups, s.samples, s.generated, values[:n], values[w : w + n])
             if s.keep is not None:
                 cols = _select(cols, s.keep.__contains__)
                 loss = {g: v for g, v in loss.items() if g in s.keep}

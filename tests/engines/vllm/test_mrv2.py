@@ -64,6 +64,9 @@ class _Model:
     def esamp_lm_head(self) -> torch.Tensor:
         return self.head
 
+    def esamp_dense_weight(self) -> None:
+        return None  # (a head that post-processes its logits: no dense weight of its own)
+
     @staticmethod
     def norms(source, target):
         return torch.nn.functional.rms_norm(source, (H,)), torch.nn.functional.rms_norm(target, (H,))
@@ -150,11 +153,12 @@ class _Mrv2Engine:
     """The MRV2 adapter as Model Runner V2 drives it: ``add_request`` when a request takes a slot,
     the model's ``compute_logits``, then ``apply`` with the step's ``LogitsContext``."""
 
-    def __init__(self, config, head) -> None:
+    def __init__(self, config, head, processor=None) -> None:
         from esamp.engines.vllm.entry import EsampLogitsProcessor
 
         self.prompt_len = np.zeros(SLOTS, dtype=np.int32)
-        self.adapter = EsampLogitsProcessor(config, _rstate(self.prompt_len))  # as MRV2's loader builds it
+        # as MRV2's loader builds it
+        self.adapter = (processor or EsampLogitsProcessor)(config, _rstate(self.prompt_len))
         self.model = _Model(config, head)
 
     def add(self, slot: int, params, prompt_len: int) -> bool:
@@ -247,6 +251,34 @@ def test_mrv2_adapter_steers_like_the_v1_adapter_with_rows_reordered_and_slots_r
     assert not any(g == "gb" for r in records[2:] for g, *_ in r["rows"])  # b0's slot is c0's from step 3
     assert all(r["loss"] and all(np.isfinite(v) for v in r["loss"].values()) for r in records)
     assert records[0]["loss"].keys() == {"ga", "gb"} and records[-1]["loss"].keys() == {"ga", "gc", "gd"}
+
+
+def test_the_tests_tracing_processor_steps_and_traces_on_mrv2():
+    """The tracing processor the engine tests run (``_tracing``), built as MRV2's loader builds it,
+    steps and traces: its steering takes what the MRV2 adapter hands ``EngineSteering.apply``. (When
+    the adapter began to pass the time its ``apply`` started, every traced engine would have stopped
+    at its first steered step on a GPU, the only place MRV2 runs.)"""
+    import _tracing
+
+    head = torch.randn(V, H, generator=torch.Generator().manual_seed(1))
+    engine = _Mrv2Engine(_config(), head, processor=_tracing.TracingProcessor)
+    steering = engine.adapter.steering
+    assert isinstance(steering, _tracing.TracingSteering)
+    requests = {"a0": _request("ga", 0, 2), "a1": _request("ga", 1, 2)}
+    slot_of = {"a0": 0, "a1": 3}
+    for name, slot in slot_of.items():
+        engine.add(slot, requests[name], 4)
+    gen = torch.Generator().manual_seed(0)
+    _tracing.TracingSteering.traces.clear()
+    for lens in (4, 5):
+        aux = {n: torch.randn(2 * H, generator=gen) for n in requests}
+        raw = {n: 3 * torch.randn(V, generator=gen) for n in requests}
+        with torch.inference_mode():
+            engine.step(["a1", "a0"], slot_of, dict.fromkeys(requests, lens), aux, raw)
+    traces = _tracing.TracingSteering.traces
+    assert [t["meta"] for t in traces] == [[("ga", 1, 0), ("ga", 0, 0)], [("ga", 1, 1), ("ga", 0, 1)]]
+    assert all(t["steered"].shape == (2, V) and t["distiller_logits"].shape == (2, V) for t in traces)
+    traces.clear()
 
 
 def test_the_plan_is_rebuilt_only_when_the_row_order_or_a_slot_changes():

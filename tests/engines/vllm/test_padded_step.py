@@ -1,0 +1,152 @@
+"""The padded filter-and-mix step (``EngineSteering._padded_step``): one CUDA graph per bucket of
+rows, captured before the first request and replayed for logits at any address and any row count
+of its bucket, changes the logits and records what the step of the plan's exact rows does.
+
+Two engines with the same Distiller initialisation take the same batches: one steps padded, the
+other (its padded graphs off) the way every plan can, eagerly. On a GPU the padded engine captures
+nothing after ``prepare`` for d at the candidates and for steps with no row mixed, whatever the
+logits' address; on the CPU the same check runs the kernels in Triton's interpreter, the padded
+engine's graphs stood in for by direct calls (the step's code, its buffers and its records, minus
+the capture).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "core"))
+from _interpreter import in_tritons_interpreter  # noqa: E402 (tests/core's, where the interpreter runs start)
+
+CUDA = torch.cuda.is_available()
+H, V, ROWS = 64, 5_000, 16  # max_num_seqs 16: buckets of 1, 2, ..., 16 rows
+
+
+class _Direct:
+    """A ``GraphCache`` that calls instead of capturing (the CPU has no graphs): the padded step's
+    code runs as it would, each call counted as a replay."""
+
+    enabled = True
+
+    def __init__(self) -> None:
+        self.replays = self.captures = self.eager = 0
+
+    def run(self, key, fn, *inputs):
+        self.replays += 1
+        return fn(*inputs)
+
+    def prepare(self, key, fn, *inputs) -> bool:
+        self.captures += 1
+        return True
+
+
+def _rows(groups: dict[str, int], **filters):
+    from esamp.core.config import Filters, Steering
+    from esamp.engines.vllm.rows import RequestRow
+
+    rows, i = {}, 0
+    for group, n in groups.items():
+        for sample in range(n):
+            rows[i] = RequestRow(
+                group, sample, Steering(beta=0.8), Filters(temperature=0.9, **filters), [0] * 3, records=True, n=n
+            )
+            i += 1
+    return rows
+
+
+def check_padded_step(device: str) -> None:
+    from esamp.core.config import EsampConfig
+    from esamp.core.intervention import HeadProduct
+    from esamp.engines.vllm.steering import EngineSteering
+
+    dev = torch.device(device)
+    engines = [
+        EngineSteering(EsampConfig(slots=4, rank=8, lr=0.05), hidden=H, vocab=V, max_rows=ROWS, device=dev)
+        for _ in range(2)
+    ]
+    padded, direct = engines
+    if dev.type == "cuda":
+        direct.padded_graphs.enabled = direct.apply_graphs.enabled = False  # every step eager, exact rows
+    else:
+        padded.padded_graphs = _Direct()
+    gen = torch.Generator().manual_seed(3)
+    # A padded vocabulary; bf16 as a model's on a GPU, fp32 on the CPU, where the exact step's PyTorch
+    # twin multiplies the factors out in the head's dtype and the kernels sum in fp32.
+    head = (torch.randn(V + 7, H, generator=gen) / 4).to(torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    head = head.to(dev)
+    for engine in engines:
+        engine.prepare(torch.zeros(ROWS, 2 * H, dtype=torch.bfloat16, device=dev), 0, 1, None, torch.bfloat16, head)
+    prepared = padded.counters["padded_prepared"]
+    if dev.type == "cuda":
+        assert prepared == 5 * 2 * 2  # buckets 1-16 × top-p or not × d at the candidates or no row mixed
+    steps = [  # (groups in the batch, logits rows, filters): row counts move inside and across buckets
+        ({"a": 4, "b": 8}, 12, dict(min_p=0.05, top_p=0.9)),
+        ({"a": 4, "b": 8}, 12, dict(min_p=0.05, top_p=0.9)),
+        ({"a": 4, "b": 5}, 9, dict(min_p=0.05, top_p=0.9)),  # b shrank: same bucket, fewer rows
+        ({"b": 5, "c": 3}, 10, dict(min_p=0.1, top_p=1.0)),  # a new group; no top-p: the two-pass form
+        ({"c": 3}, 5, dict(min_p=0.1, top_p=1.0)),  # another bucket
+        ({"c": 3, "d": 16 - 3}, 16, dict(min_p=0.02, top_p=0.95)),  # the largest bucket, whole
+    ]
+    for step, (groups, n_logits, filters) in enumerate(steps):
+        rows = _rows(groups, **filters)
+        aux = (torch.randn(n_logits, 2 * H, generator=gen) * 2).to(torch.bfloat16).to(dev)
+        base = torch.randn(n_logits, V, generator=gen) * 4
+        outs = []
+        for engine in engines:
+            plan = engine.plan(rows, n_logits)
+            assert engine.keep_taps(aux)
+            handoff = engine.distill(plan, 0, 1, None, torch.bfloat16)
+            handoff.d = HeadProduct(handoff.prediction[: plan.steered], head)
+            # logits at a new address every step (and another for each engine), as vLLM's sampler's
+            logits = torch.empty(n_logits + step + 1, V, device=dev)[step + 1 :]
+            logits.copy_(base)
+            outs.append(engine.apply(plan, logits, handoff).cpu())
+        got, want = outs
+        assert torch.equal(torch.isfinite(got), torch.isfinite(want)), step
+        kept = torch.isfinite(want)
+        if dev.type == "cuda":  # the same kernels on the same rows: bit for bit
+            assert torch.equal(got[kept], want[kept]), step
+        else:  # the kernels (interpreted) against the PyTorch twin
+            torch.testing.assert_close(got[kept], want[kept], rtol=1e-5, atol=1e-4)
+    assert padded.padded_graphs.replays == len(steps)
+    if dev.type == "cuda":
+        assert padded.padded_graphs.captures == prepared  # nothing captured on a step's path
+        assert padded.apply_graphs.captures == padded.apply_graphs.replays == 0
+    records = [[(r["step"], r["rows"], r["loss"]) for r in engine.drain()["steps"]] for engine in engines]
+    assert [(s, [row[:3] for row in rows]) for s, rows, _ in records[0]] == [
+        (s, [row[:3] for row in rows]) for s, rows, _ in records[1]
+    ]  # (group, sample, generated) of every row of every step, in order
+    for (step, rows, loss), (_, want_rows, want_loss) in zip(*records):
+        assert [row[4] for row in rows] == [row[4] for row in want_rows], step  # candidate counts
+        torch.testing.assert_close(torch.tensor([row[3] for row in rows]), torch.tensor([row[3] for row in want_rows]))
+        assert loss.keys() == want_loss.keys() and loss, step
+        torch.testing.assert_close(torch.tensor(list(loss.values())), torch.tensor(list(want_loss.values())))
+    assert sum(len(rows) for _, rows, _ in records[0]) == sum(sum(g.values()) for g, _, _ in steps)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_the_padded_step_replays_what_the_exact_step_does_on_a_gpu():
+    check_padded_step("cuda")
+
+
+# In the interpreter: the fused Distiller (its outputs are what the padded step reads), and at most 64
+# survivors sorted exactly (the interpreter sorts element by element; min-p leaves these rows a few,
+# and a row with more goes through the narrowing passes, as on a GPU).
+INTERPRETER_RUNS = {
+    "test_the_padded_step_does_what_the_exact_step_does_in_tritons_interpreter": (
+        "import os, sys; os.environ['ESAMP_DISTILLER'] = 'fused'; sys.path.insert(0, 'tests/engines/vllm'); "
+        "sys.path.insert(0, 'tests/core'); import test_padded_step as t; "
+        "from esamp.core.backends import triton_filter as tf; tf.EDGE = 64; t.check_padded_step('cpu')"
+    ),
+}
+
+
+@pytest.mark.skipif(CUDA, reason="the kernels run on the GPU there")
+def test_the_padded_step_does_what_the_exact_step_does_in_tritons_interpreter():
+    code = INTERPRETER_RUNS["test_the_padded_step_does_what_the_exact_step_does_in_tritons_interpreter"]
+    done = in_tritons_interpreter(code, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
