@@ -249,3 +249,19 @@ def test_a_trial_of_several_passes_reports_its_record_fetches(monkeypatch, capsy
     out = capsys.readouterr().out
     assert "esamp:" in out and ", 1 record fetches 25% of it)" in out
     assert not [line for line in out.splitlines() if "baseline:" in line and "record fetches" in line]
+
+
+def test_the_steady_steps_host_time_is_split_into_its_parts():
+    """``host_split_per_steady_step``: ms a steady step for the Distiller step, the filter and mix,
+    the record and the rest of the adapter's ``apply``; None before any steady step or from an
+    engine that does not split (older counters)."""
+    counters = {
+        "replay_steps": 40,
+        "replay_host_ms": 12.0,
+        "replay_distill_ms": 4.0,
+        "replay_mix_ms": 2.0,
+        "replay_records_ms": 1.0,
+    }
+    assert bench_run.steady_split(counters) == {"distill": 0.1, "mix": 0.05, "records": 0.025, "rest": 0.125}
+    assert bench_run.steady_split({**counters, "replay_steps": 0}) is None
+    assert bench_run.steady_split({"replay_steps": 40, "replay_host_ms": 12.0}) is None
