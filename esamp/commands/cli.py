@@ -135,9 +135,12 @@ def quiet_vllm_log() -> None:
     """vLLM logs INFO lines to stdout, where esamp's commands print their results (samples, JSON
     events, reports, the bench table): send its log to stderr, warnings and errors only, unless
     the environment says otherwise. Before vLLM is imported; its engine cores inherit it. Not for
-    a command that runs vLLM's own program (esamp serve keeps vLLM's server log)."""
+    a command that runs vLLM's own program (esamp serve keeps vLLM's server log). FlashInfer, whose
+    kernels vLLM loads on a GPU, logs its JIT's INFO lines (which modules it loads or builds) to
+    stderr at its own level: the same, warnings and errors only."""
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("FLASHINFER_LOGGING_LEVEL", "WARNING")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,7 @@
 """``esamp generate`` as a user runs it: human output, JSON lines, and bad input."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -270,3 +271,17 @@ def test_esamp_tui_on_a_gpu_machine_picks_vllm_and_passes_the_hub_id_on(monkeypa
     assert (options.engine, options.engine_reason) == ("vllm", "auto: CUDA GPU and vLLM 0.20.0")
     spec = options.session_spec(options.esamp.steering, options.sampling)
     assert spec.engine == "vllm" and spec.model == "Qwen2.5-7B" and "threads" not in spec.engine_options
+
+
+def test_vllms_log_and_flashinfers_go_to_stderr_warnings_only_unless_the_environment_says(monkeypatch):
+    """Before a command loads vLLM: its log to stderr at WARNING, and FlashInfer's JIT (which logs
+    the kernels it loads at INFO on a GPU) at WARNING too; a value the user set is kept."""
+    from esamp.commands.cli import quiet_vllm_log
+
+    for name in ("VLLM_LOGGING_STREAM", "VLLM_LOGGING_LEVEL", "FLASHINFER_LOGGING_LEVEL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "INFO")
+    quiet_vllm_log()
+    assert os.environ["VLLM_LOGGING_STREAM"] == "ext://sys.stderr"
+    assert os.environ["VLLM_LOGGING_LEVEL"] == "INFO"  # the user's
+    assert os.environ["FLASHINFER_LOGGING_LEVEL"] == "WARNING"

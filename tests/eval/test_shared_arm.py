@@ -1,6 +1,7 @@
 """The shared Distiller as an eval arm: a matrix key (engine-wide), an engine per shared cell, and a
 run that adds shared cells to the committed frontier folder beside its own, reusing its baseline."""
 
+import gzip
 import json
 from pathlib import Path
 
@@ -49,7 +50,7 @@ def test_shared_cells_join_the_committed_frontier_run_and_leave_its_arms_as_they
     run = json.loads((COMMITTED / "run.json").read_text())
     run["settings"]["cells"] = {k: v for k, v in run["settings"]["cells"].items() if "distiller=shared" not in k}
     (out / "run.json").write_text(json.dumps(run))
-    with open(COMMITTED / "samples.jsonl") as src, open(out / "samples.jsonl", "w") as dst:
+    with gzip.open(COMMITTED / "samples.jsonl.gz", "rt") as src, open(out / "samples.jsonl", "w") as dst:
         dst.writelines(line for line in src if "distiller=shared" not in json.loads(line)["arm"])
     committed = run["settings"]
     sampled = {}

@@ -513,7 +513,7 @@ class EngineSteering:
             and FUSED_FILTER
             and step.top_k is None
             and step.matched is None
-            and logits.device == self.device
+            and logits.device.type == self.device.type
             and logits.dtype == torch.float32
             and logits.stride(1) == 1
             and (d is not None or not plan.steered)  # (the plan's buffer counts its steered rows as mixed)

@@ -43,4 +43,5 @@ def test_generate_json_on_vllm_is_only_json_on_stdout():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     events = [json.loads(line) for line in proc.stdout.splitlines()]  # every line is an event
     assert sum(e["type"] == "done" for e in events) == 2
-    assert " INFO " not in proc.stderr
+    informed = [line for line in proc.stderr.splitlines() if " INFO " in line]
+    assert not informed, informed  # (on a GPU with vLLM 0.33, FlashInfer's JIT logged its INFO lines here)
