@@ -26,9 +26,12 @@ few cycles when there is none.
 
 Every pass runs on a [rows, chunks] grid (each row split over many programs, so a few rows still
 fill the GPU) and reads its per-row settings from device tensors: the ten launches can be captured
-in a CUDA graph. ``filter_and_mix_torch`` is the same function in PyTorch ops on the core's exact
-filter (``esamp.core.intervention.candidate_mask``): the CPU path and the reference that tests
-hold the kernels to.
+in a CUDA graph. Captured in the form ``launch`` also takes (the logits' address read on the
+device, ``LogitsAt``; rows padded with -1, which no pass touches; the count of mixed rows read on
+the device), one graph serves every batch of up to its rows, wherever the logits are.
+``filter_and_mix_torch`` is the same function in PyTorch ops on the core's exact filter
+(``esamp.core.intervention.candidate_mask``): the CPU path and the reference that tests hold the
+kernels to.
 """
 
 from __future__ import annotations
