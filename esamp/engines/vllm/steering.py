@@ -299,7 +299,7 @@ class EngineSteering:
 
     @property
     def unprepared(self) -> bool:
-        """Whether ``prepare`` has work left (on a GPU, before its first call that captured)."""
+        """Whether ``prepare`` has work left (on a GPU, before its first call outside a capture)."""
         return not self._prepared and self.device.type == "cuda"
 
     def prepare(
@@ -324,9 +324,9 @@ class EngineSteering:
             self.counters["padded_prepared"] = self._prepare_padded(head, head_dtype)
             self.counters["prepare_ms"] = round(1e3 * (time.perf_counter() - t0), 1)
             return
+        self._prepared = True  # (without graphs there is nothing to capture: no later step asks again)
         if not self.steerer.graphs.enabled:
             return
-        self._prepared = True
         x, y = self._views(self._tap_buffer(aux), source, target)
         plans = StepPlan.shapes(self.buffers, bucket(self.max_rows))
         with torch.inference_mode(False):
