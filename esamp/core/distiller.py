@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from esamp.core.backends import triton_distiller as kernels
+from esamp.core.backends import streams, triton_distiller as kernels
 from esamp.core.backends.flat import FlatParameters
 from esamp.errors import BankFullError
 
@@ -55,6 +55,74 @@ if TYPE_CHECKING:
 
 INIT_STD = 0.02
 LN_EPS = 1e-5
+
+
+def block_shape(slots: list[int]) -> tuple[int, int]:
+    """[U, W] of the tightest block for rows of these slots: the distinct slots, the most rows of one."""
+    counts: dict[int, int] = {}
+    for s in slots:
+        counts[s] = counts.get(s, 0) + 1
+    return len(counts), max(counts.values(), default=1)
+
+
+@dataclass(frozen=True)
+class HostLayout:
+    """A ``RowLayout``'s fields as host lists (what a plan writes into its fixed buffers)."""
+
+    units: list[int]
+    gather: list[int]
+    cell: list[int]
+    weight: list[float]
+    row_of: list[int]
+    width: int
+    zero_row: int
+    slots: tuple[int, ...]
+    training: tuple[int, ...]
+
+    @classmethod
+    def of(
+        cls,
+        slots: list[int],
+        trains: list[bool] | None = None,
+        *,
+        units: int | None = None,
+        width: int | None = None,
+        scratch: int = -1,
+        zero_row: int | None = None,
+        sources: list[int] | None = None,
+    ) -> HostLayout:
+        """``RowLayout.from_slots``'s layout of ``slots``, on the host (its docstring says what each
+        argument does)."""
+        order: dict[int, int] = {}
+        cells: list[list[int]] = []
+        for row, s in enumerate(slots):
+            u = order.setdefault(s, len(order))
+            if u == len(cells):
+                cells.append([])
+            cells[u].append(row)
+        need_u, need_w = len(cells), max((len(c) for c in cells), default=1)
+        U = need_u if units is None else units
+        W = need_w if width is None else width
+        if U < need_u or W < need_w:
+            raise ValueError(f"a [{U}, {W}] block cannot hold {need_u} slots of up to {need_w} rows")
+        if U > need_u and scratch < 0:
+            raise ValueError("padding units needs the bank's scratch slot")
+        zero = len(slots) if zero_row is None else zero_row
+        trains = [True] * len(slots) if trains is None else list(trains)
+        gather = [zero] * (U * W)
+        weight = [0.0] * (U * W)
+        row_of = [-1] * (U * W)
+        cell = [0] * len(slots)
+        for u, rows in enumerate(cells):
+            for w, row in enumerate(rows):
+                gather[u * W + w] = row if sources is None else sources[row]
+                weight[u * W + w] = 1.0 if trains[row] else 0.0
+                cell[row] = u * W + w
+                row_of[u * W + w] = row
+        training = tuple(u for u, rows in enumerate(cells) if any(trains[r] for r in rows))
+        slot_list = list(order)
+        units_list = slot_list + [scratch] * (U - need_u)
+        return cls(units_list, gather, cell, weight, row_of, W, zero, tuple(slot_list), training)
 
 
 @dataclass(frozen=True)
@@ -84,65 +152,29 @@ class RowLayout:
 
     @classmethod
     def from_slots(
-        cls,
-        slots: list[int],
-        trains: list[bool] | None = None,
-        *,
-        units: int | None = None,
-        width: int | None = None,
-        scratch: int = -1,
-        zero_row: int | None = None,
-        sources: list[int] | None = None,
-        device: torch.device | str = "cpu",
+        cls, slots: list[int], trains: list[bool] | None = None, *, device: torch.device | str = "cpu", **padding
     ) -> RowLayout:
         """The layout of rows whose slots are ``slots`` (host ints, in row order); ``trains``
-        (default: every row) says which rows the optimizer step learns from. ``units`` and
-        ``width`` pad the block (``scratch``: the bank's scratch slot); ``zero_row`` defaults to
-        the row after the last (the step appends a zero row). ``sources``: where each row is in
-        the input the step reads (default: row i is input row i)."""
-        order: dict[int, int] = {}
-        cells: list[list[int]] = []
-        for row, s in enumerate(slots):
-            u = order.setdefault(s, len(order))
-            if u == len(cells):
-                cells.append([])
-            cells[u].append(row)
-        need_u, need_w = len(cells), max((len(c) for c in cells), default=1)
-        U = need_u if units is None else units
-        W = need_w if width is None else width
-        if U < need_u or W < need_w:
-            raise ValueError(f"a [{U}, {W}] block cannot hold {need_u} slots of up to {need_w} rows")
-        if U > need_u and scratch < 0:
-            raise ValueError("padding units needs the bank's scratch slot")
-        zero = len(slots) if zero_row is None else zero_row
-        trains = [True] * len(slots) if trains is None else list(trains)
-        gather = [zero] * (U * W)
-        weight = [0.0] * (U * W)
-        row_of = [-1] * (U * W)
-        cell = [0] * len(slots)
-        for u, rows in enumerate(cells):
-            for w, row in enumerate(rows):
-                gather[u * W + w] = row if sources is None else sources[row]
-                weight[u * W + w] = 1.0 if trains[row] else 0.0
-                cell[row] = u * W + w
-                row_of[u * W + w] = row
-        training = tuple(u for u, rows in enumerate(cells) if any(trains[r] for r in rows))
-        slot_list = list(order)
+        (default: every row) says which rows the optimizer step learns from. ``padding``:
+        ``HostLayout.of``'s ``units`` and ``width`` (pad the block; ``scratch``: the bank's scratch
+        slot), ``zero_row`` (default: the row after the last; the step appends a zero row) and
+        ``sources`` (where each row is in the input the step reads; default: row i is input row i)."""
+        host = HostLayout.of(slots, trains, **padding)
 
         def t(values, dtype=torch.long):
             return torch.tensor(values, dtype=dtype, device=device)
 
         return cls(
-            t(slot_list + [scratch] * (U - need_u)),
-            t(gather),
-            t(cell),
-            t(weight, torch.float32),
-            t(row_of),
+            t(host.units),
+            t(host.gather),
+            t(host.cell),
+            t(host.weight, torch.float32),
+            t(host.row_of),
             len(slots),
-            W,
-            zero,
-            tuple(slot_list),
-            training,
+            host.width,
+            host.zero_row,
+            host.slots,
+            host.training,
         )
 
     def to(self, move) -> RowLayout:
@@ -349,6 +381,7 @@ class DistillerBank(SlotLedger):
         # + the scratch slot. The shared Distiller starts as a bank's slot 0 does.
         self._store.initialise([init_slot(H, r, seed, s) for s in range(self.distillers + 1)])
         self._updating = None  # CUDA event of an update still running beside the current stream
+        self._cuda_index: int | None = None  # the CUDA device's index (at the first update beside)
         self._workspace: kernels.Workspace | None = None  # the fused kernels' buffers
         self.precision: str | None = None  # the fused kernels' products (None: ``kernels.PRECISION``)
         self._reserved = (0, 0)  # rows and cells the workspace is made for at least (``reserve``)
@@ -367,7 +400,9 @@ class DistillerBank(SlotLedger):
     def settle(self) -> None:
         """Order the current stream after the update in flight, if any."""
         if self._updating is not None:
-            torch.cuda.current_stream().wait_event(self._updating)
+            if self._cuda_index is None:
+                self._cuda_index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            streams.wait(streams.current(self._cuda_index), self._updating)
             self._updating = None
 
     def free(self, group: str) -> int | None:

@@ -33,6 +33,7 @@ import os
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from esamp.core import intervention as iv
@@ -40,7 +41,7 @@ from esamp.core.backends.graphs import GraphCache, SideStream
 from esamp.core.backends.triton_filter import FilterWorkspace, LogitsAt, filter_and_mix, launch
 from esamp.core.backends.triton_mix import mix_and_count
 from esamp.core.config import Filters, Steering
-from esamp.core.distiller import DistillerBank, RowLayout
+from esamp.core.distiller import DistillerBank, HostLayout, RowLayout, block_shape
 
 # ESAMP_FILTER=sort runs every plan through the constructor's filter (vLLM's top-k/top-p function in
 # the vLLM engine) and the separate mix, as before the fused kernels: for measuring them against it.
@@ -114,20 +115,21 @@ class PlanBuffers:
         (units: the scratch slot; gather: the zero row; row of each cell: none; row index: -1,
         no row; weights 0: nothing trains; mixed rows: 0)."""
         for buffer, spans, values, dtype in (
-            (self.longs, self._long_spans, longs, torch.long),
-            (self.floats, self._float_spans, floats, torch.float32),
+            (self.longs, self._long_spans, longs, np.int64),
+            (self.floats, self._float_spans, floats, np.float32),
         ):
-            host = torch.zeros(spans["_end"], dtype=dtype)
-            if dtype == torch.long:
+            host = np.zeros(spans["_end"], dtype=dtype)
+            if dtype is np.int64:
                 host[spans["units"] : spans["gather"]] = self.scratch
                 host[spans["gather"] : spans["cell"]] = self.rows
                 host[spans["row_of"] : spans["index"]] = -1
                 host[spans["index"] : spans["top_k"]] = -1
             for name, items in values.items():
-                host[spans[name] : spans[name] + len(items)] = torch.tensor(items, dtype=dtype)
+                host[spans[name] : spans[name] + len(items)] = items
+            staged = torch.from_numpy(host)
             if self.device.type == "cuda":
-                host = host.pin_memory()
-            buffer.copy_(host, non_blocking=True)
+                staged = staged.pin_memory()  # (the host allocator keeps it until the copy is done)
+            buffer.copy_(staged, non_blocking=True)
 
 
 def _spans(**sizes: int) -> dict[str, int]:
@@ -202,13 +204,13 @@ class StepPlan:
             seen.add(group)
         f = [r.filters for r in rows]
         mixing = [(r.steering.mix, r.steering.beta) for r in rows[:s]]
-        a, b = iv.mix_coefficients(mixing)
+        a, b = iv.coefficient_lists(mixing)
         values = dict(
             temperature=[x.temperature if x.temperature > 0 else 1.0 for x in f],
             min_p=[x.min_p for x in f],
             top_p=[x.top_p for x in f],
-            a=a.flatten().tolist() + [1.0] * (n - s),
-            b=b.flatten().tolist() + [0.0] * (n - s),
+            a=a + [1.0] * (n - s),
+            b=b + [0.0] * (n - s),
         )
         matched = [float(m) for m in iv.entropy_matched(mixing)] + [0.0] * (n - s)
         uses_matched = any(matched)
@@ -233,9 +235,9 @@ class StepPlan:
         longs: dict[str, list[int]] = {"top_k": top_k, "index": list(index) if index is not None else [], "mixed": [s]}
         layout = None
         if s:
-            U, W = RowLayout.from_slots(slots, trains).shape
+            U, W = block_shape(slots)
             U, W = min(bucket(U), buffers.units), min(bucket(W), buffers.width)
-            host = RowLayout.from_slots(
+            host = HostLayout.of(
                 slots,
                 trains,
                 units=U,
@@ -244,13 +246,8 @@ class StepPlan:
                 zero_row=buffers.rows,
                 sources=None if index is None else list(index[:s]),
             )
-            longs.update(
-                units=host.units.tolist(),
-                gather=host.gather.tolist(),
-                cell=host.cell.tolist() + [0] * (U * W - s),
-                row_of=host.row_of.tolist(),
-            )
-            values["weight"] = host.weight.tolist()
+            longs.update(units=host.units, gather=host.gather, cell=host.cell, row_of=host.row_of)
+            values["weight"] = host.weight
             layout = RowLayout(
                 buffers.view("units", U),
                 buffers.view("gather", U * W),
@@ -339,6 +336,8 @@ class Steerer:
         self.graphs = graphs or GraphCache(enabled=False)
         self.beside = beside  # where the Distiller's update runs on a GPU (None: in line)
         self._work: FilterWorkspace | None = None
+        # per captured Distiller step's key: (its update, that update's graph key), worked out once
+        self._learn_keys: dict[Hashable, tuple] = {}
 
     # -- distill -----------------------------------------------------------------------------
 
@@ -366,9 +365,15 @@ class Steerer:
             # The update is not needed before the next step's prediction: it runs beside what
             # follows (the mix, the sampler, the model's next forward) instead of before it, as a
             # graph of its own where the prediction was one (its inputs then stay where they are).
-            learn_key = ("learn", plan.key) + tuple(t.data_ptr() for t in update.reads)
             graphed = key in self.graphs.graphs
-            self.bank.updating(self.beside.run(learn_key, update.run, *update.reads, graphed=graphed))
+            learn_key = self._learn_keys.get(key) if graphed else None
+            if learn_key is None or learn_key[0] is not update:  # a replayed graph's update is the same object
+                learn_key = (update, ("learn", plan.key) + tuple(t.data_ptr() for t in update.reads))
+                if graphed:
+                    if len(self._learn_keys) > 256:  # keys of graphs long evicted
+                        self._learn_keys.clear()
+                    self._learn_keys[key] = learn_key
+            self.bank.updating(self.beside.run(learn_key[1], update.run, *update.reads, graphed=graphed))
         elif update is not None:
             update.run(*update.reads)
         return prediction, errors, losses

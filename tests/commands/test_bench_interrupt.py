@@ -50,7 +50,8 @@ class Engine:
         self.side, self.clock, self.script, self.slow = side, clock, script, set(slow)
         self.passes: Counter = Counter()
         self.pending: list[int] = []
-        self.counters = {"replay_host_ms": 3.0, "replay_steps": 10}  # the last fetch's (an interrupt asks nothing)
+        # the last fetch's (an interrupt asks nothing)
+        self.counters = {"replay_host_ms": 3.0, "replay_steps": 10, "rebuild_host_ms": 4.0, "rebuild_steps": 2}
         self.closed = False
         self.current = (0, 0)
 
@@ -240,6 +241,8 @@ def test_a_cut_after_every_workload_keeps_them_all_complete(bench, monkeypatch):
         ("1x32", True, 3),
     ]
     assert report["host_ms_per_steady_step"] == 0.3  # the last fetch's counters
+    assert report["host_ms_per_rebuild_step"] == 2.0  # a step whose batch changed, apart
+    assert "a step whose batch changed (its plan built): 2.0 ms" in out
     assert "cut" not in _table(out) and "(interrupted by SIGINT after every workload finished)" in out
 
 

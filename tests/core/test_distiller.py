@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from esamp.core.distiller import DistillerBank, RowLayout, split_for
+from esamp.core.distiller import DistillerBank, HostLayout, RowLayout, block_shape, split_for
 from esamp.errors import BankFullError
 
 
@@ -23,6 +23,20 @@ def test_layout_places_rows_in_their_slot_blocks():
     assert lay.gather.tolist() == [0, 2, 3, 1, 4, 5]  # cell (u, w) reads row gather[u·W + w]; 5: the zero row
     assert lay.cell.tolist() == [0, 3, 1, 2, 4]
     assert lay.weight.tolist() == [1, 1, 1, 1, 1, 0] and lay.training == (0, 1)
+
+
+@pytest.mark.parametrize("slots", [[5, 2, 5, 5, 2], [3], [1, 1, 1, 1], [4, 3, 2, 1, 4]])
+def test_the_host_layout_is_the_layout_and_block_shape_its_tight_shape(slots):
+    """A plan on fixed buffers writes ``HostLayout``'s lists where ``RowLayout.from_slots`` would
+    make tensors: the same fields, padded or not; ``block_shape`` is the tight layout's shape."""
+    trains = [i % 2 == 0 for i in range(len(slots))]
+    assert block_shape(slots) == RowLayout.from_slots(slots).shape
+    for pad in ({}, dict(units=8, width=4, scratch=9, zero_row=30, sources=[7 * i for i in range(len(slots))])):
+        host, lay = HostLayout.of(slots, trains, **pad), RowLayout.from_slots(slots, trains, **pad)
+        assert host.units == lay.units.tolist() and host.gather == lay.gather.tolist()
+        assert host.cell == lay.cell.tolist() and host.row_of == lay.row_of.tolist()
+        assert host.weight == lay.weight.tolist() and (host.width, host.zero_row) == (lay.width, lay.zero_row)
+        assert (host.slots, host.training) == (lay.slots, lay.training)
 
 
 def test_a_padded_layout_steps_exactly_like_the_tight_one():

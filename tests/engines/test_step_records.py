@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from esamp.engines.vllm.step_records import RecordStore
@@ -77,3 +78,74 @@ def test_readers_get_plain_values_and_the_store_keeps_its_rows_unconverted():
     (rec,), _ = store.take({"b"})
     assert rec["rows"] == [("b", i, 2, i / 4, 3) for i in range(1, 128, 2)]
     assert all(type(r[3]) is float and type(r[4]) is int for r in rec["rows"])
+
+
+class _Event:
+    """Stands in for a CUDA event: done once the test says its copies finished."""
+
+    def __init__(self) -> None:
+        self.done = False
+        self.stream = None
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_one_event_marks_a_batch_of_copies_and_a_reader_marks_the_rest(monkeypatch):
+    """On a GPU a record's copy is marked by an event shared with the copies around it (one per
+    ``MARK_EVERY``): nothing is handed out before its event is done, the records come out in step
+    order, a reader marks the copies no event covers yet, and a new copy stream closes the batch."""
+    from esamp.engines.vllm import step_records as sr
+
+    made: list[_Event] = []
+    stream = ["s0"]
+
+    def event():
+        made.append(_Event())
+        return made[-1]
+
+    def record(ev, on):
+        ev.stream = on
+
+    monkeypatch.setattr(sr.torch.cuda, "Event", event)
+    monkeypatch.setattr(sr.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(sr.streams, "record", record)
+    monkeypatch.setattr(sr.streams, "current", lambda device: stream[0])
+    monkeypatch.setattr(sr.torch, "empty", lambda n, dtype, pin_memory: torch.zeros(n, dtype=dtype))
+    store = RecordStore(torch.device("cuda", 0))
+    for step in range(sr.MARK_EVERY + 3):
+        _push(store, step, ["a"])
+    assert len(made) == 1 and made[0].stream == "s0"  # the first MARK_EVERY copies, one event
+    assert store.take() == ([], sr.MARK_EVERY + 3)  # nothing finished; the reader marked the other 3
+    assert len(made) == 2
+    made[1].done = True  # the later event done before the earlier: still nothing out of order
+    assert store.take() == ([], sr.MARK_EVERY + 3)
+    made[0].done = True
+    steps, pending = store.take()
+    assert [r["step"] for r in steps] == list(range(sr.MARK_EVERY + 3)) and pending == 0
+    assert steps[0]["rows"] == [("a", 0, 0, 0.0, 3)]
+    _push(store, 100, ["a"])
+    stream[0] = "s1"  # the engine's copies moved to another stream: the batch on s0 is closed first
+    _push(store, 101, ["a"])
+    assert len(made) == 3 and made[2].stream == "s0"
+    store.collect()  # marks the copy on s1
+    assert len(made) == 4 and made[3].stream == "s1"
+    made[2].done = made[3].done = True
+    assert [r["step"] for r in store.take()[0]] == [100, 101]
+
+
+@pytest.mark.cuda
+def test_records_copied_from_the_gpu_come_back_whole_in_order():
+    store = RecordStore(torch.device("cuda"))
+    for step in range(21):
+        n = 1 + step % 5
+        errors, counts = torch.full((n,), float(step), device="cuda"), torch.arange(n, device="cuda")
+        packed = RecordStore.pack(errors, counts, torch.tensor([step / 10], device="cuda"))
+        store.push(step, ["g"] * n, list(range(n)), [step] * n, packed, ["g"])
+    torch.cuda.synchronize()
+    steps, pending = store.take()
+    assert pending == 0 and [r["step"] for r in steps] == list(range(21))
+    for r in steps:
+        n = 1 + r["step"] % 5
+        assert r["rows"] == [("g", i, r["step"], float(r["step"]), i) for i in range(n)]
+        assert r["loss"] == {"g": pytest.approx(r["step"] / 10)}

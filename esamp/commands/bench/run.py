@@ -383,6 +383,10 @@ def _bench(args, plan: Plan, start, loaded: list, log: Path) -> int:
             if counters.get("replay_steps")
             else None,
             host_split_per_steady_step=steady_split(counters),
+            # a replayed step whose batch changed (its plan built), apart from the steady ones
+            host_ms_per_rebuild_step=round(counters["rebuild_host_ms"] / counters["rebuild_steps"], 4)
+            if counters.get("rebuild_steps")
+            else None,
             workloads=rows,
             interrupted=interrupted,
             signal=stop.name if interrupted else None,
@@ -784,6 +788,8 @@ def _print_table(report: dict) -> None:
         where = ", ".join(f"{part} {ms}" for part, ms in split.items())
         steady = report["host_ms_per_steady_step"]
         print(f"processor host time per steady step: {steady} ms" + (f" ({where})" if where else ""))
+        if report.get("host_ms_per_rebuild_step") is not None:
+            print(f"  a step whose batch changed (its plan built): {report['host_ms_per_rebuild_step']} ms")
     if report.get("interrupted"):
         by = f" by {report['signal']}" if report.get("signal") else ""
         if any(r.get("complete") is False for r in rows):

@@ -37,6 +37,8 @@ from collections.abc import Callable, Hashable
 
 import torch
 
+from esamp.core.backends import streams
+
 log = logging.getLogger(__name__)
 
 GRAPH_AFTER = 2  # eager steps of an unchanged shape before capturing (short-lived shapes are not worth one)
@@ -194,25 +196,32 @@ class SideStream:
         # that waits for the latest ``done`` waits for all of them.
         self._queued: torch.cuda.Event | None = None
         self._done: torch.cuda.Event | None = None
+        self._device = 0  # the CUDA device of the current stream at the first call
 
     def run(self, key: Hashable, fn: Callable, *inputs: torch.Tensor, graphed: bool = True) -> torch.cuda.Event:
         """``fn(*inputs)`` beside the current stream, replayed from a graph unless ``graphed`` is
         False (inputs at new addresses every call, e.g. from a step that is not a graph itself:
         one capture per call would cost more than it saves). Returns the event of its end, valid
-        until the next call (the next call records it again)."""
+        until the next call (the next call records it again). The stream calls are ``streams``'
+        (a steady step makes this call every step)."""
         if self._stream is None:
+            self._device = torch.cuda.current_device()
             self._stream = torch.cuda.Stream()
             self._queued, self._done = torch.cuda.Event(), torch.cuda.Event()
-        stream = self._stream
-        self._queued.record()  # on the current stream
-        stream.wait_event(self._queued)
-        with torch.cuda.stream(stream):
+        side = self._stream
+        main = streams.current(self._device)
+        streams.record(self._queued, main)
+        streams.wait(side, self._queued)
+        streams.switch(side)
+        try:
             if graphed:
                 self.graphs.run(key, fn, *inputs)
             else:
                 fn(*inputs)
-            self._done.record()
+            streams.record(self._done, side)
+        finally:
+            streams.switch(main)
         if not graphed:  # (a graph's inputs are buffers that live as long as it)
             for t in inputs:
-                t.record_stream(stream)  # an eager input's memory is not reused before this reads it
+                t.record_stream(side)  # an eager input's memory is not reused before this reads it
         return self._done

@@ -61,6 +61,7 @@ COUNTERS = (
     "port_hits",
     "train_steps",
     "replay_steps",
+    "rebuild_steps",
     "plan_builds",
     "taps_missing",
     "bank_full",
@@ -70,6 +71,7 @@ COUNTERS = (
     "graphs_prepared",
     "padded_prepared",
     "prepare_ms",
+    "logits_moved",  # padded steps whose logits were elsewhere than the step before's (one small write each)
 )
 
 
@@ -163,7 +165,7 @@ class EngineSteering:
         self.record_all = record_all
         self.step_no = 0
         self.counters: collections.Counter = collections.Counter(dict.fromkeys(COUNTERS, 0))
-        self.host_seconds = self.replay_seconds = self.plan_seconds = 0.0
+        self.host_seconds = self.replay_seconds = self.plan_seconds = self.rebuild_seconds = 0.0
         self.replay_split = [0.0, 0.0, 0.0]  # of replay_seconds: Distiller step, filter and mix, record
         self._plan_spent = 0.0  # host time of the plan built for the coming ``apply`` (0: none)
         self.slow_steps: collections.deque[dict] = collections.deque(maxlen=SLOW_STEPS_KEPT)
@@ -474,7 +476,10 @@ class EngineSteering:
             mix = "replay"
         elif after[1] > before[1] or after[3] > before[3]:
             mix = "capture"
-        if steered and handoff.replayed and mix == "replay":
+        if steered and handoff.replayed and mix == "replay" and plan_spent:
+            self.rebuild_seconds += whole  # a replayed step whose batch changed: its plan was built
+            self.counters["rebuild_steps"] += 1
+        elif steered and handoff.replayed and mix == "replay":
             self.replay_seconds += whole  # a steady step's host cost, and where it went:
             split = self.replay_split  # the Distiller step, the filter and mix, the record, the rest
             split[0] += distilled
@@ -540,6 +545,7 @@ class EngineSteering:
         if address != self._logits_address:
             self._address.fill_(address)  # (queued behind the work that made the logits, as the replay is)
             self._logits_address = address
+            self.counters["logits_moved"] += 1
         return graphs.run(known[0], known[1])
 
     def _padded_key(self, rows: int, cut: bool, dense: bool, at: LogitsAt, product, errors, reported: bool) -> tuple:
@@ -670,6 +676,7 @@ class EngineSteering:
             records_dropped=self.records.dropped,
             host_ms=round(1e3 * self.host_seconds, 1),
             replay_host_ms=round(1e3 * self.replay_seconds, 1),
+            rebuild_host_ms=round(1e3 * self.rebuild_seconds, 1),
             replay_distill_ms=round(1e3 * self.replay_split[0], 1),
             replay_mix_ms=round(1e3 * self.replay_split[1], 1),
             replay_records_ms=round(1e3 * self.replay_split[2], 1),

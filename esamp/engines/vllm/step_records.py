@@ -3,8 +3,9 @@
 A record says, for every steered row of one engine step, which (group, sample, generation index)
 it was and its Distiller error (the novelty of the token that was the row's input) and candidate
 count, plus each training group's loss. The device values leave in one packed non-blocking copy
-per step; a record is handed out only once its copy has finished (a CUDA event), so reading
-never stalls the GPU. Python tuples are built when records are read, not on the step path.
+per step; a record is handed out only once its copy has finished (a CUDA event, one for every
+``MARK_EVERY`` copies: recording one costs a step more than the copy), so reading never stalls the
+GPU. Python tuples are built when records are read, not on the step path.
 
 Records are kept until a reader takes them: the library engine drains every record; a server
 keeps them only for groups that asked (``esamp_records``) and drops what nobody read some time
@@ -24,10 +25,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from esamp.core.backends import streams
+
 RETAIN_SECONDS = 300.0
 LossOwner = str | tuple[str, ...] | None  # whose a packed loss is: a group, several, or nobody's
 MAX_READY = 8192  # step records kept unread at most; beyond, the oldest go (counted as dropped)
 COLLECT_AFTER = 64  # records waiting before a step turns the oldest into plain ones itself
+MARK_EVERY = 8  # copies to the host that one CUDA event marks (a reader marks the rest when it reads)
 
 
 @dataclass
@@ -39,9 +43,12 @@ class _Step:
     loss_groups: list[LossOwner]  # per packed loss, whose it is (``push``)
     keep: set[str] | None  # groups whose rows are kept (None: all)
     packed: torch.Tensor  # host: errors [width] | candidates [width] | losses [len(loss_groups)]
-    event: object  # CUDA event of the copy, or None (already on the host)
+    event: object  # CUDA event after the copy, UNMARKED until one is recorded, or None (on the host already)
     time: float
     width: int  # where the candidate counts start (≥ the rows: a padded step packs its whole bucket)
+
+
+UNMARKED = object()  # a record whose copy no CUDA event marks yet (``RecordStore._mark``)
 
 
 class RecordStore:
@@ -49,13 +56,15 @@ class RecordStore:
         self.device = device
         self.retain_seconds = retain_seconds
         self._in_flight: collections.deque[_Step] = collections.deque()
-        self._ready: list[dict] = []  # step records, oldest first
+        self._ready: collections.deque[dict] = collections.deque()  # step records, oldest first
         self._lock = threading.Lock()  # a server's side channel reads from another thread
         self.dropped = 0
         self.loss: float | None = None  # moving mean of the training groups' losses (for operators)
-        # Pinned host buffers (by size) and CUDA events, reused: a steady step allocates nothing.
+        # Pinned host buffers (by size), reused: a steady step allocates nothing.
         self._buffers: dict[int, list[torch.Tensor]] = collections.defaultdict(list)
-        self._events: list = []
+        self._unmarked: list[_Step] = []  # copies queued since the last event, on ``_copies``
+        self._copies = None  # the stream the unmarked copies were queued on
+        self._index: int | None = None  # the CUDA device's index (at the first copy)
 
     @staticmethod
     def pack(errors: torch.Tensor, candidates: torch.Tensor, losses: torch.Tensor | None) -> torch.Tensor:
@@ -88,25 +97,44 @@ class RecordStore:
             free = self._buffers[packed.numel()]
             host = free.pop() if free else torch.empty(packed.numel(), dtype=torch.float32, pin_memory=True)
             packed = host.copy_(packed, non_blocking=True)
-            event = self._events.pop() if self._events else torch.cuda.Event()
-            event.record()
+            event = UNMARKED
+            if self._index is None:
+                self._index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            stream = streams.current(self._index)
+        record = _Step(
+            step,
+            groups,
+            samples,
+            generated,
+            loss_groups,
+            keep,
+            packed,
+            event,
+            time.monotonic(),
+            len(groups) if width is None else width,
+        )
         with self._lock:
-            self._in_flight.append(
-                _Step(
-                    step,
-                    groups,
-                    samples,
-                    generated,
-                    loss_groups,
-                    keep,
-                    packed,
-                    event,
-                    time.monotonic(),
-                    len(groups) if width is None else width,
-                )
-            )
+            self._in_flight.append(record)
+            if event is UNMARKED:
+                if stream is not self._copies:
+                    self._mark()  # (an event marks the copies of one stream)
+                    self._copies = stream
+                self._unmarked.append(record)
+                if len(self._unmarked) >= MARK_EVERY:
+                    self._mark()
             if len(self._in_flight) > COLLECT_AFTER:
                 self._collect()  # nobody is reading (a server): keep what waits bounded
+
+    def _mark(self) -> None:
+        """One CUDA event after every copy queued so far (under the lock; from any thread: it is
+        recorded on the copies' stream)."""
+        if not self._unmarked:
+            return
+        event = torch.cuda.Event()
+        streams.record(event, self._copies)
+        for record in self._unmarked:
+            record.event = event
+        self._unmarked.clear()
 
     def _collect(self) -> None:
         """Turn records whose copies have finished into plain step records (under the lock).
@@ -114,13 +142,17 @@ class RecordStore:
         the two the device sent as one array: nothing here is done row by row, since this runs in
         the engine's process, on a step's path or in a reader's thread beside it (whose Python
         work the engine's steps wait for); readers get plain lists (``_public``)."""
-        while self._in_flight and (self._in_flight[0].event is None or self._in_flight[0].event.query()):
+        done = None  # the latest event seen finished (the records it marks come one after another)
+        while self._in_flight:
+            event = self._in_flight[0].event
+            if event is UNMARKED or (event is not None and event is not done and not event.query()):
+                break
+            done = event
             s = self._in_flight.popleft()
             n, w = len(s.groups), s.width
             values = s.packed.numpy().copy()  # its pinned buffer goes back to be copied into again
             if s.event is not None:
                 self._buffers[s.packed.numel()].append(s.packed)
-                self._events.append(s.event)
             loss = {g: v for owner, v in zip(s.loss_groups, values[2 * w :].tolist()) for g in _owners(owner)}
             if loss:
                 mean = sum(loss.values()) / len(loss)
@@ -133,10 +165,11 @@ class RecordStore:
                 loss = {g: v for g, v in loss.items() if g in s.keep}
             self._ready.append({"step": s.step, "time": s.time, "cols": cols, "loss": loss})
             if len(self._ready) > MAX_READY:  # a reader that asked for records and never reads
-                self.dropped += len(self._ready.pop(0)["cols"][0])
+                self.dropped += len(self._ready.popleft()["cols"][0])
 
     def collect(self) -> None:
         with self._lock:
+            self._mark()
             self._collect()
 
     def take(self, groups: set[str] | None = None, columns: bool = False, plain: bool = True) -> tuple[list[dict], int]:
@@ -146,10 +179,11 @@ class RecordStore:
         ``columns`` (the five lists; with ``plain`` False the numbers stay arrays, for a reader in
         another process, which turns them into lists there: ``plain_columns``)."""
         with self._lock:
+            self._mark()
             self._collect()
             pending = len(self._in_flight)
             if groups is None:
-                out, self._ready = self._ready, []
+                out, self._ready = list(self._ready), collections.deque()
             else:
                 out, keep = [], []
                 for rec in self._ready:
@@ -161,7 +195,7 @@ class RecordStore:
                     rest_loss = {g: v for g, v in rec["loss"].items() if g not in groups}
                     if rest[0] or rest_loss:
                         keep.append({**rec, "cols": rest, "loss": rest_loss})
-                self._ready = keep
+                self._ready = collections.deque(keep)
         return [_public(rec, columns, plain) for rec in out], pending
 
     def expire(self, live: set[str], now: float | None = None) -> None:
@@ -178,7 +212,7 @@ class RecordStore:
                 loss = {g: v for g, v in rec["loss"].items() if not old or g in live}
                 if cols[0] or loss:
                     keep.append({**rec, "cols": cols, "loss": loss})
-            self._ready = keep
+            self._ready = collections.deque(keep)
 
 
 def _owners(owner: LossOwner) -> tuple[str, ...]:
