@@ -87,6 +87,53 @@ def _params(temperature: float, top_p: float, min_p: float, top_k: int):
     )
 
 
+# The calls a steady step makes that ``_pieces`` times, as (what, attribute path from the adapter).
+PIECES = (
+    ("adapter apply (all)", "apply"),
+    ("exchange.distill_late", "exchange.distill_late"),
+    ("steering.distill", "steering.distill"),
+    ("bank.settle", "steering.bank.settle"),
+    ("Distiller graph run", "steering.steerer.graphs.run"),
+    ("update beside (SideStream.run)", "steering.steerer.beside.run"),
+    ("steering.apply", "steering.apply"),
+    ("padded step (all)", "steering._padded_step"),
+    ("padded graph run", "steering.padded_graphs.run"),
+    ("records.push", "steering.records.push"),
+)
+
+
+def _pieces(adapter, steering, step, steps: int) -> dict[str, float]:
+    """Mean host µs a step of each of ``PIECES``, over ``steps`` more steps with each wrapped in a
+    timer (as instance attributes: nothing outside this run sees them), then unwrapped."""
+    spent = dict.fromkeys([name for name, _ in PIECES], 0.0)
+    wrapped = []
+    for name, path in PIECES:
+        *parents, attr = path.split(".")
+        owner = adapter
+        for part in parents:
+            owner = getattr(owner, part, None)
+        if owner is None or not hasattr(owner, attr):
+            continue
+        inner = getattr(owner, attr)
+
+        def timed(*a, _inner=inner, _name=name, **k):
+            t0 = time.perf_counter()
+            try:
+                return _inner(*a, **k)
+            finally:
+                spent[_name] += time.perf_counter() - t0
+
+        setattr(owner, attr, timed)
+        wrapped.append((owner, attr))
+    try:
+        for _ in range(steps):
+            step()
+    finally:
+        for owner, attr in wrapped:
+            delattr(owner, attr)
+    return {name: round(1e6 * t / steps, 2) for name, t in spent.items()}
+
+
 def _summary(values: list[float]) -> dict:
     ms = sorted(1e3 * v for v in values)
     return dict(
@@ -174,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top", type=int, default=30, help="cProfile's functions listed")
     ap.add_argument("--device", default=None, help="default: cuda when there is one")
     ap.add_argument("--primitives", action="store_true", help="also time the driver calls a step makes, one by one")
+    ap.add_argument(
+        "--no-sync", action="store_true", help="leave the device's queue running between timed steps (default: drained)"
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
@@ -225,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         def step(ctx) -> tuple[float, float, float, float]:
             logits.copy_(raw)
             ctx.seq_lens_upper_bound_np += 1
-            sync()
+            if not args.no_sync:
+                sync()
             w0, c0 = time.perf_counter(), time.thread_time()
             model.compute_logits(aux, dtype)
             w1, c1 = time.perf_counter(), time.thread_time()
@@ -247,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
             rebuilt.append(step(shuffled))
             seq_lens[:] = np.roll(shuffled.seq_lens_upper_bound_np, -(i + 1))
         step(ctx)  # back to the usual order
+        pieces = _pieces(adapter, steering, lambda: step(ctx), args.steps)
         profiles = {}
         if args.profile:  # the steady steps, then as many with the rows reordered each step (plan rebuilds)
             for name, rolled in (("steady", False), ("rebuild", True)):
@@ -294,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
         model_side_cpu_ms=_summary([t[1] for t in timed]),
         split_per_steady_step_ms=split,
         rebuild_apply_wall_ms=_summary([t[2] for t in rebuilt]) if rebuilt else None,
+        pieces_us_per_step=pieces,
+        synced=not args.no_sync,
         records_read=left,
         counters={k: after.get(k) for k in ("padded_prepared", "graphs_prepared", "padded_graph_captures")},
         primitives_us=primitives(device) if args.primitives and cuda else None,

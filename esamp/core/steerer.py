@@ -93,6 +93,7 @@ class PlanBuffers:
             b=per_row,
             matched=per_row,
         )
+        self._views: dict[tuple[str, int], torch.Tensor] = {}
         with torch.inference_mode(False):
             self.longs = torch.zeros(self._long_spans["_end"], dtype=torch.long, device=self.device)
             self.floats = torch.zeros(self._float_spans["_end"], dtype=torch.float32, device=self.device)
@@ -102,9 +103,17 @@ class PlanBuffers:
         return rows <= self.rows and units <= self.units and width <= self.width
 
     def view(self, name: str, size: int) -> torch.Tensor:
-        if name in self._long_spans:
-            return self.longs[self._long_spans[name] :][:size]
-        return self.floats[self._float_spans[name] :][:size]
+        """The first ``size`` entries of field ``name`` (the same view object every time: a plan
+        build asks for a dozen, and a slice of a CUDA tensor costs microseconds)."""
+        key = (name, size)
+        out = self._views.get(key)
+        if out is None:
+            if name in self._long_spans:
+                out = self.longs[self._long_spans[name] :][:size]
+            else:
+                out = self.floats[self._float_spans[name] :][:size]
+            self._views[key] = out
+        return out
 
     def padded(self, name: str, rows: int) -> torch.Tensor:
         """A per-row field's first ``bucket(rows)`` entries: a plan's rows, then idle ones."""
