@@ -362,10 +362,15 @@ class Steerer:
         first; the step runs as a CUDA graph per plan shape, reading its inputs where they are.
         With ``beside``, the update runs there (``SideStream``): ŷ, e and the losses are ready as
         soon as the prediction is, and the update lands before anything reads the parameters.
+        Without, it runs in the same call, after the prediction: one graph, no stream to order.
         """
 
         def evaluate(gx, gy):
-            return self.bank.evaluate(gx, gy, plan.layout, normalize, out_dtype)
+            out = self.bank.evaluate(gx, gy, plan.layout, normalize, out_dtype)
+            if self.beside is None and out[3] is not None:  # in line: the update in the same call (one graph)
+                out[3].run(*out[3].reads)
+                return (*out[:3], None)
+            return out
 
         self.bank.settle()  # the previous step's update first (below)
         key = (plan.key, out_dtype, x.data_ptr(), y.data_ptr(), x.stride(0), y.stride(0))
@@ -383,8 +388,6 @@ class Steerer:
                         self._learn_keys.clear()
                     self._learn_keys[key] = learn_key
             self.bank.updating(self.beside.run(learn_key[1], update.run, *update.reads, graphed=graphed))
-        elif update is not None:
-            update.run(*update.reads)
         return prediction, errors, losses
 
     def prepare(

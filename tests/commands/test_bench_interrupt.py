@@ -52,6 +52,7 @@ class Engine:
         self.pending: list[int] = []
         # the last fetch's (an interrupt asks nothing)
         self.counters = {"replay_host_ms": 3.0, "replay_steps": 10, "rebuild_host_ms": 4.0, "rebuild_steps": 2}
+        self.counters["replay_cpu_ms"] = 1.0
         self.closed = False
         self.current = (0, 0)
 
@@ -242,6 +243,7 @@ def test_a_cut_after_every_workload_keeps_them_all_complete(bench, monkeypatch):
     ]
     assert report["host_ms_per_steady_step"] == 0.3  # the last fetch's counters
     assert report["host_ms_per_rebuild_step"] == 2.0  # a step whose batch changed, apart
+    assert report["host_cpu_ms_per_steady_step"] == 0.1 and "the engine thread's CPU time: 0.1 ms" in out
     assert "a step whose batch changed (its plan built): 2.0 ms" in out
     assert "cut" not in _table(out) and "(interrupted by SIGINT after every workload finished)" in out
 

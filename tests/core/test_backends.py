@@ -170,13 +170,14 @@ def test_an_update_beside_the_stream_equals_the_update_in_line():
     """The Distiller's update on a side stream (the vLLM engine's) gives every step the ŷ, errors
     and losses of the update made in line, and the same parameters in the end, while the main
     stream rewrites the taps and the plan right after each step and a group's slot is freed and
-    taken again between steps (each must wait for the update in flight, and does)."""
+    taken again between steps (each must wait for the update in flight, and does). So does the
+    update in line inside the step's own graph (``ESAMP_UPDATE=inline``)."""
     from esamp.core.backends.graphs import GraphCache, SideStream
     from esamp.core.config import Filters, Steering
     from esamp.core.steerer import PlanBuffers, SteeredRow, Steerer, StepPlan
 
     dev, H = torch.device("cuda"), 512
-    banks = [DistillerBank(H, rank=16, slots=4, device=dev, seed=3) for _ in range(2)]
+    banks = [DistillerBank(H, rank=16, slots=4, device=dev, seed=3) for _ in range(3)]
     for bank in banks:
         for g in "abc":
             bank.allocate(g)
@@ -187,6 +188,7 @@ def test_an_update_beside_the_stream_equals_the_update_in_line():
             graphs=GraphCache(after=0, in_place=True, shared_pool=True),
             beside=SideStream(GraphCache(after=0, in_place=True)),
         ),
+        Steerer(banks[2], graphs=GraphCache(after=0, in_place=True, shared_pool=True)),  # one graph, update in it
     ]
     buffers = [PlanBuffers(rows=16, units=4, width=8, device=dev, scratch=b.scratch) for b in banks]
     taps = [torch.zeros(17, 2 * H, device=dev) for _ in banks]
@@ -208,14 +210,17 @@ def test_an_update_beside_the_stream_equals_the_update_in_line():
             tap.normal_()  # the next step's taps, while the update may still run
             tap[-1].zero_()
             noise @ noise  # keeps the main stream busy beside it
-        (pred, err, loss), (pred2, err2, loss2) = outs
+        (pred, err, loss), *others = outs
         n = len(slots)
-        torch.testing.assert_close(pred2[:n], pred[:n])
-        torch.testing.assert_close(err2[:n], err[:n])
-        torch.testing.assert_close(loss2[:3], loss[:3])
-    for a, b in ((banks[1].store.flat, banks[0].store.flat), (banks[1].store.steps, banks[0].store.steps)):
-        torch.testing.assert_close(a, b)
+        for pred2, err2, loss2 in others:
+            torch.testing.assert_close(pred2[:n], pred[:n])
+            torch.testing.assert_close(err2[:n], err[:n])
+            torch.testing.assert_close(loss2[:3], loss[:3])
+    for bank in banks[1:]:
+        for a, b in ((bank.store.flat, banks[0].store.flat), (bank.store.steps, banks[0].store.steps)):
+            torch.testing.assert_close(a, b)
     assert steerers[1].beside.graphs.replays > 0 and not steerers[1].beside.graphs.failures
+    assert steerers[2].graphs.replays > 0 and not steerers[2].graphs.failures
 
 
 FLAT_KERNEL_CHECK = """

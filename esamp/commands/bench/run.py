@@ -383,6 +383,10 @@ def _bench(args, plan: Plan, start, loaded: list, log: Path) -> int:
             if counters.get("replay_steps")
             else None,
             host_split_per_steady_step=steady_split(counters),
+            # of that, the engine thread's CPU time (MRV2's adapter): the rest it waited (the GIL, the OS)
+            host_cpu_ms_per_steady_step=round(counters["replay_cpu_ms"] / counters["replay_steps"], 4)
+            if counters.get("replay_steps") and counters.get("replay_cpu_ms")
+            else None,
             # a replayed step whose batch changed (its plan built), apart from the steady ones
             host_ms_per_rebuild_step=round(counters["rebuild_host_ms"] / counters["rebuild_steps"], 4)
             if counters.get("rebuild_steps")
@@ -788,6 +792,9 @@ def _print_table(report: dict) -> None:
         where = ", ".join(f"{part} {ms}" for part, ms in split.items())
         steady = report["host_ms_per_steady_step"]
         print(f"processor host time per steady step: {steady} ms" + (f" ({where})" if where else ""))
+        if report.get("host_cpu_ms_per_steady_step") is not None:
+            cpu = report["host_cpu_ms_per_steady_step"]
+            print(f"  of it the engine thread's CPU time: {cpu} ms (the rest it waited)")
         if report.get("host_ms_per_rebuild_step") is not None:
             print(f"  a step whose batch changed (its plan built): {report['host_ms_per_rebuild_step']} ms")
     if report.get("interrupted"):

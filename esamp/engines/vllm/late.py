@@ -87,7 +87,7 @@ class LateAdapter:
     def apply(self, logits: torch.Tensor, ctx) -> torch.Tensor:
         if not self.slots or not self.exchange.is_live(self):
             return logits
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.thread_time()
         order = ctx.idx_mapping_np
         if logits.shape[0] != len(order):  # refused at start (``refusal``); never steer rows we cannot place
             raise RuntimeError(
@@ -109,7 +109,7 @@ class LateAdapter:
         # Each steered row's generation index, in one array operation (a batch holds hundreds of
         # rows); the step's record keeps the array (``RecordStore``: readers get lists).
         generated = np.maximum(ctx.seq_lens_upper_bound_np[self._member_rows] - self._member_prompts, 0)
-        return self.steering.apply(plan, logits, self.exchange.distill_late(plan), generated, started)
+        return self.steering.apply(plan, logits, self.exchange.distill_late(plan), generated, started, started_cpu)
 
     def forget(self, group: str) -> None:
         """``group`` is over (its client said so): drop its rows (``EngineSteering.release`` calls

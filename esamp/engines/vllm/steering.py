@@ -166,6 +166,7 @@ class EngineSteering:
         self.step_no = 0
         self.counters: collections.Counter = collections.Counter(dict.fromkeys(COUNTERS, 0))
         self.host_seconds = self.replay_seconds = self.plan_seconds = self.rebuild_seconds = 0.0
+        self.replay_cpu_seconds = 0.0  # of the steady steps' host time, the thread's CPU time (late adapters)
         self.replay_split = [0.0, 0.0, 0.0]  # of replay_seconds: Distiller step, filter and mix, record
         self._plan_spent = 0.0  # host time of the plan built for the coming ``apply`` (0: none)
         self.slow_steps: collections.deque[dict] = collections.deque(maxlen=SLOW_STEPS_KEPT)
@@ -187,7 +188,9 @@ class EngineSteering:
                     enabled=graphs and bank is not None, after=0, size=DISTILL_GRAPHS, in_place=True, shared_pool=True
                 ),
                 # On a GPU the Distiller's update runs beside the steps that follow it
-                # (ESAMP_UPDATE=inline: in line with the step, for measuring the two against each other).
+                # (ESAMP_UPDATE=inline: in line, in the Distiller step's own graph, for measuring the two
+                # against each other: one replay a step and no stream ordering on the host, the update's
+                # kernels on the step's path).
                 beside=SideStream(GraphCache(enabled=graphs, after=0, size=DISTILL_GRAPHS, in_place=True))
                 if self.device.type == "cuda" and os.environ.get("ESAMP_UPDATE", "beside") != "inline"
                 else None,
@@ -412,6 +415,7 @@ class EngineSteering:
         handoff: Handoff | None,
         generated: Sequence[int] | None = None,
         started: float | None = None,
+        started_cpu: float | None = None,
     ) -> torch.Tensor:
         """Filter every planned row of ``logits`` and mix the steered ones, in place; one step
         record (on the worker that owns the bank). ``handoff`` None: no taps reached this step, so
@@ -419,7 +423,9 @@ class EngineSteering:
         tokens its request had generated before this step, where the adapter has them as one
         array (else the length of each row's ``output_ids``). ``started``: when the adapter's
         ``apply`` began (``time.perf_counter``), for an adapter that plans and runs the Distiller
-        step inside it: the step's host time is then the whole of its ``apply``."""
+        step inside it: the step's host time is then the whole of its ``apply``; ``started_cpu``:
+        the thread's CPU time then (``time.thread_time``), to tell a steady step's own work from
+        its waits (for the GIL, for the OS) in ``metrics()``'s ``replay_cpu_ms``."""
         t0 = time.perf_counter()
         self.step_no += 1
         step, s = plan.step, plan.steered
@@ -461,6 +467,7 @@ class EngineSteering:
             self._last_expire = now
             self.records.expire(self.groups.live)
         end = time.perf_counter()
+        cpu = time.thread_time() - started_cpu if started_cpu is not None else 0.0
         distilled = handoff.host_seconds if handoff is not None else 0.0
         if started is None:  # the Distiller step ran earlier in the step (and counted itself)
             self.host_seconds += end - t0
@@ -481,6 +488,7 @@ class EngineSteering:
             self.counters["rebuild_steps"] += 1
         elif steered and handoff.replayed and mix == "replay":
             self.replay_seconds += whole  # a steady step's host cost, and where it went:
+            self.replay_cpu_seconds += cpu
             split = self.replay_split  # the Distiller step, the filter and mix, the record, the rest
             split[0] += distilled
             split[1] += t_records - t_mix
@@ -677,6 +685,7 @@ class EngineSteering:
             host_ms=round(1e3 * self.host_seconds, 1),
             replay_host_ms=round(1e3 * self.replay_seconds, 1),
             rebuild_host_ms=round(1e3 * self.rebuild_seconds, 1),
+            replay_cpu_ms=round(1e3 * self.replay_cpu_seconds, 1),
             replay_distill_ms=round(1e3 * self.replay_split[0], 1),
             replay_mix_ms=round(1e3 * self.replay_split[1], 1),
             replay_records_ms=round(1e3 * self.replay_split[2], 1),
