@@ -50,11 +50,11 @@ class TracingSteering(EngineSteering):
         )
         return handoff
 
-    def apply(self, plan, logits, handoff, generated=None, started=None):
+    def apply(self, plan, logits, handoff, generated=None, *started):  # (the adapter's start times, passed on)
         trace, self._trace = self._trace, None
         index = plan.step.index[: plan.steered]
         raw = logits.index_select(0, index).clone() if trace is not None else None
-        out = super().apply(plan, logits, handoff, generated, started)
+        out = super().apply(plan, logits, handoff, generated, *started)
         if trace is not None and handoff is not None and handoff.d is not None:
             at = list(map(len, plan.outputs)) if generated is None else generated
             self.traces.append(
