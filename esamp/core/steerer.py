@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from esamp.core import intervention as iv
+from esamp.core import intervention as iv, mixes
 from esamp.core.backends.graphs import GraphCache, SideStream
 from esamp.core.backends.triton_filter import FilterWorkspace, LogitsAt, filter_and_mix, launch
 from esamp.core.backends.triton_mix import mix_and_count
@@ -94,6 +94,8 @@ class PlanBuffers:
             matched=per_row,
         )
         self._views: dict[tuple[str, int], torch.Tensor] = {}
+        # id(row) → (row, steered, its numbers), the last plan's rows (``StepPlan.build``)
+        self.row_values: dict[int, tuple] = {}
         with torch.inference_mode(False):
             self.longs = torch.zeros(self._long_spans["_end"], dtype=torch.long, device=self.device)
             self.floats = torch.zeros(self._float_spans["_end"], dtype=torch.float32, device=self.device)
@@ -139,6 +141,18 @@ class PlanBuffers:
             if self.device.type == "cuda":
                 staged = staged.pin_memory()  # (the host allocator keeps it until the copy is done)
             buffer.copy_(staged, non_blocking=True)
+
+
+def _row_values(row: SteeredRow, steered: bool) -> tuple:
+    """A row's numbers in a plan: (T, min-p, top-p, top-k, a, b, entropy-matched), T = 1 for a
+    greedy row, and (a, b) = (1, 0), unmatched, for a row only filtered."""
+    x = row.filters
+    temperature = x.temperature if x.temperature > 0 else 1.0
+    if not steered:
+        return temperature, x.min_p, x.top_p, x.top_k, 1.0, 0.0, 0.0
+    a, b = mixes.coefficients(row.steering.mix, row.steering.beta)  # (as iv.mix_coefficients)
+    matched = float(mixes.matches_entropy(row.steering.mix))
+    return temperature, x.min_p, x.top_p, x.top_k, float(a), float(b), matched
 
 
 def _spans(**sizes: int) -> dict[str, int]:
@@ -211,23 +225,24 @@ class StepPlan:
             group = r.slot if r.group is None else r.group
             trains.append(r.may_train and r.steering.train and (r.steering.train_rows == "all" or group not in seen))
             seen.add(group)
-        f = [r.filters for r in rows]
-        mixing = [(r.steering.mix, r.steering.beta) for r in rows[:s]]
-        a, b = iv.coefficient_lists(mixing)
-        values = dict(
-            temperature=[x.temperature if x.temperature > 0 else 1.0 for x in f],
-            min_p=[x.min_p for x in f],
-            top_p=[x.top_p for x in f],
-            a=a + [1.0] * (n - s),
-            b=b + [0.0] * (n - s),
-        )
-        matched = [float(m) for m in iv.entropy_matched(mixing)] + [0.0] * (n - s)
+        known = buffers.row_values if buffers is not None else {}
+        kept: dict[int, tuple] = {}
+        numbers = []
+        for i, r in enumerate(rows):  # each row's numbers, worked out once while the row object stays
+            hit = known.get(id(r))
+            if hit is None or hit[0] is not r or hit[1] != (i < s):
+                hit = (r, i < s, _row_values(r, i < s))
+            kept[id(r)] = hit
+            numbers.append(hit[2])
+        if buffers is not None:
+            buffers.row_values = kept  # (the rows of this plan only: the others' objects may go)
+        temperature, min_p, top_p, top_k, a, b, matched = map(list, zip(*numbers)) if n else ([] for _ in range(7))
+        values = dict(temperature=temperature, min_p=min_p, top_p=top_p, a=a, b=b)
         uses_matched = any(matched)
         if uses_matched:
             values["matched"] = matched
-        top_k = [x.top_k for x in f]
         uses_top_k = any(k > 0 for k in top_k)
-        uses_top_p = any(x.top_p < 1 for x in f)
+        uses_top_p = any(p < 1 for p in top_p)
         if buffers is None:
             layout = RowLayout.from_slots(slots, trains, device=device) if s else None
             tensors = {k: torch.tensor(v, dtype=torch.float32).to(device) for k, v in values.items()}

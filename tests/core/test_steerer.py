@@ -32,6 +32,27 @@ def test_plan_carries_each_rows_settings():
     assert plan.layout.weight.tolist() == [1, 1, 1, 0] and plan.key == ((2, 2), True)
 
 
+def test_a_plan_on_buffers_reuses_each_rows_numbers_only_while_they_hold():
+    """Rebuilt on the same buffers, a plan works out each row object's numbers once; the same
+    object steered in one plan and only filtered in the next gets the filtered numbers, and a row
+    object given twice in one plan counts twice."""
+    buffers = PlanBuffers(rows=8, units=4, width=4, device=torch.device("cpu"), scratch=9)
+    a = SteeredRow(0, Steering(beta=0.5, mix="paper"), Filters(temperature=0.5, min_p=0.2))
+    b = SteeredRow(1, Steering(beta=1.0, mix="unsharpened"), Filters(top_p=0.9))
+    first = StepPlan.build([a, b, b], steered=3, index=[0, 1, 2], buffers=buffers)
+    assert first.a.tolist() == [1.5, 1.0, 1.0] and first.b.tolist() == [0.5, 1.0, 1.0]
+    assert (
+        first.temperature.tolist() == pytest.approx([0.5, 0.8, 0.8])
+        and first.top_p.tolist()[1:] == [pytest.approx(0.9)] * 2
+    )
+    assert set(buffers.row_values) == {id(a), id(b)}
+    second = StepPlan.build([b, a], steered=1, index=[0, 1], buffers=buffers)  # a only filtered now
+    assert second.a.tolist() == [1.0, 1.0] and second.b.tolist() == [1.0, 0.0]
+    assert second.min_p.tolist() == pytest.approx([0.1, 0.2])
+    fresh = StepPlan.build([b, a], steered=1)  # no buffers: nothing kept
+    assert fresh.a.tolist() == second.a.tolist() and fresh.b.tolist() == second.b.tolist()
+
+
 def test_no_training_plan_and_filter_only_plan():
     rows = [SteeredRow(1, Steering(train=False), Filters())] * 3
     assert StepPlan.build(rows).layout.training == ()

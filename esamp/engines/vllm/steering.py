@@ -50,6 +50,7 @@ DISTILL_GRAPHS = 64  # captured Distiller shapes kept (every bucketed shape of a
 # one memory pool (below), so more kept graphs cost no more device memory than the largest.
 APPLY_GRAPHS = 16
 PADDED_GRAPHS = 64  # ≥ every padded step's key: 9 buckets of rows × top-p or not × three forms of d at 256 rows
+QUIET = Steering(enabled=False, beta=0.0)  # a row only filtered (never changed: a plan holds it)
 EXPIRE_EVERY = 1.0  # seconds between checks for records nobody read
 # A step whose host time passes SLOW_STEP_S is kept, with where its time went, among the last
 # SLOW_STEPS_KEPT such steps (``metrics()["slow_steps"]``): what a steady step's mean hides.
@@ -169,6 +170,7 @@ class EngineSteering:
         self.replay_cpu_seconds = 0.0  # of the steady steps' host time, the thread's CPU time (late adapters)
         self.replay_split = [0.0, 0.0, 0.0]  # of replay_seconds: Distiller step, filter and mix, record
         self._plan_spent = 0.0  # host time of the plan built for the coming ``apply`` (0: none)
+        self._steered_rows: dict[int, tuple] = {}  # id(request row) → (it, (slot, complete), its SteeredRow)
         self.slow_steps: collections.deque[dict] = collections.deque(maxlen=SLOW_STEPS_KEPT)
         self._born = time.monotonic()
         graphs = self.device.type == "cuda" and os.environ.get("ESAMP_CUDA_GRAPHS", "1") != "0"
@@ -244,19 +246,38 @@ class EngineSteering:
         step = self.step_no
         self.groups.live = {r.group for r in rows.values()}
         steered, plain = [], []
+        slot_of: dict[str, int | None] = {}  # a group's slot, asked for once a plan
         for index in sorted(i for i in rows if i < n_logits):
             row = rows[index]
             slot = None
             if row.steering is not None and row.steering.enabled and self.slots is not None:
-                slot = self.groups.slot(row.group, step, self.counters)
+                if row.group not in slot_of:
+                    slot_of[row.group] = self.groups.slot(row.group, step, self.counters)
+                elif slot_of[row.group] is None:
+                    self.counters["bank_full"] += 1  # (counted per row, as the first row's was)
+                slot = slot_of[row.group]
             (steered if slot is not None else plain).append((index, row, slot))
         self.counters["slots_released"] += self.groups.release_idle(step)
         for _, row, _ in steered:
             self.groups.arrived(row)
-        quiet = Steering(enabled=False, beta=0.0)
-        spec = [SteeredRow(s, r.steering, r.filters, self.groups.complete(r), r.group) for _, r, s in steered] + [
-            SteeredRow(-1, quiet, r.filters) for _, r, _ in plain
-        ]
+        # Each row's SteeredRow, the same object while its request, slot and completeness stay (the
+        # plan's numbers are worked out once per such object: ``StepPlan.build``)
+        known, kept = self._steered_rows, {}
+        spec = []
+        for _, r, s in steered:
+            complete = self.groups.complete(r)
+            hit = known.get(id(r))
+            if hit is None or hit[0] is not r or hit[1] != (s, complete):
+                hit = (r, (s, complete), SteeredRow(s, r.steering, r.filters, complete, r.group))
+            kept[id(r)] = hit
+            spec.append(hit[2])
+        for _, r, _ in plain:
+            hit = known.get(id(r))
+            if hit is None or hit[0] is not r or hit[1] is not None:
+                hit = (r, None, SteeredRow(-1, QUIET, r.filters))
+            kept[id(r)] = hit
+            spec.append(hit[2])
+        self._steered_rows = kept  # (this plan's rows only: a finished request's objects may go)
         index = [i for i, _, _ in steered] + [i for i, _, _ in plain]
         with torch.inference_mode(False):
             plan = StepPlan.build(spec, self.device, steered=len(steered), index=index, buffers=self.buffers)
