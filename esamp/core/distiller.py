@@ -401,7 +401,7 @@ class DistillerBank(SlotLedger):
         """Order the current stream after the update in flight, if any."""
         if self._updating is not None:
             if self._cuda_index is None:
-                self._cuda_index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+                self._cuda_index = streams.index_of(self.device)
             streams.wait(streams.current(self._cuda_index), self._updating)
             self._updating = None
 

@@ -133,16 +133,11 @@ def dense_logits(d: torch.Tensor | HeadProduct | None, vocab: int) -> torch.Tens
     return d.dense(vocab) if isinstance(d, HeadProduct) else d
 
 
-def coefficient_lists(rows: Sequence[tuple[str, float]]) -> tuple[list[float], list[float]]:
-    """(a, b) as host lists for rows given as (mix name, β)."""
-    ab = [mixes.coefficients(kind, beta) for kind, beta in rows]
-    return [float(a) for a, _ in ab], [float(b) for _, b in ab]
-
-
 def mix_coefficients(rows: Sequence[tuple[str, float]]) -> tuple[torch.Tensor, torch.Tensor]:
     """(a, b) as [R, 1] fp32 tensors for rows given as (mix name, β)."""
-    a, b = coefficient_lists(rows)
-    return torch.tensor(a, dtype=torch.float32).reshape(-1, 1), torch.tensor(b, dtype=torch.float32).reshape(-1, 1)
+    ab = [mixes.coefficients(kind, beta) for kind, beta in rows]
+    t = torch.tensor(ab, dtype=torch.float32).reshape(-1, 2)
+    return t[:, :1].contiguous(), t[:, 1:].contiguous()
 
 
 def entropy_matched(rows: Sequence[tuple[str, float]]) -> list[bool]:

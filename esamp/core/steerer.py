@@ -360,8 +360,6 @@ class Steerer:
         self.graphs = graphs or GraphCache(enabled=False)
         self.beside = beside  # where the Distiller's update runs on a GPU (None: in line)
         self._work: FilterWorkspace | None = None
-        # per captured Distiller step's key: (its update, that update's graph key), worked out once
-        self._learn_keys: dict[Hashable, tuple] = {}
 
     # -- distill -----------------------------------------------------------------------------
 
@@ -394,15 +392,9 @@ class Steerer:
             # The update is not needed before the next step's prediction: it runs beside what
             # follows (the mix, the sampler, the model's next forward) instead of before it, as a
             # graph of its own where the prediction was one (its inputs then stay where they are).
+            learn_key = ("learn", plan.key) + tuple(t.data_ptr() for t in update.reads)
             graphed = key in self.graphs.graphs
-            learn_key = self._learn_keys.get(key) if graphed else None
-            if learn_key is None or learn_key[0] is not update:  # a replayed graph's update is the same object
-                learn_key = (update, ("learn", plan.key) + tuple(t.data_ptr() for t in update.reads))
-                if graphed:
-                    if len(self._learn_keys) > 256:  # keys of graphs long evicted
-                        self._learn_keys.clear()
-                    self._learn_keys[key] = learn_key
-            self.bank.updating(self.beside.run(learn_key[1], update.run, *update.reads, graphed=graphed))
+            self.bank.updating(self.beside.run(learn_key, update.run, *update.reads, graphed=graphed))
         return prediction, errors, losses
 
     def prepare(

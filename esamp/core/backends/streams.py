@@ -9,7 +9,8 @@ the current stream (``graphs.SideStream``) and the next reader waiting for it
 (``benchmarks/host_micro.py --primitives``). These functions ask the same of PyTorch's C layer
 directly:
 
-- ``current(device)``: the current stream, a ``Stream`` made once per raw stream handle;
+- ``current(device)``: the current stream, a ``Stream`` made once per raw stream handle
+  (``index_of`` gives a ``torch.device``'s index);
 - ``switch(stream)``: make ``stream`` current (what ``torch.cuda.set_stream`` does);
 - ``record(event, stream)``, ``wait(stream, event)``: the event calls with the stream given.
 
@@ -27,6 +28,11 @@ _RAW = getattr(_C, "_cuda_getCurrentRawStream", None)
 _SET = getattr(_C, "_cuda_setStream", None)
 _EVENT = getattr(_C, "_CudaEventBase", None)
 _KNOWN: dict[tuple[int, int], torch.cuda.Stream] = {}  # (device, raw handle) → its Stream
+
+
+def index_of(device: torch.device) -> int:
+    """The index of CUDA device ``device`` (the current device for a bare ``cuda``)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def current(device: int) -> torch.cuda.Stream:

@@ -99,7 +99,7 @@ class RecordStore:
             packed = host.copy_(packed, non_blocking=True)
             event = UNMARKED
             if self._index is None:
-                self._index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+                self._index = streams.index_of(self.device)
             stream = streams.current(self._index)
         record = _Step(
             step,
