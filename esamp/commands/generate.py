@@ -79,8 +79,15 @@ def run(args) -> int:
         return _generate(args, sampling, esamp, sys.stdout)
     except EsampError as exc:
         if args.json:
-            print(ErrorEvent(message=exc.message, hint=exc.hint, fatal=True).model_dump_json(), flush=True)
+            _json_line(sys.stdout, ErrorEvent(message=exc.message, hint=exc.hint, fatal=True))
         raise
+
+
+def _json_line(out, event: Event) -> None:
+    """One event, its newline in the same write: a reader never sees a line without its end, even
+    with an unbuffered stdout (PYTHONUNBUFFERED), where print() writes the newline apart."""
+    out.write(event.model_dump_json() + "\n")
+    out.flush()
 
 
 def _load(args, esamp: EsampConfig):
@@ -192,7 +199,7 @@ def _generate(args, sampling: SamplingConfig, esamp: EsampConfig, out) -> int:
             if not args.json:
                 text.add(event)
             elif event.type in JSON_TYPES:
-                print(event.model_dump_json(), file=out, flush=True)
+                _json_line(out, event)
 
     interrupted = False
     t0 = time.perf_counter()

@@ -23,12 +23,36 @@ def test_human_output_shows_samples_and_a_summary(capsys):
 @pytest.mark.slow
 def test_json_output_is_one_typed_event_per_line(capsys):
     assert main(["generate", "Name a colour.", "-n", "2", "--max-tokens", "6", "--json"]) == 0
-    lines = capsys.readouterr().out.strip().splitlines()
+    lines = capsys.readouterr().out.strip().split("\n")  # JSON lines end at "\n" only (U+2028 stays raw)
     events = [event_from_json(line) for line in lines]
     assert {e.type for e in events} <= {"token", "step", "done", "error"}
     tokens = [json.loads(line) for line in lines if json.loads(line)["type"] == "token"]
     assert tokens and all({"sample", "text", "novelty"} <= set(t) for t in tokens)
     assert sum(e.type == "done" for e in events) == 2
+
+
+def test_each_json_event_is_one_write_with_its_newline():
+    """A reader of an unbuffered stdout never sees an event without its line end (print() would write
+    the newline apart), and a line separator inside a token stays inside its line."""
+    import io
+
+    from esamp.commands.generate import _json_line
+    from esamp.events import TokenEvent
+
+    class Writes(io.StringIO):
+        def __init__(self):
+            super().__init__()
+            self.writes = []
+
+        def write(self, text):
+            self.writes.append(text)
+            return super().write(text)
+
+    out = Writes()
+    _json_line(out, TokenEvent(group="g", sample=0, index=0, token_id=5, text="a\u2028b\n", novelty=0.5))
+    (written,) = out.writes
+    assert written.endswith("}\n") and written.count("\n") == 1
+    assert event_from_json(written).text == "a\u2028b\n"
 
 
 @pytest.mark.slow
