@@ -98,7 +98,7 @@ PIECES = (
     ("steering.apply", "steering.apply"),
     ("padded step (all)", "steering._padded_step"),
     ("padded graph run", "steering.padded_graphs.run"),
-    ("records.push", "steering.records.push"),
+    ("records.push_staged", "steering.records.push_staged"),
 )
 
 

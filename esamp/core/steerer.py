@@ -30,6 +30,7 @@ to the reference:
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
@@ -96,6 +97,7 @@ class PlanBuffers:
         self._views: dict[tuple[str, int], torch.Tensor] = {}
         # id(row) → (row, steered, its numbers), the last plan's rows (``StepPlan.build``)
         self.row_values: dict[int, tuple] = {}
+        self.write_seconds = 0.0  # host time of the latest ``write`` (for a rebuild's account)
         with torch.inference_mode(False):
             self.longs = torch.zeros(self._long_spans["_end"], dtype=torch.long, device=self.device)
             self.floats = torch.zeros(self._float_spans["_end"], dtype=torch.float32, device=self.device)
@@ -125,6 +127,7 @@ class PlanBuffers:
         """Set every field: the named ones from their start, everything else to its idle value
         (units: the scratch slot; gather: the zero row; row of each cell: none; row index: -1,
         no row; weights 0: nothing trains; mixed rows: 0)."""
+        t0 = time.perf_counter()
         for buffer, spans, values, dtype in (
             (self.longs, self._long_spans, longs, np.int64),
             (self.floats, self._float_spans, floats, np.float32),
@@ -141,6 +144,7 @@ class PlanBuffers:
             if self.device.type == "cuda":
                 staged = staged.pin_memory()  # (the host allocator keeps it until the copy is done)
             buffer.copy_(staged, non_blocking=True)
+        self.write_seconds = time.perf_counter() - t0
 
 
 def _row_values(row: SteeredRow, steered: bool) -> tuple:

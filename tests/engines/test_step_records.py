@@ -91,47 +91,114 @@ class _Event:
         return self.done
 
 
-def test_one_event_marks_a_batch_of_copies_and_a_reader_marks_the_rest(monkeypatch):
-    """On a GPU a record's copy is marked by an event shared with the copies around it (one per
-    ``MARK_EVERY``): nothing is handed out before its event is done, the records come out in step
-    order, a reader marks the copies no event covers yet, and a new copy stream closes the batch."""
+def _as_on_a_gpu(monkeypatch, stream: list[str]) -> tuple[RecordStore, list[_Event]]:
+    """A store whose ring lives on the CPU but which copies and marks as on a GPU: its copies to
+    the host are non-blocking ones marked by (stand-in) events on the stream the values were
+    written on (``stream[0]`` at each push), a reader switching to that stream to copy."""
     from esamp.engines.vllm import step_records as sr
 
     made: list[_Event] = []
-    stream = ["s0"]
+    current = {"now": None}
 
     def event():
         made.append(_Event())
         return made[-1]
 
     def record(ev, on):
+        assert current["now"] in (None, on), "a copy's event is recorded on the stream of the copy"
         ev.stream = on
 
     monkeypatch.setattr(sr.torch.cuda, "Event", event)
-    monkeypatch.setattr(sr.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(sr.streams, "index_of", lambda device: 0)
     monkeypatch.setattr(sr.streams, "record", record)
-    monkeypatch.setattr(sr.streams, "current", lambda device: stream[0])
-    monkeypatch.setattr(sr.torch, "empty", lambda n, dtype, pin_memory: torch.zeros(n, dtype=dtype))
-    store = RecordStore(torch.device("cuda", 0))
+    monkeypatch.setattr(sr.streams, "current", lambda device: current["now"] or stream[0])
+    monkeypatch.setattr(sr.streams, "switch", lambda s: current.update(now=s))
+    real_empty = torch.empty
+    monkeypatch.setattr(sr.torch, "empty", lambda *shape, dtype, pin_memory: real_empty(*shape, dtype=dtype))
+    store = RecordStore(torch.device("cpu"))
+    store._cuda = True
+    return store, made
+
+
+def test_one_copy_and_one_event_take_a_batch_of_steps_and_a_reader_copies_the_rest(monkeypatch):
+    """On a GPU the staged values of ``MARK_EVERY`` steps leave the device ring in one copy marked
+    by one event: nothing is handed out before its event is done, the records come out in step
+    order with their own values, a reader copies the steps no copy took yet, and a new stream
+    closes the batch (its copy goes on the stream the values were written on)."""
+    from esamp.engines.vllm import step_records as sr
+
+    stream = ["s0"]
+    store, made = _as_on_a_gpu(monkeypatch, stream)
+
+    def push(step):
+        packed = RecordStore.pack(torch.tensor([step / 4]), torch.tensor([3]), torch.tensor([0.5, 0.0]))
+        store.push(step, ["a"], [0], [step], packed, ["a", None])
+
     for step in range(sr.MARK_EVERY + 3):
-        _push(store, step, ["a"])
-    assert len(made) == 1 and made[0].stream == "s0"  # the first MARK_EVERY copies, one event
-    assert store.take() == ([], sr.MARK_EVERY + 3)  # nothing finished; the reader marked the other 3
+        push(step)
+    assert len(made) == 1 and made[0].stream == "s0"  # the first MARK_EVERY steps, one copy, one event
+    assert store.take() == ([], sr.MARK_EVERY + 3)  # nothing finished; the reader copied the other 3
     assert len(made) == 2
     made[1].done = True  # the later event done before the earlier: still nothing out of order
     assert store.take() == ([], sr.MARK_EVERY + 3)
     made[0].done = True
     steps, pending = store.take()
     assert [r["step"] for r in steps] == list(range(sr.MARK_EVERY + 3)) and pending == 0
-    assert steps[0]["rows"] == [("a", 0, 0, 0.0, 3)]
-    _push(store, 100, ["a"])
-    stream[0] = "s1"  # the engine's copies moved to another stream: the batch on s0 is closed first
-    _push(store, 101, ["a"])
+    assert [r["rows"] for r in steps] == [[("a", 0, s, s / 4, 3)] for s in range(sr.MARK_EVERY + 3)]
+    push(100)
+    stream[0] = "s1"  # the engine's steps moved to another stream: the batch on s0 is copied first
+    push(101)
     assert len(made) == 3 and made[2].stream == "s0"
-    store.collect()  # marks the copy on s1
+    store.collect()  # copies the step written on s1, from s1
     assert len(made) == 4 and made[3].stream == "s1"
     made[2].done = made[3].done = True
-    assert [r["step"] for r in store.take()[0]] == [100, 101]
+    assert [r["rows"] for r in store.take()[0]] == [[("a", 0, 100, 25.0, 3)], [("a", 0, 101, 25.25, 3)]]
+
+
+def test_the_ring_wraps_and_its_host_buffers_are_reused(monkeypatch):
+    """Past the ring's last row the next step writes its first again, and a copy that spans the end
+    comes back in order; a host buffer goes back for reuse once every record of it is read."""
+    from esamp.engines.vllm import step_records as sr
+
+    store, made = _as_on_a_gpu(monkeypatch, ["s0"])
+    seen = []
+
+    def read():
+        store.collect()  # copies what is staged
+        for ev in made:
+            ev.done = True
+        seen.extend(store.take()[0])
+
+    for step in range(3 * sr.RING_ROWS + 5):
+        n = 1 + step % 3  # records of several lengths share the ring's rows
+        packed = RecordStore.pack(torch.full((n,), float(step)), torch.arange(n), torch.tensor([step / 8]))
+        store.push(step, ["g"] * n, list(range(n)), [step] * n, packed, ["g"])
+        if step % 5 == 4:  # a reader now and then: partial copies move where the next copy starts
+            read()
+    read()
+    assert [r["step"] for r in seen] == list(range(3 * sr.RING_ROWS + 5))
+    for r in seen:
+        n, s = 1 + r["step"] % 3, r["step"]
+        assert r["rows"] == [("g", i, s, float(s), i) for i in range(n)] and r["loss"] == {"g": s / 8}
+    assert len(store._buffers) >= 1 and len(made) > 2 * len(store._buffers)  # buffers came back and were reused
+
+
+def test_a_restart_forgets_values_staged_without_a_record():
+    """An engine's captures run each step once before its first request: what they staged is no
+    record's, and a restart makes the next step's values the first record's again."""
+    store = RecordStore(torch.device("cpu"))
+    for _ in range(3):
+        store.stage(RecordStore.pack(torch.tensor([9.0]), torch.tensor([9]), None))
+    store.restart()
+    _push(store, 1, ["a"])
+    (rec,), _ = store.take()
+    assert rec["rows"] == [("a", 0, 1, 0.0, 3)]
+
+
+def test_a_step_longer_than_the_ring_row_is_an_error():
+    store = RecordStore(torch.device("cpu"), width=4)
+    with pytest.raises(ValueError, match="holds 4"):
+        store.stage(torch.zeros(5))
 
 
 @pytest.mark.cuda
@@ -149,3 +216,42 @@ def test_records_copied_from_the_gpu_come_back_whole_in_order():
         n = 1 + r["step"] % 5
         assert r["rows"] == [("g", i, r["step"], float(r["step"]), i) for i in range(n)]
         assert r["loss"] == {"g": pytest.approx(r["step"] / 10)}
+
+
+@pytest.mark.cuda
+def test_values_staged_inside_a_replayed_graph_come_back_as_their_steps_records():
+    """A step captured as a CUDA graph stages its record's values itself (the ring's row is the
+    device counter's): replayed with new inputs, each replay's values come back as the record
+    pushed after it, across the ring's end and the copies' batches."""
+    from esamp.engines.vllm import step_records as sr
+
+    store = RecordStore(torch.device("cuda"), width=8)
+    errors = torch.zeros(3, device="cuda")
+    counts = torch.zeros(3, dtype=torch.long, device="cuda")
+    loss = torch.zeros(1, device="cuda")
+
+    def step():
+        store.stage(RecordStore.pack(errors * 2, counts + 1, loss))
+
+    step()  # (warm: the eager call a capture needs first), then no record: forgotten
+    store.restart()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    store.restart()  # (the capture ran nothing; a restart with nothing staged changes nothing)
+    total = sr.RING_ROWS + 2 * sr.MARK_EVERY + 3
+    for s in range(total):
+        errors.fill_(s)
+        counts.fill_(s % 7)
+        loss.fill_(s / 10)
+        graph.replay()
+        store.push_staged(s, ["g"] * 3, [0, 1, 2], [s] * 3, 7, ["g"])
+    torch.cuda.synchronize()
+    steps, pending = store.take()
+    torch.cuda.synchronize()
+    steps += store.take()[0]
+    assert [r["step"] for r in steps] == list(range(total))
+    for r in steps:
+        s = r["step"]
+        assert r["rows"] == [("g", i, s, 2.0 * s, s % 7 + 1) for i in range(3)]
+        assert r["loss"] == {"g": pytest.approx(s / 10)}

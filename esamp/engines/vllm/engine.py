@@ -137,6 +137,7 @@ class VllmEngine(RecordedEngine):
         self.plain = plain
         self._last_drain = 0.0
         self._batches_since_drain = 0
+        self._records_owed = False  # outputs came whose steps' records no fetch has brought back yet
         self._channel = None  # the records channel (``_records_channel``)
         self._channel_asked = False
         self.drains = 0  # record fetches, and the wall time this process spent in them
@@ -358,18 +359,23 @@ class VllmEngine(RecordedEngine):
         steering = any(g.steered for g in self.groups.values())
         now = time.perf_counter()
         # One round trip to the engine process per drain: batch engine steps per drain while vLLM
-        # is busy (``drain_due``); at once when it produced nothing (the run's last records).
-        all_back = False
+        # is busy (``drain_due``); at once when it produced nothing (the run's last records). Only
+        # while records are owed: before the first output (prompts still prefilling) and after a
+        # fetch found every record back with no output since, a fetch brings nothing, and its
+        # answer takes the engine process's interpreter from the steps (a thread there serves it).
         if outputs:
             self._batches_since_drain += 1
-        if self.release or (steering and (not outputs or self.drain_due(now - self._last_drain))):
+            self._records_owed = True
+        all_back = not self._records_owed  # every step that produced the outputs seen so far reported back
+        due = self._records_owed and (not outputs or self.drain_due(now - self._last_drain))
+        if self.release or (steering and due):
             self._last_drain = now
             self._batches_since_drain = 0
             drained = self.drain()
             for rec in drained["steps"]:
                 self._file(rec, stats)
-            # Every step that produced the outputs seen so far has reported back.
             all_back = drained.get("pending", 0) == 0
+            self._records_owed = not all_back
             if steering and not drained["steps"] and not outputs:
                 time.sleep(0.0005)  # records still on their way back from the device
         elif not outputs:

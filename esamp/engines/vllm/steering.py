@@ -40,7 +40,7 @@ from esamp.core.intervention import HeadProduct
 from esamp.core.steerer import FUSED_FILTER, PlanBuffers, SteeredRow, Steerer, StepPlan, bucket, reference_filter
 from esamp.engines.vllm import hooks, settings as es
 from esamp.engines.vllm.rows import Groups, RequestRow
-from esamp.engines.vllm.step_records import RecordStore
+from esamp.engines.vllm.step_records import RETAIN_SECONDS, RecordStore
 from esamp.engines.vllm.tp import ALONE, TensorParallel, tensor_parallel
 
 DISTILL_GRAPHS = 64  # captured Distiller shapes kept (every bucketed shape of a 256-row batch is 39)
@@ -170,6 +170,7 @@ class EngineSteering:
         self.replay_cpu_seconds = 0.0  # of the steady steps' host time, the thread's CPU time (late adapters)
         self.replay_split = [0.0, 0.0, 0.0]  # of replay_seconds: Distiller step, filter and mix, record
         self._plan_spent = 0.0  # host time of the plan built for the coming ``apply`` (0: none)
+        self._plan_parts = [0.0, 0.0, 0.0, 0.0]  # of it: the rows, the build, the buffers' copy, CPU time
         self._steered_rows: dict[int, tuple] = {}  # id(request row) → (it, (slot, complete), its SteeredRow)
         self.slow_steps: collections.deque[dict] = collections.deque(maxlen=SLOW_STEPS_KEPT)
         self._born = time.monotonic()
@@ -225,7 +226,13 @@ class EngineSteering:
         if bank is not None:  # the fused step's workspace, sized before any step is captured (the padded
             bank.reserve(self.row_bucket + 1, self.buffers.cells)  # steps read its outputs over a bucket)
         self.groups = Groups(self.slots)
-        self.records = RecordStore(self.device) if retain_seconds is None else RecordStore(self.device, retain_seconds)
+        # A record ring row holds the longest packed step: a padded step's bucket of errors and
+        # counts and every unit's loss (``_padded_fn``); a plan's own rows are never more.
+        self.records = RecordStore(
+            self.device,
+            RETAIN_SECONDS if retain_seconds is None else retain_seconds,
+            width=2 * self.row_bucket + self.buffers.units,
+        )
         self._taps: torch.Tensor | None = None  # [max_rows + 1, A·H] tapped rows (last row zero)
         self._tap_views: tuple | None = None  # (what they view, (x, y)) of ``_views``
         self._shared: torch.Tensor | None = None  # [max_rows, H] ŷ received from TP rank 0
@@ -242,7 +249,7 @@ class EngineSteering:
 
     def plan(self, rows: dict[int, RequestRow], n_logits: int) -> BatchPlan:
         """The plan of a batch whose ESamp rows are ``rows`` (logits row → request row)."""
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         step = self.step_no
         self.groups.live = {r.group for r in rows.values()}
         steered, plain = [], []
@@ -279,8 +286,10 @@ class EngineSteering:
             spec.append(hit[2])
         self._steered_rows = kept  # (this plan's rows only: a finished request's objects may go)
         index = [i for i, _, _ in steered] + [i for i, _, _ in plain]
+        t_build = time.perf_counter()
         with torch.inference_mode(False):
             plan = StepPlan.build(spec, self.device, steered=len(steered), index=index, buffers=self.buffers)
+        t_built = time.perf_counter()
         members = [r for _, r, _ in steered]
         unit_groups: list[tuple[str, ...]] = []
         if plan.layout is not None:
@@ -306,6 +315,13 @@ class EngineSteering:
         spent = time.perf_counter() - t0
         self.plan_seconds += spent
         self._plan_spent += spent
+        # where a rebuild's time went, for a slow step's entry: the rows, the plan's numbers and
+        # block (of it, the copy of the buffers to the device), the rest; and its thread CPU time
+        parts = self._plan_parts
+        parts[0] += t_build - t0
+        parts[1] += t_built - t_build
+        parts[2] += self.buffers.write_seconds
+        parts[3] += time.thread_time() - c0
         return out
 
     # -- the step ----------------------------------------------------------------------------
@@ -361,6 +377,7 @@ class EngineSteering:
         self.counters["graphs_prepared"] = self.steerer.prepare(plans, x, y, normalize, head_dtype)
         self.steerer.warm_filter(self.vocab, self.device, head_dtype, self.hidden)
         self.counters["padded_prepared"] = self._prepare_padded(head, head_dtype)
+        self.records.restart()  # (each capture's eager call staged a record nobody pushed)
         self.counters["prepare_ms"] = round(1e3 * (time.perf_counter() - t0), 1)
 
     def _prepare_padded(self, head: torch.Tensor | None, head_dtype: torch.dtype) -> int:
@@ -472,13 +489,13 @@ class EngineSteering:
             self.counters["port_hits"] += s
             if loss is not None:
                 self.counters["train_steps"] += 1
-        if reported:
-            self.records.push(
+        if reported:  # (the step staged its values: ``_padded_fn``, ``_general_step``)
+            self.records.push_staged(
                 self.step_no,
                 plan.groups,
                 plan.samples,
                 list(map(len, plan.outputs)) if generated is None else generated,
-                packed,
+                packed.numel(),
                 plan.unit_groups if loss is not None else [],
                 keep=plan.recorded,
                 width=width,
@@ -497,6 +514,7 @@ class EngineSteering:
             whole = end - started
             self.host_seconds += whole - distilled
         plan_spent, self._plan_spent = self._plan_spent, 0.0
+        plan_parts, self._plan_parts = self._plan_parts, [0.0, 0.0, 0.0, 0.0]
         after = (self.padded_graphs.replays, self.padded_graphs.captures)
         after += (self.apply_graphs.replays, self.apply_graphs.captures)
         mix = "eager"
@@ -516,22 +534,30 @@ class EngineSteering:
             split[2] += end - t_records
             self.counters["replay_steps"] += 1
         if whole > SLOW_STEP_S:
-            self.slow_steps.append(
-                dict(
-                    step=self.step_no,
-                    at_s=round(time.monotonic() - self._born, 3),
-                    rows=step.rows,
-                    steered=s if steered else 0,
-                    mix=mix,
-                    padded=width is not None,
-                    distiller="replay" if steered and handoff.replayed else "eager" if steered else "none",
-                    host_ms=round(1e3 * whole, 3),
-                    plan_ms=round(1e3 * plan_spent, 3),
-                    distill_ms=round(1e3 * distilled, 3),
-                    mix_ms=round(1e3 * (t_records - t_mix), 3),
-                    records_ms=round(1e3 * (end - t_records), 3),
-                )
+            entry = dict(
+                step=self.step_no,
+                at_s=round(time.monotonic() - self._born, 3),
+                rows=step.rows,
+                steered=s if steered else 0,
+                mix=mix,
+                padded=width is not None,
+                distiller="replay" if steered and handoff.replayed else "eager" if steered else "none",
+                host_ms=round(1e3 * whole, 3),
+                # the thread's CPU time (an adapter that gives its start): the rest of host_ms waited
+                cpu_ms=round(1e3 * cpu, 3) if started_cpu is not None else None,
+                plan_ms=round(1e3 * plan_spent, 3),
+                distill_ms=round(1e3 * distilled, 3),
+                mix_ms=round(1e3 * (t_records - t_mix), 3),
+                records_ms=round(1e3 * (end - t_records), 3),
             )
+            if plan_spent:
+                entry.update(
+                    zip(
+                        ("plan_rows_ms", "plan_build_ms", "plan_write_ms", "plan_cpu_ms"),
+                        (round(1e3 * t, 3) for t in plan_parts),
+                    )
+                )
+            self.slow_steps.append(entry)
         return logits
 
     def _padded_step(self, plan: BatchPlan, logits: torch.Tensor, d, err, reported: bool) -> torch.Tensor | None:
@@ -595,7 +621,9 @@ class EngineSteering:
             counts = self.steerer.filter_and_mix_padded(self.buffers, R, at, d, dense, cut)
             if errors is None:
                 return counts
-            return RecordStore.pack(errors[:R], counts, losses[:units])
+            packed = RecordStore.pack(errors[:R], counts, losses[:units])
+            self.records.stage(packed)  # (inside the graph: the record's values need no call of their own)
+            return packed
 
         return run
 
@@ -645,7 +673,9 @@ class EngineSteering:
             counts = self.steerer.filter_and_mix(step, logits, d_)
             if not reported:
                 return counts
-            return RecordStore.pack(rest[1][:s], counts[:s], rest[2] if loss is not None else None)
+            packed = RecordStore.pack(rest[1][:s], counts[:s], rest[2] if loss is not None else None)
+            self.records.stage(packed)
+            return packed
 
         if step.matched is not None:  # the matched mix reads its rows' widest |C| on the host: no graph
             return run(*inputs)

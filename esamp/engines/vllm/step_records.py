@@ -2,10 +2,13 @@
 
 A record says, for every steered row of one engine step, which (group, sample, generation index)
 it was and its Distiller error (the novelty of the token that was the row's input) and candidate
-count, plus each training group's loss. The device values leave in one packed non-blocking copy
-per step; a record is handed out only once its copy has finished (a CUDA event, one for every
-``MARK_EVERY`` copies: recording one costs a step more than the copy), so reading never stalls the
-GPU. Python tuples are built when records are read, not on the step path.
+count, plus each training group's loss. A step packs its device values into one row of a small
+ring on the device (``stage``: a device counter names the row, so a step captured as a CUDA graph
+stages its values itself, with no call of its own on the host), and the host notes which row is
+whose (``push_staged``, in the same order). Every ``MARK_EVERY`` steps the ring's new rows leave
+for the host in one non-blocking copy marked by one CUDA event (a reader copies whatever is left
+when it reads); a record is handed out only once its copy has finished, so reading never stalls
+the GPU. Python tuples are built when records are read, not on the step path.
 
 Records are kept until a reader takes them: the library engine drains every record; a server
 keeps them only for groups that asked (``esamp_records``) and drops what nobody read some time
@@ -31,10 +34,12 @@ RETAIN_SECONDS = 300.0
 LossOwner = str | tuple[str, ...] | None  # whose a packed loss is: a group, several, or nobody's
 MAX_READY = 8192  # step records kept unread at most; beyond, the oldest go (counted as dropped)
 COLLECT_AFTER = 64  # records waiting before a step turns the oldest into plain ones itself
-MARK_EVERY = 8  # copies to the host that one CUDA event marks (a reader marks the rest when it reads)
+MARK_EVERY = 8  # staged steps that one copy to the host takes, marked by one CUDA event (a reader copies the rest)
+RING_ROWS = 4 * MARK_EVERY  # device rows staged values wait in for their copy (≥ MARK_EVERY: never overwritten first)
+RING_WIDTH = 1024  # a ring row's values unless the engine sizes it (``EngineSteering``: its longest packed step)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Step:
     step: int
     groups: list[str]  # per row
@@ -42,29 +47,39 @@ class _Step:
     generated: list[int]  # tokens each row's request had generated before this step
     loss_groups: list[LossOwner]  # per packed loss, whose it is (``push``)
     keep: set[str] | None  # groups whose rows are kept (None: all)
-    packed: torch.Tensor  # host: errors [width] | candidates [width] | losses [len(loss_groups)]
-    event: object  # CUDA event after the copy, UNMARKED until one is recorded, or None (on the host already)
+    numel: int  # its packed values: errors [width] | candidates [width] | losses [len(loss_groups)]
     time: float
     width: int  # where the candidate counts start (≥ the rows: a padded step packs its whole bucket)
+    event: object = None  # CUDA event after its copy, UNMARKED while staged only, or None (on the host)
+    host: torch.Tensor | None = None  # its row of the host copy (at least ``numel`` values), once copied
+    batch: list | None = None  # [host buffer, records of it not yet collected] (the buffer's reuse)
 
 
-UNMARKED = object()  # a record whose copy no CUDA event marks yet (``RecordStore._mark``)
+UNMARKED = object()  # a record still only in the device ring (``RecordStore._flush`` copies it)
 
 
 class RecordStore:
-    def __init__(self, device: torch.device, retain_seconds: float = RETAIN_SECONDS) -> None:
+    def __init__(self, device: torch.device, retain_seconds: float = RETAIN_SECONDS, width: int = RING_WIDTH) -> None:
         self.device = device
         self.retain_seconds = retain_seconds
+        self.width = width  # a ring row's values: the longest packed step
         self._in_flight: collections.deque[_Step] = collections.deque()
         self._ready: collections.deque[dict] = collections.deque()  # step records, oldest first
         self._lock = threading.Lock()  # a server's side channel reads from another thread
         self.dropped = 0
         self.loss: float | None = None  # moving mean of the training groups' losses (for operators)
-        # Pinned host buffers (by size), reused: a steady step allocates nothing.
-        self._buffers: dict[int, list[torch.Tensor]] = collections.defaultdict(list)
-        self._unmarked: list[_Step] = []  # copies queued since the last event, on ``_copies``
-        self._copies = None  # the stream the unmarked copies were queued on
-        self._index: int | None = None  # the CUDA device's index (at the first copy)
+        self._cuda = device.type == "cuda"  # host copies pinned and marked by events (else done at once)
+        # The device ring (made once: captured steps write into it) and the row its next ``stage``
+        # writes, a device counter. The host counts the rows copied so far; staged records not
+        # yet copied wait in ``_staged`` (the rows after those copied, in order).
+        with torch.inference_mode(False):
+            self._ring = torch.zeros(RING_ROWS, width, dtype=torch.float32, device=device)
+            self._ring_at = torch.zeros(1, dtype=torch.long, device=device)
+        self._flushed = 0
+        self._staged: list[_Step] = []
+        self._buffers: list[torch.Tensor] = []  # host buffers of MARK_EVERY ring rows, free for a copy
+        self._copies = None  # the stream the staged values were written on
+        self._index: int | None = None  # the CUDA device's index (at the first push)
 
     @staticmethod
     def pack(errors: torch.Tensor, candidates: torch.Tensor, losses: torch.Tensor | None) -> torch.Tensor:
@@ -73,6 +88,25 @@ class RecordStore:
         if losses is not None:
             parts.append(losses.float())
         return torch.cat(parts)
+
+    def stage(self, packed: torch.Tensor) -> None:
+        """Write one step's ``pack``ed values into the ring's next row, on the device alone (a step
+        captured as a CUDA graph stages its values inside it); the step's ``push_staged`` must
+        follow, once for each ``stage``, in the same order."""
+        n = packed.numel()
+        if n > self.width:
+            raise ValueError(f"a step record of {n} values; the record ring holds {self.width} a step")
+        self._ring[:, :n].index_copy_(0, self._ring_at, packed.view(1, n))
+        self._ring_at.add_(1).remainder_(RING_ROWS)
+
+    def restart(self) -> None:
+        """Forget rows staged without a record (an engine's captures before its first request run
+        each step once, eagerly): the next ``stage`` writes the ring's first row again. Records
+        staged before are copied first."""
+        with self._lock:
+            self._flush()
+            self._ring_at.zero_()
+            self._flushed = 0
 
     def push(
         self,
@@ -85,22 +119,27 @@ class RecordStore:
         keep: set[str] | None = None,
         width: int | None = None,
     ) -> None:
-        """Queue one step's record (of the ``keep`` groups' rows, or all) from its ``pack``ed
-        values; ``loss_groups``: per packed loss, the group whose loss it is, several groups (the
-        shared Distiller's one loss is each training group's), or None (a unit that did not
-        train); ``width``: how many errors and counts were packed, where that is more than the
-        rows (the first of each are the rows'). The values' copy to the host starts now (a
-        replayed graph's output is read before the next replay overwrites it: the copy is queued
-        on the same stream)."""
-        event = None
-        if self.device.type == "cuda":
-            free = self._buffers[packed.numel()]
-            host = free.pop() if free else torch.empty(packed.numel(), dtype=torch.float32, pin_memory=True)
-            packed = host.copy_(packed, non_blocking=True)
-            event = UNMARKED
-            if self._index is None:
-                self._index = streams.index_of(self.device)
-            stream = streams.current(self._index)
+        """``stage`` one step's ``pack``ed values, then ``push_staged`` its record."""
+        self.stage(packed)
+        self.push_staged(step, groups, samples, generated, packed.numel(), loss_groups, keep, width)
+
+    def push_staged(
+        self,
+        step: int,
+        groups: list[str],
+        samples: list[int],
+        generated: list[int],
+        numel: int,
+        loss_groups: list[LossOwner],
+        keep: set[str] | None = None,
+        width: int | None = None,
+    ) -> None:
+        """Queue one step's record (of the ``keep`` groups' rows, or all) whose ``numel`` packed
+        values the step ``stage``d; ``loss_groups``: per packed loss, the group whose loss it is,
+        several groups (the shared Distiller's one loss is each training group's), or None (a unit
+        that did not train); ``width``: how many errors and counts were packed, where that is more
+        than the rows (the first of each are the rows'). Every ``MARK_EVERY`` records the staged
+        values start their copy to the host (queued on the stream they were written on)."""
         record = _Step(
             step,
             groups,
@@ -108,33 +147,62 @@ class RecordStore:
             generated,
             loss_groups,
             keep,
-            packed,
-            event,
+            numel,
             time.monotonic(),
             len(groups) if width is None else width,
+            UNMARKED,
         )
+        stream = None
+        if self._cuda:
+            if self._index is None:
+                self._index = streams.index_of(self.device)
+            stream = streams.current(self._index)
         with self._lock:
+            if stream is not self._copies:
+                self._flush()  # (the rows staged on the stream before: copied there, after their writes)
+                self._copies = stream
             self._in_flight.append(record)
-            if event is UNMARKED:
-                if stream is not self._copies:
-                    self._mark()  # (an event marks the copies of one stream)
-                    self._copies = stream
-                self._unmarked.append(record)
-                if len(self._unmarked) >= MARK_EVERY:
-                    self._mark()
+            self._staged.append(record)
+            if len(self._staged) >= MARK_EVERY:
+                self._flush()
             if len(self._in_flight) > COLLECT_AFTER:
                 self._collect()  # nobody is reading (a server): keep what waits bounded
 
-    def _mark(self) -> None:
-        """One CUDA event after every copy queued so far (under the lock; from any thread: it is
-        recorded on the copies' stream)."""
-        if not self._unmarked:
+    def _flush(self) -> None:
+        """Copy the staged records' ring rows to the host, one copy (two where the ring wraps) on
+        the stream that wrote them, marked by one CUDA event (under the lock; from any thread)."""
+        staged = self._staged
+        if not staged:
             return
-        event = torch.cuda.Event()
-        streams.record(event, self._copies)
-        for record in self._unmarked:
-            record.event = event
-        self._unmarked.clear()
+        k, start = len(staged), self._flushed % RING_ROWS
+        ring = self._ring
+        if self._cuda:
+            host = (
+                self._buffers.pop()
+                if self._buffers
+                else torch.empty(MARK_EVERY, self.width, dtype=torch.float32, pin_memory=True)
+            )
+            here = streams.current(self._index)
+            if here is not self._copies:
+                streams.switch(self._copies)  # a reader's thread: its own current stream is another
+            try:
+                first = min(k, RING_ROWS - start)
+                host[:first].copy_(ring[start : start + first], non_blocking=True)
+                if first < k:
+                    host[first:k].copy_(ring[: k - first], non_blocking=True)
+                event = torch.cuda.Event()
+                streams.record(event, self._copies)
+            finally:
+                if here is not self._copies:
+                    streams.switch(here)
+        else:  # on the host already: the copy is done when it returns
+            host = torch.cat([ring[start : start + k], ring[: max(0, start + k - RING_ROWS)]])
+            event = None
+        batch = [host, k]
+        for i, record in enumerate(staged):
+            record.host, record.event, record.batch = host[i], event, batch
+        self._flushed += k
+        staged.clear()
 
     def _collect(self) -> None:
         """Turn records whose copies have finished into plain step records (under the lock).
@@ -150,9 +218,10 @@ class RecordStore:
             done = event
             s = self._in_flight.popleft()
             n, w = len(s.groups), s.width
-            values = s.packed.numpy().copy()  # its pinned buffer goes back to be copied into again
-            if s.event is not None:
-                self._buffers[s.packed.numel()].append(s.packed)
+            values = s.host[: s.numel].numpy().copy()  # its host buffer goes back to be copied into again
+            s.batch[1] -= 1
+            if s.batch[1] == 0 and s.event is not None:
+                self._buffers.append(s.batch[0])
             loss = {g: v for owner, v in zip(s.loss_groups, values[2 * w :].tolist()) for g in _owners(owner)}
             if loss:
                 mean = sum(loss.values()) / len(loss)
@@ -169,7 +238,7 @@ class RecordStore:
 
     def collect(self) -> None:
         with self._lock:
-            self._mark()
+            self._flush()
             self._collect()
 
     def take(self, groups: set[str] | None = None, columns: bool = False, plain: bool = True) -> tuple[list[dict], int]:
@@ -179,7 +248,7 @@ class RecordStore:
         ``columns`` (the five lists; with ``plain`` False the numbers stay arrays, for a reader in
         another process, which turns them into lists there: ``plain_columns``)."""
         with self._lock:
-            self._mark()
+            self._flush()
             self._collect()
             pending = len(self._in_flight)
             if groups is None:

@@ -335,7 +335,12 @@ def test_a_slow_step_is_kept_with_where_its_host_time_went(monkeypatch):
     slow = metrics["slow_steps"]
     assert [s["step"] for s in slow] == [1, 2, 3]
     assert [s["plan_ms"] > 0 for s in slow] == [True, False, False]  # one plan, built for the first step
+    built = slow[0]  # where the plan's time went: its rows, its build (of it, the buffers' copy)
+    assert built["plan_rows_ms"] + built["plan_build_ms"] <= built["plan_ms"] + 1e-3
+    assert 0 <= built["plan_write_ms"] <= built["plan_build_ms"] + 1e-3 and built["plan_cpu_ms"] > 0
+    assert not any("plan_rows_ms" in s for s in slow[1:])
     for s in slow:
+        assert 0 < s["cpu_ms"] <= s["host_ms"] + 0.05  # the thread's own work (CPU clocks tick coarser)
         assert (s["rows"], s["steered"], s["mix"], s["distiller"]) == (2, 2, "eager", "eager")  # a CPU: no graphs
         assert s["host_ms"] >= s["plan_ms"] + s["distill_ms"] + s["mix_ms"] + s["records_ms"] - 1e-3
         assert s["distill_ms"] > 0 and s["mix_ms"] > 0

@@ -615,6 +615,53 @@ def test_records_are_fetched_every_few_engine_steps_while_vllm_is_busy():
     assert not e.drain_due(0.9 * ve.DRAIN_MIN_SECONDS) and e.drain_due(ve.DRAIN_MIN_SECONDS)
 
 
+def test_records_are_fetched_only_while_some_are_owed(monkeypatch):
+    """A fetch is answered by a thread of the engine's process, which takes its interpreter from
+    the steps: none while the prompts prefill (no output yet), one as soon as a step brings no
+    output while records are owed, none again once a fetch found every record back, and a group's
+    release always goes at once. Whether every record is back reaches the groups either way."""
+    import types
+
+    from esamp.engines.vllm import engine as ve
+
+    monkeypatch.setattr(ve.time, "sleep", lambda s: None)
+    e = object.__new__(ve.VllmEngine)
+    outputs: list = []
+    pending = [0]
+    e.engine = types.SimpleNamespace(step=lambda: list(outputs), has_unfinished_requests=lambda: True)
+    e.by_request, e._admitted, e.first_token_seconds, e.release = {}, {}, [], []
+    e.groups = {"g": types.SimpleNamespace(steered=True)}
+    e._last_drain, e._batches_since_drain, e._records_owed = 0.0, 0, False
+    fetched, seen = [], []
+
+    def drain():
+        fetched.append(len(outputs))
+        return {"steps": [], "pending": pending[0]}
+
+    e.drain = drain
+    e._advance_groups = lambda advance, stats: advance(None)
+    e._advance = lambda g, all_back: seen.append(all_back) or []
+    for _ in range(5):  # prefilling: nothing to fetch, and nothing is owed
+        e.step()
+    assert fetched == [] and seen == [True] * 5
+    outputs.append(types.SimpleNamespace(request_id="elsewhere", outputs=[], finished=False))
+    e._last_drain = ve.time.perf_counter()
+    e.step()  # an output: its record is owed, but a fetch waits for DRAIN_STEPS steps or time
+    assert fetched == [] and seen[-1] is False
+    outputs.clear()
+    pending[0] = 1
+    e.step()  # no output: fetch now; one record still on its way from the device
+    e.step()  # ... so again
+    pending[0] = 0
+    e.step()  # every record back
+    e.step()
+    e.step()  # nothing owed: no fetch
+    assert fetched == [0, 0, 0] and seen[-5:] == [False, False, True, True, True]
+    e.release.append("g")
+    e.step()  # a released group is handed back at once
+    assert len(fetched) == 4
+
+
 def test_the_cpu_scheduling_follows_the_context_and_yields_to_the_caller(monkeypatch):
     """``launch.scheduling``: on a CPU every prompt prefilled whole, in a step budget that holds the
     context (vLLM refuses a budget below it then), the context a caller's ``llm_kwargs`` give
