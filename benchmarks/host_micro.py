@@ -90,7 +90,8 @@ def _params(temperature: float, top_p: float, min_p: float, top_k: int):
 # The calls a steady step makes that ``_pieces`` times, as (what, attribute path from the adapter).
 PIECES = (
     ("adapter apply (all)", "apply"),
-    ("exchange.distill_late", "exchange.distill_late"),
+    ("steering.step_late", "steering.step_late"),
+    ("one-graph step (all)", "steering._fused_step"),
     ("steering.distill", "steering.distill"),
     ("bank.settle", "steering.bank.settle"),
     ("Distiller graph run", "steering.steerer.graphs.run"),

@@ -381,17 +381,9 @@ class Steerer:
         soon as the prediction is, and the update lands before anything reads the parameters.
         Without, it runs in the same call, after the prediction: one graph, no stream to order.
         """
-
-        def evaluate(gx, gy):
-            out = self.bank.evaluate(gx, gy, plan.layout, normalize, out_dtype)
-            if self.beside is None and out[3] is not None:  # in line: the update in the same call (one graph)
-                out[3].run(*out[3].reads)
-                return (*out[:3], None)
-            return out
-
         self.bank.settle()  # the previous step's update first (below)
-        key = (plan.key, out_dtype, x.data_ptr(), y.data_ptr(), x.stride(0), y.stride(0))
-        prediction, errors, losses, update = self.graphs.run(key, evaluate, x, y)
+        key = self.distill_key(plan, x, y, out_dtype)
+        prediction, errors, losses, update = self.graphs.run(key, self.evaluator(plan, normalize, out_dtype), x, y)
         if update is not None and self.beside is not None:
             # The update is not needed before the next step's prediction: it runs beside what
             # follows (the mix, the sampler, the model's next forward) instead of before it, as a
@@ -400,6 +392,26 @@ class Steerer:
             graphed = key in self.graphs.graphs
             self.bank.updating(self.beside.run(learn_key, update.run, *update.reads, graphed=graphed))
         return prediction, errors, losses
+
+    def evaluator(self, plan: StepPlan, normalize=None, out_dtype: torch.dtype | None = None) -> Callable:
+        """The Distiller step of ``plan`` as one call ``(x, y) -> (ŷ, e, loss, update)``, what
+        ``distill`` runs or captures: in line (no ``beside``) the update runs in the same call,
+        after the prediction, and ``update`` is None."""
+
+        def evaluate(gx, gy):
+            out = self.bank.evaluate(gx, gy, plan.layout, normalize, out_dtype)
+            if self.beside is None and out[3] is not None:  # in line: the update in the same call (one graph)
+                out[3].run(*out[3].reads)
+                return (*out[:3], None)
+            return out
+
+        return evaluate
+
+    @staticmethod
+    def distill_key(plan: StepPlan, x: torch.Tensor, y: torch.Tensor, out_dtype: torch.dtype | None) -> tuple:
+        """What a captured Distiller step of ``plan`` reads besides the plan's fixed buffers: its
+        shape, ŷ's dtype and where the taps are."""
+        return (plan.key, out_dtype, x.data_ptr(), y.data_ptr(), x.stride(0), y.stride(0))
 
     def prepare(
         self,

@@ -321,6 +321,40 @@ def test_a_second_signal_after_the_grace_leaves_at_once(monkeypatch):
     assert held.status == 143
 
 
+def test_leaving_at_once_waits_out_the_grace_of_the_first_signal(monkeypatch):
+    """The report is written sooner than timeout's copy of the signal may come on a busy machine:
+    until the grace is over the handler that absorbs the copy stays, and only then does a further
+    signal end the bench at once."""
+    now, slept, seen = [100.0], [], []
+
+    def sleep(seconds):
+        seen.append(signal.getsignal(signal.SIGINT))  # what a copy arriving now would meet
+        slept.append(seconds)
+        now[0] += seconds
+
+    monkeypatch.setattr(stop_mod, "time", SimpleNamespace(monotonic=lambda: now[0], sleep=sleep))
+    before = signal.getsignal(signal.SIGINT)
+    stop = stop_mod.StopSignals().install()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            stop._handle(signal.SIGINT, None)
+        stop.hold()
+        now[0] += 0.25  # the report took a quarter of a second
+        stop.leave_at_once()
+        assert slept == [pytest.approx(stop_mod.GRACE_SECONDS - 0.25)] and seen == [stop._handle]
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_DFL
+        late = stop_mod.StopSignals().install()
+        with pytest.raises(KeyboardInterrupt):
+            late._handle(signal.SIGTERM, None)
+        now[0] += stop_mod.GRACE_SECONDS + 1  # a slow report: nothing left to wait for
+        late.leave_at_once()
+        assert len(slept) == 1
+        late.restore()
+    finally:
+        stop.restore()
+    assert signal.getsignal(signal.SIGINT) is before
+
+
 # ``esamp bench`` in a process of its own under ``timeout -s INT``, as the GPU suite runs it: its
 # engines scripted (a pass of L tokens sleeps L/10 ms), the first workload short, the second far
 # longer than it takes to cut, the third never reached. The test chooses the moment: timeout relays

@@ -16,7 +16,8 @@ sampler's logits. The exchange is the one object both hold; per step:
 An adapter that learns the step's rows only in ``apply`` (Model Runner V2 gives the row order to
 its processors only then) attaches as ``late``: ``begin`` then has no plan, the model keeps every
 row's taps with ``put_taps_late``, and the adapter runs the Distiller step from them with
-``distill_late(plan)``, d coming from the model's LM head as its factors (``HeadProduct``).
+``late_taps(plan)`` and its steering's ``step_late``, d coming from the model's LM head as its
+factors (``HeadProduct``).
 
 Both sides find their engine's exchange with ``exchange_for(vllm_config)`` (keyed by the
 configuration object vLLM hands all of them), and each keeps it alive while it lives; the registry
@@ -75,7 +76,7 @@ class StepExchange:
         self._model = None  # weak reference to the tap model
         self._handoff: Handoff | None = None
         self._late_taps = None  # (source, target, normalize, head dtype) of the taps kept this step
-        self._head = None  # the model's LM head as a dense [V, H] matrix, once asked (``distill_late``)
+        self._head = None  # the model's LM head as a dense [V, H] matrix, once asked (``late_taps``)
         self.late = False  # the live adapter learns its rows only in apply
         self.taps_put = 0  # compute_logits calls that delivered taps
 
@@ -146,7 +147,7 @@ class StepExchange:
     def _prepared_head(self) -> torch.Tensor | None:
         """The LM head the filter-and-mix's graphs are captured with before any request: the dense
         weight where the model has one; for a late adapter also a head it must materialise (a
-        quantised one: its first steered step would, ``distill_late``). None under tensor
+        quantised one: its first steered step would, ``late_taps``). None under tensor
         parallelism without the whole head (gathering it is a collective, left to the step)."""
         model = self.model
         if model is None:
@@ -169,22 +170,21 @@ class StepExchange:
             self._late_taps = (source, target, normalize, head_dtype)
             self.taps_put += 1
 
-    def distill_late(self, plan: BatchPlan) -> Handoff | None:
-        """For a late adapter, in ``apply``: the Distiller step on ``plan``'s steered rows from the
-        taps kept this step, with d = W·ŷ from the model's LM head (None when no taps came)."""
+    def late_taps(self, plan: BatchPlan) -> tuple | None:
+        """For a late adapter, in ``apply``: what its steering's ``step_late`` runs the Distiller
+        step from, (source, target, normalize, head dtype, the model's LM head) of the taps kept
+        this step, or None when no taps came (or ``plan`` steers nothing). d = W·ŷ then comes as
+        its factors, ŷ and this head: the steering computes it at the candidates, or multiplies it
+        out for rows whose candidates may be every token (``plan.few_candidates``)."""
         taps, self._late_taps = self._late_taps, None
         model = self.model
         if taps is None or model is None or not plan.steered:
             return None
-        handoff = self.steering.distill(plan, *taps)  # (under tensor parallelism: ŷ from rank 0)
         if self._head is None:
             # The same tensor every step (weights change in place). A worker holding one shard of
             # the head gathers it whole here, at the same step on every worker.
             self._head = model.esamp_lm_head()
-        # d as its factors: the steering computes it at the candidates, or multiplies it out for
-        # rows whose candidates may be every token (``plan.few_candidates``)
-        handoff.d = HeadProduct(handoff.prediction[: plan.steered], self._head)
-        return handoff
+        return (*taps, self._head)
 
     # -- the adapter's side ------------------------------------------------------------------
 

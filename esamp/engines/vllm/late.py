@@ -109,7 +109,7 @@ class LateAdapter:
         # Each steered row's generation index, in one array operation (a batch holds hundreds of
         # rows); the step's record keeps the array (``RecordStore``: readers get lists).
         generated = np.maximum(ctx.seq_lens_upper_bound_np[self._member_rows] - self._member_prompts, 0)
-        return self.steering.apply(plan, logits, self.exchange.distill_late(plan), generated, started, started_cpu)
+        return self.steering.step_late(plan, logits, self.exchange.late_taps(plan), generated, started, started_cpu)
 
     def forget(self, group: str) -> None:
         """``group`` is over (its client said so): drop its rows (``EngineSteering.release`` calls

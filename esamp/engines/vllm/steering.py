@@ -50,6 +50,9 @@ DISTILL_GRAPHS = 64  # captured Distiller shapes kept (every bucketed shape of a
 # one memory pool (below), so more kept graphs cost no more device memory than the largest.
 APPLY_GRAPHS = 16
 PADDED_GRAPHS = 64  # ≥ every padded step's key: 9 buckets of rows × top-p or not × three forms of d at 256 rows
+# A late adapter's steady step as one graph (``step_late``): the Distiller step, its update in line
+# (ESAMP_UPDATE=inline) and the padded filter and mix. ESAMP_STEP=split keeps them two graphs.
+FUSED_STEP = os.environ.get("ESAMP_STEP", "one-graph") != "split"
 QUIET = Steering(enabled=False, beta=0.0)  # a row only filtered (never changed: a plan holds it)
 EXPIRE_EVERY = 1.0  # seconds between checks for records nobody read
 # A step whose host time passes SLOW_STEP_S is kept, with where its time went, among the last
@@ -91,6 +94,7 @@ class BatchPlan:
     recorded: set[str] | None  # groups whose records are kept (None: every group's)
     few_candidates: bool = True  # every steered row's filters bound its candidates: d at the candidates
     padded: tuple | None = None  # its padded step's graph key, call and inputs' addresses (``_padded_step``)
+    fused: tuple | None = None  # its one-graph step's key, call and what it reads (``_fused_step``)
 
     @property
     def steered(self) -> int:
@@ -109,6 +113,10 @@ class Handoff:
     host_seconds: float
     # [steered, V] Distiller logits from the LM head, or ŷ and the head's weight (d at the candidates)
     d: torch.Tensor | HeadProduct | None = field(default=None)
+    # Set where one graph ran the Distiller step and the padded filter and mix (``_fused_step``):
+    # the step's packed record values, and whether that graph was replayed, captured or run eagerly
+    packed: torch.Tensor | None = None
+    mixed: str | None = None
 
 
 try:  # the top-k/top-p functions vLLM's sampler calls (a drift canary holds them to the core's)
@@ -210,6 +218,11 @@ class EngineSteering:
         # The padded steps' graphs (``_padded_step``): one per bucket of rows and form, every one the
         # engine may need captured before its first request (``prepare``), none evicted.
         self.padded_graphs = GraphCache(enabled=graphs, after=1, size=PADDED_GRAPHS, in_place=True, shared_pool=True)
+        # A late adapter's steps as one graph each, per Distiller shape and padded step
+        # (``_fused_step``), captured on a step's path at a plan's third step, kept like the padded ones
+        self.fused_graphs = GraphCache(
+            enabled=graphs and FUSED_STEP, after=1, size=PADDED_GRAPHS, in_place=True, shared_pool=True
+        )
         self._address = torch.zeros(1, dtype=torch.long, device=self.device)  # the logits' address, for them
         self._logits_address: int | None = None  # what ``_address`` holds
         self._logits_ats: dict[tuple[int, int], LogitsAt] = {}
@@ -479,7 +492,8 @@ class EngineSteering:
         before += (self.apply_graphs.replays, self.apply_graphs.captures)
         t_mix = time.perf_counter()
         width = None  # the record's layout: errors and counts as long as the plan's steered rows
-        packed = self._padded_step(plan, logits, d, err, reported)
+        fused = handoff.packed if steered else None  # one graph did the filter and mix too (``_fused_step``)
+        packed = fused if fused is not None else self._padded_step(plan, logits, d, err, reported)
         if packed is not None:
             width = bucket(step.rows)  # ... or as long as the bucket the padded step covers
         else:
@@ -518,7 +532,9 @@ class EngineSteering:
         after = (self.padded_graphs.replays, self.padded_graphs.captures)
         after += (self.apply_graphs.replays, self.apply_graphs.captures)
         mix = "eager"
-        if after[0] > before[0] or after[2] > before[2]:
+        if fused is not None:
+            mix = handoff.mixed
+        elif after[0] > before[0] or after[2] > before[2]:
             mix = "replay"
         elif after[1] > before[1] or after[3] > before[3]:
             mix = "capture"
@@ -573,9 +589,7 @@ class EngineSteering:
             and FUSED_FILTER
             and step.top_k is None
             and step.matched is None
-            and logits.device.type == self.device.type
-            and logits.dtype == torch.float32
-            and logits.stride(1) == 1
+            and self._padded_logits(logits)
             and (d is not None or not plan.steered)  # (the plan's buffer counts its steered rows as mixed)
         ):
             return None
@@ -596,12 +610,103 @@ class EngineSteering:
             dense = not plan.few_candidates
             key = self._padded_key(step.rows, step.uses_top_p, dense, at, inputs[0], inputs[1], reported)
             known = plan.padded = (key, self._padded_fn(step.rows, step.uses_top_p, dense, at, inputs), where)
+        self._point_at(logits)
+        return graphs.run(known[0], known[1])
+
+    def _padded_logits(self, logits: torch.Tensor) -> bool:
+        """Whether the padded step reads ``logits`` (through their address): fp32 rows, contiguous,
+        on this engine's kind of device."""
+        return logits.device.type == self.device.type and logits.dtype == torch.float32 and logits.stride(1) == 1
+
+    def _point_at(self, logits: torch.Tensor) -> None:
+        """Put the logits' address where the padded step reads it, when it moved (one small write,
+        queued behind the work that made the logits, as the replay is)."""
         address = logits.data_ptr()
         if address != self._logits_address:
-            self._address.fill_(address)  # (queued behind the work that made the logits, as the replay is)
+            self._address.fill_(address)
             self._logits_address = address
             self.counters["logits_moved"] += 1
-        return graphs.run(known[0], known[1])
+
+    # -- a late adapter's step ---------------------------------------------------------------
+
+    def step_late(
+        self,
+        plan: BatchPlan,
+        logits: torch.Tensor,
+        taps: tuple | None,
+        generated: Sequence[int] | None = None,
+        started: float | None = None,
+        started_cpu: float | None = None,
+    ) -> torch.Tensor:
+        """A late adapter's step (Model Runner V2's): the Distiller step on the taps kept this step,
+        then ``apply``. ``taps``: (source, target, normalize, head dtype, the LM head) of the taps
+        kept this step, or None (none came: nothing is steered). Where the update runs in line and
+        the plan's filter and mix took the padded step once, both are one graph from the plan's
+        next step on (``_fused_step``)."""
+        handoff = None
+        if taps is not None and plan.steered:
+            handoff = self._fused_step(plan, logits, taps)
+            if handoff is None:
+                handoff = self.distill(plan, *taps[:4])
+                handoff.d = HeadProduct(handoff.prediction[: plan.steered], taps[4])
+        return self.apply(plan, logits, handoff, generated, started, started_cpu)
+
+    def _fused_step(self, plan: BatchPlan, logits: torch.Tensor, taps: tuple) -> Handoff | None:
+        """The Distiller step (its update in line) and the padded filter and mix as one call, one
+        graph per (Distiller shape, padded step), that reads what the two would: the taps' buffer,
+        the plan's buffers, the Distiller's fixed outputs, the logits through their address.
+        Returns the step's ``Handoff`` with its packed record values, or None where the two run
+        apart: graphs off, the update beside (ESAMP_UPDATE's default), tensor parallelism (ŷ is
+        broadcast between them), a plan whose padded step has not run yet (``plan.padded`` says
+        what it reads: d and the records at the Distiller's fixed outputs) or does not apply."""
+        known = plan.padded
+        graphs, bank = self.fused_graphs, self.bank
+        if (
+            known is None
+            or known[2][0] is None  # (a padded step with d: it reads the Distiller's outputs)
+            or not graphs.enabled
+            or self.steerer.beside is not None
+            or not self.steerer.graphs.enabled
+            or self.tp.size > 1
+            or bank is None
+            or not self._padded_logits(logits)
+            or known[2][2:] != (logits.shape[1], logits.stride(0))
+        ):
+            return None
+        source, target, normalize, head_dtype, head = taps
+        outputs = bank.outputs(head_dtype)
+        if outputs is None or outputs[0].data_ptr() != known[2][0]:
+            return None
+        x, y = self._views(self._taps, source, target)
+        key = (Steerer.distill_key(plan.step, x, y, head_dtype), known[0])
+        fused = plan.fused
+        if fused is None or fused[0] != key:
+            evaluate, padded = self.steerer.evaluator(plan.step, normalize, head_dtype), known[1]
+
+            def run():
+                evaluate(x, y)  # ŷ, e and the losses land at the Distiller's fixed outputs ...
+                return padded()  # ... where the padded step reads them; it stages the record
+
+            fused = plan.fused = (key, run, HeadProduct(outputs[0][: plan.steered], head))
+        t0 = time.perf_counter()
+        self._point_at(logits)
+        replays, captures = graphs.replays, graphs.captures
+        packed = graphs.run(fused[0], fused[1])
+        mixed = "replay" if graphs.replays > replays else "capture" if graphs.captures > captures else "eager"
+        prediction, errors, losses = outputs
+        spent = time.perf_counter() - t0  # (counted as the Distiller step's, as ``distill`` counts its own)
+        self.host_seconds += spent
+        return Handoff(
+            plan,
+            prediction,
+            errors,
+            losses if plan.step.layout.training else None,
+            mixed == "replay",
+            spent,
+            d=fused[2],
+            packed=packed,
+            mixed=mixed,
+        )
 
     def _padded_key(self, rows: int, cut: bool, dense: bool, at: LogitsAt, product, errors, reported: bool) -> tuple:
         """What a padded step's graph reads besides the plan's fixed buffers: its shapes and forms,
@@ -721,9 +826,10 @@ class EngineSteering:
             slots=bank.capacity if bank else 0,
             slots_free=bank.free_slots if bank else 0,
             slots_in_use=len(bank.groups) if bank else 0,
-            graph_captures=graphs.captures,
-            graph_replays=graphs.replays,
-            graph_failures=graphs.failures,
+            # (a Distiller step replayed inside a late adapter's one-graph step counts as replayed)
+            graph_captures=graphs.captures + self.fused_graphs.captures,
+            graph_replays=graphs.replays + self.fused_graphs.replays,
+            graph_failures=graphs.failures + self.fused_graphs.failures,
             graph_eager=graphs.eager,
             capture_ms=round(1e3 * graphs.capture_seconds, 1),
             apply_graph_replays=self.apply_graphs.replays,
@@ -743,6 +849,10 @@ class EngineSteering:
             padded_graph_replays=self.padded_graphs.replays,
             padded_graph_captures=self.padded_graphs.captures,
             padded_graph_eager=self.padded_graphs.eager,
+            fused_graph_replays=self.fused_graphs.replays,
+            fused_graph_captures=self.fused_graphs.captures,
+            fused_graph_failures=self.fused_graphs.failures,
+            fused_graph_eager=self.fused_graphs.eager,
             plan_ms=round(1e3 * self.plan_seconds, 1),
             slow_steps=list(self.slow_steps),
         )

@@ -3,7 +3,7 @@
 requests, each in an engine of its own (two configurations: two exchanges, two Distiller banks
 with the same initial weights) with a small stand-in model that hands the exchange its taps as
 ``model.py`` does: the V1 adapter steers through ``put_taps``, the MRV2 one through the late
-path (``put_taps_late``, then ``distill_late`` in its ``apply``). Rows are reordered and slots
+path (``put_taps_late``, then ``late_taps`` and ``step_late`` in its ``apply``). Rows are reordered and slots
 recycled between steps. No running MRV2 engine is within reach (vLLM's MRV2 needs Triton with
 a driver; docs/vllm.md).
 """

@@ -32,7 +32,9 @@ class _Direct:
     enabled = True
 
     def __init__(self) -> None:
-        self.replays = self.captures = self.eager = 0
+        self.replays = self.captures = self.eager = self.failures = 0
+        self.capture_seconds = 0.0
+        self.graphs: dict = {}
 
     def run(self, key, fn, *inputs):
         self.replays += 1
@@ -127,10 +129,87 @@ def check_padded_step(device: str) -> None:
     assert sum(len(rows) for _, rows, _ in records[0]) == sum(sum(g.values()) for g, _, _ in steps)
 
 
+def check_one_graph_step(device: str) -> None:
+    """A late adapter's step as one graph (``EngineSteering.step_late``, its update in line): from
+    a plan's third step on, the Distiller step and the padded filter and mix run as one call, and
+    the logits and records are what the two steps apart give (an engine stepping every plan the
+    exact way, its update beside on a GPU)."""
+    from esamp.core.config import EsampConfig
+    from esamp.core.intervention import HeadProduct
+    from esamp.engines.vllm.steering import EngineSteering
+
+    dev = torch.device(device)
+    engines = [
+        EngineSteering(EsampConfig(slots=4, rank=8, lr=0.05), hidden=H, vocab=V, max_rows=ROWS, device=dev)
+        for _ in range(2)
+    ]
+    fused, direct = engines
+    fused.steerer.beside = None  # ESAMP_UPDATE=inline: the update in the Distiller step's call
+    if dev.type == "cuda":
+        direct.padded_graphs.enabled = direct.apply_graphs.enabled = False
+    else:
+        fused.padded_graphs, fused.fused_graphs, fused.steerer.graphs = _Direct(), _Direct(), _Direct()
+    gen = torch.Generator().manual_seed(5)
+    head = (torch.randn(V + 7, H, generator=gen) / 4).to(torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    head = head.to(dev)
+    for engine in engines:
+        engine.prepare(torch.zeros(ROWS, 2 * H, dtype=torch.bfloat16, device=dev), 0, 1, None, torch.bfloat16, head)
+    batches = [  # (groups, logits rows, filters, steps of the same plan)
+        ({"a": 4, "b": 8}, 12, dict(min_p=0.05, top_p=0.9), 4),
+        ({"b": 5, "c": 3}, 10, dict(min_p=0.1, top_p=1.0), 3),
+        ({"c": 3, "d": 16 - 3}, 16, dict(min_p=0.02, top_p=0.95), 3),
+    ]
+    total = 0
+    for b, (groups, n_logits, filters, steps) in enumerate(batches):
+        rows = _rows(groups, **filters)
+        plans = [engine.plan(rows, n_logits) for engine in engines]  # one plan a batch, as the adapter keeps it
+        for step in range(steps):
+            aux = (torch.randn(n_logits, 2 * H, generator=gen) * 2).to(torch.bfloat16).to(dev)
+            base = torch.randn(n_logits, V, generator=gen) * 4
+            logits = [torch.empty(n_logits + k + 1, V, device=dev)[k + 1 :] for k in range(2)]
+            for x in logits:
+                x.copy_(base)
+            assert fused.keep_taps(aux) and direct.keep_taps(aux)
+            got = fused.step_late(plans[0], logits[0], (0, 1, None, torch.bfloat16, head)).cpu()
+            handoff = direct.distill(plans[1], 0, 1, None, torch.bfloat16)
+            handoff.d = HeadProduct(handoff.prediction[: plans[1].steered], head)
+            want = direct.apply(plans[1], logits[1], handoff).cpu()
+            where = (b, step)
+            assert torch.equal(torch.isfinite(got), torch.isfinite(want)), where
+            kept = torch.isfinite(want)
+            if dev.type == "cuda":
+                assert torch.equal(got[kept], want[kept]), where
+            else:
+                torch.testing.assert_close(got[kept], want[kept], rtol=1e-5, atol=1e-4)
+            total += 1
+        assert plans[0].fused is not None, b  # its later steps were one call
+    # every batch: one step apart (the padded step learns what it reads), then one call a step
+    calls = fused.fused_graphs
+    assert calls.replays + calls.eager + calls.captures == total - len(batches)
+    if dev.type == "cuda":  # one eager call, then a capture and replays, per batch
+        assert calls.captures == len(batches) and calls.eager == len(batches) and calls.failures == 0
+    records = [[(r["step"], r["rows"], r["loss"]) for r in engine.drain()["steps"]] for engine in engines]
+    assert [(s, [row[:3] for row in rows]) for s, rows, _ in records[0]] == [
+        (s, [row[:3] for row in rows]) for s, rows, _ in records[1]
+    ]
+    for (step, rows, loss), (_, want_rows, want_loss) in zip(*records):
+        assert [row[4] for row in rows] == [row[4] for row in want_rows], step
+        torch.testing.assert_close(torch.tensor([row[3] for row in rows]), torch.tensor([row[3] for row in want_rows]))
+        assert loss.keys() == want_loss.keys() and loss, step
+        torch.testing.assert_close(torch.tensor(list(loss.values())), torch.tensor(list(want_loss.values())))
+    assert len(records[0]) == total
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def test_the_padded_step_replays_what_the_exact_step_does_on_a_gpu():
     check_padded_step("cuda")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_the_one_graph_step_replays_what_the_two_steps_do_on_a_gpu():
+    check_one_graph_step("cuda")
 
 
 # In the interpreter: the fused Distiller (its outputs are what the padded step reads), and at most 64
@@ -142,11 +221,23 @@ INTERPRETER_RUNS = {
         "sys.path.insert(0, 'tests/core'); import test_padded_step as t; "
         "from esamp.core.backends import triton_filter as tf; tf.EDGE = 64; t.check_padded_step('cpu')"
     ),
+    "test_the_one_graph_step_does_what_the_two_steps_do_in_tritons_interpreter": (
+        "import os, sys; os.environ['ESAMP_DISTILLER'] = 'fused'; sys.path.insert(0, 'tests/engines/vllm'); "
+        "sys.path.insert(0, 'tests/core'); import test_padded_step as t; "
+        "from esamp.core.backends import triton_filter as tf; tf.EDGE = 64; t.check_one_graph_step('cpu')"
+    ),
 }
 
 
 @pytest.mark.skipif(CUDA, reason="the kernels run on the GPU there")
 def test_the_padded_step_does_what_the_exact_step_does_in_tritons_interpreter():
     code = INTERPRETER_RUNS["test_the_padded_step_does_what_the_exact_step_does_in_tritons_interpreter"]
+    done = in_tritons_interpreter(code, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.skipif(CUDA, reason="the kernels run on the GPU there")
+def test_the_one_graph_step_does_what_the_two_steps_do_in_tritons_interpreter():
+    code = INTERPRETER_RUNS["test_the_one_graph_step_does_what_the_two_steps_do_in_tritons_interpreter"]
     done = in_tritons_interpreter(code, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
