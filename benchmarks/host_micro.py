@@ -336,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         commit=provenance.commit(),
         device=provenance.device() if cuda else "cpu",
         versions=provenance.versions(),
+        environment=provenance.environment(),  # (ESAMP_UPDATE=inline and the like choose the path measured)
         shape=dict(hidden=H, vocab=V, rows=rows, prompts=args.prompts, n=args.n, max_rows=args.max_rows),
         distiller=args.distiller,
         filters=dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p),

@@ -158,8 +158,14 @@ def _line(out: str, workload: str) -> str:
     return line
 
 
-def test_an_uninterrupted_bench_reports_every_workload_complete(bench):
+def test_an_uninterrupted_bench_reports_every_workload_complete(bench, monkeypatch):
+    # the environment's switches are part of what was measured: recorded, less paths and secrets
+    monkeypatch.setenv("ESAMP_UPDATE", "inline")
+    monkeypatch.setenv("ESAMP_CACHE_DIR", "/some/where")
+    monkeypatch.setenv("ESAMP_API_KEY", "do-not-write")
     status, report, out, engines = bench()
+    assert report["environment"]["ESAMP_UPDATE"] == "inline"
+    assert "ESAMP_CACHE_DIR" not in report["environment"] and "ESAMP_API_KEY" not in report["environment"]
     assert status == 0 and report["interrupted"] is False and report["signal"] is None
     assert [r["workload"] for r in report["workloads"]] == ["2x24", "1x32"]
     for r in report["workloads"]:

@@ -1,4 +1,5 @@
-"""Where a measurement came from: versions, device, commit. Every results file carries these."""
+"""Where a measurement came from: versions, device, commit, and the settings the environment
+switched. Every results file carries these."""
 
 from __future__ import annotations
 
@@ -19,6 +20,25 @@ def versions() -> dict:
 
     out["esamp"] = __version__
     return out
+
+
+# Environment variables that choose code paths (ESAMP_UPDATE=inline, ESAMP_STEP=split,
+# VLLM_USE_FLASHINFER_SAMPLER=0, ...) are part of what was measured, and not in the command line.
+ENV_PREFIXES = ("ESAMP_", "VLLM_")
+UNRECORDED = ("KEY", "TOKEN", "SECRET", "PASSWORD")  # (a name holding one of these is never written)
+
+
+def environment() -> dict[str, str]:
+    """The ESAMP_ and VLLM_ environment variables in force, less the commit (``commit`` has it),
+    secrets, and paths (machine-specific, and no switch)."""
+    return {
+        name: value
+        for name, value in sorted(os.environ.items())
+        if name.startswith(ENV_PREFIXES)
+        and name != "ESAMP_COMMIT"
+        and not any(word in name for word in UNRECORDED)
+        and os.sep not in value
+    }
 
 
 def device() -> str:

@@ -365,6 +365,7 @@ def _bench(args, plan: Plan, start, loaded: list, log: Path) -> int:
             commit=provenance.commit(),
             device=provenance.device(),
             versions=provenance.versions(),
+            environment=provenance.environment(),
             model=steer.model_name if steer is not None else plan.model,
             cuda_graphs=not args.eager,
             tensor_parallel_size=args.tensor_parallel_size,
