@@ -200,6 +200,40 @@ def check_one_graph_step(device: str) -> None:
     assert len(records[0]) == total
 
 
+def test_the_one_graph_step_stays_apart_where_it_does_not_apply():
+    """``_fused_step`` declines (the Distiller step and the filter and mix then run apart) before
+    its plan's padded step has said what it reads, with the update beside (a GPU's default: the
+    one graph would leave the update out), under tensor parallelism (ŷ is broadcast between the
+    two), for logits of another width or stride than the padded step was built for, and while the
+    Distiller's outputs are not at fixed addresses (its PyTorch path)."""
+    from types import SimpleNamespace
+
+    from esamp.core.config import EsampConfig
+    from esamp.engines.vllm.steering import EngineSteering
+    from esamp.engines.vllm.tp import ALONE
+
+    engine = EngineSteering(EsampConfig(slots=4, rank=8), hidden=H, vocab=V, max_rows=ROWS, device=torch.device("cpu"))
+    engine.padded_graphs, engine.fused_graphs, engine.steerer.graphs = _Direct(), _Direct(), _Direct()
+    plan = engine.plan(_rows({"a": 2}, min_p=0.1), 2)
+    logits = torch.zeros(2, V)
+    taps = (0, 1, None, torch.float32, torch.zeros(V, H))
+    engine.keep_taps(torch.zeros(2, 2 * H))
+    assert engine._fused_step(plan, logits, taps) is None  # no padded step yet
+    plan.padded = ("padded", lambda: None, (1, 2, V, V))
+    engine.steerer.beside = SimpleNamespace()  # the update beside
+    assert engine._fused_step(plan, logits, taps) is None
+    engine.steerer.beside = None
+    engine.tp = SimpleNamespace(size=2)
+    assert engine._fused_step(plan, logits, taps) is None
+    engine.tp = ALONE
+    wider = torch.zeros(2, V + 64)[:, :V]  # the same width, another stride
+    assert engine._fused_step(plan, wider, taps) is None
+    assert engine.bank.outputs(torch.float32) is None  # no fused Distiller step has run: its outputs move
+    assert engine._fused_step(plan, logits, taps) is None
+    calls = engine.fused_graphs
+    assert calls.replays == calls.captures == calls.eager == 0 and plan.fused is None
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def test_the_padded_step_replays_what_the_exact_step_does_on_a_gpu():
