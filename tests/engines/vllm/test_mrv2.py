@@ -336,13 +336,16 @@ def test_a_slow_step_is_kept_with_where_its_host_time_went(monkeypatch):
     assert [s["step"] for s in slow] == [1, 2, 3]
     assert [s["plan_ms"] > 0 for s in slow] == [True, False, False]  # one plan, built for the first step
     built = slow[0]  # where the plan's time went: its rows, its build (of it, the buffers' copy)
-    assert built["plan_rows_ms"] + built["plan_build_ms"] <= built["plan_ms"] + 1e-3
-    assert 0 <= built["plan_write_ms"] <= built["plan_build_ms"] + 1e-3 and built["plan_cpu_ms"] > 0
+    # (each figure rounded to 1 µs on its own: sums compared within the roundings)
+    assert built["plan_rows_ms"] + built["plan_build_ms"] <= built["plan_ms"] + 2e-3
+    assert 0 <= built["plan_write_ms"] <= built["plan_build_ms"] + 2e-3 and built["plan_cpu_ms"] > 0
     assert not any("plan_rows_ms" in s for s in slow[1:])
     for s in slow:
-        assert 0 < s["cpu_ms"] <= s["host_ms"] + 0.05  # the thread's own work (CPU clocks tick coarser)
+        # the thread's CPU time, another clock than host_ms's: on a virtual machine it ran 7% ahead
+        # of the wall clock over one step in CI (1.237 ms against 1.151), so it bounds nothing here
+        assert s["cpu_ms"] > 0
         assert (s["rows"], s["steered"], s["mix"], s["distiller"]) == (2, 2, "eager", "eager")  # a CPU: no graphs
-        assert s["host_ms"] >= s["plan_ms"] + s["distill_ms"] + s["mix_ms"] + s["records_ms"] - 1e-3
+        assert s["host_ms"] >= s["plan_ms"] + s["distill_ms"] + s["mix_ms"] + s["records_ms"] - 3e-3
         assert s["distill_ms"] > 0 and s["mix_ms"] > 0
     # the host time counted is every step's whole apply (within the rounding of each to 1 µs)
     assert metrics["host_ms"] == pytest.approx(sum(s["host_ms"] for s in slow), abs=0.1)
