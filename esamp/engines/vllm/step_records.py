@@ -185,11 +185,14 @@ class RecordStore:
             here = streams.current(self._index)
             if here is not self._copies:
                 streams.switch(self._copies)  # a reader's thread: its own current stream is another
+            # A buffer made on the engine's thread (under vLLM's inference mode) is an inference
+            # tensor, which a reader's thread may write into only under inference mode too.
             try:
-                first = min(k, RING_ROWS - start)
-                host[:first].copy_(ring[start : start + first], non_blocking=True)
-                if first < k:
-                    host[first:k].copy_(ring[: k - first], non_blocking=True)
+                with torch.inference_mode():
+                    first = min(k, RING_ROWS - start)
+                    host[:first].copy_(ring[start : start + first], non_blocking=True)
+                    if first < k:
+                        host[first:k].copy_(ring[: k - first], non_blocking=True)
                 event = torch.cuda.Event()
                 streams.record(event, self._copies)
             finally:
