@@ -183,6 +183,35 @@ def test_the_ring_wraps_and_its_host_buffers_are_reused(monkeypatch):
     assert len(store._buffers) >= 1 and len(made) > 2 * len(store._buffers)  # buffers came back and were reused
 
 
+def test_a_reader_thread_copies_into_buffers_the_engine_thread_made_under_inference_mode():
+    """The engine steps under vLLM's inference mode, so a host buffer made there is an inference
+    tensor; a reader in another thread (a server's records channel) copies the staged rows into
+    such a buffer outside inference mode, which torch refuses unless the copy runs under it (every
+    bench on Model Runner V2 stopped so on the GPU)."""
+    import threading
+
+    from esamp.engines.vllm import step_records as sr
+
+    store = RecordStore(torch.device("cpu"))
+
+    def engine_steps(first: int) -> None:
+        with torch.inference_mode():
+            for step in range(first, first + sr.MARK_EVERY):
+                _push(store, step, ["a"])
+            store.collect()  # the records are read: their buffer goes back for reuse
+
+    worker = threading.Thread(target=engine_steps, args=(0,))
+    worker.start()
+    worker.join()
+    (made,) = store._buffers
+    assert made.is_inference()
+    with torch.inference_mode():
+        _push(store, 100, ["a"])  # staged on the engine's thread, not yet copied
+    taken, pending = store.take()  # here: no inference mode; the copy reuses that buffer
+    assert pending == 0 and [r["step"] for r in taken] == [*range(sr.MARK_EVERY), 100]
+    assert taken[-1]["rows"] == [("a", 0, 100, 0.0, 3)]
+
+
 def test_a_restart_forgets_values_staged_without_a_record():
     """An engine's captures run each step once before its first request: what they staged is no
     record's, and a restart makes the next step's values the first record's again."""

@@ -176,31 +176,29 @@ class RecordStore:
             return
         k, start = len(staged), self._flushed % RING_ROWS
         ring = self._ring
-        if self._cuda:
-            host = (
-                self._buffers.pop()
-                if self._buffers
-                else torch.empty(MARK_EVERY, self.width, dtype=torch.float32, pin_memory=True)
-            )
-            here = streams.current(self._index)
-            if here is not self._copies:
-                streams.switch(self._copies)  # a reader's thread: its own current stream is another
+        host = (
+            self._buffers.pop()
+            if self._buffers
+            else torch.empty(MARK_EVERY, self.width, dtype=torch.float32, pin_memory=self._cuda)
+        )
+        here = streams.current(self._index) if self._cuda else None
+        if here is not self._copies:
+            streams.switch(self._copies)  # a reader's thread: its own current stream is another
+        try:
             # A buffer made on the engine's thread (under vLLM's inference mode) is an inference
             # tensor, which a reader's thread may write into only under inference mode too.
-            try:
-                with torch.inference_mode():
-                    first = min(k, RING_ROWS - start)
-                    host[:first].copy_(ring[start : start + first], non_blocking=True)
-                    if first < k:
-                        host[first:k].copy_(ring[: k - first], non_blocking=True)
+            with torch.inference_mode():
+                first = min(k, RING_ROWS - start)
+                host[:first].copy_(ring[start : start + first], non_blocking=self._cuda)
+                if first < k:
+                    host[first:k].copy_(ring[: k - first], non_blocking=self._cuda)
+            event = None  # (on the host: the copy is done when it returns)
+            if self._cuda:
                 event = torch.cuda.Event()
                 streams.record(event, self._copies)
-            finally:
-                if here is not self._copies:
-                    streams.switch(here)
-        else:  # on the host already: the copy is done when it returns
-            host = torch.cat([ring[start : start + k], ring[: max(0, start + k - RING_ROWS)]])
-            event = None
+        finally:
+            if here is not self._copies:
+                streams.switch(here)
         batch = [host, k]
         for i, record in enumerate(staged):
             record.host, record.event, record.batch = host[i], event, batch
@@ -223,7 +221,7 @@ class RecordStore:
             n, w = len(s.groups), s.width
             values = s.host[: s.numel].numpy().copy()  # its host buffer goes back to be copied into again
             s.batch[1] -= 1
-            if s.batch[1] == 0 and s.event is not None:
+            if s.batch[1] == 0:
                 self._buffers.append(s.batch[0])
             loss = {g: v for owner, v in zip(s.loss_groups, values[2 * w :].tolist()) for g in _owners(owner)}
             if loss:

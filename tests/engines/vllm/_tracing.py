@@ -14,59 +14,12 @@ from __future__ import annotations
 
 import functools
 
-from esamp.core.intervention import dense_logits
 from esamp.engines.vllm.entry import EsampLogitsProcessor, runner_of
-from esamp.engines.vllm.steering import EngineSteering
 from esamp.engines.vllm.v1 import V1Adapter
 
+from _trace_steering import TracingSteering
+
 TRACER = "_tracing:TracingProcessor"
-
-
-class TracingSteering(EngineSteering):
-    traces: list[dict] = []  # every steered step, oldest first (tests clear it)
-    _trace: dict | None = None
-
-    def distill(self, plan, source, target, normalize, head_dtype):
-        handoff = super().distill(plan, source, target, normalize, head_dtype)
-        s, H = plan.steered, self.hidden
-        taps = self._taps.index_select(0, plan.step.index[:s])
-        x, y = taps[:, source * H : (source + 1) * H], taps[:, target * H : (target + 1) * H]
-        if normalize is not None:
-            x, y = normalize(x, y)
-        losses = {}
-        if handoff.losses is not None:
-            losses = {g: v for owners, v in zip(plan.unit_groups, handoff.losses.tolist()) for g in owners}
-        m = plan.members
-        self._trace = dict(
-            meta=[(r.group, r.sample) for r in m],  # with each row's generation index in ``apply``
-            filters=[r.filters for r in m],
-            steering=[r.steering for r in m],
-            source=x.float().clone(),
-            target=y.float().clone(),
-            prediction=handoff.prediction[:s].float().clone(),
-            errors=handoff.errors[:s].clone(),
-            losses=losses,
-            trains=plan.step.trains,
-        )
-        return handoff
-
-    def apply(self, plan, logits, handoff, generated=None, *started):  # (the adapter's start times, passed on)
-        trace, self._trace = self._trace, None
-        index = plan.step.index[: plan.steered]
-        raw = logits.index_select(0, index).clone() if trace is not None else None
-        out = super().apply(plan, logits, handoff, generated, *started)
-        if trace is not None and handoff is not None and handoff.d is not None:
-            at = list(map(len, plan.outputs)) if generated is None else generated
-            self.traces.append(
-                dict(
-                    trace,
-                    meta=[(g, sample, k) for (g, sample), k in zip(trace["meta"], at)],
-                    logits=raw,
-                    steered=out.index_select(0, index).clone(),
-                    distiller_logits=dense_logits(handoff.d, self.vocab).float().clone(),
-                )
-            )
-        return out
 
 
 class _Tracing:

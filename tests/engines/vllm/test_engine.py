@@ -365,12 +365,15 @@ def test_graphed_distiller_gives_what_the_eager_one_gives(engine):
             keys, events = collect(engine, {0: [dict(prompt=PROMPT_A, sampling=s)]})
         return [tokens_of(events, keys[0], i) for i in range(4)], losses_of(trace, keys[0])
 
-    graphs = p.steerer.graphs
+    # (with the update in line, Model Runner V2's steps from a plan's third on replay the Distiller
+    # step inside the one-graph step: its own cache, captured on a step's path once per shape)
+    graphs, fused = p.steerer.graphs, p.fused_graphs
     assert p.counters["graphs_prepared"] > 0
-    before, failures, replays, eager = graphs.captures, graphs.failures, graphs.replays, graphs.eager
+    before, failures, eager = graphs.captures, graphs.failures + fused.failures, graphs.eager
+    replays = graphs.replays + fused.replays
     graphed = run()
     assert graphs.captures == before and graphs.eager == eager, "a new group paid a capture or an eager step"
-    assert graphs.failures == failures and graphs.replays > replays
+    assert graphs.failures + fused.failures == failures and graphs.replays + fused.replays > replays
     graphs.enabled = False
     try:
         eager = run()
@@ -405,17 +408,26 @@ def test_a_failed_graph_capture_falls_back_to_eager_steps(engine, monkeypatch):
     def refuse(*args, **kwargs):
         raise RuntimeError("capture refused by the test")
 
-    steerer = steering().steerer
-    kept = steerer.graphs
-    graphs = steerer.graphs = module.GraphCache(
-        after=kept.after, size=kept.size, in_place=kept.in_place, shared_pool=kept.shared_pool
-    )
+    def fresh(cache):
+        return module.GraphCache(
+            enabled=cache.enabled,
+            after=cache.after,
+            size=cache.size,
+            in_place=cache.in_place,
+            shared_pool=cache.shared_pool,
+        )
+
+    p = steering()
+    kept = p.steerer.graphs, p.fused_graphs
+    graphs, fused = fresh(kept[0]), fresh(kept[1])  # (the one-graph step's cache too: the update in line)
+    p.steerer.graphs, p.fused_graphs = graphs, fused
     monkeypatch.setattr(module, "_Graph", refuse)
     try:
         keys, events = collect(engine, {0: [dict(prompt=PROMPT_A, sampling=sampling(n=2, max_tokens=16))]})
     finally:
-        steerer.graphs = kept
+        p.steerer.graphs, p.fused_graphs = kept
     assert not graphs.enabled and graphs.failures == 1 and graphs.eager > 0
+    assert fused.captures == 0 and fused.failures == (0 if fused.enabled else 1)
     assert all(tokens_of(events, keys[0], i) for i in range(2))
     assert sum(e.type == "done" for e in events) == 2
 

@@ -138,12 +138,15 @@ def check_one_graph_step(device: str) -> None:
     from esamp.core.intervention import HeadProduct
     from esamp.engines.vllm.steering import EngineSteering
 
+    from _trace_steering import TracingSteering  # the engine tests' steering: it must see the one graph too
+
     dev = torch.device(device)
     engines = [
-        EngineSteering(EsampConfig(slots=4, rank=8, lr=0.05), hidden=H, vocab=V, max_rows=ROWS, device=dev)
-        for _ in range(2)
+        kind(EsampConfig(slots=4, rank=8, lr=0.05), hidden=H, vocab=V, max_rows=ROWS, device=dev)
+        for kind in (TracingSteering, EngineSteering)
     ]
     fused, direct = engines
+    TracingSteering.traces.clear()
     fused.steerer.beside = None  # ESAMP_UPDATE=inline: the update in the Distiller step's call
     if dev.type == "cuda":
         direct.padded_graphs.enabled = direct.apply_graphs.enabled = False
@@ -171,6 +174,10 @@ def check_one_graph_step(device: str) -> None:
                 x.copy_(base)
             assert fused.keep_taps(aux) and direct.keep_taps(aux)
             got = fused.step_late(plans[0], logits[0], (0, 1, None, torch.bfloat16, head)).cpu()
+            steered = plans[0].step.index[: plans[0].steered].cpu()
+            trace = TracingSteering.traces[-1]  # the step's logits as they came, and as it left them
+            assert len(TracingSteering.traces) == total + 1 and torch.equal(trace["logits"].cpu(), base[steered])
+            assert torch.equal(trace["steered"].cpu(), got[steered]) and len(trace["meta"]) == len(steered)
             handoff = direct.distill(plans[1], 0, 1, None, torch.bfloat16)
             handoff.d = HeadProduct(handoff.prediction[: plans[1].steered], head)
             want = direct.apply(plans[1], logits[1], handoff).cpu()
