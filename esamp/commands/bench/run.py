@@ -492,9 +492,15 @@ def _workload(
             if r.get("gc_collections")
             else ""
         )
+        # (this process's full collections only: its young ones take microseconds)
+        full = (
+            f", client full gc {1e3 * r['client_gc_longest_s']:.1f} ms longest of {r['client_gc_full']}"
+            if r.get("client_gc_full")
+            else ""
+        )
         _say(
             f"  {mode:>9} {name:>18} trial {r['trial']} {r['side']:>8}: {r['tok_s']:>10.1f} tok/s  "
-            f"(client cpu {r['client_cpu_share']:.0%}{ttft}{drains}{gc})"
+            f"(client cpu {r['client_cpu_share']:.0%}{ttft}{drains}{gc}{full})"
         )
 
     while True:

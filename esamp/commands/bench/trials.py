@@ -12,6 +12,7 @@ from __future__ import annotations
 import statistics
 import time
 
+from esamp.commands.bench.gc_pauses import GcPauses, totals
 from esamp.commands.bench.workloads import rounds_for
 
 
@@ -29,6 +30,8 @@ def run_trial(engine, prompts, n: int, tokens: int, sampling_kw: dict, steering,
         first.clear()
     drains0, drain_s0 = getattr(engine, "drains", 0), getattr(engine, "drain_seconds", 0.0)
     _engine_gc(engine, "start")  # between passes: the engine is idle, no step waits for it
+    client_gc = GcPauses()
+    client_gc.start()
     c0 = time.process_time()
     t0 = time.perf_counter()
     produced, losses, port_hits, cands = 0, [], 0, []
@@ -49,10 +52,11 @@ def run_trial(engine, prompts, n: int, tokens: int, sampling_kw: dict, steering,
                     raise EngineError(f"a bench pass failed: {ev.message}", hint=ev.hint)
     seconds = time.perf_counter() - t0
     client = time.process_time() - c0
+    mine = totals(client_gc.stop())
     # the record fetches within the timed pass (not the closing one below)
     drains, drain_s = getattr(engine, "drains", 0) - drains0, getattr(engine, "drain_seconds", 0.0) - drain_s0
     engine.drain()  # release the groups' slots before the next pass
-    collected = _engine_gc(engine, "stop") or {}
+    collected = totals(_engine_gc(engine, "stop"))
     ttft = list(first) if first else []
     # client_cpu_share near 1: this process (event bookkeeping), not the engine, set the pace
     return dict(
@@ -71,9 +75,15 @@ def run_trial(engine, prompts, n: int, tokens: int, sampling_kw: dict, steering,
         candidates_mean=round(sum(cands) / len(cands), 2) if cands else 0.0,
         ttft_ms=[round(1e3 * t, 2) for t in ttft],
         # the engine process's garbage collections in the pass: each pauses its steps
-        gc_collections=sum(g["collections"] for g in collected.values()),
-        gc_seconds=round(sum(g["seconds"] for g in collected.values()), 6),
-        gc_longest_s=round(max((g["longest"] for g in collected.values()), default=0.0), 6),
+        gc_collections=collected["collections"],
+        gc_seconds=collected["seconds"],
+        gc_longest_s=collected["longest_s"],
+        # this process's (the same ones where the engine core runs here): each pauses the pass's
+        # reading of outputs and records, and its starting of requests
+        client_gc_collections=mine["collections"],
+        client_gc_full=mine["full"],
+        client_gc_seconds=mine["seconds"],
+        client_gc_longest_s=mine["longest_s"],
     )
 
 
@@ -162,4 +172,8 @@ def combine(passes: list[dict]) -> dict:
         gc_collections=sum(p.get("gc_collections", 0) for p in passes),
         gc_seconds=round(sum(p.get("gc_seconds", 0.0) for p in passes), 6),
         gc_longest_s=max((p.get("gc_longest_s", 0.0) for p in passes), default=0.0),
+        client_gc_collections=sum(p.get("client_gc_collections", 0) for p in passes),
+        client_gc_full=sum(p.get("client_gc_full", 0) for p in passes),
+        client_gc_seconds=round(sum(p.get("client_gc_seconds", 0.0) for p in passes), 6),
+        client_gc_longest_s=max((p.get("client_gc_longest_s", 0.0) for p in passes), default=0.0),
     )

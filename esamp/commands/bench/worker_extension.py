@@ -100,30 +100,14 @@ class EsampBenchExtension(EsampWorkerExtension):
         worker; a worker's own under tensor parallelism), each a pause of every thread of it: ``"start"``
         counts from now, ``"stop"`` returns, per generation, the collections, their seconds in all
         and the longest, and stops counting."""
-        import gc
-        import time
+        from esamp.commands.bench.gc_pauses import GcPauses
 
         if action not in ("start", "stop"):
             raise ValueError(f"action must be 'start' or 'stop', not {action!r}")
-        old = getattr(self, "_esamp_gc", None)
-        if old is not None:
-            gc.callbacks.remove(old["callback"])
-            self._esamp_gc = None
+        pauses = getattr(self, "_esamp_gc", None)
+        if pauses is None:
+            pauses = self._esamp_gc = GcPauses()
         if action == "stop":
-            return None if old is None else {str(g): dict(v) for g, v in old["seen"].items()}
-        seen: dict[int, dict] = {}
-        began: list[float] = []
-
-        def callback(phase: str, info: dict) -> None:
-            if phase == "start":
-                began.append(time.perf_counter())
-            elif began:
-                took = time.perf_counter() - began.pop()
-                g = seen.setdefault(info["generation"], dict(collections=0, seconds=0.0, longest=0.0))
-                g["collections"] += 1
-                g["seconds"] += took
-                g["longest"] = max(g["longest"], took)
-
-        gc.callbacks.append(callback)
-        self._esamp_gc = dict(callback=callback, seen=seen)
+            return pauses.stop()
+        pauses.start()
         return None

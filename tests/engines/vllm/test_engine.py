@@ -432,6 +432,15 @@ def test_a_failed_graph_capture_falls_back_to_eager_steps(engine, monkeypatch):
     assert sum(e.type == "done" for e in events) == 2
 
 
+def test_an_open_engine_keeps_the_heap_it_started_with_out_of_the_collector(engine):
+    """(``engine._freeze_heap``: a full collection over it paused this process's outputs.)"""
+    import gc
+
+    from esamp.engines.vllm import engine as module
+
+    assert module._open_engines >= 1 and gc.get_freeze_count() > 0
+
+
 def test_drift_canary_runner_model_class_and_taps_in_use(engine):
     """The V1 model runner (GPU, or its CPU subclass) runs our model class with our taps."""
     info = engine.info()
