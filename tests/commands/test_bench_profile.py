@@ -112,8 +112,10 @@ def test_a_pass_whose_group_failed_stops_the_bench_with_the_groups_error():
             self.started.clear()
             return [ErrorEvent(message="generation failed: boom", group="g", hint="the other groups keep running")]
 
+    callbacks = len(gc.callbacks)
     with pytest.raises(EngineError, match="a bench pass failed: generation failed: boom"):
         run_trial(Failing(), ["p"], 1, 1, {}, Steering())
+    assert len(gc.callbacks) == callbacks  # the pass's count of this process's collections stopped too
 
 
 def test_a_pass_asks_every_group_to_run_past_its_stop_token():

@@ -35,24 +35,26 @@ def run_trial(engine, prompts, n: int, tokens: int, sampling_kw: dict, steering,
     c0 = time.process_time()
     t0 = time.perf_counter()
     produced, losses, port_hits, cands = 0, [], 0, []
-    for _ in range(rounds):
-        for p in prompts:
-            engine.start(p, sampling, steering)
-        while engine.has_unfinished():
-            for ev in engine.step():
-                if ev.type == "done":
-                    produced += ev.tokens
-                elif ev.type == "step":
-                    port_hits += ev.port_hits
-                    if ev.loss is not None:
-                        losses.append(ev.loss)
-                    if ev.port_hits:
-                        cands.append(ev.candidates)
-                elif ev.type == "error":  # a group that failed would leave the pass short of tokens
-                    raise EngineError(f"a bench pass failed: {ev.message}", hint=ev.hint)
-    seconds = time.perf_counter() - t0
-    client = time.process_time() - c0
-    mine = totals(client_gc.stop())
+    try:  # (a pass that raises, or a stop, leaves no counter behind in this process)
+        for _ in range(rounds):
+            for p in prompts:
+                engine.start(p, sampling, steering)
+            while engine.has_unfinished():
+                for ev in engine.step():
+                    if ev.type == "done":
+                        produced += ev.tokens
+                    elif ev.type == "step":
+                        port_hits += ev.port_hits
+                        if ev.loss is not None:
+                            losses.append(ev.loss)
+                        if ev.port_hits:
+                            cands.append(ev.candidates)
+                    elif ev.type == "error":  # a group that failed would leave the pass short of tokens
+                        raise EngineError(f"a bench pass failed: {ev.message}", hint=ev.hint)
+    finally:
+        seconds = time.perf_counter() - t0
+        client = time.process_time() - c0
+        mine = totals(client_gc.stop())
     # the record fetches within the timed pass (not the closing one below)
     drains, drain_s = getattr(engine, "drains", 0) - drains0, getattr(engine, "drain_seconds", 0.0) - drain_s0
     engine.drain()  # release the groups' slots before the next pass
