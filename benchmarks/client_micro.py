@@ -167,33 +167,18 @@ def digest_of(events: list) -> str:
     return h.hexdigest()[:16]
 
 
-class GcClock:
-    """The garbage collector's collections and seconds (``gc.callbacks``) while a pass runs."""
-
-    def __init__(self) -> None:
-        self.count, self.seconds, self._t = 0, 0.0, 0.0
-        gc.callbacks.append(self._hear)
-
-    def _hear(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._t = time.perf_counter()
-        else:
-            self.count += 1
-            self.seconds += time.perf_counter() - self._t
-
-    def close(self) -> None:
-        gc.callbacks.remove(self._hear)
-
-
 def one_pass(engine, fake: FakeVllm, prompts, keys, sampling, steering, keep: list | None = None, profile=None) -> dict:
     """``run_trial``'s loop (``esamp.commands.bench.trials``) on named groups (``profile``: a
     cProfile to enable for the timed part)."""
+    from esamp.commands.bench.gc_pauses import GcPauses, totals
+
     fake.reset()
     gc.collect()
     drains0 = engine.drains
     if profile is not None:
         profile.enable()
-    gc_clock = GcClock()
+    gc_clock = GcPauses()
+    gc_clock.start()
     c0, t0 = time.process_time(), time.perf_counter()
     for p, key in zip(prompts, keys):
         engine.start(p, sampling, steering, group=key)
@@ -213,7 +198,7 @@ def one_pass(engine, fake: FakeVllm, prompts, keys, sampling, steering, keep: li
                 if ev.port_hits:
                     cands.append(ev.candidates)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    gc_clock.close()
+    collected = totals(gc_clock.stop())
     if profile is not None:
         profile.disable()
     engine.drain()
@@ -222,8 +207,8 @@ def one_pass(engine, fake: FakeVllm, prompts, keys, sampling, steering, keep: li
     return dict(
         cpu_us=1e6 * cpu / batches,
         wall_us=1e6 * wall / batches,
-        gc_us=1e6 * gc_clock.seconds / batches,
-        collections=gc_clock.count,
+        gc_us=1e6 * collected["seconds"] / batches,
+        collections=collected["collections"],
         calls=steps,
         port_hits=port_hits,
         drains=engine.drains - drains0,
