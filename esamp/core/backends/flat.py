@@ -177,14 +177,25 @@ if triton is not None:
             opt_step(p_ptr, m_ptr, v_ptr, where, inside, g, lr, beta1, beta2, eps, step, ADAM)
 
     @triton.jit
-    def opt_step(p_ptr, m_ptr, v_ptr, where, keep, g, lr, beta1, beta2, eps, step, ADAM: tl.constexpr):
-        """The update of the elements ``where`` of the parameters and moments, with gradient ``g``:
-        Adam with bias correction at ``step`` (``torch.optim.Adam``'s arithmetic), or SGD. Every
-        optimizer kernel of the bank calls it (this one, and the fused Distiller step's)."""
+    def opt_load(p_ptr, m_ptr, v_ptr, where, keep, ADAM: tl.constexpr):
+        """The elements ``where`` of the parameters and of Adam's moments (zeros for SGD, which
+        reads none): a kernel may issue these reads before its gradient is done (``opt_store``)."""
         p = tl.load(p_ptr + where, mask=keep, other=0.0)
         if ADAM:
-            m = tl.load(m_ptr + where, mask=keep, other=0.0) * beta1 + (1.0 - beta1) * g
-            v = tl.load(v_ptr + where, mask=keep, other=0.0) * beta2 + (1.0 - beta2) * g * g
+            m = tl.load(m_ptr + where, mask=keep, other=0.0)
+            v = tl.load(v_ptr + where, mask=keep, other=0.0)
+        else:
+            m = tl.zeros_like(p)
+            v = tl.zeros_like(p)
+        return p, m, v
+
+    @triton.jit
+    def opt_store(p_ptr, m_ptr, v_ptr, where, keep, p, m, v, g, lr, beta1, beta2, eps, step, ADAM: tl.constexpr):
+        """The step from values ``opt_load`` read, stored: Adam with bias correction at ``step``
+        (``torch.optim.Adam``'s arithmetic), or SGD."""
+        if ADAM:
+            m = m * beta1 + (1.0 - beta1) * g
+            v = v * beta2 + (1.0 - beta2) * g * g
             bias1 = 1.0 - tl.exp(step * tl.log(beta1))
             bias2 = 1.0 - tl.exp(step * tl.log(beta2))
             p = p - (lr / bias1) * m / (tl.sqrt(v) / tl.sqrt(bias2) + eps)
@@ -193,3 +204,11 @@ if triton is not None:
         else:
             p = p - lr * g
         tl.store(p_ptr + where, p, mask=keep)
+
+    @triton.jit
+    def opt_step(p_ptr, m_ptr, v_ptr, where, keep, g, lr, beta1, beta2, eps, step, ADAM: tl.constexpr):
+        """The update of the elements ``where`` of the parameters and moments, with gradient ``g``
+        (``opt_load`` then ``opt_store``). Every optimizer kernel of the bank takes its step
+        through these (this file's, and the fused Distiller step's)."""
+        p, m, v = opt_load(p_ptr, m_ptr, v_ptr, where, keep, ADAM)
+        opt_store(p_ptr, m_ptr, v_ptr, where, keep, p, m, v, g, lr, beta1, beta2, eps, step, ADAM)

@@ -23,8 +23,10 @@ and no extra launch reduces them. ``learn`` reads only the workspace that ``eval
 (the raw x rows, h, the statistics, n̂, r, c and a snapshot of the block's rows and slots), so it
 may run beside whatever follows, as long as the next ``evaluate`` waits for it (``settle``).
 
-The optimizer step is ``backends.flat``'s ``opt_step`` (Adam with per-slot step counts, or SGD), on
-each slice where its gradient is complete: no gradient is written to memory. Products run on the
+The optimizer step is ``backends.flat``'s (Adam with per-slot step counts, or SGD), on each slice
+where its gradient is complete: no gradient is written to memory. L1 reads its slice's parameters
+and moments before its gradient work (``opt_load``), so they come in one trip with the rows' reads,
+and takes B's step from the B it read for du (``opt_store``): each program waits on memory once. Products run on the
 tensor cores with ``PRECISION`` (TF32 by default; ``ESAMP_DISTILLER_PRECISION=ieee`` or
 ``tf32x3`` for fp32-faithful products). One (U, W) shape is one fixed grid for every batch: a
 captured CUDA graph serves all of them.
@@ -229,7 +231,7 @@ def partial_slices(hidden: int) -> int:
 
 
 if triton is not None:
-    from esamp.core.backends.flat import opt_step
+    from esamp.core.backends.flat import opt_load, opt_step, opt_store
 
     @triton.jit
     def _cells(row_of_ptr, u, rb, W, BW: tl.constexpr):
@@ -512,8 +514,12 @@ if triton is not None:
             hm = hn < H
             B_where = slot * P + B_at + j[:, None] * H + hn[None, :]
             B_keep = (j[:, None] < r) & hm[None, :]
-            B = tl.load(flat_ptr + B_where, mask=B_keep, other=0.0)  # before this step's update
-            lw = tl.load(flat_ptr + slot * P + lw_at + hn, mask=hm, other=0.0)
+            ln = slot * P + hn
+            # Every read of the slice's parameters and moments first, in flight together: B (as
+            # it was before this step: du's factor, and the step's start) and γ, β with theirs.
+            B, mB, vB = opt_load(flat_ptr, m_ptr, v_ptr, B_where, B_keep, ADAM)
+            lw, mlw, vlw = opt_load(flat_ptr, m_ptr, v_ptr, ln + lw_at, hm, ADAM)
+            lb, mlb, vlb = opt_load(flat_ptr, m_ptr, v_ptr, ln + lb_at, hm, ADAM)
             dB = tl.zeros([RP, BH], tl.float32)
             dlw = tl.zeros([BH], tl.float32)
             dlb = tl.zeros([BH], tl.float32)
@@ -546,10 +552,9 @@ if triton is not None:
                     tl.store(grads_ptr + row[:, None] * (2 * RP) + j[None, :], du * s * sig, mask=valid[:, None])
                     ds = du * p * sig * (1.0 + s * (1.0 - sig))
                     tl.store(grads_ptr + row[:, None] * (2 * RP) + RP + j[None, :], ds, mask=valid[:, None])
-            opt_step(flat_ptr, m_ptr, v_ptr, B_where, B_keep, dB, lr, beta1, beta2, eps, step, ADAM)
-            ln = slot * P + hn
-            opt_step(flat_ptr, m_ptr, v_ptr, ln + lw_at, hm, dlw, lr, beta1, beta2, eps, step, ADAM)
-            opt_step(flat_ptr, m_ptr, v_ptr, ln + lb_at, hm, dlb, lr, beta1, beta2, eps, step, ADAM)
+            opt_store(flat_ptr, m_ptr, v_ptr, B_where, B_keep, B, mB, vB, dB, lr, beta1, beta2, eps, step, ADAM)
+            opt_store(flat_ptr, m_ptr, v_ptr, ln + lw_at, hm, lw, mlw, vlw, dlw, lr, beta1, beta2, eps, step, ADAM)
+            opt_store(flat_ptr, m_ptr, v_ptr, ln + lb_at, hm, lb, mlb, vlb, dlb, lr, beta1, beta2, eps, step, ADAM)
 
     @triton.jit(do_not_specialize=["W"])
     def _l2_kernel(
