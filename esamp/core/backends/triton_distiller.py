@@ -26,7 +26,8 @@ may run beside whatever follows, as long as the next ``evaluate`` waits for it (
 The optimizer step is ``backends.flat``'s (Adam with per-slot step counts, or SGD), on each slice
 where its gradient is complete: no gradient is written to memory. L1 reads its slice's parameters
 and moments before its gradient work (``opt_load``), so they come in one trip with the rows' reads,
-and takes B's step from the B it read for du (``opt_store``): each program waits on memory once. Products run on the
+and takes B's step from the B it read for du (``opt_store``): each program waits on memory once;
+L2 likewise reads its [A|G] tile and moments beside the rows it sums. Products run on the
 tensor cores with ``PRECISION`` (TF32 by default; ``ESAMP_DISTILLER_PRECISION=ieee`` or
 ``tf32x3`` for fp32-faithful products). One (U, W) shape is one fixed grid for every batch: a
 captured CUDA graph serves all of them.
@@ -576,6 +577,9 @@ if triton is not None:
             hk = k * BK + tl.arange(0, BK)
             hm = hk < H
             gw = _norm_weight(gx_ptr, gx_offset, hk, hm, HAS_NORM)
+            where = slot * P + ag_at + hk[:, None] * (2 * r) + col[None, :]
+            keep = hm[:, None] & rank_col[None, :]
+            AG, mAG, vAG = opt_load(flat_ptr, m_ptr, v_ptr, where, keep, ADAM)  # in flight with the rows' reads
             dAG = tl.zeros([BK, 2 * RP], tl.float32)
             db = tl.zeros([2 * RP], tl.float32)
             for rb in range(0, tl.cdiv(W, BW)):
@@ -588,9 +592,7 @@ if triton is not None:
                 dAG += tl.dot(tl.trans(x), g, input_precision=PREC)
                 if k == 0:
                     db += tl.sum(g, axis=0)
-            where = slot * P + ag_at + hk[:, None] * (2 * r) + col[None, :]
-            keep = hm[:, None] & rank_col[None, :]
-            opt_step(flat_ptr, m_ptr, v_ptr, where, keep, dAG, lr, beta1, beta2, eps, step, ADAM)
+            opt_store(flat_ptr, m_ptr, v_ptr, where, keep, AG, mAG, vAG, dAG, lr, beta1, beta2, eps, step, ADAM)
             if k == 0:  # b's gradient: the ds half of db
                 c = tl.arange(0, 2 * RP)
                 b_keep = (c >= RP) & rank_col
