@@ -358,12 +358,25 @@ class Steerer:
         filter: Filter = reference_filter,
         graphs: GraphCache | None = None,
         beside: SideStream | None = None,
+        inline_cells: int = 0,
     ) -> None:
         self.bank = bank
         self._filter = filter
         self.graphs = graphs or GraphCache(enabled=False)
         self.beside = beside  # where the Distiller's update runs on a GPU (None: in line)
+        # Blocks of up to this many cells (a step's steered rows, about) take their update in line
+        # even with ``beside``: a step of few rows leaves the update no room beside it (``beside_for``)
+        self.inline_cells = inline_cells
         self._work: FilterWorkspace | None = None
+
+    def beside_for(self, plan: StepPlan) -> SideStream | None:
+        """Where the update of ``plan``'s Distiller step runs: ``beside``, or None (in line) for a
+        block of at most ``inline_cells`` cells. A function of the plan's ``key``, so each captured
+        step has one way."""
+        if self.beside is None or plan.layout is None:
+            return self.beside
+        units, width = plan.layout.shape
+        return None if units * width <= self.inline_cells else self.beside
 
     # -- distill -----------------------------------------------------------------------------
 
@@ -384,23 +397,25 @@ class Steerer:
         self.bank.settle()  # the previous step's update first (below)
         key = self.distill_key(plan, x, y, out_dtype)
         prediction, errors, losses, update = self.graphs.run(key, self.evaluator(plan, normalize, out_dtype), x, y)
-        if update is not None and self.beside is not None:
+        beside = self.beside_for(plan)
+        if update is not None and beside is not None:
             # The update is not needed before the next step's prediction: it runs beside what
             # follows (the mix, the sampler, the model's next forward) instead of before it, as a
             # graph of its own where the prediction was one (its inputs then stay where they are).
             learn_key = ("learn", plan.key) + tuple(t.data_ptr() for t in update.reads)
             graphed = key in self.graphs.graphs
-            self.bank.updating(self.beside.run(learn_key, update.run, *update.reads, graphed=graphed))
+            self.bank.updating(beside.run(learn_key, update.run, *update.reads, graphed=graphed))
         return prediction, errors, losses
 
     def evaluator(self, plan: StepPlan, normalize=None, out_dtype: torch.dtype | None = None) -> Callable:
         """The Distiller step of ``plan`` as one call ``(x, y) -> (ŷ, e, loss, update)``, what
-        ``distill`` runs or captures: in line (no ``beside``) the update runs in the same call,
-        after the prediction, and ``update`` is None."""
+        ``distill`` runs or captures: in line (``beside_for`` None) the update runs in the same
+        call, after the prediction, and ``update`` is None."""
+        inline = self.beside_for(plan) is None
 
         def evaluate(gx, gy):
             out = self.bank.evaluate(gx, gy, plan.layout, normalize, out_dtype)
-            if self.beside is None and out[3] is not None:  # in line: the update in the same call (one graph)
+            if inline and out[3] is not None:  # in line: the update in the same call (one graph)
                 out[3].run(*out[3].reads)
                 return (*out[:3], None)
             return out

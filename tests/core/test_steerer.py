@@ -174,3 +174,41 @@ def test_entropy_matched_rows_take_the_pytorch_path_on_every_backend():
     again = StepPlan.build(rows[::-1], index=[0, 1, 2], buffers=buffers)  # a captured step reads it there
     assert again.matched.data_ptr() == address
     assert StepPlan.build(rows[1:2], index=[0], buffers=buffers).matched is None  # idle: none matched
+
+
+class _Beside:
+    """A side stream that runs what it is given at once and names it (no GPU)."""
+
+    def __init__(self):
+        self.runs = []
+
+    def run(self, key, fn, *inputs, graphed=True):
+        self.runs.append(key)
+        fn(*inputs)
+        return "event"
+
+
+def test_auto_runs_the_update_in_line_for_small_blocks_and_beside_for_large():
+    """``inline_cells`` (ESAMP_UPDATE=auto): a block of at most that many cells takes its update in
+    the Distiller step's call, a larger one beside it; without it every update goes beside, and
+    without a side stream every update is in line. Either way the same parameters come out."""
+
+    def plan_of(units: int, width: int) -> StepPlan:
+        return StepPlan.build([SteeredRow(u, Steering(), Filters()) for u in range(units) for _ in range(width)])
+
+    small, large = plan_of(2, 1), plan_of(2, 3)  # 2 and 6 cells
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(6, H, generator=gen), torch.randn(6, H, generator=gen)
+    outcomes = []
+    for beside, cells in ((None, 0), (_Beside(), 0), (_Beside(), 2)):
+        bank = DistillerBank(H, rank=4, slots=2, device="cpu", seed=1)
+        bank.updating = lambda event: None  # (a GPU's update in flight; settle then has nothing to wait for)
+        steerer = Steerer(bank, beside=beside, inline_cells=cells)
+        assert steerer.beside_for(small) is (beside if cells < 2 else None)
+        assert steerer.beside_for(large) is beside
+        for plan in (small, large):
+            steerer.distill(plan, x[: plan.rows], y[: plan.rows])
+        if beside is not None:
+            assert [key[0] for key in beside.runs] == (["learn"] if cells else ["learn", "learn"])
+        outcomes.append(bank.store.flat.clone())
+    assert torch.equal(outcomes[0], outcomes[1]) and torch.equal(outcomes[0], outcomes[2])

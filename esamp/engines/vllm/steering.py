@@ -53,6 +53,25 @@ PADDED_GRAPHS = 64  # ≥ every padded step's key: 9 buckets of rows × top-p or
 # A late adapter's steady step as one graph (``step_late``): the Distiller step, its update in line
 # (ESAMP_UPDATE=inline) and the padded filter and mix. ESAMP_STEP=split keeps them two graphs.
 FUSED_STEP = os.environ.get("ESAMP_STEP", "one-graph") != "split"
+# Where the Distiller's update runs on a GPU (ESAMP_UPDATE): "beside" the steps that follow, on a
+# stream of its own (the default); "inline", in the Distiller step's own graph (on MRV2 the steady
+# step is then one graph); "auto", in line for Distiller blocks of up to AUTO_INLINE_CELLS cells and
+# beside above (measured on one H100: in line the better way at 16 and 128 rows, beside at 256).
+UPDATE_WAYS = ("beside", "inline", "auto")
+AUTO_INLINE_CELLS = 128
+
+
+def update_way() -> str:
+    """ESAMP_UPDATE's way of the Distiller's update; a clear error for any other value."""
+    way = os.environ.get("ESAMP_UPDATE", UPDATE_WAYS[0])
+    if way not in UPDATE_WAYS:
+        raise ValueError(
+            f"ESAMP_UPDATE must be one of {', '.join(UPDATE_WAYS)}, not {way!r}: unset it for the default "
+            f"({UPDATE_WAYS[0]})"
+        )
+    return way
+
+
 QUIET = Steering(enabled=False, beta=0.0)  # a row only filtered (never changed: a plan holds it)
 EXPIRE_EVERY = 1.0  # seconds between checks for records nobody read
 # A step whose host time passes SLOW_STEP_S is kept, with where its time went, among the last
@@ -191,6 +210,7 @@ class EngineSteering:
             with torch.inference_mode(False):
                 bank = bank_for(config, hidden, self.device)
             self.slots = bank
+        way = update_way()
         self.steerer = (
             Steerer(
                 bank,
@@ -198,13 +218,13 @@ class EngineSteering:
                 graphs=GraphCache(
                     enabled=graphs and bank is not None, after=0, size=DISTILL_GRAPHS, in_place=True, shared_pool=True
                 ),
-                # On a GPU the Distiller's update runs beside the steps that follow it
-                # (ESAMP_UPDATE=inline: in line, in the Distiller step's own graph, for measuring the two
-                # against each other: one replay a step and no stream ordering on the host, the update's
-                # kernels on the step's path).
+                # On a GPU the Distiller's update runs beside the steps that follow it, or in line
+                # (``update_way``: one replay a step and no stream ordering on the host, the update's
+                # kernels on the step's path), or in line for small blocks only ("auto").
                 beside=SideStream(GraphCache(enabled=graphs, after=0, size=DISTILL_GRAPHS, in_place=True))
-                if self.device.type == "cuda" and os.environ.get("ESAMP_UPDATE", "beside") != "inline"
+                if self.device.type == "cuda" and way != "inline"
                 else None,
+                inline_cells=AUTO_INLINE_CELLS if way == "auto" else 0,
             )
             if bank is not None
             else Steerer(None, filter=vllm_filter)
@@ -656,7 +676,7 @@ class EngineSteering:
         graph per (Distiller shape, padded step), that reads what the two would: the taps' buffer,
         the plan's buffers, the Distiller's fixed outputs, the logits through their address.
         Returns the step's ``Handoff`` with its packed record values, or None where the two run
-        apart: graphs off, the update beside (ESAMP_UPDATE's default), tensor parallelism (ŷ is
+        apart: graphs off, the plan's update beside (``Steerer.beside_for``), tensor parallelism (ŷ is
         broadcast between them), a plan whose padded step has not run yet (``plan.padded`` says
         what it reads: d and the records at the Distiller's fixed outputs) or does not apply."""
         known = plan.padded
@@ -665,7 +685,7 @@ class EngineSteering:
             known is None
             or known[2][0] is None  # (a padded step with d: it reads the Distiller's outputs)
             or not graphs.enabled
-            or self.steerer.beside is not None
+            or self.steerer.beside_for(plan.step) is not None
             or not self.steerer.graphs.enabled
             or self.tp.size > 1
             or bank is None
@@ -689,6 +709,7 @@ class EngineSteering:
 
             fused = plan.fused = (key, run, HeadProduct(outputs[0][: plan.steered], head))
         t0 = time.perf_counter()
+        bank.settle()  # an update still beside the step (ESAMP_UPDATE=auto: a larger block's, just before)
         self._point_at(logits)
         replays, captures = graphs.replays, graphs.captures
         packed = graphs.run(fused[0], fused[1])

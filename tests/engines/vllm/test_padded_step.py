@@ -129,11 +129,37 @@ def check_padded_step(device: str) -> None:
     assert sum(len(rows) for _, rows, _ in records[0]) == sum(sum(g.values()) for g, _, _ in steps)
 
 
+class _Beside:
+    """The CPU's stand-in for the side stream: it runs the update at once (nothing in flight)."""
+
+    def __init__(self) -> None:
+        self.runs = 0
+
+    def run(self, key, fn, *inputs, graphed=True):
+        self.runs += 1
+        fn(*inputs)
+
+
+def _marking(run, inside: list):
+    """``run`` that notes, while it runs, that the host is inside a graph's call."""
+
+    def marked(*args):
+        inside.append(1)
+        try:
+            return run(*args)
+        finally:
+            inside.pop()
+
+    return marked
+
+
 def check_one_graph_step(device: str) -> None:
     """A late adapter's step as one graph (``EngineSteering.step_late``, its update in line): from
     a plan's third step on, the Distiller step and the padded filter and mix run as one call, and
     the logits and records are what the two steps apart give (an engine stepping every plan the
-    exact way, its update beside on a GPU)."""
+    exact way, its update beside on a GPU). The engine runs as ESAMP_UPDATE=auto does, in line
+    for blocks of up to 16 cells: the middle batch's block (26 cells) takes its update beside and
+    its steps apart, and the batch after it, one graph again, first waits for that update."""
     from esamp.core.config import EsampConfig
     from esamp.core.intervention import HeadProduct
     from esamp.engines.vllm.steering import EngineSteering
@@ -147,33 +173,50 @@ def check_one_graph_step(device: str) -> None:
     ]
     fused, direct = engines
     TracingSteering.traces.clear()
-    fused.steerer.beside = None  # ESAMP_UPDATE=inline: the update in the Distiller step's call
+    fused.steerer.inline_cells = 16  # ESAMP_UPDATE=auto: in line for blocks of up to 16 cells
+    if dev.type != "cuda":
+        fused.steerer.beside = _Beside()
+    settled, inside = [], []  # the bank's waits for an update beside, made outside a graph's call
+    settle = fused.bank.settle
+
+    def counted():
+        if not inside:
+            settled.append(1)
+        settle()
+
+    fused.bank.settle = counted
     if dev.type == "cuda":
         direct.padded_graphs.enabled = direct.apply_graphs.enabled = False
     else:
         fused.padded_graphs, fused.fused_graphs, fused.steerer.graphs = _Direct(), _Direct(), _Direct()
+        for cache in (fused.fused_graphs, fused.steerer.graphs):  # a replay makes none of its host calls
+            cache.run = _marking(cache.run, inside)
     gen = torch.Generator().manual_seed(5)
     head = (torch.randn(V + 7, H, generator=gen) / 4).to(torch.bfloat16 if dev.type == "cuda" else torch.float32)
     head = head.to(dev)
     for engine in engines:
         engine.prepare(torch.zeros(ROWS, 2 * H, dtype=torch.bfloat16, device=dev), 0, 1, None, torch.bfloat16, head)
-    batches = [  # (groups, logits rows, filters, steps of the same plan)
+    batches = [  # (groups, logits rows, filters, steps of the same plan): blocks of 16, 26 and 10 cells
         ({"a": 4, "b": 8}, 12, dict(min_p=0.05, top_p=0.9), 4),
-        ({"b": 5, "c": 3}, 10, dict(min_p=0.1, top_p=1.0), 3),
         ({"c": 3, "d": 16 - 3}, 16, dict(min_p=0.02, top_p=0.95), 3),
+        ({"b": 5, "c": 3}, 10, dict(min_p=0.1, top_p=1.0), 3),
     ]
+    inline = [True, False, True]
     total = 0
     for b, (groups, n_logits, filters, steps) in enumerate(batches):
         rows = _rows(groups, **filters)
         plans = [engine.plan(rows, n_logits) for engine in engines]  # one plan a batch, as the adapter keeps it
         for step in range(steps):
+            where = (b, step)
             aux = (torch.randn(n_logits, 2 * H, generator=gen) * 2).to(torch.bfloat16).to(dev)
             base = torch.randn(n_logits, V, generator=gen) * 4
             logits = [torch.empty(n_logits + k + 1, V, device=dev)[k + 1 :] for k in range(2)]
             for x in logits:
                 x.copy_(base)
             assert fused.keep_taps(aux) and direct.keep_taps(aux)
+            settled.clear()
             got = fused.step_late(plans[0], logits[0], (0, 1, None, torch.bfloat16, head)).cpu()
+            assert settled, where  # (one graph or apart, the step first waits for an update beside)
             steered = plans[0].step.index[: plans[0].steered].cpu()
             trace = TracingSteering.traces[-1]  # the step's logits as they came, and as it left them
             assert len(TracingSteering.traces) == total + 1 and torch.equal(trace["logits"].cpu(), base[steered])
@@ -181,7 +224,6 @@ def check_one_graph_step(device: str) -> None:
             handoff = direct.distill(plans[1], 0, 1, None, torch.bfloat16)
             handoff.d = HeadProduct(handoff.prediction[: plans[1].steered], head)
             want = direct.apply(plans[1], logits[1], handoff).cpu()
-            where = (b, step)
             assert torch.equal(torch.isfinite(got), torch.isfinite(want)), where
             kept = torch.isfinite(want)
             if dev.type == "cuda":
@@ -189,12 +231,14 @@ def check_one_graph_step(device: str) -> None:
             else:
                 torch.testing.assert_close(got[kept], want[kept], rtol=1e-5, atol=1e-4)
             total += 1
-        assert plans[0].fused is not None, b  # its later steps were one call
-    # every batch: one step apart (the padded step learns what it reads), then one call a step
-    calls = fused.fused_graphs
-    assert calls.replays + calls.eager + calls.captures == total - len(batches)
-    if dev.type == "cuda":  # one eager call, then a capture and replays, per batch
-        assert calls.captures == len(batches) and calls.eager == len(batches) and calls.failures == 0
+        assert (plans[0].fused is not None) == inline[b], b  # its later steps were one call, in line
+    # every batch in line: one step apart (the padded step learns what it reads), then one call a step
+    calls, one_graph = fused.fused_graphs, [n for (_, _, _, n), i in zip(batches, inline) if i]
+    assert calls.replays + calls.eager + calls.captures == sum(one_graph) - len(one_graph)
+    if dev.type == "cuda":  # one eager call, then a capture and replays, per batch in line
+        assert calls.captures == len(one_graph) and calls.eager == len(one_graph) and calls.failures == 0
+    else:  # the batch whose update went beside: one update a step
+        assert fused.steerer.beside.runs == batches[1][3]
     records = [[(r["step"], r["rows"], r["loss"]) for r in engine.drain()["steps"]] for engine in engines]
     assert [(s, [row[:3] for row in rows]) for s, rows, _ in records[0]] == [
         (s, [row[:3] for row in rows]) for s, rows, _ in records[1]
@@ -229,6 +273,9 @@ def test_the_one_graph_step_stays_apart_where_it_does_not_apply():
     plan.padded = ("padded", lambda: None, (1, 2, V, V))
     engine.steerer.beside = SimpleNamespace()  # the update beside
     assert engine._fused_step(plan, logits, taps) is None
+    engine.steerer.inline_cells = 2  # ESAMP_UPDATE=auto: this plan's block (1 × 2) takes its update in line
+    assert engine.steerer.beside_for(plan.step) is None
+    engine.steerer.inline_cells = 0
     engine.steerer.beside = None
     engine.tp = SimpleNamespace(size=2)
     assert engine._fused_step(plan, logits, taps) is None

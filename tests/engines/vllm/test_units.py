@@ -803,3 +803,22 @@ def test_the_heap_stays_frozen_while_an_engine_is_open_and_thaws_when_the_last_c
         assert gc.get_freeze_count() == 0 and module._open_engines == 0
     finally:
         gc.unfreeze()
+
+
+def test_esamp_update_takes_its_three_ways_and_names_them_for_any_other(monkeypatch):
+    """ESAMP_UPDATE picks where the Distiller's update runs; a value it does not know (a typo that
+    would have meant the default) stops the engine's steering at its start with the ways it takes."""
+    from esamp.core.config import EsampConfig
+    from esamp.engines.vllm.steering import UPDATE_WAYS, EngineSteering, update_way
+
+    monkeypatch.delenv("ESAMP_UPDATE", raising=False)
+    assert update_way() == "beside"
+    for way in UPDATE_WAYS:
+        monkeypatch.setenv("ESAMP_UPDATE", way)
+        assert update_way() == way
+    monkeypatch.setenv("ESAMP_UPDATE", "in-line")
+    words = "ESAMP_UPDATE must be one of beside, inline, auto, not 'in-line': unset it for the default"
+    with pytest.raises(ValueError, match=words):
+        update_way()
+    with pytest.raises(ValueError, match=words):
+        EngineSteering(EsampConfig(slots=2, rank=4), hidden=8, vocab=16, max_rows=4, device=torch.device("cpu"))
