@@ -171,6 +171,7 @@ def one_pass(engine, fake: FakeVllm, prompts, keys, sampling, steering, keep: li
     """``run_trial``'s loop (``esamp.commands.bench.trials``) on named groups (``profile``: a
     cProfile to enable for the timed part)."""
     from esamp.commands.bench.gc_pauses import GcPauses, totals
+    from esamp.commands.bench.trials import Tally
 
     fake.reset()
     gc.collect()
@@ -182,35 +183,27 @@ def one_pass(engine, fake: FakeVllm, prompts, keys, sampling, steering, keep: li
     c0, t0 = time.process_time(), time.perf_counter()
     for p, key in zip(prompts, keys):
         engine.start(p, sampling, steering, group=key)
-    produced, losses, port_hits, cands, steps = 0, [], 0, [], 0
+    tally, steps = Tally(), 0
     while engine.has_unfinished():
         events = engine.step()
         steps += 1
         if keep is not None:
             keep.extend(events)
-        for ev in events:
-            if ev.type == "done":
-                produced += ev.tokens
-            elif ev.type == "step":
-                port_hits += ev.port_hits
-                if ev.loss is not None:
-                    losses.append(ev.loss)
-                if ev.port_hits:
-                    cands.append(ev.candidates)
+        tally.add(events)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     collected = totals(gc_clock.stop())
     if profile is not None:
         profile.disable()
     engine.drain()
     batches = len(fake.schedule)
-    assert produced == batches * len(fake.requests), (produced, batches, len(fake.requests))
+    assert tally.produced == batches * len(fake.requests), (tally.produced, batches, len(fake.requests))
     return dict(
         cpu_us=1e6 * cpu / batches,
         wall_us=1e6 * wall / batches,
         gc_us=1e6 * collected["seconds"] / batches,
         collections=collected["collections"],
         calls=steps,
-        port_hits=port_hits,
+        port_hits=tally.port_hits,
         drains=engine.drains - drains0,
     )
 

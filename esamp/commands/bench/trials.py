@@ -14,13 +14,35 @@ import time
 
 from esamp.commands.bench.gc_pauses import GcPauses, totals
 from esamp.commands.bench.workloads import rounds_for
+from esamp.errors import EngineError
+
+
+class Tally:
+    """What a pass's events add up to: the tokens its samples produced, the Distiller's losses, the
+    steered rows (port hits) and their candidate counts. A group that failed raises: it would leave
+    the pass short of tokens."""
+
+    def __init__(self) -> None:
+        self.produced, self.losses, self.port_hits, self.candidates = 0, [], 0, []
+
+    def add(self, events) -> None:
+        for ev in events:
+            if ev.type == "done":
+                self.produced += ev.tokens
+            elif ev.type == "step":
+                self.port_hits += ev.port_hits
+                if ev.loss is not None:
+                    self.losses.append(ev.loss)
+                if ev.port_hits:
+                    self.candidates.append(ev.candidates)
+            elif ev.type == "error":
+                raise EngineError(f"a bench pass failed: {ev.message}", hint=ev.hint)
 
 
 def run_trial(engine, prompts, n: int, tokens: int, sampling_kw: dict, steering, rounds: int = 1) -> dict:
     """Run every prompt as a group of n samples to ``tokens`` tokens, ``rounds`` times back to
     back (each round starts when the last finished); time and count the whole."""
     from esamp.core.config import SamplingConfig
-    from esamp.errors import EngineError
 
     # every sample runs to its budget: the group's ignore_eos reaches vLLM's requests and the
     # group's stream alike (a stream that stopped at EOS while vLLM decoded on counted short)
@@ -34,27 +56,18 @@ def run_trial(engine, prompts, n: int, tokens: int, sampling_kw: dict, steering,
     client_gc.start()
     c0 = time.process_time()
     t0 = time.perf_counter()
-    produced, losses, port_hits, cands = 0, [], 0, []
+    tally = Tally()
     try:  # (a pass that raises, or a stop, leaves no counter behind in this process)
         for _ in range(rounds):
             for p in prompts:
                 engine.start(p, sampling, steering)
             while engine.has_unfinished():
-                for ev in engine.step():
-                    if ev.type == "done":
-                        produced += ev.tokens
-                    elif ev.type == "step":
-                        port_hits += ev.port_hits
-                        if ev.loss is not None:
-                            losses.append(ev.loss)
-                        if ev.port_hits:
-                            cands.append(ev.candidates)
-                    elif ev.type == "error":  # a group that failed would leave the pass short of tokens
-                        raise EngineError(f"a bench pass failed: {ev.message}", hint=ev.hint)
+                tally.add(engine.step())
     finally:
         seconds = time.perf_counter() - t0
         client = time.process_time() - c0
         mine = totals(client_gc.stop())
+    produced, losses, cands = tally.produced, tally.losses, tally.candidates
     # the record fetches within the timed pass (not the closing one below)
     drains, drain_s = getattr(engine, "drains", 0) - drains0, getattr(engine, "drain_seconds", 0.0) - drain_s0
     engine.drain()  # release the groups' slots before the next pass
@@ -73,7 +86,7 @@ def run_trial(engine, prompts, n: int, tokens: int, sampling_kw: dict, steering,
         loss_count=len(losses),
         loss_first=losses[0] if losses else None,
         loss_last=losses[-1] if losses else None,
-        port_hits=port_hits,
+        port_hits=tally.port_hits,
         candidates_mean=round(sum(cands) / len(cands), 2) if cands else 0.0,
         ttft_ms=[round(1e3 * t, 2) for t in ttft],
         # the engine process's garbage collections in the pass: each pauses its steps
