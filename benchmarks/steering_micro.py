@@ -90,8 +90,9 @@ def use_tiles(spec: str) -> None:
     from esamp.core.backends import triton_distiller as kernels
 
     if not _DEFAULT_TILES:
-        _DEFAULT_TILES.update(BK=kernels.BK, SUBS=kernels.SUBS, BH=kernels.BH, KB=kernels.KB, WARPS=dict(kernels.WARPS))
-    kernels.BK, kernels.SUBS, kernels.BH, kernels.KB = (_DEFAULT_TILES[k] for k in ("BK", "SUBS", "BH", "KB"))
+        _DEFAULT_TILES.update({name: getattr(kernels, name) for name in kernels.TILES}, WARPS=dict(kernels.WARPS))
+    for name in kernels.TILES:
+        setattr(kernels, name, _DEFAULT_TILES[name])
     kernels.WARPS.update(_DEFAULT_TILES["WARPS"])
     kernels.set_tiles(spec)
 
@@ -206,7 +207,7 @@ def main() -> int:
         "--tiles",
         nargs="+",
         default=[""],
-        help="fused kernels' tiles to try, each NAME=V,... over triton_distiller's BK, SUBS, BH, KB and "
+        help="fused kernels' tiles to try, each NAME=V,... over triton_distiller's BK, SUBS, BH, KB, LP and "
         "warps e1..l2 (e.g. BH=64,l1=4); the empty default: its own",
     )
     ap.add_argument("--profile-steps", type=int, default=20)

@@ -223,6 +223,29 @@ def test_an_update_beside_the_stream_equals_the_update_in_line():
     assert steerers[2].graphs.replays > 0 and not steerers[2].graphs.failures
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_a_priority_lane_runs_after_the_current_streams_work_and_before_its_next():
+    """``PriorityLane.run`` (the filter and mix beside an update, ESAMP_MIX_STREAM=priority) reads
+    what the current stream wrote just before it, its result is what the current stream reads just
+    after, and the current stream is the same one afterwards, on a stream of a higher priority."""
+    from esamp.core.backends import streams
+    from esamp.core.backends.graphs import PriorityLane
+
+    dev = torch.device("cuda")
+    lane, main = PriorityLane(), torch.cuda.current_stream()
+    big = torch.randn(4096, 4096, device=dev)
+    x = torch.zeros(1 << 20, device=dev)
+    for i in range(5):
+        big @ big  # the current stream busy, so an unordered lane would read x too early
+        x.fill_(float(i))
+        out = lane.run(lambda: x * 2 + 1)
+        assert streams.current(streams.index_of(dev)) == main
+        y = out + 1  # read on the current stream right after
+        assert torch.equal(y, torch.full_like(x, 2.0 * i + 2))
+    assert lane.runs == 5 and lane._stream.priority < main.priority
+
+
 FLAT_KERNEL_CHECK = """
 import copy, torch
 from esamp.core.backends import flat

@@ -150,11 +150,14 @@ def test_the_interpreters_cases_cover_every_mode_optimizer_and_tap_norm():
 # The interpreter run of this module, started early by the run (tests/core/_interpreter.py). H 200
 # in slices of 32 (E1) and 64 (the others): 7 and 4 partials per tail, summed two at a time (KB 2:
 # every tail takes several steps, E1's last one partial). Every program the interpreter runs costs
-# Python time: these tiles take half as long as slices of 16 and 32.
+# Python time: these tiles take half as long as slices of 16 and 32. Then one case with the learn
+# kernels as 3 programs taking their slices in turn (LP; up to 4 units of 4 and 7 slices: a
+# program's turns cross units, and L1's tails sum partials written by other programs' turns).
 INTERPRETER_RUNS = {
     "test_the_fused_step_equals_the_pytorch_step_in_tritons_interpreter": (
         "import sys; sys.path.insert(0, 'tests/core'); import test_fused_distiller as t; "
-        "t.check('cpu', 'ieee', 200, dict(BK=32, SUBS=1, BH=64, KB=2), t.COVERING)"
+        "t.check('cpu', 'ieee', 200, dict(BK=32, SUBS=1, BH=64, KB=2), t.COVERING); "
+        "t.check('cpu', 'ieee', 200, dict(BK=32, SUBS=1, BH=64, KB=2, LP=3), t.COVERING[:1])"
     )
 }
 
@@ -171,3 +174,26 @@ def test_the_fused_step_equals_the_pytorch_step_in_tritons_interpreter():
 @pytest.mark.parametrize("precision", sorted(TOLERANCE))
 def test_the_fused_step_equals_the_pytorch_step_on_a_gpu(precision):
     check("cuda", precision)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_the_learn_kernels_taking_their_slices_in_turn_equal_the_pytorch_step_on_a_gpu():
+    """ESAMP_DISTILLER_TILES=LP=…: L1 and L2 as a few programs, each taking slices in turn."""
+    check("cuda", "ieee", tiles=dict(LP=5), cases=COVERING)
+
+
+def test_set_tiles_takes_each_tile_and_warps_and_names_them_for_any_other(monkeypatch):
+    """ESAMP_DISTILLER_TILES (``set_tiles``): each tile and kernel's warps by name; the learn kernels'
+    grid follows LP; an unknown name is refused with the names it takes."""
+    kernels = pytest.importorskip("esamp.core.backends.triton_distiller")
+    for name in kernels.TILES:
+        monkeypatch.setattr(kernels, name, getattr(kernels, name))
+    monkeypatch.setattr(kernels, "WARPS", dict(kernels.WARPS))
+    kernels.set_tiles("BH=64, LP=12,l2=8")
+    assert (kernels.BH, kernels.LP, kernels.WARPS["l2"]) == (64, 12, 8)
+    assert kernels._learn_grid(units=4, slices=28) == (12,) and kernels._learn_grid(units=1, slices=5) == (5,)
+    kernels.set_tiles("LP=0")
+    assert kernels._learn_grid(units=4, slices=28) == (4, 28)
+    with pytest.raises(ValueError, match=r"no tile 'BQ' \(BK, SUBS, BH, KB, LP, e1, e2, e3, l1, l2\)"):
+        kernels.set_tiles("BQ=3")

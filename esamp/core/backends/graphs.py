@@ -225,3 +225,42 @@ class SideStream:
             for t in inputs:
                 t.record_stream(side)  # an eager input's memory is not reused before this reads it
         return self._done
+
+
+class PriorityLane:
+    """Work the current stream waits for, run on a stream of the device's highest priority: ``run``
+    queues a call (a graph's replay: it allocates nothing) after everything the current stream has
+    queued so far, and makes the current stream's later work wait for its end. The GPU's block
+    scheduler starts a waiting kernel of a higher-priority stream first as blocks finish, so the
+    call's kernels do not queue behind the blocks of work beside them on a stream of normal
+    priority (the Distiller's update, ``SideStream``) as the current stream's would; the work
+    beside fills what they leave free. The stream calls are ``streams``' (a steady step makes this
+    call every step)."""
+
+    def __init__(self) -> None:
+        self._stream: torch.cuda.Stream | None = None
+        self._queued: torch.cuda.Event | None = None  # reused, as ``SideStream``'s
+        self._done: torch.cuda.Event | None = None
+        self._device = 0
+        self.runs = 0
+
+    def run(self, fn: Callable, *args):
+        """``fn(*args)`` on the lane, ordered after the current stream's work and before its next."""
+        if self._stream is None:
+            self._device = torch.cuda.current_device()
+            # (a priority past the device's range is taken as the nearest it has: its highest)
+            self._stream = torch.cuda.Stream(priority=-(1 << 10))
+            self._queued, self._done = torch.cuda.Event(), torch.cuda.Event()
+        lane = self._stream
+        main = streams.current(self._device)
+        streams.record(self._queued, main)
+        streams.wait(lane, self._queued)
+        streams.switch(lane)
+        try:
+            out = fn(*args)
+            streams.record(self._done, lane)
+        finally:
+            streams.switch(main)
+        streams.wait(main, self._done)
+        self.runs += 1
+        return out

@@ -55,21 +55,27 @@ BK = 32  # rows of [A|G] a program takes at a time (E1, L2)
 SUBS = 8  # E1: BK-row pieces one program sums (fewer partials for its tail to add)
 BH = 128  # columns of H per program (E2, E3, L1)
 KB = 8  # partials a tail sums per step
+# Programs of each learn kernel (L1, L2), which then take their slices in turn: 0 for one program a
+# slice (the default). A few programs leave the rest of the GPU to the kernels beside the update
+# (it runs beside the step's filter and mix and the next forward), at the cost of the update's own
+# time; for measuring on a GPU (ESAMP_DISTILLER_TILES=LP=32).
+LP = 0
+TILES = ("BK", "SUBS", "BH", "KB", "LP")  # the tiles above by name (``set_tiles``), beside WARPS
 WARPS = {"e1": 4, "e2": 4, "e3": 4, "l1": 8, "l2": 4}
 
 
 def set_tiles(spec: str) -> None:
-    """Set tiles from ``NAME=V,...`` (BK, SUBS, BH, KB, or a kernel's warps: e1 … l2), as the
+    """Set tiles from ``NAME=V,...`` (BK, SUBS, BH, KB, LP, or a kernel's warps: e1 … l2), as the
     ESAMP_DISTILLER_TILES environment variable does at import: for measuring other tiles on a GPU
     (``benchmarks/steering_micro.py --tiles``). A bank made afterwards sizes its workspace by them."""
     for item in filter(None, spec.replace(" ", "").split(",")):
         name, _, value = item.partition("=")
         if name in WARPS:
             WARPS[name] = int(value)
-        elif name in ("BK", "SUBS", "BH", "KB"):
+        elif name in TILES:
             globals()[name] = int(value)
         else:
-            raise ValueError(f"ESAMP_DISTILLER_TILES: no tile {name!r} (BK, SUBS, BH, KB, {', '.join(WARPS)})")
+            raise ValueError(f"ESAMP_DISTILLER_TILES: no tile {name!r} ({', '.join(TILES + tuple(WARPS))})")
 
 
 set_tiles(os.environ.get("ESAMP_DISTILLER_TILES", ""))
@@ -208,17 +214,23 @@ def learn(ws: Workspace, store, spans, shape, norms, optimizer: str, lr: float, 
     gx, ox, _ = _norm_args(None if norms is None else norms.source, flat)
     common = dict(RP=rp, BW=BW, PREC=precision or PRECISION, ADAM=optimizer == "adam")
     adam = (lr, ADAM_BETAS[0], ADAM_BETAS[1], ADAM_EPS)
-    _l1_kernel[(U, triton.cdiv(H, BH))](
+    s1, s2 = triton.cdiv(H, BH), triton.cdiv(H, BK)
+    _l1_kernel[_learn_grid(U, s1)](
         flat, store.flat_m, store.flat_v, P, spans["B"][0], spans["ln_w"][0], spans["ln_b"][0], *adam,
-        W, H, r, ws.row_of, ws.counts, ws.slots, ws.steps,
+        U, s1, W, H, r, ws.row_of, ws.counts, ws.slots, ws.steps,
         ws.h, ws.stats, ws.normed, ws.residual, ws.sums, ws.share, ws.grads, ws.partials, ws.rows, ws.width,
-        ws.arrivals[4], BH=BH, KB=KB, num_warps=_warps("l1", rp), **common,
+        ws.arrivals[4], BH=BH, KB=KB, TURNS=LP > 0, num_warps=_warps("l1", rp), **common,
     )  # fmt: skip
-    _l2_kernel[(U, triton.cdiv(H, BK))](
+    _l2_kernel[_learn_grid(U, s2)](
         flat, store.flat_m, store.flat_v, P, spans["AG"][0], spans["b"][0], store.steps, *adam,
-        gx, ox, W, H, r, ws.row_of, ws.counts, ws.slots, ws.steps, ws.x, ws.stats, ws.grads,
-        BK=BK, HAS_NORM=norms is not None, num_warps=_warps("l2", rp), **common,
+        gx, ox, U, s2, W, H, r, ws.row_of, ws.counts, ws.slots, ws.steps, ws.x, ws.stats, ws.grads,
+        BK=BK, HAS_NORM=norms is not None, TURNS=LP > 0, num_warps=_warps("l2", rp), **common,
     )  # fmt: skip
+
+
+def _learn_grid(units: int, slices: int) -> tuple[int, ...]:
+    """A learn kernel's grid: a program per (unit, slice), or ``LP`` programs taking them in turn."""
+    return (min(LP, units * slices),) if LP > 0 else (units, slices)
 
 
 def _warps(kernel: str, rp: int) -> int:
@@ -492,21 +504,44 @@ if triton is not None:
                     loss += tl.sum(e * c, axis=0)
                 tl.store(loss_ptr + u, loss)
 
-    @triton.jit(do_not_specialize=["W"])
+    @triton.jit(do_not_specialize=["U", "W"])
     def _l1_kernel(
         flat_ptr, m_ptr, v_ptr, P, B_at, lw_at, lb_at, lr, beta1, beta2, eps,
-        W, H, r, row_of_ptr, counts_ptr, slots_ptr, steps_ptr,
+        U, slices, W, H, r, row_of_ptr, counts_ptr, slots_ptr, steps_ptr,
+        h_ptr, stats_ptr, normed_ptr, res_ptr, sums_ptr, share_ptr, grads_ptr, part_ptr, rows, width,
+        arrivals_ptr,
+        RP: tl.constexpr, BW: tl.constexpr, BH: tl.constexpr, KB: tl.constexpr,
+        PREC: tl.constexpr, ADAM: tl.constexpr, TURNS: tl.constexpr,
+    ):  # fmt: skip
+        """On one slice of H of a training unit (a program's, or with TURNS each of its turns'):
+        dŷ, the LayerNorm backward do, the gradients of B, γ and β (complete here: summed over the
+        unit's rows) and their optimizer step; partials of du = do·Bᵀ, which the last program of
+        each row block turns into dp and ds."""
+        if TURNS:
+            for t in range(tl.program_id(0), U * slices, tl.num_programs(0)):
+                _l1_slice(
+                    t // slices, t % slices, flat_ptr, m_ptr, v_ptr, P, B_at, lw_at, lb_at, lr, beta1, beta2, eps,
+                    slices, W, H, r, row_of_ptr, counts_ptr, slots_ptr, steps_ptr,
+                    h_ptr, stats_ptr, normed_ptr, res_ptr, sums_ptr, share_ptr, grads_ptr, part_ptr, rows, width,
+                    arrivals_ptr, RP, BW, BH, KB, PREC, ADAM,
+                )  # fmt: skip
+        else:
+            _l1_slice(
+                tl.program_id(0), tl.program_id(1), flat_ptr, m_ptr, v_ptr, P, B_at, lw_at, lb_at, lr, beta1,
+                beta2, eps, slices, W, H, r, row_of_ptr, counts_ptr, slots_ptr, steps_ptr,
+                h_ptr, stats_ptr, normed_ptr, res_ptr, sums_ptr, share_ptr, grads_ptr, part_ptr, rows, width,
+                arrivals_ptr, RP, BW, BH, KB, PREC, ADAM,
+            )  # fmt: skip
+
+    @triton.jit
+    def _l1_slice(
+        u, n, flat_ptr, m_ptr, v_ptr, P, B_at, lw_at, lb_at, lr, beta1, beta2, eps,
+        slices, W, H, r, row_of_ptr, counts_ptr, slots_ptr, steps_ptr,
         h_ptr, stats_ptr, normed_ptr, res_ptr, sums_ptr, share_ptr, grads_ptr, part_ptr, rows, width,
         arrivals_ptr,
         RP: tl.constexpr, BW: tl.constexpr, BH: tl.constexpr, KB: tl.constexpr,
         PREC: tl.constexpr, ADAM: tl.constexpr,
     ):  # fmt: skip
-        """On one slice of H of a training unit: dŷ, the LayerNorm backward do, the gradients of
-        B, γ and β (complete here: summed over the unit's rows) and their optimizer step; partials
-        of du = do·Bᵀ, which the last program of each row block turns into dp and ds."""
-        u = tl.program_id(0)
-        n = tl.program_id(1)
-        slices = tl.num_programs(1)
         if tl.load(counts_ptr + u) > 0:
             slot = tl.load(slots_ptr + u)
             step = tl.load(steps_ptr + u)
@@ -556,18 +591,39 @@ if triton is not None:
             opt_step(flat_ptr, m_ptr, v_ptr, ln + lw_at, hm, dlw, lr, beta1, beta2, eps, step, ADAM)
             opt_step(flat_ptr, m_ptr, v_ptr, ln + lb_at, hm, dlb, lr, beta1, beta2, eps, step, ADAM)
 
-    @triton.jit(do_not_specialize=["W"])
+    @triton.jit(do_not_specialize=["U", "W"])
     def _l2_kernel(
         flat_ptr, m_ptr, v_ptr, P, ag_at, b_at, steps_ptr, lr, beta1, beta2, eps,
+        gx_ptr, gx_offset, U, slices, W, H, r, row_of_ptr, counts_ptr, slots_ptr, unit_steps_ptr,
+        xs_ptr, stats_ptr, grads_ptr,
+        RP: tl.constexpr, BW: tl.constexpr, BK: tl.constexpr,
+        HAS_NORM: tl.constexpr, PREC: tl.constexpr, ADAM: tl.constexpr, TURNS: tl.constexpr,
+    ):  # fmt: skip
+        """On BK rows of [A|G] of a training unit (a program's, or with TURNS each of its turns'):
+        d[A|G] = xᵀ·[dp | ds] summed over the unit's rows, and the optimizer step; the slice at
+        row 0 also steps b and counts the step."""
+        if TURNS:
+            for t in range(tl.program_id(0), U * slices, tl.num_programs(0)):
+                _l2_slice(
+                    t // slices, t % slices, flat_ptr, m_ptr, v_ptr, P, ag_at, b_at, steps_ptr, lr, beta1, beta2,
+                    eps, gx_ptr, gx_offset, W, H, r, row_of_ptr, counts_ptr, slots_ptr, unit_steps_ptr,
+                    xs_ptr, stats_ptr, grads_ptr, RP, BW, BK, HAS_NORM, PREC, ADAM,
+                )  # fmt: skip
+        else:
+            _l2_slice(
+                tl.program_id(0), tl.program_id(1), flat_ptr, m_ptr, v_ptr, P, ag_at, b_at, steps_ptr, lr, beta1,
+                beta2, eps, gx_ptr, gx_offset, W, H, r, row_of_ptr, counts_ptr, slots_ptr, unit_steps_ptr,
+                xs_ptr, stats_ptr, grads_ptr, RP, BW, BK, HAS_NORM, PREC, ADAM,
+            )  # fmt: skip
+
+    @triton.jit
+    def _l2_slice(
+        u, k, flat_ptr, m_ptr, v_ptr, P, ag_at, b_at, steps_ptr, lr, beta1, beta2, eps,
         gx_ptr, gx_offset, W, H, r, row_of_ptr, counts_ptr, slots_ptr, unit_steps_ptr,
         xs_ptr, stats_ptr, grads_ptr,
         RP: tl.constexpr, BW: tl.constexpr, BK: tl.constexpr,
         HAS_NORM: tl.constexpr, PREC: tl.constexpr, ADAM: tl.constexpr,
     ):  # fmt: skip
-        """On BK rows of [A|G] of a training unit: d[A|G] = xᵀ·[dp | ds] summed over the unit's
-        rows, and the optimizer step; the first program also steps b and counts the step."""
-        u = tl.program_id(0)
-        k = tl.program_id(1)
         if tl.load(counts_ptr + u) > 0:
             slot = tl.load(slots_ptr + u)
             step = tl.load(unit_steps_ptr + u)

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from esamp.core.backends.graphs import GraphCache, SideStream
+from esamp.core.backends.graphs import GraphCache, PriorityLane, SideStream
 from esamp.core.backends.triton_filter import LogitsAt, few_candidates
 from esamp.core.config import EsampConfig, SamplingConfig, Steering, bound
 from esamp.core.distiller import DistillerBank, SlotLedger, bank_for, ledger_for
@@ -61,15 +61,30 @@ UPDATE_WAYS = ("beside", "inline", "auto")
 AUTO_INLINE_CELLS = 128
 
 
-def update_way() -> str:
-    """ESAMP_UPDATE's way of the Distiller's update; a clear error for any other value."""
-    way = os.environ.get("ESAMP_UPDATE", UPDATE_WAYS[0])
-    if way not in UPDATE_WAYS:
+def _env_choice(name: str, choices: tuple[str, ...]) -> str:
+    """Environment variable ``name``, one of ``choices`` (unset: the first); a clear error for any other value."""
+    value = os.environ.get(name, choices[0])
+    if value not in choices:
         raise ValueError(
-            f"ESAMP_UPDATE must be one of {', '.join(UPDATE_WAYS)}, not {way!r}: unset it for the default "
-            f"({UPDATE_WAYS[0]})"
+            f"{name} must be one of {', '.join(choices)}, not {value!r}: unset it for the default ({choices[0]})"
         )
-    return way
+    return value
+
+
+def update_way() -> str:
+    """ESAMP_UPDATE's way of the Distiller's update."""
+    return _env_choice("ESAMP_UPDATE", UPDATE_WAYS)
+
+
+# Where the filter and mix of a step whose update runs beside it replays (ESAMP_MIX_STREAM): on the
+# "current" stream (the default), or on a stream of the device's highest priority ("priority",
+# ``PriorityLane``), so that its kernels do not wait behind the update's blocks.
+MIX_STREAMS = ("current", "priority")
+
+
+def mix_stream() -> str:
+    """ESAMP_MIX_STREAM's stream of the filter and mix."""
+    return _env_choice("ESAMP_MIX_STREAM", MIX_STREAMS)
 
 
 QUIET = Steering(enabled=False, beta=0.0)  # a row only filtered (never changed: a plan holds it)
@@ -210,7 +225,7 @@ class EngineSteering:
             with torch.inference_mode(False):
                 bank = bank_for(config, hidden, self.device)
             self.slots = bank
-        way = update_way()
+        way, lane = update_way(), mix_stream()
         self.steerer = (
             Steerer(
                 bank,
@@ -238,6 +253,9 @@ class EngineSteering:
         # The padded steps' graphs (``_padded_step``): one per bucket of rows and form, every one the
         # engine may need captured before its first request (``prepare``), none evicted.
         self.padded_graphs = GraphCache(enabled=graphs, after=1, size=PADDED_GRAPHS, in_place=True, shared_pool=True)
+        # Where a padded step replays while its plan's update runs beside it (``mix_stream``): None,
+        # the current stream
+        self.mix_lane = PriorityLane() if graphs and lane == "priority" and self.steerer.beside is not None else None
         # A late adapter's steps as one graph each, per Distiller shape and padded step
         # (``_fused_step``), captured on a step's path at a plan's third step, kept like the padded ones
         self.fused_graphs = GraphCache(
@@ -513,7 +531,9 @@ class EngineSteering:
         t_mix = time.perf_counter()
         width = None  # the record's layout: errors and counts as long as the plan's steered rows
         fused = handoff.packed if steered else None  # one graph did the filter and mix too (``_fused_step``)
-        packed = fused if fused is not None else self._padded_step(plan, logits, d, err, reported)
+        # (an update beside this step: ``distill`` queued it, and the padded step may go round it)
+        beside = steered and loss is not None and self.steerer.beside_for(step) is not None
+        packed = fused if fused is not None else self._padded_step(plan, logits, d, err, reported, beside)
         if packed is not None:
             width = bucket(step.rows)  # ... or as long as the bucket the padded step covers
         else:
@@ -596,13 +616,17 @@ class EngineSteering:
             self.slow_steps.append(entry)
         return logits
 
-    def _padded_step(self, plan: BatchPlan, logits: torch.Tensor, d, err, reported: bool) -> torch.Tensor | None:
+    def _padded_step(
+        self, plan: BatchPlan, logits: torch.Tensor, d, err, reported: bool, beside: bool = False
+    ) -> torch.Tensor | None:
         """The filter and mix as one replay of a graph captured for the plan's bucket of rows, read
         where every step's inputs are (``Steerer.filter_and_mix_padded``): the logits' address goes
         to the device when it moved (one small write), nothing else does. Returns the step's packed
         record values (counts alone on a worker that keeps no records), or None where this form
         does not apply: graphs off, a plan with top-k or an entropy-matched mix, d not at the
-        Distiller's fixed outputs (the PyTorch Distiller; a dense d from the model's own head)."""
+        Distiller's fixed outputs (the PyTorch Distiller; a dense d from the model's own head).
+        ``beside``: the step's update runs beside it; a replay then goes on the ``mix_lane``, where
+        there is one."""
         graphs, step = self.padded_graphs, plan.step
         if not (
             graphs.enabled
@@ -631,6 +655,8 @@ class EngineSteering:
             key = self._padded_key(step.rows, step.uses_top_p, dense, at, inputs[0], inputs[1], reported)
             known = plan.padded = (key, self._padded_fn(step.rows, step.uses_top_p, dense, at, inputs), where)
         self._point_at(logits)
+        if beside and self.mix_lane is not None and known[0] in graphs.graphs:  # (a replay: no allocation)
+            return self.mix_lane.run(graphs.run, known[0], known[1])
         return graphs.run(known[0], known[1])
 
     def _padded_logits(self, logits: torch.Tensor) -> bool:

@@ -38,6 +38,7 @@ class _Direct:
 
     def run(self, key, fn, *inputs):
         self.replays += 1
+        self.graphs[key] = fn  # (from its second call on, a key replays "its graph")
         return fn(*inputs)
 
     def prepare(self, key, fn, *inputs) -> bool:
@@ -140,6 +141,17 @@ class _Beside:
         fn(*inputs)
 
 
+class _Lane:
+    """The CPU's stand-in for the priority lane: it runs the call at once, and counts it."""
+
+    def __init__(self) -> None:
+        self.runs = 0
+
+    def run(self, fn, *args):
+        self.runs += 1
+        return fn(*args)
+
+
 def _marking(run, inside: list):
     """``run`` that notes, while it runs, that the host is inside a graph's call."""
 
@@ -159,7 +171,10 @@ def check_one_graph_step(device: str) -> None:
     the logits and records are what the two steps apart give (an engine stepping every plan the
     exact way, its update beside on a GPU). The engine runs as ESAMP_UPDATE=auto does, in line
     for blocks of up to 16 cells: the middle batch's block (26 cells) takes its update beside and
-    its steps apart, and the batch after it, one graph again, first waits for that update."""
+    its steps apart, its filter and mix replayed on a stream of the highest priority
+    (ESAMP_MIX_STREAM=priority), and the batch after it, one graph again, first waits for that
+    update."""
+    from esamp.core.backends.graphs import PriorityLane
     from esamp.core.config import EsampConfig
     from esamp.core.intervention import HeadProduct
     from esamp.engines.vllm.steering import EngineSteering
@@ -176,6 +191,7 @@ def check_one_graph_step(device: str) -> None:
     fused.steerer.inline_cells = 16  # ESAMP_UPDATE=auto: in line for blocks of up to 16 cells
     if dev.type != "cuda":
         fused.steerer.beside = _Beside()
+    lane = fused.mix_lane = PriorityLane() if dev.type == "cuda" else _Lane()
     settled, inside = [], []  # the bank's waits for an update beside, made outside a graph's call
     settle = fused.bank.settle
 
@@ -239,6 +255,9 @@ def check_one_graph_step(device: str) -> None:
         assert calls.captures == len(one_graph) and calls.eager == len(one_graph) and calls.failures == 0
     else:  # the batch whose update went beside: one update a step
         assert fused.steerer.beside.runs == batches[1][3]
+    # that batch's filter and mix went on the lane every step (their key had a graph: the first
+    # batch's bucket of rows, and a GPU captures every bucket beforehand); the batches in line never
+    assert lane.runs == batches[1][3], lane.runs
     records = [[(r["step"], r["rows"], r["loss"]) for r in engine.drain()["steps"]] for engine in engines]
     assert [(s, [row[:3] for row in rows]) for s, rows, _ in records[0]] == [
         (s, [row[:3] for row in rows]) for s, rows, _ in records[1]

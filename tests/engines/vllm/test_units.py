@@ -805,20 +805,38 @@ def test_the_heap_stays_frozen_while_an_engine_is_open_and_thaws_when_the_last_c
         gc.unfreeze()
 
 
-def test_esamp_update_takes_its_three_ways_and_names_them_for_any_other(monkeypatch):
-    """ESAMP_UPDATE picks where the Distiller's update runs; a value it does not know (a typo that
-    would have meant the default) stops the engine's steering at its start with the ways it takes."""
+@pytest.mark.parametrize(
+    "name, function, choices, typo",
+    [
+        ("ESAMP_UPDATE", "update_way", "beside, inline, auto", "in-line"),
+        ("ESAMP_MIX_STREAM", "mix_stream", "current, priority", "high"),
+    ],
+)
+def test_the_steerings_environment_choices_take_theirs_and_name_them_for_any_other(
+    monkeypatch, name, function, choices, typo
+):
+    """ESAMP_UPDATE picks where the Distiller's update runs, ESAMP_MIX_STREAM where the filter and
+    mix of a step with its update beside replays (the CPU has no streams: no lane). Unset, each is
+    its first choice; a value it does not know (a typo that would have meant the default) stops the
+    engine's steering at its start, naming the ones it takes."""
     from esamp.core.config import EsampConfig
-    from esamp.engines.vllm.steering import UPDATE_WAYS, EngineSteering, update_way
+    from esamp.engines.vllm import steering
 
-    monkeypatch.delenv("ESAMP_UPDATE", raising=False)
-    assert update_way() == "beside"
-    for way in UPDATE_WAYS:
-        monkeypatch.setenv("ESAMP_UPDATE", way)
-        assert update_way() == way
-    monkeypatch.setenv("ESAMP_UPDATE", "in-line")
-    words = "ESAMP_UPDATE must be one of beside, inline, auto, not 'in-line': unset it for the default"
+    def start():
+        return steering.EngineSteering(
+            EsampConfig(slots=2, rank=4), hidden=8, vocab=16, max_rows=4, device=torch.device("cpu")
+        )
+
+    read = getattr(steering, function)
+    monkeypatch.delenv(name, raising=False)
+    assert read() == choices.split(", ")[0]
+    for value in choices.split(", "):
+        monkeypatch.setenv(name, value)
+        assert read() == value
+        assert start().mix_lane is None
+    monkeypatch.setenv(name, typo)
+    words = f"{name} must be one of {choices}, not '{typo}': unset it for the default"
     with pytest.raises(ValueError, match=words):
-        update_way()
+        read()
     with pytest.raises(ValueError, match=words):
-        EngineSteering(EsampConfig(slots=2, rank=4), hidden=8, vocab=16, max_rows=4, device=torch.device("cpu"))
+        start()
