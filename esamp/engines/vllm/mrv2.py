@@ -12,8 +12,9 @@ One job, as the V1 adapter's: turn MRV2's bookkeeping into ESamp rows and its ``
   ``StepExchange`` as *late*: the model keeps every row's taps there (``put_taps_late``), and
   ``apply``, which has the order, runs the Distiller step on the steered rows
   (``EngineSteering.step_late``) and gets d = W·ŷ as ŷ and the model's LM head (``HeadProduct``),
-  then filters and mixes; with the update in line (ESAMP_UPDATE=inline) a plan's steps are one
-  CUDA graph each from its third step on. The plan is rebuilt only when the row → slot order or a
+  then filters and mixes; with the update in line (a block of up to 128 cells under the default
+  ESAMP_UPDATE=auto, every block with inline) a plan's steps are one CUDA graph each from its
+  third step on. The plan is rebuilt only when the row → slot order or a
   slot changed.
 - No host list of generated ids: every steered row's generation index comes from one array
   operation a step, ``seq_lens_upper_bound_np[row] - prompt_len[slot]`` (exact without speculative

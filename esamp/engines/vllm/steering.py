@@ -53,11 +53,12 @@ PADDED_GRAPHS = 64  # ≥ every padded step's key: 9 buckets of rows × top-p or
 # A late adapter's steady step as one graph (``step_late``): the Distiller step, its update in line
 # (ESAMP_UPDATE=inline) and the padded filter and mix. ESAMP_STEP=split keeps them two graphs.
 FUSED_STEP = os.environ.get("ESAMP_STEP", "one-graph") != "split"
-# Where the Distiller's update runs on a GPU (ESAMP_UPDATE): "beside" the steps that follow, on a
-# stream of its own (the default); "inline", in the Distiller step's own graph (on MRV2 the steady
-# step is then one graph); "auto", in line for Distiller blocks of up to AUTO_INLINE_CELLS cells and
-# beside above (measured on one H100: in line the better way at 16 and 128 rows, beside at 256).
-UPDATE_WAYS = ("beside", "inline", "auto")
+# Where the Distiller's update runs on a GPU (ESAMP_UPDATE): "auto" (the default), in line for
+# Distiller blocks of up to AUTO_INLINE_CELLS cells and beside above; "beside" the steps that follow,
+# on a stream of its own; "inline", in the Distiller step's own graph (on MRV2 the steady step is
+# then one graph). Measured on one H100 (benchmarks/results/bench-7b-mrv2-vllm033-95c920a-*): auto
+# 0.975 of vanilla on 16x64 against beside's 0.960, the same on fair and 32xn8x256.
+UPDATE_WAYS = ("auto", "beside", "inline")
 AUTO_INLINE_CELLS = 128
 
 
@@ -76,10 +77,11 @@ def update_way() -> str:
     return _env_choice("ESAMP_UPDATE", UPDATE_WAYS)
 
 
-# Where the filter and mix of a step whose update runs beside it replays (ESAMP_MIX_STREAM): on the
-# "current" stream (the default), or on a stream of the device's highest priority ("priority",
-# ``PriorityLane``), so that its kernels do not wait behind the update's blocks.
-MIX_STREAMS = ("current", "priority")
+# Where the filter and mix of a step whose update runs beside it replays (ESAMP_MIX_STREAM): on a
+# stream of the device's highest priority ("priority", the default: ``PriorityLane``), so that its
+# kernels do not wait behind the update's blocks, or on the "current" stream. Measured on one H100
+# (the 16x64 step trace, benchmarks/results/steps-7b-16x64-95c920a-h100/): a step 30 µs shorter.
+MIX_STREAMS = ("priority", "current")
 
 
 def mix_stream() -> str:
@@ -253,8 +255,8 @@ class EngineSteering:
         # The padded steps' graphs (``_padded_step``): one per bucket of rows and form, every one the
         # engine may need captured before its first request (``prepare``), none evicted.
         self.padded_graphs = GraphCache(enabled=graphs, after=1, size=PADDED_GRAPHS, in_place=True, shared_pool=True)
-        # Where a padded step replays while its plan's update runs beside it (``mix_stream``): None,
-        # the current stream
+        # Where a padded step replays while its plan's update runs beside it (``mix_stream``; None:
+        # on the current stream)
         self.mix_lane = PriorityLane() if graphs and lane == "priority" and self.steerer.beside is not None else None
         # A late adapter's steps as one graph each, per Distiller shape and padded step
         # (``_fused_step``), captured on a step's path at a plan's third step, kept like the padded ones

@@ -808,8 +808,8 @@ def test_the_heap_stays_frozen_while_an_engine_is_open_and_thaws_when_the_last_c
 @pytest.mark.parametrize(
     "name, function, choices, typo",
     [
-        ("ESAMP_UPDATE", "update_way", "beside, inline, auto", "in-line"),
-        ("ESAMP_MIX_STREAM", "mix_stream", "current, priority", "high"),
+        ("ESAMP_UPDATE", "update_way", "auto, beside, inline", "in-line"),
+        ("ESAMP_MIX_STREAM", "mix_stream", "priority, current", "high"),
     ],
 )
 def test_the_steerings_environment_choices_take_theirs_and_name_them_for_any_other(
