@@ -203,6 +203,7 @@ def check_one_graph_step(device: str) -> None:
     fused.bank.settle = counted
     if dev.type == "cuda":
         direct.padded_graphs.enabled = direct.apply_graphs.enabled = False
+        direct.steerer.inline_cells = 0  # every update beside (ESAMP_UPDATE=beside), whatever the default
     else:
         fused.padded_graphs, fused.fused_graphs, fused.steerer.graphs = _Direct(), _Direct(), _Direct()
         for cache in (fused.fused_graphs, fused.steerer.graphs):  # a replay makes none of its host calls
