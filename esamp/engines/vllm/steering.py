@@ -228,6 +228,7 @@ class EngineSteering:
                 bank = bank_for(config, hidden, self.device)
             self.slots = bank
         way, lane = update_way(), mix_stream()
+        self.ways = dict(update_way=way, mix_stream=lane)  # as configured, for ``metrics`` (a bench's JSON)
         self.steerer = (
             Steerer(
                 bank,
@@ -904,6 +905,7 @@ class EngineSteering:
             fused_graph_eager=self.fused_graphs.eager,
             plan_ms=round(1e3 * self.plan_seconds, 1),
             slow_steps=list(self.slow_steps),
+            **self.ways,
         )
 
 

@@ -816,9 +816,10 @@ def test_the_steerings_environment_choices_take_theirs_and_name_them_for_any_oth
     monkeypatch, name, function, choices, typo
 ):
     """ESAMP_UPDATE picks where the Distiller's update runs, ESAMP_MIX_STREAM where the filter and
-    mix of a step with its update beside replays (the CPU has no streams: no lane). Unset, each is
-    its first choice; a value it does not know (a typo that would have meant the default) stops the
-    engine's steering at its start, naming the ones it takes."""
+    mix of a step with its update beside replays (the CPU has no streams: no lane); the steering's
+    metrics (a bench's JSON) say which. Unset, each is its first choice; a value it does not know (a
+    typo that would have meant the default) stops the engine's steering at its start, naming the
+    ones it takes."""
     from esamp.core.config import EsampConfig
     from esamp.engines.vllm import steering
 
@@ -829,11 +830,12 @@ def test_the_steerings_environment_choices_take_theirs_and_name_them_for_any_oth
 
     read = getattr(steering, function)
     monkeypatch.delenv(name, raising=False)
-    assert read() == choices.split(", ")[0]
+    assert read() == choices.split(", ")[0] == start().metrics()[function]
     for value in choices.split(", "):
         monkeypatch.setenv(name, value)
         assert read() == value
-        assert start().mix_lane is None
+        engine = start()
+        assert engine.mix_lane is None and engine.metrics()[function] == value
     monkeypatch.setenv(name, typo)
     words = f"{name} must be one of {choices}, not '{typo}': unset it for the default"
     with pytest.raises(ValueError, match=words):
