@@ -185,7 +185,8 @@ def test_the_learn_kernels_taking_their_slices_in_turn_equal_the_pytorch_step_on
 
 def test_set_tiles_takes_each_tile_and_warps_and_names_them_for_any_other(monkeypatch):
     """ESAMP_DISTILLER_TILES (``set_tiles``): each tile and kernel's warps by name; the learn kernels'
-    grid follows LP; an unknown name is refused with the names it takes."""
+    grid follows LP; an unknown name is refused with the names it takes, a value that is not a
+    whole number (or 0 where only LP takes it) with what it takes, each before any tile changes."""
     kernels = pytest.importorskip("esamp.core.backends.triton_distiller")
     for name in kernels.TILES:
         monkeypatch.setattr(kernels, name, getattr(kernels, name))
@@ -197,3 +198,13 @@ def test_set_tiles_takes_each_tile_and_warps_and_names_them_for_any_other(monkey
     assert kernels._learn_grid(units=4, slices=28) == (4, 28)
     with pytest.raises(ValueError, match=r"no tile 'BQ' \(BK, SUBS, BH, KB, LP, e1, e2, e3, l1, l2\)"):
         kernels.set_tiles("BQ=3")
+    for spec, words in (
+        ("LP=abc", "LP takes a whole number of at least 0, not 'abc'"),
+        ("LP=-2", "LP takes a whole number of at least 0, not '-2'"),
+        ("BH=0", "BH takes a whole number of at least 1, not '0'"),
+        ("l1=", "l1 takes a whole number of at least 1, not ''"),
+        ("BH=32,LP=x", "LP takes a whole number of at least 0, not 'x'"),  # BH stays as it was
+    ):
+        with pytest.raises(ValueError, match=words):
+            kernels.set_tiles(spec)
+    assert (kernels.BH, kernels.LP, kernels.WARPS["l1"]) == (64, 0, 8)  # nothing changed

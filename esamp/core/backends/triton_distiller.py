@@ -68,14 +68,20 @@ def set_tiles(spec: str) -> None:
     """Set tiles from ``NAME=V,...`` (BK, SUBS, BH, KB, LP, or a kernel's warps: e1 … l2), as the
     ESAMP_DISTILLER_TILES environment variable does at import: for measuring other tiles on a GPU
     (``benchmarks/steering_micro.py --tiles``). A bank made afterwards sizes its workspace by them."""
+    given = {}
     for item in filter(None, spec.replace(" ", "").split(",")):
         name, _, value = item.partition("=")
-        if name in WARPS:
-            WARPS[name] = int(value)
-        elif name in TILES:
-            globals()[name] = int(value)
-        else:
+        if name not in WARPS and name not in TILES:
             raise ValueError(f"ESAMP_DISTILLER_TILES: no tile {name!r} ({', '.join(TILES + tuple(WARPS))})")
+        least = 0 if name == "LP" else 1  # (LP 0: one program a slice)
+        if not value.isdigit() or int(value) < least:
+            raise ValueError(f"ESAMP_DISTILLER_TILES: {name} takes a whole number of at least {least}, not {value!r}")
+        given[name] = int(value)
+    for name, value in given.items():  # (all or none: a refused spec changes nothing)
+        if name in WARPS:
+            WARPS[name] = value
+        else:
+            globals()[name] = value
 
 
 set_tiles(os.environ.get("ESAMP_DISTILLER_TILES", ""))
