@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from esamp.engines.vllm.step_records import RecordStore
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))
+from _interpreter import in_tritons_interpreter  # noqa: E402 (tests/core's, where the interpreter runs start)
 
 
 def _push(store: RecordStore, step: int, groups: list[str], keep=None) -> None:
@@ -230,6 +236,55 @@ def test_a_step_longer_than_the_ring_row_is_an_error():
         store.stage(torch.zeros(5))
 
 
+def check_stage_parts(device: str) -> None:
+    """``stage_parts`` (one Triton launch on a GPU or in Triton's interpreter; the PyTorch ops
+    elsewhere) writes the ring row and moves the counter as ``stage`` of the ``pack`` does: counts
+    of either integer dtype, with and without losses, across the ring's end."""
+    from esamp.core.backends import triton_records
+    from esamp.engines.vllm import step_records as sr
+
+    stores = [RecordStore(torch.device(device), width=40) for _ in range(2)]
+    gen = torch.Generator().manual_seed(0)
+    for step in range(sr.RING_ROWS + 5):
+        n, units = 1 + step % 17, step % 3
+        errors = torch.rand(n, generator=gen).to(device)
+        counts = torch.randint(0, 1 << 20, (n,), generator=gen, dtype=(torch.int32, torch.long)[step % 2]).to(device)
+        losses = torch.rand(units, generator=gen).to(device) if units else None
+        if step == 7:  # a part that is a strided view: the PyTorch ops take it
+            errors = torch.rand(2 * n, generator=gen).to(device)[::2]
+            assert not triton_records.usable(stores[1]._ring, errors)
+        stores[0].stage(RecordStore.pack(errors, counts, losses))
+        assert stores[1].stage_parts(errors, counts, losses) == 2 * n + units
+        assert torch.equal(stores[0]._ring, stores[1]._ring), step
+        assert torch.equal(stores[0]._ring_at, stores[1]._ring_at), step
+    with pytest.raises(ValueError, match="holds 40"):
+        stores[1].stage_parts(*(torch.zeros(k, device=device) for k in (20, 20, 1)))
+    assert torch.equal(stores[0]._ring_at, stores[1]._ring_at)  # refused before anything was written
+
+
+def test_values_staged_in_one_call_land_as_the_packed_values_do():
+    check_stage_parts("cpu")
+
+
+INTERPRETER_RUNS = {
+    "test_the_staging_kernel_lands_the_values_as_the_packed_values_do_in_tritons_interpreter": (
+        "import sys; sys.path.insert(0, 'tests/engines'); import test_step_records as t; t.check_stage_parts('cpu')"
+    )
+}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the kernel runs on the GPU there")
+def test_the_staging_kernel_lands_the_values_as_the_packed_values_do_in_tritons_interpreter():
+    code = INTERPRETER_RUNS["test_the_staging_kernel_lands_the_values_as_the_packed_values_do_in_tritons_interpreter"]
+    done = in_tritons_interpreter(code, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.cuda
+def test_the_staging_kernel_lands_the_values_as_the_packed_values_do_on_a_gpu():
+    check_stage_parts("cuda")
+
+
 @pytest.mark.cuda
 def test_records_copied_from_the_gpu_come_back_whole_in_order():
     store = RecordStore(torch.device("cuda"))
@@ -248,7 +303,8 @@ def test_records_copied_from_the_gpu_come_back_whole_in_order():
 
 
 @pytest.mark.cuda
-def test_values_staged_inside_a_replayed_graph_come_back_as_their_steps_records():
+@pytest.mark.parametrize("one_call", [False, True], ids=["packed", "stage_parts"])
+def test_values_staged_inside_a_replayed_graph_come_back_as_their_steps_records(one_call):
     """A step captured as a CUDA graph stages its record's values itself (the ring's row is the
     device counter's): replayed with new inputs, each replay's values come back as the record
     pushed after it, across the ring's end and the copies' batches."""
@@ -260,7 +316,10 @@ def test_values_staged_inside_a_replayed_graph_come_back_as_their_steps_records(
     loss = torch.zeros(1, device="cuda")
 
     def step():
-        store.stage(RecordStore.pack(errors * 2, counts + 1, loss))
+        if one_call:
+            store.stage_parts(errors * 2, counts + 1, loss)
+        else:
+            store.stage(RecordStore.pack(errors * 2, counts + 1, loss))
 
     step()  # (warm: the eager call a capture needs first), then no record: forgotten
     store.restart()

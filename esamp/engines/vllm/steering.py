@@ -150,8 +150,8 @@ class Handoff:
     # [steered, V] Distiller logits from the LM head, or ŷ and the head's weight (d at the candidates)
     d: torch.Tensor | HeadProduct | None = field(default=None)
     # Set where one graph ran the Distiller step and the padded filter and mix (``_fused_step``):
-    # the step's packed record values, and whether that graph was replayed, captured or run eagerly
-    packed: torch.Tensor | None = None
+    # how many record values the step staged, and whether that graph was replayed, captured or run eagerly
+    staged: int | None = None
     mixed: str | None = None
 
 
@@ -533,14 +533,14 @@ class EngineSteering:
         before += (self.apply_graphs.replays, self.apply_graphs.captures)
         t_mix = time.perf_counter()
         width = None  # the record's layout: errors and counts as long as the plan's steered rows
-        fused = handoff.packed if steered else None  # one graph did the filter and mix too (``_fused_step``)
+        fused = handoff.staged if steered else None  # one graph did the filter and mix too (``_fused_step``)
         # (an update beside this step: ``distill`` queued it, and the padded step may go round it)
         beside = steered and loss is not None and self.steerer.beside_for(step) is not None
-        packed = fused if fused is not None else self._padded_step(plan, logits, d, err, reported, beside)
-        if packed is not None:
+        staged = fused if fused is not None else self._padded_step(plan, logits, d, err, reported, beside)
+        if staged is not None:
             width = bucket(step.rows)  # ... or as long as the bucket the padded step covers
         else:
-            packed = self._general_step(plan, logits, d, err, loss, steered, reported)
+            staged = self._general_step(plan, logits, d, err, loss, steered, reported)
         t_records = time.perf_counter()
         if steered:
             self.counters["port_hits"] += s
@@ -552,7 +552,7 @@ class EngineSteering:
                 plan.groups,
                 plan.samples,
                 list(map(len, plan.outputs)) if generated is None else generated,
-                packed.numel(),
+                staged,
                 plan.unit_groups if loss is not None else [],
                 keep=plan.recorded,
                 width=width,
@@ -621,11 +621,11 @@ class EngineSteering:
 
     def _padded_step(
         self, plan: BatchPlan, logits: torch.Tensor, d, err, reported: bool, beside: bool = False
-    ) -> torch.Tensor | None:
+    ) -> int | None:
         """The filter and mix as one replay of a graph captured for the plan's bucket of rows, read
         where every step's inputs are (``Steerer.filter_and_mix_padded``): the logits' address goes
-        to the device when it moved (one small write), nothing else does. Returns the step's packed
-        record values (counts alone on a worker that keeps no records), or None where this form
+        to the device when it moved (one small write), nothing else does. Returns how many record
+        values the step staged (0 on a worker that keeps no records), or None where this form
         does not apply: graphs off, a plan with top-k or an entropy-matched mix, d not at the
         Distiller's fixed outputs (the PyTorch Distiller; a dense d from the model's own head).
         ``beside``: the step's update runs beside it; a replay then goes on the ``mix_lane``, where
@@ -704,7 +704,7 @@ class EngineSteering:
         """The Distiller step (its update in line) and the padded filter and mix as one call, one
         graph per (Distiller shape, padded step), that reads what the two would: the taps' buffer,
         the plan's buffers, the Distiller's fixed outputs, the logits through their address.
-        Returns the step's ``Handoff`` with its packed record values, or None where the two run
+        Returns the step's ``Handoff`` with the count of its staged record values, or None where the two run
         apart: graphs off, the plan's update beside (``Steerer.beside_for``), tensor parallelism (ŷ is
         broadcast between them), a plan whose padded step has not run yet (``plan.padded`` says
         what it reads: d and the records at the Distiller's fixed outputs) or does not apply."""
@@ -741,7 +741,7 @@ class EngineSteering:
         bank.settle()  # an update still beside the step (ESAMP_UPDATE=auto: a larger block's, just before)
         self._point_at(logits)
         replays, captures = graphs.replays, graphs.captures
-        packed = graphs.run(fused[0], fused[1])
+        staged = graphs.run(fused[0], fused[1])
         mixed = "replay" if graphs.replays > replays else "capture" if graphs.captures > captures else "eager"
         prediction, errors, losses = outputs
         spent = time.perf_counter() - t0  # (counted as the Distiller step's, as ``distill`` counts its own)
@@ -754,7 +754,7 @@ class EngineSteering:
             mixed == "replay",
             spent,
             d=fused[2],
-            packed=packed,
+            staged=staged,
             mixed=mixed,
         )
 
@@ -775,10 +775,9 @@ class EngineSteering:
             d = None if product is None else HeadProduct(product.prediction[:R], product.head)
             counts = self.steerer.filter_and_mix_padded(self.buffers, R, at, d, dense, cut)
             if errors is None:
-                return counts
-            packed = RecordStore.pack(errors[:R], counts, losses[:units])
-            self.records.stage(packed)  # (inside the graph: the record's values need no call of their own)
-            return packed
+                return 0
+            # (inside the graph: the record's values need no call of their own)
+            return self.records.stage_parts(errors[:R], counts, losses[:units])
 
         return run
 
@@ -827,10 +826,8 @@ class EngineSteering:
             d_ = rest[0] if steered else None
             counts = self.steerer.filter_and_mix(step, logits, d_)
             if not reported:
-                return counts
-            packed = RecordStore.pack(rest[1][:s], counts[:s], rest[2] if loss is not None else None)
-            self.records.stage(packed)
-            return packed
+                return 0
+            return self.records.stage_parts(rest[1][:s], counts[:s], rest[2] if loss is not None else None)
 
         if step.matched is not None:  # the matched mix reads its rows' widest |C| on the host: no graph
             return run(*inputs)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from esamp.core.backends import streams
+from esamp.core.backends import streams, triton_records
 
 RETAIN_SECONDS = 300.0
 LossOwner = str | tuple[str, ...] | None  # whose a packed loss is: a group, several, or nobody's
@@ -93,11 +93,24 @@ class RecordStore:
         """Write one step's ``pack``ed values into the ring's next row, on the device alone (a step
         captured as a CUDA graph stages its values inside it); the step's ``push_staged`` must
         follow, once for each ``stage``, in the same order."""
-        n = packed.numel()
-        if n > self.width:
-            raise ValueError(f"a step record of {n} values; the record ring holds {self.width} a step")
+        n = self._fits(packed.numel())
         self._ring[:, :n].index_copy_(0, self._ring_at, packed.view(1, n))
         self._ring_at.add_(1).remainder_(RING_ROWS)
+
+    def stage_parts(self, errors: torch.Tensor, candidates: torch.Tensor, losses: torch.Tensor | None) -> int:
+        """``stage`` the ``pack`` of these values, in one launch where Triton runs
+        (``triton_records``); returns how many values were staged (``push_staged``'s ``numel``)."""
+        n = errors.numel() + candidates.numel() + (0 if losses is None else losses.numel())
+        if not triton_records.usable(self._ring, errors, candidates, losses):
+            self.stage(self.pack(errors, candidates, losses))
+            return n
+        triton_records.stage(self._ring, self._ring_at, errors, candidates, losses, self._fits(n))
+        return n
+
+    def _fits(self, n: int) -> int:
+        if n > self.width:
+            raise ValueError(f"a step record of {n} values; the record ring holds {self.width} a step")
+        return n
 
     def restart(self) -> None:
         """Forget rows staged without a record (an engine's captures before its first request run
