@@ -68,6 +68,7 @@ class RecordStore:
         self._lock = threading.Lock()  # a server's side channel reads from another thread
         self.dropped = 0
         self.loss: float | None = None  # moving mean of the training groups' losses (for operators)
+        self._owners_seen: tuple | None = None  # ``_loss_layout``'s last list of owners and its layout
         self._cuda = device.type == "cuda"  # host copies pinned and marked by events (else done at once)
         # The device ring (made once: captured steps write into it) and the row its next ``stage``
         # writes, a device counter. The host counts the rows copied so far; staged records not
@@ -236,7 +237,12 @@ class RecordStore:
             s.batch[1] -= 1
             if s.batch[1] == 0:
                 self._buffers.append(s.batch[0])
-            loss = {g: v for owner, v in zip(s.loss_groups, values[2 * w :].tolist()) for g in _owners(owner)}
+            names, at = self._loss_layout(s.loss_groups)
+            losses = values[2 * w :]
+            if at.size and at[-1] >= losses.size:  # fewer losses packed than owners: the rest have none
+                k = int(np.searchsorted(at, losses.size))
+                names, at = names[:k], at[:k]
+            loss = dict(zip(names, losses[at].tolist()))
             if loss:
                 mean = sum(loss.values()) / len(loss)
                 self.loss = mean if self.loss is None else 0.9 * self.loss + 0.1 * mean
@@ -249,6 +255,15 @@ class RecordStore:
             self._ready.append({"step": s.step, "time": s.time, "cols": cols, "loss": loss})
             if len(self._ready) > MAX_READY:  # a reader that asked for records and never reads
                 self.dropped += len(self._ready.popleft()["cols"][0])
+
+    def _loss_layout(self, owners: list[LossOwner]) -> tuple[list[str], np.ndarray]:
+        """(each group a step's packed losses belong to, the loss it reads), once per list of
+        owners: a plan hands the same list every step."""
+        known = self._owners_seen
+        if known is None or known[0] is not owners:
+            pairs = [(g, i) for i, owner in enumerate(owners) for g in _owners(owner)]
+            known = self._owners_seen = (owners, [g for g, _ in pairs], np.array([i for _, i in pairs], dtype=np.intp))
+        return known[1], known[2]
 
     def collect(self) -> None:
         with self._lock:
