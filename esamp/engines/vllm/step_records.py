@@ -3,8 +3,9 @@
 A record says, for every steered row of one engine step, which (group, sample, generation index)
 it was and its Distiller error (the novelty of the token that was the row's input) and candidate
 count, plus each training group's loss. A step packs its device values into one row of a small
-ring on the device (``stage``: a device counter names the row, so a step captured as a CUDA graph
-stages its values itself, with no call of its own on the host), and the host notes which row is
+ring on the device (``stage``, or ``stage_parts`` in one launch on a GPU: a device counter names
+the row, so a step captured as a CUDA graph stages its values itself, with no call of its own on
+the host), and the host notes which row is
 whose (``push_staged``, in the same order). Every ``MARK_EVERY`` steps the ring's new rows leave
 for the host in one non-blocking copy marked by one CUDA event (a reader copies whatever is left
 when it reads); a record is handed out only once its copy has finished, so reading never stalls
