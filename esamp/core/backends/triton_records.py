@@ -39,7 +39,9 @@ if triton is not None:
             i = start + tl.arange(0, BLOCK)
             tl.store(dst + i, tl.load(src + i, mask=i < n, other=0).to(tl.float32), mask=i < n)
 
-    @triton.jit
+    # The lengths change with the batch: unspecialised, one compiled kernel (made while the engine
+    # captures its steps, before the first request) serves them all, never a compile mid-request.
+    @triton.jit(do_not_specialize=["width", "n_errors", "n_counts", "n_losses"])
     def _stage_kernel(
         ring_ptr, at_ptr, width, errors_ptr, n_errors, counts_ptr, n_counts, losses_ptr, n_losses,
         ROWS: tl.constexpr, BLOCK: tl.constexpr,
