@@ -242,14 +242,18 @@ def test_each_loss_goes_to_the_groups_that_own_it():
     names owners gives the rest none."""
     store = RecordStore(torch.device("cpu"))
     owners = [("a", "b"), None, "c", "d"]
-    for step, losses in enumerate(([0.5, 9.0, 0.25, 0.125], [0.75, 9.0, 0.5, 0.375], [1.0, 9.0])):
+    for step, losses in enumerate(([0.5, 9.0, 0.25, 0.125], [0.75, 9.0, 0.5, 0.375], None, [1.0, 9.0])):
+        if losses is None:  # a step that trained nothing: no losses, no owners
+            store.push(step, ["a"], [0], [step], RecordStore.pack(torch.tensor([0.0]), torch.tensor([1]), None), [])
+            continue
         packed = RecordStore.pack(torch.tensor([0.0]), torch.tensor([1]), torch.tensor(losses))
         store.push(step, ["a"], [0], [step], packed, owners)
     got = [rec["loss"] for rec in store.take()[0]]
-    assert store._owners_seen[0] is owners
+    assert store._owners_seen[0] is owners  # (the step without owners left the plan's layout)
     assert got == [
         {"a": 0.5, "b": 0.5, "c": 0.25, "d": 0.125},
         {"a": 0.75, "b": 0.75, "c": 0.5, "d": 0.375},
+        {},
         {"a": 1.0, "b": 1.0},
     ]
     assert store.loss == pytest.approx(0.9 * (0.9 * 0.34375 + 0.1 * 0.59375) + 0.1 * 1.0)

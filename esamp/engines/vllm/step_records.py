@@ -106,7 +106,8 @@ class RecordStore:
         if not triton_records.usable(self._ring, errors, candidates, losses):
             self.stage(self.pack(errors, candidates, losses))
             return n
-        triton_records.stage(self._ring, self._ring_at, errors, candidates, losses, self._fits(n))
+        self._fits(n)
+        triton_records.stage(self._ring, self._ring_at, errors, candidates, losses)
         return n
 
     def _fits(self, n: int) -> int:
@@ -259,7 +260,9 @@ class RecordStore:
 
     def _loss_layout(self, owners: list[LossOwner]) -> tuple[list[str], np.ndarray]:
         """(each group a step's packed losses belong to, the loss it reads), once per list of
-        owners: a plan hands the same list every step."""
+        owners: a plan hands the same list every step (a step that trained nothing, an empty one)."""
+        if not owners:
+            return [], _NO_LOSSES
         known = self._owners_seen
         if known is None or known[0] is not owners:
             pairs = [(g, i) for i, owner in enumerate(owners) for g in _owners(owner)]
@@ -312,6 +315,9 @@ class RecordStore:
                 if cols[0] or loss:
                     keep.append({**rec, "cols": cols, "loss": loss})
             self._ready = collections.deque(keep)
+
+
+_NO_LOSSES = np.zeros(0, dtype=np.intp)
 
 
 def _owners(owner: LossOwner) -> tuple[str, ...]:
