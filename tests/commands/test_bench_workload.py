@@ -265,3 +265,45 @@ def test_the_steady_steps_host_time_is_split_into_its_parts():
     assert bench_run.steady_split(counters) == {"distill": 0.1, "mix": 0.05, "records": 0.025, "rest": 0.125}
     assert bench_run.steady_split({**counters, "replay_steps": 0}) is None
     assert bench_run.steady_split({"replay_steps": 40, "replay_host_ms": 12.0}) is None
+
+
+class RecordsTailEngine(CountingEngine):
+    """vLLM's last outputs come at a pass's first step (``last_output_at``); its groups end
+    ``tail_steps`` steps later, as an ESamp engine's end once their last records are back."""
+
+    def __init__(self, clock: StepClock, tail_steps: int) -> None:
+        super().__init__([0], 0, clock)
+        self.tail_steps, self.waited, self.last_output_at = tail_steps, 0, None
+
+    def step(self):
+        self.clock.now += 1e-3
+        if self.waited == 0:
+            self.last_output_at = self.clock.now
+        if self.waited < self.tail_steps:
+            self.waited += 1
+            return []
+        self.waited = 0
+        done = [SimpleNamespace(type="done", tokens=t) for t in self.pending]
+        self.pending = []
+        return done
+
+
+def test_a_pass_reports_its_tail_from_the_last_outputs_to_its_end(monkeypatch):
+    """``run_trial``'s ``tail_ms``: from the engine step that brought vLLM's last outputs to the
+    pass's end (the ESamp engine waits there for its last records); none for an engine that does
+    not say when its outputs came. The workload's row has each side's median."""
+    clock = StepClock()
+    monkeypatch.setattr(trials_mod, "time", clock)
+    sampling = {"temperature": 0.8}
+    ended = RecordsTailEngine(clock, tail_steps=2)
+    r = trials_mod.run_trial(ended, [[1, 2]], 1, 4, sampling, None)
+    assert r["tail_ms"] == pytest.approx(2.0)
+    r = trials_mod.run_trial(CountingEngine([0], 0, clock), [[1, 2]], 1, 4, sampling, None)
+    assert r["tail_ms"] is None
+    assert trials_mod.combine([r])["tail_ms_median"] is None
+    results: list[dict] = []
+    sides = [("baseline", RecordsTailEngine(clock, 0), False), ("esamp", RecordsTailEngine(clock, 3), True)]
+    _run(sides, (2, 1, 8), 2, results)
+    (row,) = results
+    assert row["tail_ms_baseline"] == pytest.approx(0.0) and row["tail_ms_esamp"] == pytest.approx(3.0)
+    assert all(t["tail_share"] is not None for t in row["trials"])

@@ -161,6 +161,47 @@ def test_one_copy_and_one_event_take_a_batch_of_steps_and_a_reader_copies_the_re
     assert [r["rows"] for r in store.take()[0]] == [[("a", 0, 100, 25.0, 3)], [("a", 0, 101, 25.25, 3)]]
 
 
+def test_a_reader_that_waits_gets_the_copies_in_flight_in_one_take(monkeypatch):
+    """``take(wait=...)`` starts the copy of the staged steps and waits for the last copy in flight,
+    up to ``wait`` seconds, without holding the store's lock (the engine's steps push meanwhile):
+    a run's last records come back in one fetch. A copy not done in time leaves its records
+    pending, as a take that does not wait; a store with nothing in flight does not wait."""
+    from esamp.engines.vllm import step_records as sr
+
+    store, made = _as_on_a_gpu(monkeypatch, ["s0"])
+    clock = [0.0]
+    polls = []
+
+    def sleep(seconds):
+        assert store._lock.acquire(blocking=False), "a waiting reader holds no lock"
+        store._lock.release()
+        polls.append(seconds)
+        clock[0] += seconds
+        if len(polls) == 3:
+            made[-1].done = True  # the copy finishes while the reader waits
+
+    monkeypatch.setattr(sr.time, "sleep", sleep)
+    monkeypatch.setattr(sr.time, "monotonic", lambda: clock[0])
+
+    def push(step):
+        packed = RecordStore.pack(torch.tensor([step / 4]), torch.tensor([3]), None)
+        store.push(step, ["a"], [0], [step], packed, [])
+
+    for step in range(3):
+        push(step)
+    assert made == []  # staged only: their copy starts with the reader
+    steps, pending = store.take(wait=1.0)
+    assert [r["step"] for r in steps] == [0, 1, 2] and pending == 0
+    assert len(made) == 1 and polls == [sr.WAIT_POLL_SECONDS] * 3
+    push(3)
+    steps, pending = store.take(wait=10 * sr.WAIT_POLL_SECONDS)  # its copy never finishes in time
+    assert steps == [] and pending == 1 and len(polls) == 3 + 10
+    made[-1].done = True
+    assert store.settle(1.0) and len(polls) == 13  # done already: no wait
+    assert [r["step"] for r in store.take()[0]] == [3]
+    assert store.settle(1.0) and len(polls) == 13  # nothing in flight
+
+
 def test_the_ring_wraps_and_its_host_buffers_are_reused(monkeypatch):
     """Past the ring's last row the next step writes its first again, and a copy that spans the end
     comes back in order; a host buffer goes back for reuse once every record of it is read."""
@@ -323,6 +364,20 @@ def test_records_copied_from_the_gpu_come_back_whole_in_order():
         n = 1 + r["step"] % 5
         assert r["rows"] == [("g", i, r["step"], float(r["step"]), i) for i in range(n)]
         assert r["loss"] == {"g": pytest.approx(r["step"] / 10)}
+
+
+@pytest.mark.cuda
+def test_a_reader_that_waits_gets_a_busy_gpus_last_records_in_one_take():
+    """The records of steps staged behind a long kernel come back in one ``take(wait=...)``,
+    and a take that does not wait finds them still copying."""
+    store = RecordStore(torch.device("cuda"))
+    torch.cuda._sleep(20_000_000)  # some milliseconds of the GPU's time before the values
+    for step in range(3):
+        packed = RecordStore.pack(torch.full((2,), float(step), device="cuda"), torch.arange(2, device="cuda"), None)
+        store.push(step, ["g"] * 2, [0, 1], [step] * 2, packed, [])
+    assert store.take() == ([], 3)
+    steps, pending = store.take(wait=5.0)
+    assert pending == 0 and [r["step"] for r in steps] == [0, 1, 2]
 
 
 @pytest.mark.cuda

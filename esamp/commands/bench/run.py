@@ -485,6 +485,7 @@ def _workload(
 
     def show(r: dict) -> None:
         ttft = f", first token {r['ttft_ms_median']:.1f} ms" if r.get("ttft_ms_median") is not None else ""
+        ttft += f", last {r['tail_ms_median']:.2f} ms" if r.get("tail_ms_median") is not None else ""
         drains = f", {r['drains']} record fetches {r['drain_share']:.0%} of it" if r.get("drains") else ""
         gc = (
             f", engine gc {1e3 * r['gc_seconds']:.1f} ms in {r['gc_collections']}"
@@ -710,6 +711,12 @@ def summary(mode, preset, name, shape, sampling_kw, beta, trials) -> dict:
     if ttft["baseline"] and ttft["esamp"]:
         b, e = statistics.median(ttft["baseline"]), statistics.median(ttft["esamp"])
         extra.update(ttft_ms_baseline=b, ttft_ms_esamp=e, ttft_ratio=round(e / b, 4) if b else None)
+    # a pass's tail (the step of its last tokens to its end), per side: the median of the trials'
+    tails = {
+        side: [r["tail_ms_median"] for r in trials if r["side"] == side and r.get("tail_ms_median") is not None]
+        for side in ("baseline", "esamp")
+    }
+    extra.update({f"tail_ms_{side}": round(statistics.median(v), 3) for side, v in tails.items() if v})
     return dict(
         logits=mode,
         preset=preset,

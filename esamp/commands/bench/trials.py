@@ -64,9 +64,14 @@ def run_trial(engine, prompts, n: int, tokens: int, sampling_kw: dict, steering,
             while engine.has_unfinished():
                 tally.add(engine.step())
     finally:
-        seconds = time.perf_counter() - t0
+        ended = time.perf_counter()
+        seconds = ended - t0
         client = time.process_time() - c0
         mine = totals(client_gc.stop())
+    # the pass's tail: from the engine step that brought its last tokens to the groups' end (the
+    # ESamp engine's last records; ``last_output_at``), None for an engine that does not say
+    last = getattr(engine, "last_output_at", None)
+    tail = ended - last if last is not None and t0 <= last <= ended else None
     produced, losses, cands = tally.produced, tally.losses, tally.candidates
     # the record fetches within the timed pass (not the closing one below)
     drains, drain_s = getattr(engine, "drains", 0) - drains0, getattr(engine, "drain_seconds", 0.0) - drain_s0
@@ -89,6 +94,7 @@ def run_trial(engine, prompts, n: int, tokens: int, sampling_kw: dict, steering,
         port_hits=tally.port_hits,
         candidates_mean=round(sum(cands) / len(cands), 2) if cands else 0.0,
         ttft_ms=[round(1e3 * t, 2) for t in ttft],
+        tail_ms=None if tail is None else round(1e3 * tail, 3),
         # the engine process's garbage collections in the pass: each pauses its steps
         gc_collections=collected["collections"],
         gc_seconds=collected["seconds"],
@@ -169,6 +175,7 @@ def combine(passes: list[dict]) -> dict:
     losses = [p for p in passes if p["loss_count"]]
     cands = [p["candidates_mean"] for p in passes if p["candidates_mean"]]
     ttft = [t for p in passes for t in p["ttft_ms"]]
+    tails = [p["tail_ms"] for p in passes if p.get("tail_ms") is not None]
     return dict(
         tokens=tokens,
         seconds=round(seconds, 4),
@@ -184,6 +191,8 @@ def combine(passes: list[dict]) -> dict:
         port_hits=sum(p["port_hits"] for p in passes),
         candidates_mean=round(statistics.mean(cands), 2) if cands else 0.0,
         ttft_ms_median=round(statistics.median(ttft), 2) if ttft else None,
+        tail_ms_median=round(statistics.median(tails), 3) if tails else None,
+        tail_share=round(sum(tails) / 1e3 / max(seconds, 1e-9), 4) if tails else None,
         gc_collections=sum(p.get("gc_collections", 0) for p in passes),
         gc_seconds=round(sum(p.get("gc_seconds", 0.0) for p in passes), 6),
         gc_longest_s=max((p.get("gc_longest_s", 0.0) for p in passes), default=0.0),

@@ -109,6 +109,11 @@ def _release_cached_gpu_memory() -> None:
 DRAIN_STEPS = 16
 DRAIN_MIN_SECONDS = 0.025
 DRAIN_MAX_SECONDS = 0.25
+# A fetch made when vLLM brought no outputs (the run's last records, or a step not back yet) lets the
+# worker wait this long for the records' copies in flight: the copy of a run's last steps starts at
+# the fetch itself, so a fetch that answered at once would come back without them, and this process
+# would ask again after a pause (a round trip more at the end of every run).
+DRAIN_WAIT_SECONDS = 0.02
 
 
 class VllmEngine(RecordedEngine):
@@ -172,6 +177,7 @@ class VllmEngine(RecordedEngine):
         self._channel_asked = False
         self.drains = 0  # record fetches, and the wall time this process spent in them
         self.drain_seconds = 0.0
+        self.last_output_at: float | None = None  # when a step last brought vLLM outputs (perf_counter)
         self.resolved = resolve(model, progress)
         facts = launch.model_facts(
             self.resolved, gguf=gguf, dtype=dtype, tokenizer=tokenizer, progress=progress, cuda=cuda
@@ -324,8 +330,10 @@ class VllmEngine(RecordedEngine):
 
     # -- the loop ----------------------------------------------------------------------------
 
-    def drain(self) -> dict:
-        """Step records and counters from the engine process (and release finished groups)."""
+    def drain(self, wait: float = 0.0) -> dict:
+        """Step records and counters from the engine process (and release finished groups);
+        ``wait``: seconds the records channel's worker may wait for the copies in flight first
+        (the RPC path, answered between engine steps, does not wait)."""
         if self.plain:
             return {"steps": [], "counters": {}}
         release, self.release = self.release, []
@@ -336,7 +344,7 @@ class VllmEngine(RecordedEngine):
         else:
             if release:  # every worker's ledger frees the groups (the channel is rank 0's)
                 self.engine.collective_rpc("esamp_release", args=(release,))
-            out = records_channel.receive(channel)
+            out = records_channel.receive(channel, wait)
         self.drains += 1
         self.drain_seconds += time.perf_counter() - t0
         self.counters = out.get("counters", {})
@@ -400,6 +408,7 @@ class VllmEngine(RecordedEngine):
         # fetch found every record back with no output since, a fetch brings nothing, and its
         # answer takes the engine process's interpreter from the steps (a thread there serves it).
         if outputs:
+            self.last_output_at = now
             self._batches_since_drain += 1
             self._records_owed = True
         all_back = not self._records_owed  # every step that produced the outputs seen so far reported back
@@ -407,7 +416,7 @@ class VllmEngine(RecordedEngine):
         if self.release or (steering and due):
             self._last_drain = now
             self._batches_since_drain = 0
-            drained = self.drain()
+            drained = self.drain(0.0 if outputs else DRAIN_WAIT_SECONDS)
             for rec in drained["steps"]:
                 self._file(rec, stats)
             all_back = drained.get("pending", 0) == 0

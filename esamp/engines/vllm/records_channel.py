@@ -8,7 +8,9 @@ channel: the worker that owns the records (TP rank 0) opens a local socket
 (``multiprocessing.connection`` over a Unix socket in a private temporary folder, with a random
 authentication key that only the asking process receives) and a daemon thread answers each fetch
 from the lock-protected record store, as ``esamp serve``'s side channel reads it, while the worker
-steps on. A released group still goes through ``collective_rpc`` (every worker's slot ledger must
+steps on. A fetch may let that thread first wait a little for the records' copies in flight
+(``receive``'s ``wait``): the library engine asks so once vLLM has no more outputs for it, and a
+run's last records then come back in one fetch instead of two and a pause. A released group still goes through ``collective_rpc`` (every worker's slot ledger must
 free it), but only when a group ends.
 """
 
@@ -23,6 +25,7 @@ from multiprocessing.connection import Client, Connection, Listener
 from esamp.engines.vllm.step_records import plain_columns
 
 log = logging.getLogger(__name__)
+MAX_WAIT_SECONDS = 0.1  # the longest a fetch may hold the worker's thread for copies in flight
 
 
 class RecordsServer:
@@ -52,12 +55,12 @@ class RecordsServer:
         with conn:
             while True:
                 try:
-                    conn.recv()
+                    ask = conn.recv()
                 except (EOFError, OSError):
                     break  # the client closed: its engine is shutting down
                 # The numbers go as arrays (a copy each when pickled) and become lists in the
                 # reader's process: this thread shares the engine's interpreter with its steps.
-                conn.send(self.steering.drain((), None, True, plain=False))
+                conn.send(self.steering.drain((), None, True, plain=False, wait=_wait(ask)))
         self.close()
 
     def close(self) -> None:
@@ -76,9 +79,21 @@ def server_for(steering) -> RecordsServer:
     return steering.records_server
 
 
-def receive(conn: Connection) -> dict:
-    """One fetch's answer, its records' columns as ``steering.drain(columns=True)`` gives them."""
-    conn.send(None)
+def _wait(ask) -> float:
+    """How long a fetch lets the records' copies in flight finish first: a request is None (not
+    at all) or {"wait": seconds}, at most ``MAX_WAIT_SECONDS``."""
+    if not isinstance(ask, dict):
+        return 0.0
+    try:
+        return min(max(float(ask.get("wait", 0.0)), 0.0), MAX_WAIT_SECONDS)
+    except (TypeError, ValueError):
+        return 0.0
+
+
+def receive(conn: Connection, wait: float = 0.0) -> dict:
+    """One fetch's answer, its records' columns as ``steering.drain(columns=True)`` gives them;
+    ``wait``: seconds the worker may wait for the copies in flight first (``RecordStore.settle``)."""
+    conn.send({"wait": wait} if wait > 0 else None)
     out = conn.recv()
     for rec in out["steps"]:
         rec["columns"] = plain_columns(rec["columns"])

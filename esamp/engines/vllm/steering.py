@@ -845,12 +845,20 @@ class EngineSteering:
             return True
         return False
 
-    def drain(self, release=(), groups: set[str] | None = None, columns: bool = False, plain: bool = True) -> dict:
+    def drain(
+        self,
+        release=(),
+        groups: set[str] | None = None,
+        columns: bool = False,
+        plain: bool = True,
+        wait: float = 0.0,
+    ) -> dict:
         """Finished step records (of ``groups``, or all; rows as columns with ``columns``, their
-        numbers as arrays unless ``plain``: ``RecordStore.take``) and counters; frees released groups."""
+        numbers as arrays unless ``plain``; after waiting up to ``wait`` seconds for the copies in
+        flight: ``RecordStore.take``) and counters; frees released groups."""
         for group in release:
             self.release(group)
-        steps, pending = self.records.take(groups, columns, plain)
+        steps, pending = self.records.take(groups, columns, plain, wait)
         self.records.expire(self.groups.live)
         slots = self.slots
         return {

@@ -38,6 +38,7 @@ COLLECT_AFTER = 64  # records waiting before a step turns the oldest into plain 
 MARK_EVERY = 8  # staged steps that one copy to the host takes, marked by one CUDA event (a reader copies the rest)
 RING_ROWS = 4 * MARK_EVERY  # device rows staged values wait in for their copy (≥ MARK_EVERY: never overwritten first)
 RING_WIDTH = 1024  # a ring row's values unless the engine sizes it (``EngineSteering``: its longest packed step)
+WAIT_POLL_SECONDS = 5e-5  # how often a reader that waits for the copies in flight looks again (``take``)
 
 
 @dataclass(slots=True)
@@ -274,12 +275,35 @@ class RecordStore:
             self._flush()
             self._collect()
 
-    def take(self, groups: set[str] | None = None, columns: bool = False, plain: bool = True) -> tuple[list[dict], int]:
+    def settle(self, wait: float) -> bool:
+        """Start the copy of every staged record and wait up to ``wait`` seconds for the last copy
+        in flight, off the lock and the interpreter (the engine steps on meanwhile); True when every
+        copy is done. For a reader with nothing else to do until the records come (the library
+        engine once vLLM has no more outputs): one fetch then brings a run's last records, where
+        a fetch that answered at once would find their copy only just started."""
+        with self._lock:
+            self._flush()
+            last = self._in_flight[-1].event if self._in_flight else None
+        if last is None:  # nothing in flight, or copied on the host (done when it returned)
+            return True
+        deadline = time.monotonic() + wait
+        while not last.query():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(WAIT_POLL_SECONDS)
+        return True
+
+    def take(
+        self, groups: set[str] | None = None, columns: bool = False, plain: bool = True, wait: float = 0.0
+    ) -> tuple[list[dict], int]:
         """(finished step records, how many are still copying). With ``groups``, only their rows
         and losses are taken; everything else stays for its own reader. A record's rows come as
         ``rows`` [(group, sample, generated, error, candidates), ...], or with ``columns`` as
         ``columns`` (the five lists; with ``plain`` False the numbers stay arrays, for a reader in
-        another process, which turns them into lists there: ``plain_columns``)."""
+        another process, which turns them into lists there: ``plain_columns``). With ``wait``
+        (seconds), the copies in flight get that long to finish first (``settle``)."""
+        if wait > 0:
+            self.settle(wait)
         with self._lock:
             self._flush()
             self._collect()

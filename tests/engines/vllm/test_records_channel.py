@@ -19,8 +19,8 @@ class FakeSteering:
         self.calls: list[tuple] = []
         self.threads: set[str] = set()
 
-    def drain(self, release=(), groups=None, columns=False, plain=True) -> dict:
-        self.calls.append((tuple(release), groups, columns, plain))
+    def drain(self, release=(), groups=None, columns=False, plain=True, wait=0.0) -> dict:
+        self.calls.append((tuple(release), groups, columns, plain, wait))
         self.threads.add(threading.current_thread().name)
         return {"steps": [{"step": len(self.calls)}], "pending": 0, "counters": {}, "free_slots": 3, "groups": []}
 
@@ -36,7 +36,7 @@ def test_fetches_come_from_the_workers_thread_and_release_nothing():
     # every fetch: all groups' records, as columns of arrays (lists are made on the reader's
     # side); a release never goes this way (every TP worker's ledger must free a group: that
     # stays a collective_rpc)
-    assert steering.calls == [((), None, True, False)] * 3
+    assert steering.calls == [((), None, True, False, 0.0)] * 3
     assert steering.threads == {"esamp-records-reader"}
     conn.close()  # the engine closes: the server lets go of the steering (an in-process engine's bank)
     for _ in range(200):
@@ -78,8 +78,8 @@ def test_the_reader_gets_the_records_as_the_rpc_path_gives_them():
         def __init__(self) -> None:
             self.records = RecordStore(torch.device("cpu"))
 
-        def drain(self, release=(), groups=None, columns=False, plain=True) -> dict:
-            steps, pending = self.records.take(groups, columns, plain)
+        def drain(self, release=(), groups=None, columns=False, plain=True, wait=0.0) -> dict:
+            steps, pending = self.records.take(groups, columns, plain, wait)
             return {"steps": steps, "pending": pending}
 
     steering = Steering()
@@ -96,4 +96,26 @@ def test_the_reader_gets_the_records_as_the_rpc_path_gives_them():
         "candidates": [3, 7],
     }
     assert all(type(c) is int for c in rec["columns"]["candidates"]) and rec["loss"] == {"g": 1.5}
+    conn.close()
+
+
+def test_a_fetch_may_let_the_worker_wait_for_the_copies_in_flight():
+    """``receive(conn, wait)`` asks the worker to wait that long at most for the records' copies
+    in flight; a request without it (or a malformed one) waits not at all, and no request holds
+    the worker's thread longer than ``MAX_WAIT_SECONDS``."""
+
+    class Steering(FakeSteering):
+        def drain(self, *args, **kw) -> dict:
+            return {**super().drain(*args, **kw), "steps": []}
+
+    steering = Steering()
+    server = records_channel.server_for(steering)
+    conn = records_channel.connect((server.address, server.key))
+    records_channel.receive(conn, 0.02)
+    records_channel.receive(conn)
+    conn.send({"wait": 60})
+    conn.recv()
+    conn.send({"wait": "soon"})
+    conn.recv()
+    assert [c[-1] for c in steering.calls] == [0.02, 0.0, records_channel.MAX_WAIT_SECONDS, 0.0]
     conn.close()

@@ -619,7 +619,9 @@ def test_records_are_fetched_only_while_some_are_owed(monkeypatch):
     """A fetch is answered by a thread of the engine's process, which takes its interpreter from
     the steps: none while the prompts prefill (no output yet), one as soon as a step brings no
     output while records are owed, none again once a fetch found every record back, and a group's
-    release always goes at once. Whether every record is back reaches the groups either way."""
+    release always goes at once. Whether every record is back reaches the groups either way. A
+    fetch made when vLLM brought nothing lets the worker wait for the copies in flight (a run's
+    last records come in one fetch); one made while outputs come does not wait."""
     import types
 
     from esamp.engines.vllm import engine as ve
@@ -632,10 +634,11 @@ def test_records_are_fetched_only_while_some_are_owed(monkeypatch):
     e.by_request, e._admitted, e.first_token_seconds, e.release = {}, {}, [], []
     e.groups = {"g": types.SimpleNamespace(steered=True)}
     e._last_drain, e._batches_since_drain, e._records_owed = 0.0, 0, False
-    fetched, seen = [], []
+    fetched, seen, waits = [], [], []
 
-    def drain():
+    def drain(wait=0.0):
         fetched.append(len(outputs))
+        waits.append(wait)
         return {"steps": [], "pending": pending[0]}
 
     e.drain = drain
@@ -657,9 +660,14 @@ def test_records_are_fetched_only_while_some_are_owed(monkeypatch):
     e.step()
     e.step()  # nothing owed: no fetch
     assert fetched == [0, 0, 0] and seen[-5:] == [False, False, True, True, True]
+    assert waits == [ve.DRAIN_WAIT_SECONDS] * 3
     e.release.append("g")
     e.step()  # a released group is handed back at once
     assert len(fetched) == 4
+    outputs.append(types.SimpleNamespace(request_id="elsewhere", outputs=[], finished=False))
+    e._batches_since_drain, e._last_drain = ve.DRAIN_STEPS, 0.0
+    e.step()  # due while vLLM is busy: the fetch takes what is back, without waiting
+    assert len(fetched) == 5 and waits[-1] == 0.0
 
 
 def test_the_cpu_scheduling_follows_the_context_and_yields_to_the_caller(monkeypatch):
