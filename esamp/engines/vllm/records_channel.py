@@ -10,8 +10,9 @@ authentication key that only the asking process receives) and a daemon thread an
 from the lock-protected record store, as ``esamp serve``'s side channel reads it, while the worker
 steps on. A fetch may let that thread first wait a little for the records' copies in flight
 (``receive``'s ``wait``): the library engine asks so once vLLM has no more outputs for it, and a
-run's last records then come back in one fetch instead of two and a pause. A released group still goes through ``collective_rpc`` (every worker's slot ledger must
-free it), but only when a group ends.
+run's last records then come back in one fetch instead of two and a pause. A released group
+still goes through ``collective_rpc`` (every worker's slot ledger must free it), but only when a
+group ends.
 """
 
 from __future__ import annotations
