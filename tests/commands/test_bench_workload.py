@@ -271,14 +271,16 @@ class RecordsTailEngine(CountingEngine):
     """vLLM's last outputs come at a pass's first step (``last_output_at``); its groups end
     ``tail_steps`` steps later, as an ESamp engine's end once their last records are back."""
 
-    def __init__(self, clock: StepClock, tail_steps: int) -> None:
+    def __init__(self, clock: StepClock, tail_steps: int, first_token_s: float = 0.002) -> None:
         super().__init__([0], 0, clock)
         self.tail_steps, self.waited, self.last_output_at = tail_steps, 0, None
+        self.first_token_s, self.first_token_seconds = first_token_s, []
 
     def step(self):
         self.clock.now += 1e-3
         if self.waited == 0:
             self.last_output_at = self.clock.now
+            self.first_token_seconds.append(self.first_token_s)
         if self.waited < self.tail_steps:
             self.waited += 1
             return []
@@ -302,8 +304,9 @@ def test_a_pass_reports_its_tail_from_the_last_outputs_to_its_end(monkeypatch):
     assert r["tail_ms"] is None
     assert trials_mod.combine([r])["tail_ms_median"] is None
     results: list[dict] = []
-    sides = [("baseline", RecordsTailEngine(clock, 0), False), ("esamp", RecordsTailEngine(clock, 3), True)]
+    sides = [("baseline", RecordsTailEngine(clock, 0), False), ("esamp", RecordsTailEngine(clock, 3, 0.003), True)]
     _run(sides, (2, 1, 8), 2, results)
     (row,) = results
     assert row["tail_ms_baseline"] == pytest.approx(0.0) and row["tail_ms_esamp"] == pytest.approx(3.0)
+    assert (row["ttft_ms_baseline"], row["ttft_ms_esamp"], row["ttft_ratio"]) == (2.0, 3.0, 1.5)
     assert all(t["tail_share"] is not None for t in row["trials"])

@@ -485,7 +485,7 @@ def _workload(
 
     def show(r: dict) -> None:
         ttft = f", first token {r['ttft_ms_median']:.1f} ms" if r.get("ttft_ms_median") is not None else ""
-        ttft += f", last {r['tail_ms_median']:.2f} ms" if r.get("tail_ms_median") is not None else ""
+        ttft += f", tail {r['tail_ms_median']:.2f} ms" if r.get("tail_ms_median") is not None else ""
         drains = f", {r['drains']} record fetches {r['drain_share']:.0%} of it" if r.get("drains") else ""
         gc = (
             f", engine gc {1e3 * r['gc_seconds']:.1f} ms in {r['gc_collections']}"
@@ -687,6 +687,14 @@ def _peak_memory(engine) -> float | None:
         return None
 
 
+def _side_medians(trials, key: str) -> dict[str, float]:
+    """The baseline's and the ESamp side's median of the trials' ``key``, for the sides that have it."""
+    values = {
+        side: [r[key] for r in trials if r["side"] == side and r.get(key) is not None] for side in ("baseline", "esamp")
+    }
+    return {side: statistics.median(v) for side, v in values.items() if v}
+
+
 def summary(mode, preset, name, shape, sampling_kw, beta, trials) -> dict:
     P, n, L = shape
     by = {side: [r["tok_s"] for r in trials if r["side"] == side] for side in ("baseline", "esamp", "floor")}
@@ -704,19 +712,12 @@ def summary(mode, preset, name, shape, sampling_kw, beta, trials) -> dict:
             floor_ratio_min=round(min(floor_ratios), 4),
             floor_ratio_max=round(max(floor_ratios), 4),
         )
-    ttft = {
-        side: [r["ttft_ms_median"] for r in trials if r["side"] == side and r.get("ttft_ms_median") is not None]
-        for side in ("baseline", "esamp")
-    }
-    if ttft["baseline"] and ttft["esamp"]:
-        b, e = statistics.median(ttft["baseline"]), statistics.median(ttft["esamp"])
+    ttft = _side_medians(trials, "ttft_ms_median")
+    if "baseline" in ttft and "esamp" in ttft:
+        b, e = ttft["baseline"], ttft["esamp"]
         extra.update(ttft_ms_baseline=b, ttft_ms_esamp=e, ttft_ratio=round(e / b, 4) if b else None)
-    # a pass's tail (the step of its last tokens to its end), per side: the median of the trials'
-    tails = {
-        side: [r["tail_ms_median"] for r in trials if r["side"] == side and r.get("tail_ms_median") is not None]
-        for side in ("baseline", "esamp")
-    }
-    extra.update({f"tail_ms_{side}": round(statistics.median(v), 3) for side, v in tails.items() if v})
+    # a pass's tail (the step of its last tokens to its end), per side
+    extra.update({f"tail_ms_{side}": round(v, 3) for side, v in _side_medians(trials, "tail_ms_median").items()})
     return dict(
         logits=mode,
         preset=preset,

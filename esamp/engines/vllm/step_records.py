@@ -38,7 +38,7 @@ COLLECT_AFTER = 64  # records waiting before a step turns the oldest into plain 
 MARK_EVERY = 8  # staged steps that one copy to the host takes, marked by one CUDA event (a reader copies the rest)
 RING_ROWS = 4 * MARK_EVERY  # device rows staged values wait in for their copy (≥ MARK_EVERY: never overwritten first)
 RING_WIDTH = 1024  # a ring row's values unless the engine sizes it (``EngineSteering``: its longest packed step)
-WAIT_POLL_SECONDS = 5e-5  # how often a reader that waits for the copies in flight looks again (``take``)
+WAIT_POLL_SECONDS = 5e-5  # how often a reader that waits for the copies in flight looks again (``settle``)
 
 
 @dataclass(slots=True)
